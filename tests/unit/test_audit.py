@@ -1,0 +1,43 @@
+"""The audit log: JSON lines a user can read with jq, secrets never written."""
+
+import json
+
+from gpugate import audit
+
+
+def test_each_event_is_one_json_line_with_step_run_and_operator(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUGATE_OPERATOR", "alice")
+    log = tmp_path / "audit.jsonl"
+    audit.emit("drain", path=log, host="@pct/pve1:129", vmid=129, phase="begin")
+    audit.emit("drain", path=log, host="@pct/pve1:129", vmid=129, phase="end", duration_s=1.5)
+
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2
+    events = [json.loads(line) for line in lines]
+    assert [e["phase"] for e in events] == ["begin", "end"]
+    assert all(e["step"] == "drain" and e["operator"] == "alice" and e["vmid"] == 129 for e in events)
+    assert events[0]["run"] == events[1]["run"]
+    assert "ts" in events[0]
+
+
+def test_secret_values_never_reach_the_file(tmp_path):
+    log = tmp_path / "audit.jsonl"
+    audit.emit(
+        "start",
+        path=log,
+        env={"HF_TOKEN": "hf_very_secret", "CUDA_VISIBLE_DEVICES": "0,1"},
+        flags_after={"api-key": "sk-also-secret", "tp": 8},
+        token="plain-secret",
+    )
+    text = log.read_text()
+    for secret in ("hf_very_secret", "sk-also-secret", "plain-secret", "0,1"):
+        assert secret not in text
+    event = audit.read_events(log)[0]
+    assert event["env"] == {"HF_TOKEN": "***", "CUDA_VISIBLE_DEVICES": "***"}
+    assert event["flags_after"] == {"api-key": "***", "tp": 8}
+
+
+def test_default_path_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUGATE_AUDIT_LOG", str(tmp_path / "custom.jsonl"))
+    audit.emit("gate", outcome="passed")
+    assert audit.read_events(tmp_path / "custom.jsonl")[0]["outcome"] == "passed"
