@@ -1,0 +1,48 @@
+"""The fleet as a pyinfra inventory: `pyinfra inventory.py deploy.py`.
+
+Reads, in order: `$GPUGATE_FLEET`; else `./fleet.yaml`; else the local lab's fleet file
+(`$GPUGATE_LAB_DIR/fleet.yaml`, default /tmp/gpugate-lab/fleet.yaml, written by `gpugate lab up`).
+
+Groups (pyinfra makes a group of every top-level list/tuple here):
+- `pve_<host>`: the containers of one Proxmox host, e.g. `pyinfra inventory.py deploy.py --limit pve_pve1`
+- every group named in fleet.yaml (`groups: [canary]` on a container), with its `groups:` data
+Hosts are `@pct/<pve-host>:<vmid>` (or `@pct/@local:<vmid>`), with the data that
+gpugate.fleet.container_host_data documents.
+"""
+
+import os as _os
+import sys as _sys
+from pathlib import Path as _Path
+
+from gpugate.fleet import FleetError as _FleetError
+from gpugate.fleet import fleet_to_inventory as _fleet_to_inventory
+from gpugate.fleet import load_fleet as _load_fleet
+
+
+def _fleet_path() -> _Path:
+    explicit = _os.environ.get("GPUGATE_FLEET")
+    if explicit:
+        return _Path(explicit)
+    local = _Path("fleet.yaml")
+    if local.exists():
+        return local
+    lab = _Path(_os.environ.get("GPUGATE_LAB_DIR") or "/tmp/gpugate-lab") / "fleet.yaml"
+    if lab.exists():
+        return lab
+    _sys.stderr.write(
+        "gpugate: no fleet file. Write ./fleet.yaml (see docs/flags.md), set GPUGATE_FLEET=PATH, "
+        f"or start the local lab with `gpugate lab up` (it writes {lab}).\n")
+    raise SystemExit(2)
+
+
+def _groups() -> dict:
+    path = _fleet_path()
+    try:
+        return _fleet_to_inventory(_load_fleet(path))
+    except _FleetError as error:
+        # One clear line instead of a traceback through pyinfra's inventory loader.
+        _sys.stderr.write(f"gpugate: invalid fleet file: {error}\n")
+        raise SystemExit(2) from None
+
+
+globals().update(_groups())
