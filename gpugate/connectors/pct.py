@@ -1,0 +1,594 @@
+"""
+The ``@pct`` connector: run pyinfra inside a Proxmox VE LXC container.
+
+Every command goes through ``pct exec <vmid> -- env -i PATH=... sh -c '<command>'`` on the
+Proxmox host (over pyinfra's SSH connector, or locally with ``@local``), and every file through
+``pct push`` / ``pct pull`` and a temporary file in the Proxmox host's temp dir that is always
+removed. pyinfra's ``_sudo``/``_su_user``/``_env``/``_chdir`` apply *inside* the container;
+``sudo`` for ``pct`` itself on the host is separate (host data ``pct_sudo``).
+
+.. code:: shell
+
+    # container 129 on the Proxmox host pve1 (reached over SSH as usual)
+    pyinfra @pct/pve1:129 exec -- cat /proc/1/cmdline
+
+    # pyinfra running on the Proxmox host itself (no SSH)
+    pyinfra @pct/@local:129 exec -- hostname
+
+.. code:: python
+
+    # inventory.py: names carry host and vmid, or give them as host data
+    containers = [
+        "@pct/pve1:129",
+        ("@pct/sglang-a", {"ssh_hostname": "pve2", "pct_vmid": 131, "ssh_user": "ops"}),
+    ]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from typing_extensions import TypedDict, Unpack, override
+
+from pyinfra import logger
+from pyinfra.api.command import QuoteString, StringCommand
+from pyinfra.api.exceptions import ConnectError, InventoryError
+from pyinfra.api.output import echo
+from pyinfra.connectors.base import BaseConnector, DataMeta
+from pyinfra.connectors.local import LocalConnector
+from pyinfra.connectors.ssh import SSHConnector
+from pyinfra.connectors.util import (
+    CommandOutput,
+    OutputLine,
+    extract_control_arguments,
+    make_unix_command_for_host,
+)
+
+if TYPE_CHECKING:
+    from pyinfra.api.arguments import ConnectorArguments
+    from pyinfra.api.host import Host
+    from pyinfra.api.state import State
+
+# Proxmox VE's `pve-vmid` format: 100 - 999999999.
+MIN_VMID = 100
+MAX_VMID = 999_999_999
+
+# The PATH lxc-attach gives a command when the environment is cleared (lxc/lxc src/lxc/attach.c),
+# i.e. what a shell inside the container normally has; pct's own PATH lacks /usr/local/bin.
+CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# Where the temporary file for push/pull lives: the Proxmox host's own temp dir, 0600, unique.
+HOST_MKTEMP = 'mktemp "${TMPDIR:-/tmp}/pyinfra-pct.XXXXXXXXXX"'
+
+STATUS_CHECK_MARKER = "pct-status-exit:"
+
+
+class PctConnectorData(TypedDict):
+    pct_vmid: int
+    pct_local: bool
+    pct_binary: str
+    pct_sudo: bool
+    pct_clear_env: bool
+
+
+connector_data_meta: dict[str, DataMeta] = {
+    "pct_vmid": DataMeta("The container's vmid (set by the name @pct/<host>:<vmid>)"),
+    "pct_local": DataMeta(
+        "Run pct on this machine instead of over SSH (set by the name @pct/@local:<vmid>)",
+        False,
+    ),
+    "pct_binary": DataMeta("The pct command on the Proxmox host", "pct"),
+    "pct_sudo": DataMeta(
+        "Run pct with `sudo -n` on the host (default: when ssh_user is set and not root)",
+    ),
+    "pct_clear_env": DataMeta(
+        "Give commands the container's own environment (`env -i PATH=...`), "
+        "not pct's PATH and the SSH session's variables",
+        True,
+    ),
+}
+
+
+# Pure helpers: names, command strings, pct's error texts
+#
+
+
+def parse_vmid(text: object, where: str) -> int:
+    """
+    A Proxmox vmid from a name part or host data value, or InventoryError naming it.
+
+    >>> parse_vmid("129", "@pct/pve1:129")
+    129
+    """
+    if isinstance(text, bool):
+        raise InventoryError(f"Invalid vmid {text!r} in {where}: not an integer")
+    try:
+        vmid = int(str(text).strip()) if not isinstance(text, int) else text
+    except ValueError:
+        raise InventoryError(f"Invalid vmid {text!r} in {where}: not an integer") from None
+    if not MIN_VMID <= vmid <= MAX_VMID:
+        raise InventoryError(
+            f"Invalid vmid {vmid} in {where}: Proxmox vmids are {MIN_VMID}-{MAX_VMID}",
+        )
+    return vmid
+
+
+def pct_prefix(binary: str, sudo: bool) -> list[str | QuoteString]:
+    """`pct` as the host runs it: `sudo -n` (never prompt) when the SSH user is not root."""
+    bits: list[str | QuoteString] = ["sudo", "-n"] if sudo else []
+    bits.append(QuoteString(binary))
+    return bits
+
+
+def make_pct_exec_command(
+    vmid: int,
+    inner_command: StringCommand,
+    binary: str = "pct",
+    sudo: bool = False,
+    clear_env: bool = True,
+) -> StringCommand:
+    """
+    The host-side command that runs ``inner_command`` (already wrapped by pyinfra's
+    ``make_unix_command``, so ``sh -c '...'`` with sudo/su/env/chdir) inside the container.
+
+    >>> inner = StringCommand("sh", "-c", QuoteString("id -u"))
+    >>> print(make_pct_exec_command(129, inner, sudo=True, clear_env=False).get_raw_value())
+    sudo -n pct exec 129 -- sh -c 'sh -c '"'"'id -u'"'"''
+    """
+    bits: list = [*pct_prefix(binary, sudo), "exec", str(vmid), "--"]
+    if clear_env:
+        # Real `pct exec` keeps pct's environment (--keep-env defaults to 1: the SSH session's
+        # variables and PATH=/sbin:/bin:/usr/sbin:/usr/bin), and older nodes reject
+        # `--keep-env 0`; `env -i` gives the same clean start on every pve-container version.
+        bits.extend(["env", "-i", f"PATH={CONTAINER_PATH}", "HOME=/root", "container=lxc"])
+    bits.extend(["sh", "-c", QuoteString(inner_command)])
+    return StringCommand(*bits)
+
+
+def make_pct_push_command(
+    vmid: int,
+    host_temp_filename: str,
+    remote_filename: str,
+    binary: str = "pct",
+    sudo: bool = False,
+    owner: str | None = None,
+) -> StringCommand:
+    """
+    `pct push` the host temp file into the container, then remove it, keeping push's status.
+
+    One round trip: the removal runs whatever push did (the caller's ``finally`` covers the
+    case where this command never ran).
+    """
+    bits: list = [
+        *pct_prefix(binary, sudo),
+        "push",
+        str(vmid),
+        QuoteString(host_temp_filename),
+        QuoteString(remote_filename),
+    ]
+    if owner:
+        bits.extend(["--user", QuoteString(owner)])
+    bits.extend([";", "status=$?;", "rm", "-f", QuoteString(host_temp_filename), ";"])
+    bits.extend(["exit", "$status"])
+    return StringCommand(*bits)
+
+
+def make_pct_pull_command(
+    vmid: int,
+    remote_filename: str,
+    binary: str = "pct",
+    sudo: bool = False,
+) -> StringCommand:
+    """
+    Make a host temp file, print its path (first stdout line), then `pct pull` into it.
+
+    The file exists (mode 0600, owned by the SSH user) before pct writes it: pct opens an
+    existing file with O_TRUNC and keeps its mode and owner, so the SSH user can read it even
+    when pct ran under sudo, and nobody else can.
+    """
+    return StringCommand(
+        "temp=$(" + HOST_MKTEMP + ")",
+        "&&",
+        "echo",
+        '"$temp"',
+        "&&",
+        *pct_prefix(binary, sudo),
+        "pull",
+        str(vmid),
+        QuoteString(remote_filename),
+        '"$temp"',
+    )
+
+
+def make_status_check_command(vmid: int, binary: str = "pct", sudo: bool = False) -> StringCommand:
+    """
+    One read-only command on the host for connect(): pct's status of the container.
+
+    Output lines are prefixed so that pyinfra never mistakes them for its own prompts (a
+    "sudo: a password is required" line would make it ask for a password); always exit 0.
+    """
+    return StringCommand(
+        "out=$(",
+        *pct_prefix(binary, sudo),
+        "status",
+        str(vmid),
+        "2>&1);",
+        "code=$?;",
+        f'echo "{STATUS_CHECK_MARKER} $code";',
+        "printf '%s\\n' \"$out\" | sed 's/^/| /'",
+    )
+
+
+PctFailureKind = Literal["no-pct", "unknown-vmid", "not-running", "sudo", "missing-command"]
+
+
+@dataclass(frozen=True)
+class PctFailure:
+    """An error of `pct` (or of sudo for it) on the host, as opposed to the command's own."""
+
+    kind: PctFailureKind
+    detail: str  # pct's own line
+
+    def describe(self, pve_host: str, vmid: int) -> str:
+        what = {
+            "no-pct": f"no `pct` command on {pve_host} (not a Proxmox VE host, or not on PATH?)",
+            "unknown-vmid": f"no container {vmid} on {pve_host}",
+            "not-running": f"container {vmid} on {pve_host} is not running",
+            "sudo": f"cannot run pct with sudo on {pve_host} (needs NOPASSWD for pct)",
+            "missing-command": f"pct exec on {pve_host} got no command for container {vmid}",
+        }[self.kind]
+        return f"pct error: {what}: {self.detail}"
+
+
+def classify_pct_error(
+    lines: list[str],
+    vmid: int,
+    binary: str = "pct",
+) -> PctFailure | None:
+    """
+    Tell pct's own failures apart from the command's: pct dies with its own text (and an exit
+    code, 255 or errno, that a command could also return), so match its texts on stderr.
+
+    >>> classify_pct_error(["container '129' not running!"], 129).kind
+    'not-running'
+    >>> classify_pct_error(["grep: x: No such file or directory"], 129) is None
+    True
+    """
+    v = re.escape(str(vmid))
+    b = re.escape(binary)
+    patterns: list[tuple[PctFailureKind, str]] = [
+        ("no-pct", rf"(^|: ){b}: (command )?not found$"),
+        ("no-pct", rf"^sudo: {b}: command not found$"),
+        ("unknown-vmid", rf"^Configuration file '[^']*\b{v}\.conf' does not exist$"),
+        ("not-running", rf"^(Error: )?container '{v}' not running!?$"),
+        ("not-running", r"^can only (push files to|pull files from) a running (CT|VM)$"),
+        ("not-running", rf"^lxc-attach: {v}: .*([Ff]ailed to get init pid|not running)"),
+        ("sudo", r"^sudo: (a password is required|a terminal is required.*)$"),
+        ("sudo", r"^sudo: .*(not allowed to execute|is not in the sudoers file)"),
+        ("sudo", rf"^Sorry, user \S+ is not allowed to execute .*{b}"),
+        ("missing-command", r"^missing command\b"),
+    ]
+    for line in lines:
+        text = line.strip()
+        for kind, pattern in patterns:
+            if re.search(pattern, text):
+                return PctFailure(kind, text)
+    return None
+
+
+def parse_status_check(lines: list[str]) -> tuple[int | None, list[str]]:
+    """The exit code and pct's output lines from make_status_check_command's output."""
+    code: int | None = None
+    output: list[str] = []
+    for line in lines:
+        if line.startswith(STATUS_CHECK_MARKER):
+            try:
+                code = int(line[len(STATUS_CHECK_MARKER) :].strip())
+            except ValueError:
+                code = None
+        elif line.startswith("| "):
+            output.append(line[2:])
+        elif line == "|":
+            output.append("")
+    return code, [line for line in output if line]
+
+
+def status_check_error(lines: list[str], pve_host: str, vmid: int, binary: str) -> str | None:
+    """
+    None when the container is running, else the ConnectError message (names host and vmid).
+
+    >>> status_check_error(["pct-status-exit: 0", "| status: stopped"], "pve1", 129, "pct")
+    'pct error: container 129 on pve1 is not running: status: stopped'
+    """
+    code, output = parse_status_check(lines)
+    if code is None:
+        return f"pct error: could not check container {vmid} on {pve_host}: {' / '.join(lines)}"
+    if code == 0:
+        statuses = [line.split(":", 1)[1].strip() for line in output if line.startswith("status:")]
+        if statuses and statuses[-1] == "running":
+            return None
+        if statuses:
+            return PctFailure("not-running", f"status: {statuses[-1]}").describe(pve_host, vmid)
+    failure = classify_pct_error(output, vmid, binary)
+    if failure is None and code == 127:
+        failure = PctFailure("no-pct", output[-1] if output else "exit code 127")
+    if failure is not None:
+        return failure.describe(pve_host, vmid)
+    detail = " / ".join(output) or "no output"
+    return f"pct error: `pct status {vmid}` on {pve_host} failed (exit {code}): {detail}"
+
+
+def _strip_host_noise(lines: list[str]) -> list[str]:
+    # sudo warns about an unresolvable hostname on misconfigured hosts; that is not a failure.
+    return [line for line in lines if line.strip() and not line.startswith("sudo: unable to resolve")]
+
+
+# The connector
+#
+
+
+class PctConnector(BaseConnector):
+    """
+    Run commands and transfer files inside a Proxmox VE LXC container with ``pct``.
+
+    .. code:: shell
+
+        pyinfra @pct/pve1:129 exec -- hostname          # over SSH to pve1
+        pyinfra @pct/@local:129 exec -- hostname        # on the Proxmox host itself
+
+    Host data: ``pct_vmid``, ``pct_binary`` (``pct``), ``pct_sudo`` (default: when
+    ``ssh_user`` is set and not ``root``), ``pct_clear_env`` (True), ``pct_local``; plus all
+    of the ``@ssh`` connector's ``ssh_*`` data for reaching the Proxmox host.
+    """
+
+    handles_execution = True
+
+    data_cls = PctConnectorData
+    data_meta = connector_data_meta
+    data: PctConnectorData
+
+    pve: SSHConnector | LocalConnector
+
+    def __init__(self, state: "State", host: "Host"):
+        super().__init__(state, host)
+        if self.data["pct_vmid"] is None:
+            raise InventoryError(
+                f"No vmid for {host.name}: name it @pct/<proxmox-host>:<vmid> "
+                "or give host data pct_vmid",
+            )
+        self.vmid = parse_vmid(self.data["pct_vmid"], f"pct_vmid of {host.name}")
+        self.pve = LocalConnector(state, host) if self.data["pct_local"] else SSHConnector(state, host)
+
+    @override
+    @staticmethod
+    def make_names_data(name=None):
+        if name is None:
+            # Bare `@pct`: everything (ssh_hostname, pct_vmid) comes from host data.
+            yield "@pct", {}, ["@pct"]
+            return
+
+        pve_host, sep, vmid_text = name.rpartition(":")
+        if not sep:
+            # `@pct/<alias>`: an alias, the vmid comes from host data (pct_vmid).
+            yield f"@pct/{name}", {"ssh_hostname": name}, ["@pct"]
+            return
+        if not pve_host:
+            raise InventoryError(f"No Proxmox host in @pct/{name} (expected @pct/<host>:<vmid>)")
+        if not vmid_text:
+            raise InventoryError(f"No vmid in @pct/{name} (expected @pct/<host>:<vmid>)")
+
+        vmid = parse_vmid(vmid_text, f"@pct/{name}")
+        if pve_host == "@local":
+            yield f"@pct/@local:{vmid}", {"pct_local": True, "pct_vmid": vmid}, ["@pct"]
+        else:
+            yield f"@pct/{pve_host}:{vmid}", {"ssh_hostname": pve_host, "pct_vmid": vmid}, ["@pct"]
+
+    # Settings derived from host data
+
+    @property
+    def pve_host_name(self) -> str:
+        if self.data["pct_local"]:
+            return "localhost"
+        return self.host.data.get("ssh_hostname") or self.host.name
+
+    @property
+    def use_sudo(self) -> bool:
+        if self.data["pct_sudo"] is not None:
+            return bool(self.data["pct_sudo"])
+        if self.data["pct_local"]:
+            return os.geteuid() != 0
+        ssh_user = self.host.data.get("ssh_user")
+        return bool(ssh_user) and ssh_user != "root"
+
+    @property
+    def binary(self) -> str:
+        return self.data["pct_binary"] or "pct"
+
+    def _pct_failure(self, output: CommandOutput) -> PctFailure | None:
+        return classify_pct_error(output.stderr_lines, self.vmid, self.binary)
+
+    def _with_failure_line(self, output: CommandOutput, failure: PctFailure) -> CommandOutput:
+        message = failure.describe(self.pve_host_name, self.vmid)
+        logger.debug("%s%s", self.host.print_prefix, message)
+        return CommandOutput([*output.combined_lines, OutputLine("stderr", message)])
+
+    # Connection
+
+    @override
+    def connect(self) -> None:
+        self.pve.connect()
+        # One read-only command: is there a pct, is the vmid known here, is it running?
+        # (connect also runs under --dry, so nothing here may change anything.)
+        check = make_status_check_command(self.vmid, self.binary, self.use_sudo)
+        status, output = self.pve.run_shell_command(check)
+        if not status:
+            raise ConnectError(
+                f"pct error: could not check container {self.vmid} on {self.pve_host_name}: "
+                f"{output.stderr or output.stdout}",
+            )
+        message = status_check_error(output.stdout_lines, self.pve_host_name, self.vmid, self.binary)
+        if message:
+            raise ConnectError(message)
+
+    @override
+    def disconnect(self) -> None:
+        self.pve.disconnect()
+
+    # Commands
+
+    @override
+    def run_shell_command(
+        self,
+        command: StringCommand,
+        print_output: bool = False,
+        print_input: bool = False,
+        **arguments: Unpack["ConnectorArguments"],
+    ) -> tuple[bool, CommandOutput]:
+        """
+        Run ``command`` inside the container: pyinfra's sudo/su/env/chdir/shell wrapping is
+        applied inside; _timeout, _stdin, _get_pty (off unless asked: a tty on any std fd
+        makes lxc-attach merge stderr and send CRLF) and _success_exit_codes go to the host
+        connection. A failure of pct itself returns False with a line saying so.
+        """
+        control_arguments = extract_control_arguments(arguments)
+        inner_command = make_unix_command_for_host(self.state, self.host, command, **arguments)
+        pct_command = make_pct_exec_command(
+            self.vmid,
+            inner_command,
+            binary=self.binary,
+            sudo=self.use_sudo,
+            clear_env=self.data["pct_clear_env"],
+        )
+        status, output = self.pve.run_shell_command(
+            pct_command,
+            print_output=print_output,
+            print_input=print_input,
+            **control_arguments,
+        )
+        failure = self._pct_failure(output)
+        if failure is not None:
+            # Even when the caller accepts pct's exit code (255) as success: the command never ran.
+            return False, self._with_failure_line(output, failure)
+        return status, output
+
+    # Files
+
+    def _make_host_temp_file(self, print_output: bool, print_input: bool) -> str:
+        status, output = self.pve.run_shell_command(
+            StringCommand(HOST_MKTEMP),
+            print_output=print_output,
+            print_input=print_input,
+        )
+        if not status or not output.stdout_lines:
+            raise OSError(
+                f"Could not create a temp file on {self.pve_host_name}: {output.stderr}",
+            )
+        return output.stdout_lines[0]
+
+    def _remove_host_file(self, filename: str, print_output: bool, print_input: bool) -> None:
+        status, output = self.pve.run_shell_command(
+            StringCommand("rm", "-f", QuoteString(filename)),
+            print_output=print_output,
+            print_input=print_input,
+        )
+        if not status:
+            logger.warning(
+                f"{self.host.print_prefix}could not remove temp file {filename} on "
+                f"{self.pve_host_name}: {output.stderr}",
+            )
+
+    def _raise_for_transfer(self, action: str, status: bool, output: CommandOutput) -> None:
+        failure = self._pct_failure(output)
+        if failure is not None:
+            raise OSError(failure.describe(self.pve_host_name, self.vmid))
+        # pct push/pull print nothing when they work; their worker's errors may not set the
+        # exit code, so any (non-noise) stderr line is a failure too.
+        errors = _strip_host_noise(output.stderr_lines)
+        if not status or errors:
+            detail = "\n".join(errors) or output.stdout or "failed"
+            raise OSError(f"pct {action} in container {self.vmid} on {self.pve_host_name}: {detail}")
+
+    @override
+    def put_file(
+        self,
+        filename_or_io,
+        remote_filename: str,
+        remote_temp_filename=None,  # a path in the *container's* temp dir: unused, see below
+        print_output: bool = False,
+        print_input: bool = False,
+        **arguments: Unpack["ConnectorArguments"],
+    ) -> bool:
+        """
+        Upload to a fresh 0600 temp file in the Proxmox host's temp dir, ``pct push`` it into
+        the container and remove it (also when anything fails). Binary safe. pct writes as the
+        container's root; with _su_user/_sudo_user the file is given to that user.
+        """
+        owner = arguments.get("_su_user") or arguments.get("_sudo_user")
+        host_temp = self._make_host_temp_file(print_output, print_input)
+        removed = False
+        try:
+            if not self.pve.put_file(filename_or_io, host_temp):
+                raise OSError(f"Failed to copy file to {self.pve_host_name}:{host_temp}")
+            status, output = self.pve.run_shell_command(
+                make_pct_push_command(
+                    self.vmid,
+                    host_temp,
+                    remote_filename,
+                    binary=self.binary,
+                    sudo=self.use_sudo,
+                    owner=owner,
+                ),
+                print_output=print_output,
+                print_input=print_input,
+            )
+            removed = True  # the push command removes the temp file whatever push did
+            self._raise_for_transfer("push", status, output)
+        finally:
+            if not removed:
+                self._remove_host_file(host_temp, print_output, print_input)
+
+        if print_output:
+            echo(f"{self.host.print_prefix}file uploaded to container: {remote_filename}", err=True)
+        return True
+
+    @override
+    def get_file(
+        self,
+        remote_filename: str,
+        filename_or_io,
+        remote_temp_filename=None,  # a path in the *container's* temp dir: unused
+        print_output: bool = False,
+        print_input: bool = False,
+        **arguments: Unpack["ConnectorArguments"],
+    ) -> bool:
+        """
+        ``pct pull`` into a fresh 0600 temp file in the Proxmox host's temp dir, download it,
+        and remove it (also when anything fails). Binary safe.
+        """
+        host_temp: str | None = None
+        try:
+            status, output = self.pve.run_shell_command(
+                make_pct_pull_command(self.vmid, remote_filename, self.binary, self.use_sudo),
+                print_output=print_output,
+                print_input=print_input,
+            )
+            if output.stdout_lines:
+                host_temp = output.stdout_lines[0]
+            self._raise_for_transfer("pull", status, output)
+            if host_temp is None:
+                raise OSError(f"Could not create a temp file on {self.pve_host_name}")
+            if not self.pve.get_file(host_temp, filename_or_io):
+                raise OSError(f"Failed to copy file from {self.pve_host_name}:{host_temp}")
+        finally:
+            if host_temp is not None:
+                self._remove_host_file(host_temp, print_output, print_input)
+
+        if print_output:
+            echo(
+                f"{self.host.print_prefix}file downloaded from container: {remote_filename}",
+                err=True,
+            )
+        return True
