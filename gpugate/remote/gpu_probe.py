@@ -1,0 +1,695 @@
+"""The GPU probe: runs INSIDE a container (or on a Proxmox host), stdlib only.
+
+It is never installed: ``gpugate.remote.build_probe_command({"gpu": {}})`` inlines this file into one
+``python3 -c`` command. ``collect()`` returns one JSON-able document (shape: docs/architecture.md,
+"Probe documents") and never raises: every failure is data in ``errors`` or in a GPU's ``error``.
+
+Where the numbers come from, in order:
+
+1. NVML through nvidia-ml-py (``import pynvml``), memory through the v2 call
+   (``version=pynvml.nvmlMemory_v2``): v2 ``used`` excludes the driver's reserved memory, so an idle
+   H200 reads 0 MiB (v1 reads ~615 MiB). Old drivers without the v2 call fall back to v1; v1 ``used``
+   counts reserved memory in, so ``used_mib`` is reported as unknown (null) and the raw figure kept
+   as ``used_v1_mib``, with ``memory_api: "v1"``.
+2. ``nvidia-smi`` CSV when nvidia-ml-py is missing or NVML fails (except DriverNotLoaded /
+   LibRmVersionMismatch: nvidia-smi fails the same way). ``[N/A]``-style values read as null.
+3. Always: a scan of ``/proc/*/fd`` for processes holding ``/dev/nvidia*`` (the "holders"), with
+   their state from ``/proc/PID/stat`` (D: stuck in the kernel, SIGKILL will not end it; Z: exited).
+
+Bounded in time: NVML runs in a worker thread with a deadline (an NVML call can hang in D state) and
+nvidia-smi runs under a timeout and is abandoned, not waited for, if it hangs.
+
+Example::
+
+    >>> doc = collect()
+    >>> doc["source"], [g["used_mib"] for g in doc["gpus"]], [h["pid"] for h in doc["holders"]]
+    ('nvml', [0, 0], [])
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+SCHEMA = 1
+# argv[1] of every gpugate probe process: other probes running at the same time are not holders.
+PROBE_MARKER = "gpugate-probe"
+NVML_TIMEOUT_S = 8.0
+SMI_TIMEOUT_S = 8.0
+MIB = 1024 * 1024
+# nvidia-smi would fail the same way after these NVML errors: report them instead of trying it.
+NVML_ERRORS_SHARED_WITH_SMI = ("DriverNotLoaded", "LibRmVersionMismatch")
+# nvidia-smi's documented exit codes (man nvidia-smi).
+SMI_EXIT_KINDS = {
+    2: "InvalidArgument",
+    3: "NotSupported",
+    4: "NoPermission",
+    6: "NotFound",
+    8: "InsufficientPower",
+    9: "DriverNotLoaded",
+    10: "InterruptIssue",
+    12: "LibraryNotFound",
+    13: "FunctionNotFound",
+    14: "CorruptedInfoROM",
+    15: "GpuIsLost",
+    255: "Unknown",
+}
+# A device node of the NVIDIA driver (also matches the lab's bind-mounted stand-ins, whose host-side
+# path ends in .../dev/nvidia0).
+DEVICE_PATTERN = re.compile(r"/dev/nvidia(?:\d+|ctl|-uvm|-uvm-tools|-modeset|-caps/[\w.-]+)$")
+# Proxmox puts container processes in cgroup .../lxc/<vmid>/... (cgroup v2: also lxc.payload.<vmid>).
+LXC_CGROUP_PATTERNS = (
+    re.compile(r"/lxc/(\d+)(?:/|$)"),
+    re.compile(r"lxc\.payload[./](\d+)(?:/|$)"),
+)
+SMI_SEARCH_PATH = "/usr/bin:/usr/sbin:/bin:/sbin:/usr/local/bin:/usr/local/nvidia/bin"
+
+
+class ProbeTimeout(Exception):
+    """A GPU read did not answer within its deadline (likely a driver call stuck in D state)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def error_entry(source: str, kind: str, message: str) -> dict:
+    return {"source": source, "kind": kind, "message": str(message)[:500]}
+
+
+def nvml_error_kind(exc: BaseException) -> str:
+    """``NVMLError_DriverNotLoaded`` -> ``DriverNotLoaded``; other exceptions: their class name."""
+    name = type(exc).__name__
+    if name.startswith("NVMLError_"):
+        return name[len("NVMLError_"):]
+    if name == "NVMLError":
+        value = getattr(exc, "value", None)
+        return "NVMLError%s" % ("" if value is None else "(%s)" % value)
+    return name
+
+
+def as_text(value) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def bytes_to_mib(value) -> int | None:
+    # NVML reports "not available" as None (nvidia-ml-py) or as the all-ones sentinel.
+    if value is None or value < 0 or value >= (1 << 63):
+        return None
+    return int(value) // MIB
+
+
+def call_with_deadline(function, timeout_s: float):
+    """Run ``function()`` in a daemon thread; raise ProbeTimeout if it has not returned in time.
+
+    A hung thread is abandoned (a thread stuck in a driver call cannot be interrupted).
+    """
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = function()
+        except BaseException as exc:  # noqa: BLE001 - carried to the caller
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="gpugate-nvml", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise ProbeTimeout("no answer within %.1f s" % timeout_s)
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def run_command(argv: list, timeout_s: float) -> tuple:
+    """Run a command; return (exit code or None on timeout/missing, stdout, stderr).
+
+    Unlike subprocess.run, a command that does not end after SIGKILL (D state) is not waited for.
+    """
+    try:
+        child = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+    except OSError as exc:
+        return None, "", "cannot run %s: %s" % (argv[0], exc)
+    try:
+        out, err = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            child.kill()
+        except OSError:
+            pass
+        return None, "", "timeout after %.1f s" % timeout_s
+    return child.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+
+
+def find_nvidia_smi() -> str | None:
+    path = os.environ.get("PATH", "") + ":" + SMI_SEARCH_PATH
+    for directory in path.split(":"):
+        if directory:
+            candidate = os.path.join(directory, "nvidia-smi")
+            if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+                return candidate
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# NVML
+
+
+def empty_gpu(index: int) -> dict:
+    return {
+        "index": index,
+        "uuid": None,
+        "name": None,
+        "total_mib": None,
+        "used_mib": None,
+        "reserved_mib": None,
+        "error": None,
+        "processes": [],
+    }
+
+
+def read_nvml_memory(nvml, handle) -> tuple:
+    """(memory struct, "v2" | "v1"). v2 where the binding and the driver have it."""
+    v2_version = getattr(nvml, "nvmlMemory_v2", None)
+    if v2_version is not None:
+        try:
+            return nvml.nvmlDeviceGetMemoryInfo(handle, version=v2_version), "v2"
+        except TypeError:
+            pass  # an old binding without the version argument
+        except Exception as exc:  # noqa: BLE001
+            if nvml_error_kind(exc) != "FunctionNotFound":
+                raise
+    return nvml.nvmlDeviceGetMemoryInfo(handle), "v1"
+
+
+def read_nvml_processes(nvml, handle) -> list:
+    by_pid: dict = {}
+    for function_name in (
+        "nvmlDeviceGetComputeRunningProcesses",
+        "nvmlDeviceGetGraphicsRunningProcesses",
+    ):
+        function = getattr(nvml, function_name, None)
+        if function is None:
+            continue
+        for info in function(handle) or []:
+            pid = int(info.pid)
+            used = bytes_to_mib(getattr(info, "usedGpuMemory", None))
+            if pid in by_pid:
+                previous = by_pid[pid]["used_mib"]
+                if previous is not None and used is not None:
+                    by_pid[pid]["used_mib"] = max(previous, used)
+            else:
+                by_pid[pid] = {"pid": pid, "used_mib": used}
+    return [by_pid[pid] for pid in sorted(by_pid)]
+
+
+def read_nvml_gpu(nvml, index: int) -> tuple:
+    """One GPU; errors of this GPU (GpuIsLost...) stay in its ``error``. -> (gpu, memory api)."""
+    gpu = empty_gpu(index)
+    api = None
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        gpu["uuid"] = as_text(nvml.nvmlDeviceGetUUID(handle))
+        gpu["name"] = as_text(nvml.nvmlDeviceGetName(handle))
+        memory, api = read_nvml_memory(nvml, handle)
+        gpu["total_mib"] = bytes_to_mib(memory.total)
+        if api == "v2":
+            gpu["used_mib"] = bytes_to_mib(memory.used)
+            gpu["reserved_mib"] = bytes_to_mib(getattr(memory, "reserved", None))
+        else:
+            # v1 "used" counts the driver's reserved memory in: not comparable with a threshold.
+            gpu["used_v1_mib"] = bytes_to_mib(memory.used)
+    except Exception as exc:  # noqa: BLE001
+        gpu["error"] = "%s: %s" % (nvml_error_kind(exc), exc)
+        return gpu, api
+    try:
+        gpu["processes"] = read_nvml_processes(nvml, handle)
+    except Exception as exc:  # noqa: BLE001 - e.g. NotSupported on MIG: memory still counts
+        gpu["processes_error"] = "%s: %s" % (nvml_error_kind(exc), exc)
+    return gpu, api
+
+
+class NvmlSession:
+    """NVML kept initialised between reads (a poll loop must not pay nvmlInit every time)."""
+
+    def __init__(self, loader=None, keep_open: bool = False) -> None:
+        self.loader = loader or load_pynvml
+        self.keep_open = keep_open
+        self.module = None
+        self.initialised = False
+        self.hung = False
+
+    def read(self) -> dict:
+        nvml = self.module
+        if nvml is None:
+            nvml = self.module = self.loader()
+        if not self.initialised:
+            nvml.nvmlInit()
+            self.initialised = True
+        try:
+            driver = None
+            try:
+                driver = as_text(nvml.nvmlSystemGetDriverVersion())
+            except Exception:  # noqa: BLE001 - informational only
+                pass
+            gpus = []
+            apis = set()
+            for index in range(int(nvml.nvmlDeviceGetCount())):
+                gpu, api = read_nvml_gpu(nvml, index)
+                gpus.append(gpu)
+                if api:
+                    apis.add(api)
+            memory_api = "v1" if "v1" in apis else ("v2" if apis else None)
+            return {"driver": driver, "gpus": gpus, "memory_api": memory_api}
+        finally:
+            if not self.keep_open:
+                self.close()
+
+    def close(self) -> None:
+        if self.initialised and not self.hung:
+            self.initialised = False
+            try:
+                self.module.nvmlShutdown()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def load_pynvml():
+    import pynvml  # noqa: PLC0415 - optional in the container
+
+    return pynvml
+
+
+# --------------------------------------------------------------------------------------------------
+# nvidia-smi
+
+
+def smi_value(text: str):
+    """A CSV field: ``[N/A]``, ``[Not Supported]``, ``[Unknown Error]``... -> None."""
+    text = text.strip()
+    if not text or (text.startswith("[") and text.endswith("]")) or text == "N/A":
+        return None
+    return text
+
+
+def smi_int(text: str):
+    value = smi_value(text)
+    if value is None:
+        return None
+    try:
+        return int(float(value))
+    except ValueError:
+        return None
+
+
+def parse_smi_rows(text: str) -> list:
+    return [
+        [field.strip() for field in line.split(",")]
+        for line in text.splitlines()
+        if line.strip()
+    ]
+
+
+def parse_smi_gpus(text: str) -> list:
+    """``index, uuid, name, memory.used, memory.total`` rows (noheader, nounits) -> gpus."""
+    gpus = []
+    for row in parse_smi_rows(text):
+        if len(row) < 5:
+            continue
+        # A name may contain commas: the fields around it are fixed.
+        index, uuid, used, total = row[0], row[1], row[-2], row[-1]
+        name = ",".join(row[2:-2]).strip()
+        gpu = empty_gpu(smi_int(index) if smi_int(index) is not None else len(gpus))
+        gpu["uuid"] = smi_value(uuid)
+        gpu["name"] = smi_value(name)
+        gpu["total_mib"] = smi_int(total)
+        gpu["used_mib"] = smi_int(used)
+        if gpu["used_mib"] is None:
+            gpu["error"] = "nvidia-smi: memory.used is %s" % (used.strip() or "empty")
+        gpus.append(gpu)
+    return gpus
+
+
+def read_nvidia_smi(run=run_command, smi_path: str | None = None, timeout_s: float = SMI_TIMEOUT_S):
+    """-> (part dict or None, errors). memory.reserved is asked separately: nvidia-smi before R510
+    does not know it and an unknown field aborts the whole query. Where it is unknown, memory.used
+    is taken to count reserved memory in (memory_api v1)."""
+    smi = smi_path or find_nvidia_smi()
+    if smi is None:
+        return None, [error_entry("nvidia-smi", "NotFound", "nvidia-smi not found on PATH")]
+    csv = "--format=csv,noheader,nounits"
+    code, out, err = run(
+        [smi, "--query-gpu=index,uuid,name,memory.used,memory.total", csv], timeout_s
+    )
+    if code != 0:
+        kind = "Timeout" if code is None else SMI_EXIT_KINDS.get(code, "Exit%d" % code)
+        message = (err.strip() or out.strip() or "exit %s" % code).splitlines()
+        return None, [error_entry("nvidia-smi", kind, " | ".join(message[:3]))]
+    gpus = parse_smi_gpus(out)
+    memory_api = "v1"
+    code, out, _err = run([smi, "--query-gpu=index,memory.reserved", csv], timeout_s)
+    if code == 0:
+        memory_api = "v2"
+        reserved = {smi_int(row[0]): smi_int(row[1]) for row in parse_smi_rows(out) if len(row) >= 2}
+        for gpu in gpus:
+            gpu["reserved_mib"] = reserved.get(gpu["index"])
+    else:
+        for gpu in gpus:
+            gpu["used_v1_mib"], gpu["used_mib"] = gpu["used_mib"], None
+    code, out, _err = run([smi, "--query-compute-apps=pid,gpu_uuid,used_memory", csv], timeout_s)
+    by_uuid = {gpu["uuid"]: gpu for gpu in gpus if gpu["uuid"]}
+    if code == 0:
+        for row in parse_smi_rows(out):
+            if len(row) >= 3 and row[1] in by_uuid and smi_int(row[0]) is not None:
+                by_uuid[row[1]]["processes"].append({"pid": smi_int(row[0]), "used_mib": smi_int(row[2])})
+    else:
+        for gpu in gpus:
+            gpu["processes_error"] = "nvidia-smi --query-compute-apps exit %s" % code
+    driver = None
+    code, out, _err = run([smi, "--query-gpu=driver_version", csv], timeout_s)
+    if code == 0 and out.strip():
+        driver = smi_value(out.splitlines()[0])
+    return {"driver": driver, "gpus": gpus, "memory_api": memory_api}, []
+
+
+# --------------------------------------------------------------------------------------------------
+# /proc: who holds the device nodes
+
+
+def read_stat(proc_root: str, pid: int):
+    """-> (comm, state, ppid, pgid) or None when the process is gone."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "stat"), "rb") as handle:
+            stat = handle.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    open_paren, close_paren = stat.find("("), stat.rfind(")")
+    fields = stat[close_paren + 2:].split()
+    try:
+        return stat[open_paren + 1:close_paren], fields[0], int(fields[1]), int(fields[2])
+    except (IndexError, ValueError):
+        return None
+
+
+def read_cmdline(proc_root: str, pid: int) -> str:
+    try:
+        with open(os.path.join(proc_root, str(pid), "cmdline"), "rb") as handle:
+            raw = handle.read()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()
+
+
+def read_argv(proc_root: str, pid: int) -> list:
+    try:
+        with open(os.path.join(proc_root, str(pid), "cmdline"), "rb") as handle:
+            raw = handle.read()
+    except OSError:
+        return []
+    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
+
+
+def vmid_from_cgroup(text: str):
+    """The Proxmox container of a process from its /proc/PID/cgroup text, or None (the host).
+
+    >>> vmid_from_cgroup("0::/lxc/129/ns/user.slice")
+    129
+    """
+    for line in text.splitlines():
+        path = line.split(":", 2)[-1]
+        for pattern in LXC_CGROUP_PATTERNS:
+            match = pattern.search(path)
+            if match:
+                return int(match.group(1))
+    return None
+
+
+def read_vmid(proc_root: str, pid: int):
+    try:
+        with open(os.path.join(proc_root, str(pid), "cgroup")) as handle:
+            return vmid_from_cgroup(handle.read())
+    except OSError:
+        return None
+
+
+def ancestors(proc_root: str, pid: int) -> set:
+    """pid and its ancestors (the shells and the pct/ssh session that run the probe)."""
+    seen = set()
+    while pid > 0 and pid not in seen:
+        seen.add(pid)
+        stat = read_stat(proc_root, pid)
+        if stat is None:
+            break
+        pid = stat[2]
+    return seen
+
+
+def is_probe_or_monitor(argv: list, comm: str) -> bool:
+    """Another gpugate probe or an nvidia-smi: they hold the nodes only while they read."""
+    if comm == "nvidia-smi" or (argv and os.path.basename(argv[0]) == "nvidia-smi"):
+        return True
+    return (len(argv) >= 3 and argv[-1] == PROBE_MARKER and "-c" in argv
+            and "python" in os.path.basename(argv[0]))
+
+
+def scan_holders(proc_root: str = "/proc", exclude_pids=(), with_vmid: bool = False) -> list:
+    """Processes with an open /dev/nvidia* fd, sorted by pid, without ``exclude_pids``, probes and
+    nvidia-smi."""
+    exclude = set(int(pid) for pid in exclude_pids)
+    holders = []
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return holders
+    for name in names:
+        if not name.isdigit() or int(name) in exclude:
+            continue
+        pid = int(name)
+        fd_dir = os.path.join(proc_root, name, "fd")
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue  # gone, or not ours to read
+        devices = set()
+        for fd in fds:
+            try:
+                target = os.readlink(os.path.join(fd_dir, fd))
+            except OSError:
+                continue
+            match = DEVICE_PATTERN.search(target)
+            if match:
+                devices.add(match.group(0))
+        if not devices:
+            continue
+        holder = describe_process(proc_root, pid, with_vmid)
+        if holder is None or is_probe_or_monitor(read_argv(proc_root, pid), holder["comm"]):
+            continue
+        holder["devices"] = sorted(devices)
+        holders.append(holder)
+    holders.sort(key=lambda holder: holder["pid"])
+    return holders
+
+
+def describe_process(proc_root: str, pid: int, with_vmid: bool = False):
+    stat = read_stat(proc_root, pid)
+    if stat is None:
+        return None
+    comm, state, ppid, pgid = stat
+    holder = {
+        "pid": pid,
+        "ppid": ppid,
+        "pgid": pgid,
+        "state": state,
+        "comm": comm,
+        "cmdline": read_cmdline(proc_root, pid) or "[%s]" % comm,
+        "devices": [],
+        "gpus": [],
+        "used_mib": None,
+    }
+    if with_vmid:
+        holder["vmid"] = read_vmid(proc_root, pid)
+    return holder
+
+
+def merge_listed_processes(doc: dict, proc_root: str, exclude: set, with_vmid: bool) -> None:
+    """Attach NVML/nvidia-smi's per-GPU process list to the holders; a listed process we can see
+    but that has no fd we could read is a holder too; one that does not exist is marked dead."""
+    holders = {holder["pid"]: holder for holder in doc["holders"]}
+    for gpu in doc["gpus"]:
+        for process in gpu.get("processes") or []:
+            pid = process["pid"]
+            holder = holders.get(pid)
+            if holder is None and pid not in exclude:
+                holder = describe_process(proc_root, pid, with_vmid)
+                if holder is not None and holder["state"] != "Z":
+                    holder["listed_only"] = True
+                    holders[pid] = holder
+                    doc["holders"].append(holder)
+                else:
+                    holder = None
+            process["alive"] = pid in exclude or holder is not None
+            if holder is not None:
+                holder["gpus"].append(gpu["index"])
+                if process["used_mib"] is not None:
+                    holder["used_mib"] = (holder["used_mib"] or 0) + process["used_mib"]
+    doc["holders"].sort(key=lambda holder: holder["pid"])
+
+
+# --------------------------------------------------------------------------------------------------
+# The document
+
+
+def read_gpus(session: NvmlSession, run=run_command, smi_path=None,
+              nvml_timeout_s: float = NVML_TIMEOUT_S, smi_timeout_s: float = SMI_TIMEOUT_S):
+    """-> (source, part or None, errors): NVML first, then nvidia-smi."""
+    errors = []
+    if session.hung:
+        errors.append(error_entry("nvml", "Timeout", "an earlier NVML call never returned"))
+    else:
+        try:
+            part = call_with_deadline(session.read, nvml_timeout_s)
+            return "nvml", part, errors
+        except ProbeTimeout as exc:
+            session.hung = True
+            errors.append(error_entry("nvml", "Timeout", exc))
+        except ImportError as exc:
+            errors.append(error_entry("nvml", "ModuleNotFound", exc))
+        except Exception as exc:  # noqa: BLE001
+            kind = nvml_error_kind(exc)
+            errors.append(error_entry("nvml", kind, exc))
+            session.close()
+            if kind in NVML_ERRORS_SHARED_WITH_SMI:
+                return "none", None, errors
+    part, smi_errors = read_nvidia_smi(run, smi_path, smi_timeout_s)
+    errors.extend(smi_errors)
+    return ("nvidia-smi" if part is not None else "none"), part, errors
+
+
+_default_session = None
+
+
+def collect(exclude_pids=(), scope: str = "container", keep_nvml_open: bool = False, *,
+            session: NvmlSession | None = None, nvml_loader=None, run=run_command,
+            smi_path: str | None = None, proc_root: str = "/proc",
+            nvml_timeout_s: float = NVML_TIMEOUT_S, smi_timeout_s: float = SMI_TIMEOUT_S) -> dict:
+    """Read every GPU and every holder of /dev/nvidia*; never raises.
+
+    + exclude_pids: pids that are not holders (the caller's own processes); the probe, its
+      ancestors, other gpugate probes and nvidia-smi are always left out
+    + scope: "container" or "host" (host: each holder also gets the ``vmid`` of its container
+      from /proc/PID/cgroup, None for the host's own processes)
+    + keep_nvml_open: keep NVML initialised for the next call (poll loops)
+    + session, nvml_loader, run, smi_path, proc_root, *_timeout_s: for tests
+
+    Example::
+
+        collect(scope="host")["holders"][0]  # {"pid": 4242, "vmid": 129, "state": "S", ...}
+    """
+    global _default_session
+    started = time.monotonic()
+    if session is None:
+        if nvml_loader is not None or _default_session is None or not keep_nvml_open:
+            session = NvmlSession(nvml_loader, keep_open=keep_nvml_open)
+            if keep_nvml_open and nvml_loader is None:
+                _default_session = session
+        else:
+            session = _default_session
+    doc = {
+        "schema": SCHEMA,
+        "source": "none",
+        "memory_api": None,
+        "driver": None,
+        "errors": [],
+        "gpus": [],
+        "holders": [],
+        "scope": scope,
+        "probe_pid": os.getpid(),
+        "read_at": None,
+        "elapsed_ms": None,
+    }
+    with_vmid = scope == "host"
+    exclude = set(int(pid) for pid in exclude_pids) | ancestors(proc_root, os.getpid())
+    try:
+        source, part, errors = read_gpus(session, run, smi_path, nvml_timeout_s, smi_timeout_s)
+        doc["source"] = source
+        doc["errors"].extend(errors)
+        if part is not None:
+            doc.update(part)
+    except Exception as exc:  # noqa: BLE001 - a bug here must still give a document
+        doc["errors"].append(error_entry("probe", type(exc).__name__, exc))
+    doc["read_at"] = time.time()
+    try:
+        doc["holders"] = scan_holders(proc_root, exclude, with_vmid)
+        merge_listed_processes(doc, proc_root, exclude, with_vmid)
+    except Exception as exc:  # noqa: BLE001
+        doc["errors"].append(error_entry("proc", type(exc).__name__, exc))
+    doc["elapsed_ms"] = round((time.monotonic() - started) * 1000, 1)
+    return doc
+
+
+# --------------------------------------------------------------------------------------------------
+# Ending the holders (gpu.idle(kill=True)): only what this pid namespace can see
+
+
+def is_running(proc_root: str, pid: int) -> bool:
+    stat = read_stat(proc_root, pid)
+    return stat is not None and stat[1] not in ("Z", "X")
+
+
+def end_holders(grace_s: float = 10.0, ignore_pids=(), proc_root: str = "/proc",
+                poll_s: float = 0.02, settle_s: float = 5.0, send=os.kill) -> dict:
+    """SIGTERM every holder, SIGKILL those still running after ``grace_s``; never pid 1, the
+    probe or its ancestors. Run inside the container, so no pid outside it can be reached.
+
+    -> {"terminated": [pids gone after SIGTERM], "killed": [gone after SIGKILL],
+        "survivors": [{"pid", "state", "cmdline"}], "elapsed_s"}
+    """
+    started = time.monotonic()
+    exclude = set(int(pid) for pid in ignore_pids) | ancestors(proc_root, os.getpid()) | {1}
+    targets = [holder["pid"] for holder in scan_holders(proc_root, exclude)]
+    report = {"targets": targets, "terminated": [], "killed": [], "survivors": [], "errors": []}
+
+    def signal_all(pids, signum):
+        for pid in pids:
+            try:
+                send(pid, signum)
+            except ProcessLookupError:
+                pass
+            except OSError as exc:
+                report["errors"].append("pid %d: %s" % (pid, exc))
+
+    def wait_gone(pids, seconds):
+        deadline = time.monotonic() + seconds
+        running = [pid for pid in pids if is_running(proc_root, pid)]
+        while running and time.monotonic() < deadline:
+            time.sleep(poll_s)
+            running = [pid for pid in running if is_running(proc_root, pid)]
+        return running
+
+    signal_all(targets, signal.SIGTERM)
+    remaining = wait_gone(targets, grace_s)
+    report["terminated"] = [pid for pid in targets if pid not in remaining]
+    if remaining:
+        signal_all(remaining, signal.SIGKILL)
+        survivors = wait_gone(remaining, settle_s)
+        report["killed"] = [pid for pid in remaining if pid not in survivors]
+        for pid in survivors:
+            stat = read_stat(proc_root, pid)
+            report["survivors"].append({
+                "pid": pid,
+                "state": stat[1] if stat else None,
+                "cmdline": read_cmdline(proc_root, pid),
+            })
+    report["elapsed_s"] = round(time.monotonic() - started, 3)
+    return report
