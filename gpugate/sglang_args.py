@@ -694,6 +694,8 @@ def _server_args_start(argv: Sequence[str]) -> int:
     """Index of the first server argument in a full cmdline (python -m sglang.launch_server ...,
     sglang serve ..., or bare arguments)."""
     for index, token in enumerate(argv):
+        if token.startswith("--"):
+            break  # server arguments began: a later "sglang.launch_server" is a flag's value
         if token in _ENTRY_TOKENS or token.endswith("/sglang/launch_server.py"):
             return index + 1
         if token == "serve" and index > 0 and argv[index - 1].rsplit("/", 1)[-1] == "sglang":
@@ -879,6 +881,16 @@ def _canonical_keys(flags: Mapping[str, Any]) -> dict[str, Any]:
             key = _strip_name(name)
         if value is False or value is None:
             continue
+        spec = SPECS.get(key)
+        if spec is not None:
+            # Compare typed values (8 == "8", a YAML mapping == its JSON text); a value that
+            # does not validate is compared as it is, so it still shows in the diff.
+            try:
+                value = _normalise_value(spec, value)
+            except FlagError:
+                pass
+            if value is None:
+                continue
         out[key] = list(value) if isinstance(value, tuple) else value
     return out
 
