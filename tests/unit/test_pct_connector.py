@@ -1,0 +1,425 @@
+"""
+The @pct connector without a network: the exact command strings it sends to the Proxmox host,
+its names and host data, pct's errors told apart from the command's, and the temp file on the
+host always removed. The SSH connector's methods are patched, as pyinfra's own
+tests/test_connectors/test_dockerssh.py does.
+"""
+
+from __future__ import annotations
+
+import io
+import shlex
+from unittest.mock import patch
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pyinfra.api import Config, Inventory, State
+from pyinfra.api.command import QuoteString, StringCommand
+from pyinfra.api.exceptions import ConnectError, InventoryError
+from pyinfra.connectors.util import CommandOutput, OutputLine
+
+from gpugate.connectors.pct import (
+    CONTAINER_PATH,
+    PctConnector,
+    classify_pct_error,
+    make_pct_exec_command,
+    parse_vmid,
+    status_check_error,
+)
+
+ENV = f"env -i PATH={CONTAINER_PATH} HOME=/root container=lxc"
+
+
+def out(stdout: list[str] | tuple = (), stderr: list[str] | tuple = ()) -> CommandOutput:
+    return CommandOutput(
+        [OutputLine("stdout", line) for line in stdout] + [OutputLine("stderr", line) for line in stderr],
+    )
+
+
+class FakeHostShell:
+    """Records what the connector runs on the Proxmox host; answers from a list of rules."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+        self.rules: list[tuple[str, bool, CommandOutput]] = []
+
+    def answer(self, prefix: str, status: bool = True, output: CommandOutput | None = None):
+        self.rules.append((prefix, status, output or out()))
+
+    def __call__(self, connector, command, print_output=False, print_input=False, **arguments):
+        text = command.get_raw_value() if isinstance(command, StringCommand) else str(command)
+        self.calls.append((text, arguments))
+        for prefix, status, output in self.rules:
+            if text.startswith(prefix):
+                return status, output
+        if text.startswith("mktemp "):
+            return True, out(["/tmp/pyinfra-pct.AbCdEf"])
+        if text.startswith("out=$("):  # connect's status check: a running container
+            return True, out(["pct-status-exit: 0", "| status: running"])
+        return True, out()
+
+    def as_method(self):
+        def run_shell_command(connector, *args, **kwargs):
+            return self(connector, *args, **kwargs)
+
+        return run_shell_command
+
+    @property
+    def commands(self) -> list[str]:
+        return [text for text, _ in self.calls]
+
+
+@pytest.fixture
+def shell():
+    fake = FakeHostShell()
+    with (
+        patch("pyinfra.connectors.ssh.SSHConnector.connect"),
+        patch("pyinfra.connectors.ssh.SSHConnector.run_shell_command", fake.as_method()),
+    ):
+        yield fake
+
+
+def make_host(name: str = "@pct/pve1:129", **data):
+    inventory = Inventory(([(name, data)] if data else [name], {}))
+    State(inventory, Config())
+    host = inventory.get_host(name)
+    return host
+
+
+def expected_exec(inner: str, prefix: str = "pct exec 129 --") -> str:
+    return f"{prefix} {ENV} sh -c {shlex.quote(inner)}"
+
+
+# Names and host data
+
+
+def test_name_with_host_and_vmid_targets_that_container():
+    host = make_host("@pct/pve1:129")
+    assert host.data.ssh_hostname == "pve1"
+    assert host.data.pct_vmid == 129
+    assert "@pct" in host.groups
+    assert host.connector.vmid == 129
+
+
+def test_local_name_runs_pct_without_ssh():
+    from pyinfra.connectors.local import LocalConnector
+
+    host = make_host("@pct/@local:131")
+    assert host.data.pct_local is True
+    assert isinstance(host.connector.pve, LocalConnector)
+
+
+def test_alias_name_takes_host_and_vmid_from_host_data():
+    host = make_host("@pct/sglang-a", ssh_hostname="pve2", pct_vmid=140)
+    assert host.connector.vmid == 140
+    assert host.connector.pve_host_name == "pve2"
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("@pct/pve1:abc", "Invalid vmid 'abc' in @pct/pve1:abc"),
+        ("@pct/pve1:99", "Invalid vmid 99 in @pct/pve1:99"),
+        ("@pct/pve1:", "No vmid in @pct/pve1:"),
+        ("@pct/:129", "No Proxmox host in @pct/:129"),
+    ],
+)
+def test_bad_names_are_inventory_errors_naming_them(name, message):
+    with pytest.raises(InventoryError, match=message):
+        Inventory(([name], {}))
+
+
+def test_missing_or_bad_vmid_in_host_data_is_an_inventory_error():
+    with pytest.raises(InventoryError, match="No vmid for @pct/ct-a"):
+        make_host("@pct/ct-a", ssh_hostname="pve1")
+    with pytest.raises(InventoryError, match="Invalid vmid 42 in pct_vmid of @pct/ct-b"):
+        make_host("@pct/ct-b", ssh_hostname="pve1", pct_vmid=42)
+
+
+def test_parse_vmid_rejects_bools_and_accepts_the_proxmox_range():
+    assert parse_vmid("999999999", "x") == 999999999
+    with pytest.raises(InventoryError):
+        parse_vmid(True, "x")
+    with pytest.raises(InventoryError):
+        parse_vmid("1000000000", "x")
+
+
+# Commands: the exact strings
+
+
+def test_plain_command_runs_in_the_container_with_its_own_path(shell):
+    host = make_host()
+    host.connect()
+    status, _ = host.run_shell_command("echo hi")
+    assert status is True
+    assert shell.commands[-1] == (
+        "pct exec 129 -- env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "
+        "HOME=/root container=lxc sh -c 'sh -c '\"'\"'echo hi'\"'\"''"
+    )
+    assert shell.calls[-1][1] == {}  # no pty, no stdin, no sudo on the host
+
+
+def test_sudo_applies_inside_the_container(shell):
+    host = make_host()
+    host.connect()
+    host.run_shell_command("id -u", _sudo=True, _sudo_user="sglang")
+    assert shell.commands[-1] == expected_exec("sudo -H -n -u sglang sh -c 'id -u'")
+    assert "_sudo" not in shell.calls[-1][1]
+
+
+def test_su_user_env_and_chdir_apply_inside_the_container(shell):
+    host = make_host()
+    host.connect()
+    host.run_shell_command("pwd", _su_user="bob", _env={"A": "x y"}, _chdir="/srv/a b")
+    inner = "su bob -c " + shlex.quote(
+        "sh -c " + shlex.quote("cd '/srv/a b' && export 'A=x y' && pwd"),
+    )
+    assert shell.commands[-1] == expected_exec(inner)
+
+
+def test_shell_executable_is_used_inside(shell):
+    host = make_host()
+    host.connect()
+    host.run_shell_command("echo $0", _shell_executable="bash")
+    assert shell.commands[-1] == expected_exec("bash -c 'echo $0'")
+
+
+def test_pty_stdin_timeout_and_exit_codes_go_to_the_host_connection(shell):
+    host = make_host()
+    host.connect()
+    host.run_shell_command(
+        "cat", _get_pty=True, _stdin="data", _timeout=5, _success_exit_codes=[0, 3],
+    )
+    command, arguments = shell.calls[-1]
+    assert command == expected_exec("sh -c cat")
+    assert arguments == {
+        "_get_pty": True,
+        "_stdin": "data",
+        "_timeout": 5,
+        "_success_exit_codes": [0, 3],
+    }
+
+
+def test_pct_itself_runs_with_sudo_when_ssh_user_is_not_root(shell):
+    host = make_host("@pct/pve1:129", ssh_user="ops")
+    host.connect()
+    host.run_shell_command("true", _sudo=True)
+    assert shell.commands[-1] == expected_exec(
+        "sudo -H -n sh -c true", prefix="sudo -n pct exec 129 --",
+    )
+
+
+def test_pct_sudo_binary_and_env_settings(shell):
+    host = make_host(
+        "@pct/pve1:129", ssh_user="root", pct_sudo=True, pct_binary="/usr/sbin/pct",
+        pct_clear_env=False,
+    )
+    host.connect()
+    host.run_shell_command("true")
+    assert shell.commands[-1] == "sudo -n /usr/sbin/pct exec 129 -- sh -c 'sh -c true'"
+
+
+def test_root_ssh_user_needs_no_sudo(shell):
+    host = make_host("@pct/pve1:129", ssh_user="root")
+    host.connect()
+    host.run_shell_command("true")
+    assert shell.commands[-1].startswith("pct exec 129 -- ")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00")))
+def test_any_command_text_reaches_the_container_shell_unchanged(command):
+    # What the host shell hands to the container's `sh -c` is, after one more parse by the
+    # inner `sh -c`, the command itself: two levels of shlex quoting, nothing lost.
+    inner = StringCommand("sh", "-c", QuoteString(command))
+    host_argv = shlex.split(make_pct_exec_command(129, inner).get_raw_value())
+    assert host_argv[:4] == ["pct", "exec", "129", "--"]
+    assert host_argv[-3:-1] == ["sh", "-c"]
+    assert shlex.split(host_argv[-1]) == ["sh", "-c", command]
+
+
+# pct's own errors vs the command's
+
+
+def test_stopped_container_is_reported_as_a_pct_error_not_a_command_failure(shell):
+    shell.answer("pct exec", False, out(stderr=["container '129' not running!"]))
+    host = make_host()
+    host.connect()
+    status, output = host.run_shell_command("true", _success_exit_codes=[0, 255])
+    assert status is False
+    assert output.stderr_lines[-1] == (
+        "pct error: container 129 on pve1 is not running: container '129' not running!"
+    )
+
+
+def test_the_commands_own_failure_is_left_as_it_is(shell):
+    shell.answer("pct exec", False, out(stderr=["grep: /x: No such file or directory"]))
+    host = make_host()
+    host.connect()
+    status, output = host.run_shell_command("grep a /x")
+    assert status is False
+    assert output.stderr_lines == ["grep: /x: No such file or directory"]
+
+
+@pytest.mark.parametrize(
+    "line, kind",
+    [
+        ("sh: 1: pct: not found", "no-pct"),
+        ("bash: line 1: pct: command not found", "no-pct"),
+        ("sudo: pct: command not found", "no-pct"),
+        ("Configuration file 'nodes/pve1/lxc/129.conf' does not exist", "unknown-vmid"),
+        ("Error: container '129' not running!", "not-running"),
+        ("can only push files to a running CT", "not-running"),
+        ("sudo: a password is required", "sudo"),
+        ("missing command at /usr/share/perl5/PVE/CLI/pct.pm line 190.", "missing-command"),
+    ],
+)
+def test_pct_error_texts_are_recognised(line, kind):
+    failure = classify_pct_error(["some earlier line", line], 129)
+    assert failure is not None and failure.kind == kind
+
+
+def test_other_containers_errors_are_not_ours():
+    assert classify_pct_error(["container '130' not running!"], 129) is None
+
+
+# connect(): one read-only check, distinct errors
+
+
+def status_answer(code: int, *lines: str) -> CommandOutput:
+    return out([f"pct-status-exit: {code}", *(f"| {line}" for line in lines)])
+
+
+def test_connect_checks_the_container_with_one_read_only_command(shell):
+    shell.answer("out=$(", True, status_answer(0, "status: running"))
+    host = make_host("@pct/pve1:129", ssh_user="ops")
+    host.connect(raise_exceptions=True)
+    assert host.connected
+    assert shell.commands == [
+        "out=$( sudo -n pct status 129 2>&1); code=$?; echo \"pct-status-exit: $code\"; "
+        "printf '%s\\n' \"$out\" | sed 's/^/| /'",
+    ]
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (status_answer(0, "status: stopped"), "container 129 on pve1 is not running"),
+        (
+            status_answer(2, "Configuration file 'nodes/pve1/lxc/129.conf' does not exist"),
+            "no container 129 on pve1",
+        ),
+        (status_answer(127, "sh: 1: pct: not found"), "no `pct` command on pve1"),
+        (status_answer(1, "sudo: a password is required"), "cannot run pct with sudo on pve1"),
+    ],
+)
+def test_connect_errors_name_host_and_vmid(shell, answer, message):
+    shell.answer("out=$(", True, answer)
+    host = make_host()
+    with pytest.raises(ConnectError, match=message):
+        host.connect(raise_exceptions=True)
+    assert not host.connected
+
+
+def test_status_check_error_on_unexpected_output_says_what_pct_printed():
+    message = status_check_error(["pct-status-exit: 13", "| something odd"], "pve1", 129, "pct")
+    assert message == "pct error: `pct status 129` on pve1 failed (exit 13): something odd"
+
+
+# Files: pct push/pull through a temp file on the host, always removed
+
+
+@pytest.fixture
+def connected_host(shell):
+    shell.answer("out=$(", True, status_answer(0, "status: running"))
+    host = make_host()
+    host.connect(raise_exceptions=True)
+    shell.calls.clear()
+    return host
+
+
+def test_put_file_pushes_through_a_host_temp_file_removed_in_the_same_command(shell, connected_host):
+    with patch("pyinfra.connectors.ssh.SSHConnector.put_file", return_value=True) as sftp_put:
+        assert connected_host.put_file(io.BytesIO(b"\x00\xff"), "/etc/a b.conf") is True
+    sftp_put.assert_called_once()
+    assert sftp_put.call_args.args[1] == "/tmp/pyinfra-pct.AbCdEf"
+    assert shell.commands == [
+        'mktemp "${TMPDIR:-/tmp}/pyinfra-pct.XXXXXXXXXX"',
+        "pct push 129 /tmp/pyinfra-pct.AbCdEf '/etc/a b.conf' ; status=$?; "
+        "rm -f /tmp/pyinfra-pct.AbCdEf ; exit $status",
+    ]
+
+
+def test_put_file_as_su_user_gives_the_file_to_that_user(shell, connected_host):
+    with patch("pyinfra.connectors.ssh.SSHConnector.put_file", return_value=True):
+        connected_host.put_file(io.BytesIO(b"x"), "/home/bob/f", _su_user="bob")
+    assert "pct push 129 /tmp/pyinfra-pct.AbCdEf /home/bob/f --user bob ;" in shell.commands[-1]
+
+
+def test_put_file_removes_the_temp_file_when_the_upload_fails(shell, connected_host):
+    with patch("pyinfra.connectors.ssh.SSHConnector.put_file", side_effect=OSError("sftp broke")):
+        with pytest.raises(OSError, match="sftp broke"):
+            connected_host.put_file(io.BytesIO(b"x"), "/etc/x")
+    assert shell.commands[-1] == "rm -f /tmp/pyinfra-pct.AbCdEf"
+
+
+def test_put_file_failure_of_push_is_an_error_and_leaves_no_temp_file(shell, connected_host):
+    # pct push's worker can fail with exit 0: its stderr line counts.
+    shell.answer("pct push", True, out(stderr=["failed to create file: /nodir/x: No such file"]))
+    with patch("pyinfra.connectors.ssh.SSHConnector.put_file", return_value=True):
+        with pytest.raises(OSError, match="pct push in container 129 on pve1: failed to create"):
+            connected_host.put_file(io.BytesIO(b"x"), "/nodir/x")
+    # the push command itself removed the temp file; no second rm needed
+    assert shell.commands[-1].startswith("pct push") and "rm -f /tmp/pyinfra-pct.AbCdEf" in shell.commands[-1]
+
+
+def test_put_file_into_a_stopped_container_says_so(shell, connected_host):
+    shell.answer("pct push", False, out(stderr=["can only push files to a running CT"]))
+    with patch("pyinfra.connectors.ssh.SSHConnector.put_file", return_value=True):
+        with pytest.raises(OSError, match="container 129 on pve1 is not running"):
+            connected_host.put_file(io.BytesIO(b"x"), "/etc/x")
+
+
+def test_get_file_pulls_into_a_host_temp_file_then_removes_it(shell, connected_host):
+    shell.answer("temp=$(", True, out(["/tmp/pyinfra-pct.PuLlEd"]))
+    with patch("pyinfra.connectors.ssh.SSHConnector.get_file", return_value=True) as sftp_get:
+        assert connected_host.get_file("/etc/it's", "local-copy") is True
+    sftp_get.assert_called_once_with("/tmp/pyinfra-pct.PuLlEd", "local-copy")
+    assert shell.commands == [
+        'temp=$(mktemp "${TMPDIR:-/tmp}/pyinfra-pct.XXXXXXXXXX") && echo "$temp" && '
+        "pct pull 129 '/etc/it'\"'\"'s' \"$temp\"",
+        "rm -f /tmp/pyinfra-pct.PuLlEd",
+    ]
+
+
+def test_get_file_removes_the_temp_file_when_the_download_fails(shell, connected_host):
+    shell.answer("temp=$(", True, out(["/tmp/pyinfra-pct.PuLlEd"]))
+    with patch("pyinfra.connectors.ssh.SSHConnector.get_file", side_effect=OSError("sftp broke")):
+        with pytest.raises(OSError, match="sftp broke"):
+            connected_host.get_file("/etc/x", io.BytesIO())
+    assert shell.commands[-1] == "rm -f /tmp/pyinfra-pct.PuLlEd"
+
+
+def test_get_file_of_a_missing_file_fails_and_removes_the_temp_file(shell, connected_host):
+    shell.answer(
+        "temp=$(", False, out(["/tmp/pyinfra-pct.PuLlEd"], ["failed to open /etc/nope: No such file"]),
+    )
+    with patch("pyinfra.connectors.ssh.SSHConnector.get_file") as sftp_get:
+        with pytest.raises(OSError, match="pct pull in container 129 on pve1: failed to open"):
+            connected_host.get_file("/etc/nope", io.BytesIO())
+    sftp_get.assert_not_called()
+    assert shell.commands[-1] == "rm -f /tmp/pyinfra-pct.PuLlEd"
+
+
+# @local: the same commands, run on this machine
+
+
+def test_local_variant_runs_the_same_commands_locally():
+    fake = FakeHostShell()
+    fake.answer("out=$(", True, status_answer(0, "status: running"))
+    with patch("pyinfra.connectors.local.LocalConnector.run_shell_command", fake.as_method()):
+        host = make_host("@pct/@local:129", pct_sudo=False)
+        host.connect(raise_exceptions=True)
+        host.run_shell_command("hostname")
+    assert fake.commands[-1] == expected_exec("sh -c hostname")
