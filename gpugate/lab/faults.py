@@ -1,0 +1,194 @@
+"""Lab faults: the failures real SGLang servers show, injected into one lab container.
+
+A container's faults live in ``$LAB/hosts/<host>/ct/<vmid>/labctl/faults.json`` (read-only inside the
+container as /run/gpugate-lab/faults.json); the stand-in, its workers and the simulated driver read it
+when the behaviour matters, so a fault applies to a server that is already running:
+
+- ``ignore-sigterm``: SIGTERM starts a drain that never ends (only SIGKILL stops the server).
+- ``orphan-worker``: scheduler workers survive a SIGKILL of their parent and keep their memory.
+- ``stuck-memory``: the container's allocations are never released, even after their holders die,
+  until the fault is cleared (clearing releases those whose holder is gone).
+- ``foreign-holder``: a process in the lab host (outside the container) holds memory on every GPU;
+  clearing kills it. Nothing inside the container can see or kill it.
+- ``crash-on-start``: the stand-in exits 1 with a traceback while loading.
+- ``never-healthy``: /health stays 503.
+- ``slow-start=SECONDS``: loading takes that long.
+
+Example: ``apply_fault(Path("/tmp/gpugate-lab"), "pve1", 129, "slow-start=30")``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from gpugate.lab import gpusim
+
+FAULT_NAMES = ("ignore-sigterm", "orphan-worker", "stuck-memory", "foreign-holder", "crash-on-start",
+               "never-healthy", "slow-start=SECONDS")
+FOREIGN_HOLDER_MIB = 4096
+
+
+def ct_dir(lab_dir: Path, host: str, vmid: int) -> Path:
+    return Path(lab_dir) / "hosts" / host / "ct" / str(vmid)
+
+
+def faults_path(lab_dir: Path, host: str, vmid: int) -> Path:
+    return ct_dir(lab_dir, host, vmid) / "labctl" / "faults.json"
+
+
+def parse_fault(name: str, clear: bool = False) -> Tuple[str, object]:
+    """``"slow-start=5"`` -> ``("slow-start", 5.0)``; ``"ignore-sigterm"`` -> ``("ignore-sigterm", True)``.
+
+    Raises ValueError naming the valid faults. When clearing, ``slow-start`` needs no value and
+    ``all`` clears every fault.
+    """
+    key, eq, value = name.strip().partition("=")
+    valid = "valid faults: " + ", ".join(FAULT_NAMES)
+    if clear and key == "all" and not eq:
+        return "all", None
+    if key == "slow-start":
+        if clear:
+            return key, None
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise ValueError(f"fault slow-start needs seconds (slow-start=SECONDS), got {name!r}; {valid}") from None
+        if seconds < 0:
+            raise ValueError(f"fault slow-start needs a non-negative number of seconds, got {name!r}")
+        return key, seconds
+    if key in FAULT_NAMES and not eq:
+        return key, True
+    raise ValueError(f"unknown fault {name!r}; {valid}")
+
+
+def read_faults(lab_dir: Path, host: str, vmid: int) -> Dict[str, object]:
+    """The container's active faults, {} when none."""
+    return gpusim.read_faults(faults_path(lab_dir, host, vmid).parent)
+
+
+def _write_faults(lab_dir: Path, host: str, vmid: int, faults: Dict[str, object]) -> None:
+    path = faults_path(lab_dir, host, vmid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".faults.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(faults, indent=1, sort_keys=True) + "\n")
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
+
+
+def _host_exec_argv(lab_dir: Path, host: str) -> List[str]:
+    """nsenter prefix into the lab host (lab core); tests replace this to run without namespaces."""
+    from gpugate.lab.core import host_exec_argv  # noqa: PLC0415 -- core imports much; only needed here
+
+    return host_exec_argv(lab_dir, host)
+
+
+def _gpu_dir(lab_dir: Path, host: str) -> Path:
+    return Path(lab_dir) / "hosts" / host / "gpu"
+
+
+def _foreign_tag(host: str, vmid: int) -> str:
+    return f"foreign-holder:{host}:{vmid}"
+
+
+def _start_foreign_holder(lab_dir: Path, host: str, vmid: int, mib: int) -> str:
+    pgid_file = ct_dir(lab_dir, host, vmid) / "foreign-holder.pgid"
+    if _foreign_holder_alive(pgid_file):
+        return "already running"
+    argv = _host_exec_argv(lab_dir, host) + [
+        sys.executable, "-m", "gpugate.lab.gpusim", "hold", "--gpu", "all", "--mib", str(mib),
+        "--sim-dir", str(_gpu_dir(lab_dir, host)), "--tag", _foreign_tag(host, vmid)]
+    # Own session: clear can kill nsenter and the holder it forked as one process group.
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    line = proc.stdout.readline().decode(errors="replace").strip() if proc.stdout else ""
+    if not line.startswith("holding"):
+        proc.kill()
+        err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+        raise RuntimeError(f"foreign holder did not start: {err or line or 'no output'}")
+    pgid_file.write_text(f"{proc.pid}\n")
+    return line
+
+
+def _foreign_holder_alive(pgid_file: Path) -> Optional[int]:
+    try:
+        pgid = int(pgid_file.read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.killpg(pgid, 0)
+    except OSError:
+        return None
+    return pgid
+
+
+def _stop_foreign_holder(lab_dir: Path, host: str, vmid: int) -> bool:
+    pgid_file = ct_dir(lab_dir, host, vmid) / "foreign-holder.pgid"
+    pgid = _foreign_holder_alive(pgid_file)
+    if pgid is not None:
+        os.killpg(pgid, signal.SIGKILL)
+    pgid_file.unlink(missing_ok=True)
+    return pgid is not None
+
+
+def _ctl_selector(lab_dir: Path, host: str, vmid: int) -> Optional[str]:
+    return gpusim.ctl_id_of(faults_path(lab_dir, host, vmid).parent)
+
+
+def apply_fault(lab_dir: Path, host: str, vmid: int, name: str, clear: bool = False) -> str:
+    """Inject (or with clear=True remove) one fault into a lab container; returns what was done.
+
+    Example: ``apply_fault(lab, "pve1", 129, "orphan-worker")`` ->
+    ``"pve1/129: fault orphan-worker set"``; an unknown name raises ValueError listing the valid ones.
+    """
+    key, value = parse_fault(name, clear)
+    lab_dir = Path(lab_dir)
+    if not ct_dir(lab_dir, host, vmid).is_dir():
+        raise ValueError(f"no lab container {vmid} on host {host} (in {lab_dir})")
+    faults = read_faults(lab_dir, host, vmid)
+    where = f"{host}/{vmid}"
+    (faults_path(lab_dir, host, vmid).parent).mkdir(parents=True, exist_ok=True)
+    ctl = _ctl_selector(lab_dir, host, vmid)
+    gpu_dir = _gpu_dir(lab_dir, host)
+
+    if clear:
+        keys = list(faults) if key == "all" else [key]
+        notes = []
+        for k in keys:
+            faults.pop(k, None)
+        _write_faults(lab_dir, host, vmid, faults)
+        if "stuck-memory" in keys and ctl and gpu_dir.is_dir():
+            n = len(gpusim.set_stuck(gpu_dir, False, ctl=ctl))
+            notes.append(f"{n} stuck allocation(s) released to the driver")
+        if "foreign-holder" in keys or key == "all":
+            if _stop_foreign_holder(lab_dir, host, vmid):
+                notes.append("foreign holder killed")
+        what = "all faults" if key == "all" else f"fault {key}"
+        return f"{where}: {what} cleared" + (f" ({'; '.join(notes)})" if notes else "")
+
+    faults[key] = value
+    _write_faults(lab_dir, host, vmid, faults)
+    note = ""
+    if key == "stuck-memory" and ctl and gpu_dir.is_dir():
+        n = len(gpusim.set_stuck(gpu_dir, True, ctl=ctl))
+        note = f" ({n} current allocation(s) now stuck)"
+    if key == "foreign-holder":
+        note = f" ({_start_foreign_holder(lab_dir, host, vmid, FOREIGN_HOLDER_MIB)}, outside the container)"
+    shown = f"{key}={value:g}" if key == "slow-start" else key
+    return f"{where}: fault {shown} set{note}"
+
+
+def wait_released(gpu_dir: Path, timeout_s: float = 5.0) -> bool:
+    """Poll until no allocation is left on the host (a test helper for the lab)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not gpusim.list_allocations(gpu_dir):
+            return True
+        time.sleep(0.02)
+    return False

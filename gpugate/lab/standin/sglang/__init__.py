@@ -1,0 +1,9 @@
+"""The gpugate lab's SGLang stand-in (stdlib only): ``python3 -m sglang.launch_server ...``.
+
+It takes SGLang's own flags, spawns ``sglang::scheduler_TP<i>`` workers that hold simulated GPU memory,
+loads with the port closed, serves /health, /health_generate, /get_server_info, /server_info,
+/get_model_info, /v1/models and /generate, and drains on SIGTERM. See launch_server.py.
+"""
+
+__version__ = "0.5.5"
+STANDIN = True

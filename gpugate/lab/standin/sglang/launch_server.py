@@ -1,0 +1,404 @@
+"""``python3 -m sglang.launch_server``: the lab's SGLang stand-in (stdlib only).
+
+What it copies from SGLang (shared/reference/sglang-lifecycle.md):
+
+- SGLang's parser (``sglang/_server_args.py`` = gpugate/sglang_args.py): a bad flag exits 2 with
+  argparse's message. The model path must be a local dir with config.json or an HF id ``org/name``.
+- process tree: this process (cmdline unchanged) spawns ``sglang::scheduler_TP<i>`` per TP rank (plain
+  ``sglang::scheduler`` when tp=1) and ``sglang::detokenizer``; each scheduler holds context +
+  ``mem_fraction_static`` x total MiB on GPU ``base_gpu_id + i*gpu_id_step`` and fails with
+  "RuntimeError: Not enough memory..." when that is not free. Workers die with their parent.
+- loading (``$SGLANG_STANDIN_LOAD_S``, default 1.0; fault ``slow-start=S``) with the port closed, then
+  HTTP: /health 503 until a warmup /generate succeeded, then 200 ("The server is fired up and ready
+  to roll!"); /health_generate; /get_server_info and /server_info (resolved args + version);
+  /get_model_info; /v1/models; POST /generate, /v1/completions, /v1/chat/completions, /flush_cache.
+- SIGTERM during load: default action (dies). SIGTERM when serving: graceful drain (503, in-flight
+  requests finish), then the workers are killed and it exits 0.
+
+Lab faults ($GPUGATE_LAB_CTL/faults.json): ignore-sigterm (drains forever), crash-on-start (exit 1 with
+a traceback during load), never-healthy (/health stays 503), slow-start=S, orphan-worker and
+stuck-memory (in the workers).
+
+Generation takes ``max_new_tokens x $SGLANG_STANDIN_TOKEN_S`` (default 0.002 s), so tests can keep a
+request in flight across a SIGTERM.
+"""
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import sglang
+from sglang._sim import gpusim
+
+DEFAULT_MEM_FRACTION_STATIC = 0.88
+HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def log(message: str, prefix: str = "") -> None:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    sys.stderr.write("[%s%s] %s\n" % (stamp, " " + prefix if prefix else "", message))
+    sys.stderr.flush()
+
+
+def uvicorn_log(message: str) -> None:
+    sys.stderr.write("INFO:     %s\n" % message)
+    sys.stderr.flush()
+
+
+def log_traceback(where: str, exc_line: str) -> None:
+    sys.stderr.write(
+        "Traceback (most recent call last):\n"
+        '  File "<frozen runpy>", line 198, in _run_module_as_main\n'
+        '  File "/usr/lib/python3/dist-packages/sglang/launch_server.py", line 29, in <module>\n'
+        "    launch_server(server_args)\n"
+        '  File "/usr/lib/python3/dist-packages/sglang/srt/entrypoints/http_server.py", line 1180, '
+        "in launch_server\n"
+        "    tokenizer_manager, template_manager, scheduler_info, *_ = _launch_subprocesses(\n"
+        '  File "/usr/lib/python3/dist-packages/sglang/srt/entrypoints/engine.py", line 900, in %s\n'
+        "%s\n" % (where, exc_line))
+    sys.stderr.flush()
+
+
+def build_parser():
+    """SGLang's parser: the copy of gpugate/sglang_args.py, else gpugate's own, else the tiny fallback."""
+    try:
+        from sglang._server_args import build_parser as build
+    except ImportError:
+        try:
+            from gpugate.sglang_args import build_parser as build
+        except ImportError:
+            from sglang._fallback_args import build_parser as build
+    return build("launch_server.py")
+
+
+def model_path_error(path: str):
+    """SGLang's failure for a model path that is neither a local model dir nor an HF repo id; None if ok."""
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return None
+        return ("OSError: %s does not appear to have a file named config.json. Checkout "
+                "'https://huggingface.co/%s/tree/None' for available files." % (path, path))
+    if os.path.exists(path):
+        return "OSError: %s is not a directory" % path
+    if HF_REPO_ID.match(path) and ".." not in path:
+        return None
+    return ("huggingface_hub.errors.HFValidationError: Repo id must be in the form 'repo_name' or "
+            "'namespace/repo_name': '%s'. Use `repo_type` argument if needed." % path)
+
+
+def resolve_server_args(args) -> dict:
+    """Like ServerArgs.__post_init__: fill the defaults SGLang computes (what /server_info reports)."""
+    d = dict(vars(args))
+    if d.get("mem_fraction_static") is None:
+        d["mem_fraction_static"] = DEFAULT_MEM_FRACTION_STATIC
+    if d.get("tokenizer_path") is None:
+        d["tokenizer_path"] = d["model_path"]
+    if d.get("served_model_name") is None:
+        d["served_model_name"] = d["model_path"]
+    if d.get("random_seed") is None:
+        d["random_seed"] = random.randint(0, 1 << 30)
+    if "chunked_prefill_size" in d and d["chunked_prefill_size"] is None:
+        d["chunked_prefill_size"] = 8192
+    if "device" in d and d["device"] is None:
+        d["device"] = "cuda"
+    d.setdefault("tp_size", 1)
+    d.setdefault("dp_size", 1)
+    d.setdefault("base_gpu_id", 0)
+    d.setdefault("gpu_id_step", 1)
+    return d
+
+
+def worker_plan(server_args: dict, total_mib: int) -> list:
+    """One entry per scheduler (title, log prefix, gpu, MiB) plus the detokenizer, named as SGLang names them."""
+    tp, dp = int(server_args["tp_size"]), int(server_args.get("dp_size") or 1)
+    mib = int(total_mib * float(server_args["mem_fraction_static"]))
+    plan = []
+    for d in range(dp):
+        for t in range(tp):
+            parts = ([f"DP{d}"] if dp > 1 else []) + ([f"TP{t}"] if tp > 1 else [])
+            rank = d * tp + t
+            plan.append({
+                "kind": "scheduler",
+                "title": "sglang::scheduler" + ("_" + "_".join(parts) if parts else ""),
+                "log_prefix": " ".join(parts) if parts else "TP0",
+                "gpu": int(server_args["base_gpu_id"]) + rank * int(server_args["gpu_id_step"]),
+                "mib": mib,
+            })
+    plan.append({"kind": "detokenizer", "title": "sglang::detokenizer", "log_prefix": "", "gpu": None, "mib": 0})
+    return plan
+
+
+class Workers:
+    """The child processes; killed with SIGKILL as SGLang's kill_process_tree does."""
+
+    def __init__(self):
+        self.procs = []
+
+    def spawn(self, plan: list) -> None:
+        for job in plan:
+            env = dict(os.environ)
+            env["SGLANG_STANDIN_WORKER"] = json.dumps(dict(job, parent_pid=os.getpid()))
+            self.procs.append(subprocess.Popen(
+                [job["title"], "-m", "sglang._scheduler"], executable=sys.executable, env=env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE))
+
+    def wait_ready(self) -> str:
+        """'' when all reported READY, else the first error."""
+        for proc in self.procs:
+            line = proc.stdout.readline().decode(errors="replace").strip()
+            if line != "READY":
+                return line[len("ERROR "):] if line.startswith("ERROR ") else "scheduler died during initialization"
+        return ""
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            try:
+                proc.kill()
+            except OSError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class State:
+    def __init__(self, server_args: dict):
+        self.server_args = server_args
+        self.up = False
+        self.draining = False
+        self.inflight = 0
+        self.lock = threading.Lock()
+        self.token_s = float(os.environ.get("SGLANG_STANDIN_TOKEN_S", "0.002"))
+        self.rid = 0
+
+    def healthy(self) -> bool:
+        if self.draining or not self.up:
+            return False
+        return not gpusim.read_faults().get("never-healthy")
+
+    def generate(self, text: str, max_new_tokens: int) -> dict:
+        with self.lock:
+            self.inflight += 1
+            self.rid += 1
+            rid = "%032x" % self.rid
+        try:
+            time.sleep(max(0, max_new_tokens) * self.token_s)
+            words = ["lab"] * max(0, min(max_new_tokens, 64))
+            return {"text": " " + " ".join(words) if words else "",
+                    "meta_info": {"id": rid, "prompt_tokens": len(text.split()),
+                                  "completion_tokens": max_new_tokens, "cached_tokens": 0,
+                                  "finish_reason": {"type": "length", "length": max_new_tokens},
+                                  "e2e_latency": max_new_tokens * self.token_s}}
+        finally:
+            with self.lock:
+                self.inflight -= 1
+
+
+def make_handler(state: State):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "uvicorn"
+        sys_version = ""
+
+        def log_message(self, fmt, *args):  # uvicorn's access log shape
+            pass
+
+        def _send(self, code: int, body, content_type="application/json") -> None:
+            data = body if isinstance(body, bytes) else (
+                json.dumps(body).encode() if content_type == "application/json" else str(body).encode())
+            self.send_response(code)
+            self.send_header("content-type", content_type)
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            uvicorn_log('%s:%s - "%s %s HTTP/1.1" %d' % (
+                self.client_address[0], self.client_address[1], self.command, self.path, code))
+
+        def _body(self) -> dict:
+            length = int(self.headers.get("content-length") or 0)
+            if not length:
+                return {}
+            try:
+                return json.loads(self.rfile.read(length) or b"{}")
+            except ValueError:
+                return {}
+
+        def do_GET(self):
+            path = self.path.split("?")[0]
+            sa = state.server_args
+            if path in ("/health", "/health_generate"):
+                if not state.healthy():
+                    return self._send(503, b"", "text/plain")
+                if path == "/health_generate":
+                    state.generate("health", 1)
+                return self._send(200, b"", "text/plain")
+            if path in ("/get_server_info", "/server_info"):
+                info = dict(sa)
+                info.update({"max_total_num_tokens": 1048576, "max_req_input_len": 262136,
+                             "internal_states": [{"last_gen_throughput": 0.0, "load": state.inflight}],
+                             "version": sglang.__version__})
+                return self._send(200, info)
+            if path in ("/get_model_info", "/model_info"):
+                return self._send(200, {"model_path": sa["model_path"], "tokenizer_path": sa["tokenizer_path"],
+                                        "is_generation": True, "preferred_sampling_params": None,
+                                        "weight_version": sa.get("weight_version", "default"),
+                                        "has_image_understanding": False, "has_audio_understanding": False,
+                                        "model_type": "lab"})
+            if path == "/v1/models":
+                return self._send(200, {"object": "list", "data": [{
+                    "id": sa["served_model_name"], "object": "model", "created": int(time.time()),
+                    "owned_by": "sglang", "root": sa["model_path"], "max_model_len": sa.get("context_length") or 32768}]})
+            if path == "/get_load":
+                return self._send(200, [{"dp_rank": 0, "num_reqs": state.inflight, "num_waiting_reqs": 0}])
+            return self._send(404, {"detail": "Not Found"})
+
+        def do_POST(self):
+            path = self.path.split("?")[0]
+            body = self._body()
+            if path == "/flush_cache":
+                return self._send(200, "Cache flushed.\nPlease check backend logs for more details.", "text/plain")
+            if path not in ("/generate", "/v1/completions", "/v1/chat/completions"):
+                return self._send(404, {"detail": "Not Found"})
+            if state.draining:
+                return self._send(503, {"error": {"message": "The server is shutting down."}})
+            if path == "/generate":
+                params = body.get("sampling_params") or {}
+                return self._send(200, state.generate(str(body.get("text", "")),
+                                                      int(params.get("max_new_tokens", 128))))
+            n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+            prompt = body.get("prompt") or " ".join(str(m.get("content", "")) for m in body.get("messages", []))
+            out = state.generate(str(prompt), n)
+            usage = {"prompt_tokens": out["meta_info"]["prompt_tokens"], "completion_tokens": n,
+                     "total_tokens": out["meta_info"]["prompt_tokens"] + n}
+            if path == "/v1/completions":
+                choice = {"index": 0, "text": out["text"], "finish_reason": "length", "logprobs": None}
+                kind = "text_completion"
+            else:
+                choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]},
+                          "finish_reason": "length"}
+                kind = "chat.completion"
+            return self._send(200, {"id": out["meta_info"]["id"], "object": kind, "created": int(time.time()),
+                                    "model": state.server_args["served_model_name"], "choices": [choice],
+                                    "usage": usage})
+
+    return Handler
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def _warmup(state: State, host: str, port: int) -> None:
+    url = "http://%s:%d/generate" % ("127.0.0.1" if host in ("0.0.0.0", "") else host, port)
+    req = urllib.request.Request(url, data=json.dumps({"text": "The capital city of France is",
+                                                       "sampling_params": {"max_new_tokens": 8}}).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=600).read()
+    except Exception as exc:  # noqa: BLE001 - SGLang logs the warmup failure and stays unhealthy
+        log("Initialization failed. warmup error: %r" % (exc,))
+        return
+    if gpusim.read_faults().get("never-healthy"):
+        return  # fault: warmup never completes
+    state.up = True
+    log("The server is fired up and ready to roll!")
+
+
+def _drain_and_exit(state: State, workers: Workers) -> None:
+    last_report = 0.0
+    while True:
+        if not gpusim.read_faults().get("ignore-sigterm") and state.inflight == 0:
+            break
+        now = time.monotonic()
+        if now - last_report >= 5:
+            log("Gracefully exiting... Remaining number of requests %d." % state.inflight)
+            last_report = now
+        time.sleep(0.05)
+    workers.kill()
+    log("Gracefully exited.")
+    os._exit(0)
+
+
+def main(argv=None) -> int:
+    started = time.monotonic()
+    args = build_parser().parse_args(argv)  # exits 2 on a bad flag, as SGLang's parser does
+    error = model_path_error(args.model_path)
+    if error:
+        log_traceback("_launch_subprocesses", error)
+        return 1
+    server_args = resolve_server_args(args)
+    log("server_args=ServerArgs(%s)" % ", ".join("%s=%r" % kv for kv in server_args.items()))
+    faults = gpusim.read_faults()
+    try:
+        config = gpusim.load_config()
+    except gpusim.DriverUnavailable:
+        log_traceback("_launch_subprocesses", "RuntimeError: No CUDA GPUs are available")
+        return 1
+
+    workers = Workers()
+    try:
+        workers.spawn(worker_plan(server_args, int(config["total_mib"])))
+        error = workers.wait_ready()
+        if error:
+            log("Rank 0 scheduler is dead. Please check if there are relevant logs.")
+            log_traceback("_launch_subprocesses",
+                          "RuntimeError: Initialization failed. Please see the error messages above.")
+            workers.kill()
+            return 1
+        load_s = float(faults.get("slow-start") or os.environ.get("SGLANG_STANDIN_LOAD_S", "1.0"))
+        if faults.get("crash-on-start"):
+            time.sleep(max(0.0, load_s / 2 - (time.monotonic() - started)))
+            log_traceback("_launch_subprocesses",
+                          "RuntimeError: CUDA error: an illegal memory access was encountered (lab fault "
+                          "crash-on-start)")
+            workers.kill()
+            return 1
+        time.sleep(max(0.0, load_s - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        workers.kill()
+        return 1
+
+    state = State(server_args)
+    host, port = server_args["host"], int(server_args["port"])
+    try:
+        httpd = Server((host, port), make_handler(state))
+    except OSError as exc:
+        sys.stderr.write("ERROR:    [Errno %d] error while attempting to bind on address ('%s', %d): %s\n"
+                         % (exc.errno or 98, host, port, (exc.strerror or "address already in use").lower()))
+        workers.kill()
+        return 1
+    uvicorn_log("Started server process [%d]" % os.getpid())
+    uvicorn_log("Waiting for application startup.")
+    uvicorn_log("Application startup complete.")
+    uvicorn_log("Uvicorn running on http://%s:%d (Press CTRL+C to quit)" % (host, port))
+
+    def on_sigterm(signum, frame):
+        if state.draining:
+            return
+        state.draining = True
+        log("SIGTERM received. signum=%d. Draining requests and shutting down..." % signum)
+        threading.Thread(target=_drain_and_exit, args=(state, workers), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    threading.Thread(target=_warmup, args=(state, host, port), daemon=True).start()
+    try:
+        httpd.serve_forever(poll_interval=0.1)
+    except KeyboardInterrupt:
+        pass
+    workers.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
