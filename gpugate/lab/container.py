@@ -1,0 +1,360 @@
+"""Lab containers: real PID/mount/UTS/net/IPC/cgroup namespaces nested in a lab host (stdlib only).
+
+A container lives in ``$LAB/hosts/<host>/ct/<vmid>/``: ``config`` (pct config text), ``init.pid`` (the
+init's PID in the lab host's PID namespace), persistent upper dirs for the /etc, /root, /var and /usr
+overlays, and its own /opt, /home, /srv. Its PID 1 is a small reaping init whose cmdline starts with
+``/sbin/init``; its cgroup is ``<host cgroup>/lxc/<vmid>`` as on Proxmox.
+
+Everything here runs inside a lab host (from ``pct`` or the host init), except the read-only helpers
+used by ``gpugate lab status``.
+
+Example (on a lab host):
+    >>> start_container(Path("/tmp/gpugate-lab/hosts/pve1"), 129)   # doctest: +SKIP
+    4242
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from gpugate.lab import nsutil
+
+CONTAINER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+OVERLAID = ("etc", "root", "var", "usr")
+OWN_DIRS = ("opt", "home", "srv")
+DEV_FROM_HOST = ("null", "zero", "full", "random", "urandom", "tty")
+LAB_MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16",
+    "_gpugate_lab": "stand-in model directory; no weights",
+}
+
+# The container's PID 1 (gpugate/lab/ctinit.py, self-contained) is exec'd with argv[0] "/sbin/init".
+INIT_SCRIPT = str(Path(__file__).resolve().parent / "ctinit.py")
+
+
+class ContainerError(Exception):
+    """A pct-level failure; str() is the message pct prints."""
+
+
+def ct_dir(host_dir: Path, vmid: int) -> Path:
+    return Path(host_dir) / "ct" / str(vmid)
+
+
+def host_name(host_dir: Path) -> str:
+    return Path(host_dir).name
+
+
+def gpu_dir(host_dir: Path) -> Path:
+    return Path(host_dir) / "gpu"
+
+
+def default_config(vmid: int, gpu_count: int) -> str:
+    """The pct config text of a lab container (Proxmox's file format, GPU passthrough entries included)."""
+    lines = [
+        "arch: amd64",
+        "cores: 32",
+        "features: nesting=1",
+        f"hostname: ct{vmid}",
+        "memory: 262144",
+        f"net0: name=eth0,bridge=vmbr0,hwaddr=BC:24:11:00:{vmid // 256 % 256:02X}:{vmid % 256:02X},ip=dhcp,type=veth",
+        "onboot: 1",
+        "ostype: debian",
+        f"rootfs: local-lvm:vm-{vmid}-disk-0,size=500G",
+        "swap: 0",
+        "lxc.cgroup2.devices.allow: c 195:* rwm",
+        "lxc.cgroup2.devices.allow: c 509:* rwm",
+    ]
+    for name in [f"nvidia{i}" for i in range(gpu_count)] + ["nvidiactl", "nvidia-uvm"]:
+        lines.append(f"lxc.mount.entry: /dev/{name} dev/{name} none bind,optional,create=file")
+    return "\n".join(lines) + "\n"
+
+
+def parse_config(text: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """Split pct config text into (plain keys, raw lxc.* entries in order); snapshots ignored."""
+    plain: dict[str, str] = {}
+    raw: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        if line.startswith("["):
+            break  # snapshot sections
+        if not line.strip() or line.startswith("#") or ":" not in line:
+            continue
+        key, _, value = line.partition(":")
+        value = value.strip()
+        if key.startswith("lxc."):
+            raw.append((key, value))
+        else:
+            plain[key] = value
+    return plain, raw
+
+
+def format_config(text: str) -> str:
+    """What `pct config` prints: sorted keys (digest omitted), raw lxc.* lines last."""
+    plain, raw = parse_config(text)
+    out = [f"{key}: {plain[key]}" for key in sorted(plain) if key != "digest"]
+    out += [f"{key}: {value}" for key, value in raw]
+    return "\n".join(out) + ("\n" if out else "")
+
+
+def create_container(host_dir: Path, vmid: int, gpu_count: int = 8) -> Path:
+    """Create the container's directory (config, persistent dirs, lab model); idempotent."""
+    cdir = ct_dir(host_dir, vmid)
+    for name in OVERLAID:
+        (cdir / f"{name}-upper").mkdir(parents=True, exist_ok=True)
+        (cdir / f"{name}-work").mkdir(parents=True, exist_ok=True)
+    for name in OWN_DIRS:
+        (cdir / name).mkdir(parents=True, exist_ok=True)
+    (cdir / "root-upper").chmod(0o700)
+    (cdir / "labctl").mkdir(exist_ok=True)
+    model = cdir / "opt" / "models" / "lab-model"
+    model.mkdir(parents=True, exist_ok=True)
+    if not (model / "config.json").exists():
+        (model / "config.json").write_text(json.dumps(LAB_MODEL_CONFIG, indent=2) + "\n")
+    config = cdir / "config"
+    if not config.exists():
+        config.write_text(default_config(vmid, gpu_count))
+    return cdir
+
+
+def container_hostname(host_dir: Path, vmid: int) -> str:
+    try:
+        plain, _ = parse_config((ct_dir(host_dir, vmid) / "config").read_text())
+    except OSError:
+        plain = {}
+    return plain.get("hostname", f"ct{vmid}")
+
+
+def list_vmids(host_dir: Path) -> list[int]:
+    base = Path(host_dir) / "ct"
+    if not base.is_dir():
+        return []
+    return sorted(int(p.name) for p in base.iterdir() if p.name.isdigit() and (p / "config").exists())
+
+
+def _init_from_cgroup(cgroup_dir: str) -> int | None:
+    try:
+        with open(os.path.join(cgroup_dir, "cgroup.procs")) as handle:
+            pids = [int(x) for x in handle.read().split()]
+    except OSError:
+        return None
+    for pid in pids:
+        chain = nsutil.nspid_chain(pid)
+        if len(chain) > 1 and chain[-1] == 1:
+            return pid
+    return None
+
+
+def find_init(host_dir: Path, vmid: int, cgroup_base: str | None) -> int | None:
+    """PID (in the caller's PID namespace) of the container's init, or None when it is stopped.
+
+    cgroup_base is the lab host's cgroup directory as the caller sees it; the cgroup is the source of
+    truth (it works from the host and from the real machine). Without cgroups, init.pid is used.
+    """
+    if cgroup_base:
+        return _init_from_cgroup(os.path.join(cgroup_base, "lxc", str(vmid)))
+    try:
+        pid = int((ct_dir(host_dir, vmid) / "init.pid").read_text())
+    except (OSError, ValueError):
+        return None
+    args = nsutil.cmdline(pid)
+    return pid if args and args[0] == "/sbin/init" else None
+
+
+def host_cgroup_base_inside(host_dir: Path) -> str | None:
+    """Inside a lab host the cgroup2 hierarchy is remounted with the host's cgroup as its root.
+
+    The host init writes ``cgroup_mode`` ("on"/"off"); "off" means the machine gave the lab no
+    writable cgroup v2 and containers are found through init.pid instead.
+    """
+    try:
+        mode = (Path(host_dir) / "cgroup_mode").read_text().strip()
+    except OSError:
+        mode = "off"
+    return nsutil.cgroup2_mount() if mode == "on" else None
+
+
+def _setup_container_fs(host_dir: Path, vmid: int) -> None:
+    """Runs as the container's PID 1 before exec: mounts, hostname, loopback."""
+    cdir = ct_dir(host_dir, vmid)
+    gdir = gpu_dir(host_dir)
+    nsutil.make_private("/")
+    for name in OVERLAID:
+        nsutil.mount(
+            "overlay",
+            f"/{name}",
+            "overlay",
+            0,
+            f"lowerdir=/{name},upperdir={cdir}/{name}-upper,workdir={cdir}/{name}-work",
+        )
+    for name in OWN_DIRS:
+        os.makedirs(f"/{name}", exist_ok=True)
+        nsutil.bind(str(cdir / name), f"/{name}")
+    nsutil.mount("tmpfs", "/run", "tmpfs", nsutil.MS_NOSUID | nsutil.MS_NODEV, "mode=755")
+    for sub in ("gpugate-sim", "gpugate-lab", "lock", "user"):
+        os.makedirs(f"/run/{sub}", exist_ok=True)
+    if gdir.is_dir():
+        nsutil.bind(str(gdir), "/run/gpugate-sim")
+    nsutil.bind(str(cdir / "labctl"), "/run/gpugate-lab", readonly=True)
+    # /dev: a fresh tmpfs, prepared under /run while the machine's /dev is still visible (its basic
+    # nodes are bound, since mknod may be refused), then moved over /dev.
+    staging = "/run/.gpugate-dev"
+    os.makedirs(staging)
+    nsutil.mount("tmpfs", staging, "tmpfs", nsutil.MS_NOSUID, "mode=755")
+    for name in DEV_FROM_HOST:
+        open(f"{staging}/{name}", "w").close()
+        nsutil.bind(f"/dev/{name}", f"{staging}/{name}")
+    sim_dev = "/run/gpugate-sim/dev"
+    if os.path.isdir(sim_dev):
+        for entry in sorted(os.listdir(sim_dev)):
+            src = os.path.join(sim_dev, entry)
+            if os.path.isdir(src):
+                os.makedirs(f"{staging}/{entry}", exist_ok=True)
+            else:
+                open(f"{staging}/{entry}", "w").close()
+            nsutil.bind(src, f"{staging}/{entry}")
+    nsutil.mount(staging, "/dev", None, nsutil.MS_MOVE)
+    os.rmdir(staging)
+    os.makedirs("/dev/pts", exist_ok=True)
+    os.makedirs("/dev/shm", exist_ok=True)
+    nsutil.mount("devpts", "/dev/pts", "devpts", nsutil.MS_NOSUID | nsutil.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
+    os.symlink("pts/ptmx", "/dev/ptmx")
+    nsutil.mount("tmpfs", "/dev/shm", "tmpfs", nsutil.MS_NOSUID | nsutil.MS_NODEV, "mode=1777")
+    for link, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"/dev/{link}")
+    nsutil.mount("proc", "/proc", "proc", nsutil.MS_NOSUID | nsutil.MS_NODEV | nsutil.MS_NOEXEC)
+    cg_mount = nsutil.cgroup2_mount()
+    if cg_mount:
+        try:
+            nsutil.umount(cg_mount)
+            nsutil.mount("cgroup2", cg_mount, "cgroup2", nsutil.MS_NOSUID | nsutil.MS_NODEV | nsutil.MS_NOEXEC)
+        except OSError:
+            pass  # the container then sees the host's cgroup tree; only cosmetic
+    # /tmp last: the lab's state dir may live under /tmp and every source above comes from it.
+    nsutil.mount("tmpfs", "/tmp", "tmpfs", nsutil.MS_NOSUID | nsutil.MS_NODEV, "mode=1777")
+    # Everything not overlaid or mounted above is the machine's: keep the container from writing it.
+    try:
+        nsutil.mount("none", "/", None, nsutil.MS_BIND | nsutil.MS_REMOUNT | nsutil.MS_RDONLY)
+    except OSError:
+        pass
+    nsutil.sethostname(container_hostname(host_dir, vmid))
+    nsutil.loopback_up()
+    os.chdir("/")
+
+
+def start_container(host_dir: Path, vmid: int, cgroup_base: str | None) -> int:
+    """Start the container (like `pct start`): returns its init's PID in the caller's namespace.
+
+    Raises ContainerError("CT <vmid> already running") when it runs already.
+    """
+    if find_init(host_dir, vmid, cgroup_base):
+        raise ContainerError(f"CT {vmid} already running")
+    cgroup_dir = None
+    if cgroup_base:
+        cgroup_dir = os.path.join(cgroup_base, "lxc", str(vmid))
+        os.makedirs(cgroup_dir, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    child = os.fork()
+    if child == 0:  # intermediate: enters the cgroup, unshares, forks the init, reports its pid
+        code = 1
+        try:
+            os.close(read_fd)
+            devnull = os.open("/dev/null", os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            os.setsid()
+            if cgroup_dir:
+                nsutil.join_cgroup(cgroup_dir)
+            nsutil.unshare(
+                nsutil.CLONE_NEWNS | nsutil.CLONE_NEWUTS | nsutil.CLONE_NEWIPC | nsutil.CLONE_NEWNET
+                | nsutil.CLONE_NEWPID | nsutil.CLONE_NEWCGROUP
+            )
+            init = os.fork()
+            if init == 0:
+                try:
+                    _setup_container_fs(host_dir, vmid)
+                    os.write(write_fd, b"ok\n")
+                    timeout = _shutdown_timeout(host_dir, vmid)
+                    os.execv(CONTAINER_PYTHON, ["/sbin/init", "-S", "-E", INIT_SCRIPT, str(timeout)])
+                except BaseException as exc:  # report any failure to pct start
+                    os.write(write_fd, f"error {exc}\n".encode())
+                    os._exit(1)
+            os.write(write_fd, f"pid {init}\n".encode())
+            code = 0
+        except BaseException as exc:
+            os.write(write_fd, f"error {exc}\n".encode())
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as reader:
+        buf = reader.read()
+    os.waitpid(child, 0)
+    pid = None
+    errors = []
+    for line in buf.decode(errors="replace").splitlines():
+        if line.startswith("pid "):
+            pid = int(line[4:])
+        elif line.startswith("error "):
+            errors.append(line[6:])
+    if errors or pid is None or b"ok" not in buf:
+        if pid:
+            _kill(pid, signal.SIGKILL)
+        raise ContainerError(f"startup for container '{vmid}' failed: {'; '.join(errors) or 'no init'}")
+    (ct_dir(host_dir, vmid) / "init.pid").write_text(f"{pid}\n")
+    return pid
+
+
+def _shutdown_timeout(host_dir: Path, vmid: int) -> int:
+    return 60
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_gone(host_dir: Path, vmid: int, cgroup_base: str | None, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not find_init(host_dir, vmid, cgroup_base):
+            return True
+        time.sleep(0.01)
+    return not find_init(host_dir, vmid, cgroup_base)
+
+
+def stop_container(host_dir: Path, vmid: int, cgroup_base: str | None) -> None:
+    """Hard stop (like `pct stop`): SIGKILL the init, which takes the whole PID namespace with it."""
+    pid = find_init(host_dir, vmid, cgroup_base)
+    if not pid:
+        raise ContainerError(f"CT {vmid} not running")
+    _kill(pid, signal.SIGKILL)
+    if not _wait_gone(host_dir, vmid, cgroup_base, 10):
+        raise ContainerError("container did not stop")
+
+
+def shutdown_container(host_dir: Path, vmid: int, cgroup_base: str | None, timeout_s: float = 60, force: bool = False) -> None:
+    """Clean shutdown (like `pct shutdown`): SIGPWR to init, which SIGTERMs every process and waits."""
+    pid = find_init(host_dir, vmid, cgroup_base)
+    if not pid:
+        raise ContainerError(f"CT {vmid} not running")
+    _kill(pid, signal.SIGPWR)
+    if _wait_gone(host_dir, vmid, cgroup_base, timeout_s):
+        return
+    if force:
+        _kill(pid, signal.SIGKILL)
+        if _wait_gone(host_dir, vmid, cgroup_base, 10):
+            return
+    raise ContainerError("container did not stop")

@@ -1,0 +1,480 @@
+"""The local lab: `gpugate lab up|down|status` -- simulated Proxmox hosts made of real parts.
+
+Each host ``pveN`` is a real OpenSSH server on 127.0.0.1 running in its own PID, mount, UTS and cgroup
+namespaces under a reaping init (gpugate.lab.hostinit); its containers are nested namespaces
+(gpugate.lab.container) managed by the lab's ``pct`` (gpugate.lab.pct).
+
+Example:
+    >>> lab = up(Path("/tmp/lab-demo"), hosts=2)          # doctest: +SKIP
+    >>> ssh_argv(Path("/tmp/lab-demo"), "pve1") + ["pct", "list"]   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from gpugate.lab import container, nsutil
+
+DEFAULT_LAB_DIR = "/tmp/gpugate-lab"
+DEFAULT_GPUS = 8
+DEFAULT_GPU_MIB = 97887
+DEFAULT_VMIDS = (129,)
+PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
+FORBIDDEN_PREFIXES = ("/etc", "/root", "/var", "/usr")
+BOOT_CODE = "import sys; sys.path.insert(0, {root!r}); from gpugate.lab.{module} import main; {call}"
+
+
+class LabError(Exception):
+    """The lab could not do what was asked; str() says why."""
+
+
+def default_lab_dir() -> Path:
+    return Path(os.environ.get("GPUGATE_LAB_DIR") or DEFAULT_LAB_DIR)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class HostInfo:
+    """One lab host as `gpugate lab status --json` reports it."""
+
+    name: str
+    hostname: str
+    port: int
+    user: str
+    key: str
+    known_hosts: str
+    running: bool = False
+    init_pid: int | None = None
+    containers: list[dict] = field(default_factory=list)
+    gpus: list[dict] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- paths and small pure helpers
+
+
+def host_dir(lab_dir: Path, host: str) -> Path:
+    return Path(lab_dir) / "hosts" / host
+
+
+def host_names(count: int) -> list[str]:
+    return [f"pve{i}" for i in range(1, count + 1)]
+
+
+def existing_hosts(lab_dir: Path) -> list[str]:
+    base = Path(lab_dir) / "hosts"
+    if not base.is_dir():
+        return []
+    names = [p.name for p in base.iterdir() if (p / "sshd_config").exists()]
+    return sorted(names, key=lambda n: (len(n), n))
+
+
+def cgroup_name(lab_dir: Path) -> str:
+    """Per-lab cgroup directory name, so two labs on one machine never share cgroups."""
+    digest = hashlib.sha1(str(Path(lab_dir).resolve()).encode()).hexdigest()[:10]
+    return f"gpugate-lab-{digest}"
+
+
+def lab_cgroup_dir(lab_dir: Path) -> str | None:
+    mount = nsutil.cgroup2_mount()
+    return os.path.join(mount, cgroup_name(lab_dir)) if mount else None
+
+
+def host_cgroup_dir(lab_dir: Path, host: str) -> str | None:
+    base = lab_cgroup_dir(lab_dir)
+    return os.path.join(base, host) if base else None
+
+
+def sshd_config_text(hdir: Path, port: int, authorized_keys: Path) -> str:
+    """sshd_config of one lab host: loopback, key-only root, SFTP, PATH with the lab's pct."""
+    path = f"{hdir / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin"
+    return "\n".join([
+        f"Port {port}",
+        "ListenAddress 127.0.0.1",
+        f"HostKey {hdir / 'ssh_host_ed25519_key'}",
+        "PidFile none",
+        f"AuthorizedKeysFile {authorized_keys}",
+        "PermitRootLogin prohibit-password",
+        "PubkeyAuthentication yes",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "StrictModes no",
+        "PrintMotd no",
+        "PrintLastLog no",
+        "UseDNS no",
+        "MaxStartups 200:30:400",
+        "MaxSessions 200",
+        "LogLevel ERROR",
+        "Subsystem sftp internal-sftp",
+        f"SetEnv PATH={path} GPUGATE_LAB_HOST={hdir.name}",
+        "",
+    ])
+
+
+def fleet_document(lab_dir: Path, hosts: list[tuple[str, int]], vmids: dict[str, list[int]]) -> dict:
+    """The fleet.yaml content for the lab (the shape inventory.py reads)."""
+    doc: dict = {"hosts": {}}
+    for name, port in hosts:
+        doc["hosts"][name] = {
+            "ssh": {
+                "hostname": "127.0.0.1",
+                "port": port,
+                "user": "root",
+                "key": str(Path(lab_dir) / "id_ed25519"),
+                "known_hosts_file": str(Path(lab_dir) / "known_hosts"),
+            },
+            "containers": {
+                vmid: {"sglang": {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 8}}}
+                for vmid in vmids.get(name, [])
+            },
+        }
+    return doc
+
+
+def render_fleet_yaml(doc: dict) -> str:
+    """YAML without needing PyYAML's flow style quirks: nested block mappings, flow for ssh."""
+    lines = ["# written by `gpugate lab up`; the lab's fleet", "hosts:"]
+    for name, host in doc["hosts"].items():
+        ssh = host["ssh"]
+        lines.append(f"  {name}:")
+        lines.append(
+            "    ssh: {hostname: %s, port: %d, user: %s, key: %s, known_hosts_file: %s}"
+            % (ssh["hostname"], ssh["port"], ssh["user"], json.dumps(ssh["key"]), json.dumps(ssh["known_hosts_file"]))
+        )
+        if not host["containers"]:
+            lines.append("    containers: {}")
+            continue
+        lines.append("    containers:")
+        for vmid, spec in host["containers"].items():
+            sg = spec["sglang"]
+            flags = ", ".join(f"{k}: {json.dumps(v)}" for k, v in sg["flags"].items())
+            lines.append(f"      {vmid}:")
+            lines.append(f"        sglang: {{model_path: {sg['model_path']}, port: {sg['port']}, flags: {{{flags}}}}}")
+    return "\n".join(lines) + "\n"
+
+
+def pick_port(preferred: int | None = None) -> int:
+    """A free TCP port on 127.0.0.1 (the previous one when still free, so known_hosts stays valid)."""
+    if preferred:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", preferred))
+                return preferred
+            except OSError:
+                pass
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _keygen(path: Path, comment: str) -> None:
+    if not path.exists():
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+            check=True, stdin=subprocess.DEVNULL,
+        )
+
+
+def _wrapper(module: str, call: str, python: str = sys.executable) -> str:
+    code = BOOT_CODE.format(root=PACKAGE_ROOT, module=module, call=call)
+    return f"#!/bin/sh\nexec {shlex.quote(python)} -S -E -c {shlex.quote(code)} \"$@\"\n"
+
+
+# ---------------------------------------------------------------- host process state
+
+
+def host_init_pid(lab_dir: Path, host: str) -> int | None:
+    """The host init's PID on this machine when it is alive and really ours, else None."""
+    try:
+        pid = int((host_dir(lab_dir, host) / "init.pid").read_text())
+    except (OSError, ValueError):
+        return None
+    args = " ".join(nsutil.cmdline(pid))
+    if "gpugate.lab.hostinit" in args and str(Path(lab_dir)) in args:
+        return pid
+    return None
+
+
+def host_exec_argv(lab_dir: Path, host: str) -> list[str]:
+    """argv prefix that runs a command inside a lab host (its pid/mount/uts/cgroup namespaces and cgroup).
+
+    Example: subprocess.run(host_exec_argv(lab, "pve1") + ["pct", "list"])
+    """
+    pid = host_init_pid(lab_dir, host)
+    if pid is None:
+        raise LabError(f"lab host {host} is not running (gpugate lab up)")
+    cg = host_cgroup_dir(lab_dir, host)
+    procs = os.path.join(cg, "cgroup.procs") if cg and os.path.isdir(cg) else "/dev/null"
+    script = 'echo $$ > "$1" 2>/dev/null; shift; exec nsenter "$@"'
+    path = f"{host_dir(lab_dir, host) / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin"
+    return ["/bin/sh", "-c", script, "gpugate-host-exec", procs, "-t", str(pid), "-p", "-m", "-u", "-C", "--",
+            "env", f"PATH={path}"]
+
+
+def ssh_argv(lab_dir: Path, host: str) -> list[str]:
+    """An ssh command line that logs into a lab host as root (host key checked against the lab's file)."""
+    hdir = host_dir(lab_dir, host)
+    port = int((hdir / "port").read_text())
+    return [
+        "ssh", "-i", str(Path(lab_dir) / "id_ed25519"), "-p", str(port),
+        "-o", f"UserKnownHostsFile={Path(lab_dir) / 'known_hosts'}", "-o", "StrictHostKeyChecking=yes",
+        "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR", "root@127.0.0.1",
+    ]
+
+
+# ---------------------------------------------------------------- up / down / status
+
+
+def _prepare_gpus(hdir: Path, gpus: int, gpu_mib: int) -> None:
+    gdir = hdir / "gpu"
+    wanted = (gpus, gpu_mib)
+    try:
+        cfg = json.loads((gdir / "config.json").read_text())
+        if (cfg.get("count"), cfg.get("total_mib")) == wanted:
+            return
+    except (OSError, ValueError):
+        pass
+    try:
+        from gpugate.lab import gpusim  # noqa: PLC0415 -- built in parallel; optional here
+    except ImportError:
+        log(f"{hdir.name}: gpugate.lab.gpusim not available; writing bare device nodes only")
+        (gdir / "dev").mkdir(parents=True, exist_ok=True)
+        (gdir / "alloc").mkdir(exist_ok=True)
+        for name in [f"nvidia{i}" for i in range(gpus)] + ["nvidiactl", "nvidia-uvm"]:
+            (gdir / "dev" / name).touch()
+        return
+    gpusim.setup_host(gdir, gpus, gpu_mib)
+
+
+def _install_extras(cdir: Path) -> None:
+    try:
+        from gpugate.lab import container_files  # noqa: PLC0415 -- built in parallel; optional here
+    except ImportError:
+        log(f"{cdir}: gpugate.lab.container_files not available; no nvidia-smi/pynvml/sglang in the container")
+        return
+    container_files.install_container_extras(cdir / "usr-upper")
+
+
+def _prepare_host(lab_dir: Path, name: str, gpus: int, gpu_mib: int, vmids: list[int]) -> int:
+    hdir = host_dir(lab_dir, name)
+    (hdir / "bin").mkdir(parents=True, exist_ok=True)
+    _keygen(hdir / "ssh_host_ed25519_key", f"root@{name}")
+    previous = None
+    try:
+        previous = int((hdir / "port").read_text())
+    except (OSError, ValueError):
+        pass
+    port = pick_port(previous)
+    (hdir / "port").write_text(f"{port}\n")
+    (hdir / "sshd_config").write_text(sshd_config_text(hdir, port, Path(lab_dir) / "authorized_keys"))
+    pct = hdir / "bin" / "pct"
+    pct.write_text(_wrapper("pct", f"sys.exit(main(sys.argv[1:], host_dir={str(hdir)!r}))"))
+    pct.chmod(0o755)
+    smi = hdir / "bin" / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m gpugate.lab.nvidia_smi \"$@\"\n")
+    smi.chmod(0o755)
+    _prepare_gpus(hdir, gpus, gpu_mib)
+    for vmid in vmids:
+        cdir = container.create_container(hdir, vmid, gpus)
+        _install_extras(cdir)
+    for vmid in container.list_vmids(hdir):
+        if vmid not in vmids:
+            _install_extras(container.ct_dir(hdir, vmid))
+    return port
+
+
+def _launch_host(lab_dir: Path, name: str) -> None:
+    hdir = host_dir(lab_dir, name)
+    cg = host_cgroup_dir(lab_dir, name)
+    if cg:
+        try:
+            os.makedirs(cg, exist_ok=True)
+        except OSError as exc:
+            log(f"{name}: no cgroup ({exc}); containers will be tracked by pid files")
+            cg = None
+    code = BOOT_CODE.format(root=PACKAGE_ROOT, module="hostinit", call="main(sys.argv[1:])")
+    with open(hdir / "host.log", "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-S", "-E", "-c", code, str(lab_dir), name, cg or ""],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, cwd="/",
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+        )
+        if proc.wait(timeout=60) != 0:
+            tail = (hdir / "host.log").read_text(errors="replace").strip().splitlines()[-5:]
+            raise LabError(f"lab host {name} did not start: " + " | ".join(tail))
+
+
+def _write_known_hosts(lab_dir: Path) -> None:
+    lines = []
+    for name in existing_hosts(lab_dir):
+        hdir = host_dir(lab_dir, name)
+        port = int((hdir / "port").read_text())
+        key = " ".join((hdir / "ssh_host_ed25519_key.pub").read_text().split()[:2])
+        lines.append(f"[127.0.0.1]:{port} {key}")
+    (Path(lab_dir) / "known_hosts").write_text("\n".join(lines) + "\n")
+
+
+def check_lab_dir(lab_dir: Path) -> None:
+    resolved = str(Path(lab_dir).resolve())
+    for prefix in FORBIDDEN_PREFIXES:
+        if resolved == prefix or resolved.startswith(prefix + "/"):
+            raise LabError(f"lab dir {resolved} lies under {prefix}, which containers overlay; choose another")
+
+
+def up(lab_dir: Path, hosts: int = 1, gpus: int = DEFAULT_GPUS, gpu_mib: int = DEFAULT_GPU_MIB,
+       vmids: tuple[int, ...] = DEFAULT_VMIDS) -> dict:
+    """Bring the lab up (idempotent: running hosts are left exactly as they are). Returns the status."""
+    if os.geteuid() != 0:
+        raise LabError("the lab needs root (namespaces, mounts, sshd)")
+    lab_dir = Path(lab_dir).resolve()
+    check_lab_dir(lab_dir)
+    lab_dir.mkdir(parents=True, exist_ok=True)
+    _keygen(lab_dir / "id_ed25519", "gpugate-lab-client")
+    (lab_dir / "authorized_keys").write_text((lab_dir / "id_ed25519.pub").read_text())
+    names = host_names(hosts)
+    to_start = [n for n in names if host_init_pid(lab_dir, n) is None]
+    for name in to_start:
+        _prepare_host(lab_dir, name, gpus, gpu_mib, list(vmids))
+    _write_known_hosts(lab_dir)
+    if to_start:
+        with ThreadPoolExecutor(max_workers=min(16, len(to_start))) as pool:
+            for future in [pool.submit(_launch_host, lab_dir, n) for n in to_start]:
+                future.result()
+    state = status(lab_dir)
+    vmid_map = {h["name"]: [c["vmid"] for c in h["containers"]] for h in state["hosts"]}
+    doc = fleet_document(lab_dir, [(h["name"], h["port"]) for h in state["hosts"]], vmid_map)
+    (lab_dir / "fleet.yaml").write_text(render_fleet_yaml(doc))
+    (lab_dir / "lab.json").write_text(json.dumps(state, indent=2) + "\n")
+    return state
+
+
+def _rmdir_cgroup_tree(path: str, timeout_s: float = 5.0) -> None:
+    if not os.path.isdir(path):
+        return
+    deadline = time.monotonic() + timeout_s
+    for root, dirs, _files in sorted(os.walk(path), key=lambda t: -t[0].count("/")):
+        del dirs
+        while True:
+            try:
+                os.rmdir(root)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    log(f"could not remove cgroup {root} (processes left?)")
+                    break
+                time.sleep(0.01)
+
+
+def down(lab_dir: Path) -> list[str]:
+    """Kill every lab host (its PID namespace takes sshd, driver and containers along). Returns names stopped.
+
+    State (keys, ports, container dirs) stays, so `lab up` brings back the same hosts and host keys.
+    """
+    lab_dir = Path(lab_dir).resolve()
+    stopped = []
+    pids = {}
+    for name in existing_hosts(lab_dir):
+        pid = host_init_pid(lab_dir, name)
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            pids[name] = pid
+    deadline = time.monotonic() + 10
+    for name, pid in pids.items():
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stopped.append(name)
+    for name in existing_hosts(lab_dir):
+        (host_dir(lab_dir, name) / "init.pid").unlink(missing_ok=True)
+    cg = lab_cgroup_dir(lab_dir)
+    if cg:
+        _rmdir_cgroup_tree(cg)
+    for leftover in ("lab.json", "fleet.yaml"):
+        (lab_dir / leftover).unlink(missing_ok=True)
+    return stopped
+
+
+def gpu_usage(gdir: Path) -> list[dict]:
+    """Per-GPU used MiB (v2 semantics, reserved excluded) read from the driver's ledger."""
+    try:
+        cfg = json.loads((gdir / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    used = [0] * int(cfg.get("count", 0))
+    alloc_dir = gdir / "alloc"
+    if alloc_dir.is_dir():
+        for path in alloc_dir.glob("*.json"):
+            try:
+                alloc = json.loads(path.read_text())
+                used[int(alloc["gpu"])] += int(alloc["mib"])
+            except (OSError, ValueError, KeyError, IndexError, TypeError):
+                continue
+    total = int(cfg.get("total_mib", 0))
+    return [{"index": i, "used_mib": u, "total_mib": total} for i, u in enumerate(used)]
+
+
+def host_status(lab_dir: Path, name: str) -> HostInfo:
+    hdir = host_dir(lab_dir, name)
+    try:
+        port = int((hdir / "port").read_text())
+    except (OSError, ValueError):
+        port = 0
+    pid = host_init_pid(lab_dir, name)
+    info = HostInfo(
+        name=name, hostname="127.0.0.1", port=port, user="root",
+        key=str(Path(lab_dir) / "id_ed25519"), known_hosts=str(Path(lab_dir) / "known_hosts"),
+        running=pid is not None, init_pid=pid,
+    )
+    cg = host_cgroup_dir(lab_dir, name)
+    cg_on = (hdir / "cgroup_mode").exists() and (hdir / "cgroup_mode").read_text().strip() == "on"
+    for vmid in container.list_vmids(hdir):
+        if not pid:
+            state = "stopped"
+        elif cg_on and cg:
+            state = "running" if container.find_init(hdir, vmid, cg) else "stopped"
+        else:
+            state = "unknown"
+        info.containers.append({"vmid": vmid, "status": state, "name": container.container_hostname(hdir, vmid)})
+    info.gpus = gpu_usage(hdir / "gpu")
+    return info
+
+
+def status(lab_dir: Path) -> dict:
+    """What `gpugate lab status --json` prints."""
+    lab_dir = Path(lab_dir).resolve()
+    return {
+        "dir": str(lab_dir),
+        "fleet": str(lab_dir / "fleet.yaml"),
+        "known_hosts": str(lab_dir / "known_hosts"),
+        "key": str(lab_dir / "id_ed25519"),
+        "hosts": [asdict(host_status(lab_dir, n)) for n in existing_hosts(lab_dir)],
+    }
+
+
+def format_status(state: dict) -> str:
+    """Human-readable `gpugate lab status`."""
+    if not state["hosts"]:
+        return f"no lab in {state['dir']} (gpugate lab up)\n"
+    out = [f"lab {state['dir']}  fleet: {state['fleet']}"]
+    for host in state["hosts"]:
+        mark = "up" if host["running"] else "down"
+        out.append(f"{host['name']}: {mark}  ssh root@{host['hostname']} -p {host['port']} -i {host['key']}")
+        for ct in host["containers"]:
+            out.append(f"  ct {ct['vmid']} ({ct['name']}): {ct['status']}")
+        if host["gpus"]:
+            used = " ".join(f"{g['index']}:{g['used_mib']}" for g in host["gpus"])
+            out.append(f"  gpu used MiB (of {host['gpus'][0]['total_mib']}): {used}")
+    return "\n".join(out) + "\n"
