@@ -1,0 +1,161 @@
+"""Facts about the SGLang server in a container.
+
+``SglangServer``: the server on a port (running or not, main pid, process tree, argv and parsed
+flags actually running, health, /get_server_info subset, recorded state, lock, stray SGLang
+processes, stale /dev/shm segments, the container's memory).
+``SglangObservation``: the same plus the GPU probe, in ONE remote command (the operation's
+observe step).
+
+Both are read-only and exit 0; the probe is sent inline (gpugate/remote/*.py), nothing is installed.
+
+**Example:**
+
+.. code:: python
+
+    from gpugate.facts.sglang import SglangServer
+    server = host.get_fact(SglangServer, port=30000)
+    if server["running"]:
+        print(server["main"]["pid"], server["command"]["flags"])
+
+or from the CLI: ``pyinfra inventory.py fact gpugate.facts.sglang.SglangServer port=30000``
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, TypedDict
+
+from pyinfra.api import FactBase, QuoteString, StringCommand
+
+from gpugate.sglang_args import parse_argv
+from gpugate.transition import inline_python, paths
+
+
+class ProcessInfo(TypedDict):
+    pid: int
+    ppid: int
+    pgid: int
+    state: str
+    cmdline: str
+
+
+class MainProcess(TypedDict):
+    pid: int
+    pgid: int
+    argv: list[str]
+    state: str
+    age_s: float
+
+
+class RunningCommand(TypedDict):
+    model_path: Optional[str]
+    host: str
+    port: int
+    flags: dict[str, Any]
+    unknown: list[str]
+
+
+class SglangServerDoc(TypedDict, total=False):
+    port: int
+    running: bool
+    main: Optional[MainProcess]
+    command: Optional[RunningCommand]  # argv parsed with gpugate.sglang_args.parse_argv
+    tree: list[ProcessInfo]           # main process first, then every descendant
+    strays: list[ProcessInfo]         # SGLang processes outside the tree (orphaned workers...)
+    pid_file_pid: Optional[int]
+    listening: bool
+    listener_pids: list[int]
+    health: dict[str, Any]            # health, health_error, health_generate, health_generate_error
+    server_info: Optional[dict[str, Any]]
+    env_hashes: dict[str, Optional[str]]
+    state: Optional[dict[str, Any]]   # /var/lib/gpugate/sglang-<port>.json (no secrets)
+    lock: Optional[dict[str, Any]]    # /run/gpugate/sglang-<port>.lock
+    shm_stale: list[str]
+    memory_limit_bytes: Optional[int]
+    model_path_exists: Optional[bool]
+    log_tail: Optional[list[str]]
+    error: str
+
+
+def _probe_kwargs(port: int, env_names=(), model_path: str | None = None, tail_lines: int = 0,
+                  generate: bool = False) -> dict[str, Any]:
+    files = paths(port)
+    return {"port": int(port), "pid_file": files["pid"], "state_file": files["state"], "lock_file": files["lock"],
+            "log_file": files["log"], "env_names": sorted(env_names or ()), "model_path": model_path,
+            "tail_lines": int(tail_lines), "generate": bool(generate)}
+
+
+def probe_command(sections: dict[str, dict[str, Any]], python: str = "/usr/bin/python3") -> StringCommand:
+    """One command printing one JSON document ``{section: <module>.collect(**kwargs)}`` for
+    ``sglang`` (sglang_probe) and ``gpu`` (gpu_probe). Always exits 0."""
+    modules = [f"{name}_probe" for name in sections]
+    body = ("import json\nout = {}\n"
+            f"for name, kwargs in json.loads({json.dumps(sections)!r}).items():\n"
+            "    try:\n"
+            "        out[name] = sys.modules[name + '_probe'].collect(**kwargs)\n"
+            "    except Exception as error:\n"
+            "        out[name] = {'error': '%s: %s' % (type(error).__name__, error)}\n"
+            "print(json.dumps(out))")
+    return StringCommand("{", python, "-c", QuoteString(inline_python(modules, body)), ";", "}", "2>&1", "||", "true")
+
+
+def parse_probe_output(output: list[str]) -> dict[str, Any]:
+    for line in reversed(output):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                break
+    return {"error": "the probe printed no JSON: " + " | ".join(output[-5:])[:500]}
+
+
+def with_command(server: dict[str, Any]) -> dict[str, Any]:
+    """Add ``command``: the running argv parsed into model path, host, port and flags."""
+    main = server.get("main")
+    if main:
+        parsed = parse_argv(main["argv"])
+        server["command"] = {"model_path": parsed.model_path, "host": parsed.host, "port": parsed.port,
+                             "flags": parsed.flags, "unknown": parsed.unknown}
+    else:
+        server["command"] = None
+    return server
+
+
+class SglangServer(FactBase):
+    """The SGLang server on ``port`` in the container (see the module docstring)."""
+
+    def command(self, port: int = 30000, env_names=(), model_path: str | None = None, tail_lines: int = 0,
+                generate: bool = False, python: str = "/usr/bin/python3"):
+        return probe_command({"sglang": _probe_kwargs(port, env_names, model_path, tail_lines, generate)}, python)
+
+    @staticmethod
+    def default() -> SglangServerDoc:
+        return {"running": False, "error": "no probe output"}
+
+    def process(self, output) -> SglangServerDoc:
+        doc = parse_probe_output(list(output))
+        if "sglang" not in doc:
+            return {"running": False, "error": doc.get("error", "no sglang section")}
+        return with_command(doc["sglang"])
+
+
+class SglangObservation(FactBase):
+    """``{"sglang": SglangServerDoc, "gpu": <GPU probe document>}`` in one round trip."""
+
+    def command(self, port: int = 30000, env_names=(), model_path: str | None = None, tail_lines: int = 0,
+                python: str = "/usr/bin/python3"):
+        return probe_command({"sglang": _probe_kwargs(port, env_names, model_path, tail_lines),
+                              "gpu": {}}, python)
+
+    @staticmethod
+    def default() -> dict[str, Any]:
+        return {"sglang": {"running": False, "error": "no probe output"}, "gpu": {"error": "no probe output"}}
+
+    def process(self, output) -> dict[str, Any]:
+        doc = parse_probe_output(list(output))
+        if "error" in doc and "sglang" not in doc:
+            return {"sglang": {"running": False, "error": doc["error"]}, "gpu": {"error": doc["error"]}}
+        if "sglang" in doc and "error" not in doc["sglang"]:
+            with_command(doc["sglang"])
+        return doc

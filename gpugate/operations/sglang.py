@@ -1,0 +1,478 @@
+"""Operations for the SGLang server in a container.
+
+``sglang.server``: the desired server, applied idempotently and gated on the GPUs (shared/DESIGN.md,
+"The transition"; docs/transition.md for the steps, the lock and the rollback).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Any, Callable, Mapping
+
+import gevent
+from pyinfra import logger
+from pyinfra.api import FunctionCommand, OperationError, operation
+from pyinfra.context import host, state
+
+from gpugate import transition as tr
+from gpugate.facts.sglang import SglangObservation, parse_probe_output, probe_command
+from gpugate.sglang_args import server_info_mismatches
+
+WAIT_CHUNK_S = 10.0   # one remote poll loop: progress is printed between chunks
+GATE_POLL_S = 0.2
+LOCK_MARGIN_S = 60.0  # a step's lease = its own deadline + this
+
+
+def emit(step: str, **fields: Any) -> None:
+    """The one hook every transition step reports through (audit log: gpugate.audit, issue 6).
+    Never fails the operation."""
+    try:
+        from gpugate import audit
+        audit.emit(step, **fields)
+    except Exception:  # an audit problem must not break a restart
+        logger.debug("audit emit failed for %s", step, exc_info=True)
+
+
+class TransitionFailed(Exception):
+    """A step could not complete; the message is what the operator reads."""
+
+
+def _operator() -> str:
+    try:
+        from gpugate.audit import operator
+        return operator()
+    except Exception:
+        return "unknown"
+
+
+class Transition:
+    """One host's transition: the steps run as FunctionCommands, in order, sharing this context.
+
+    Each step renews the lock's lease for its own deadline; a failing step releases the lock,
+    records the phase and fails the operation with a message that says what happened.
+    """
+
+    def __init__(self, spec: tr.Spec | None, change: tr.Change, observation: Mapping[str, Any], *,
+                 port: int, max_used_mib: int, gate_timeout: float, drain_timeout: float, kill_grace: float,
+                 start_timeout: float, lock_wait: float, python: str):
+        self.spec = spec
+        self.change = change
+        self.server = dict(observation.get("sglang") or {})
+        self.port = port
+        self.files = tr.paths(port)
+        self.max_used_mib = max_used_mib
+        self.gate_timeout = float(gate_timeout)
+        self.drain_timeout = float(drain_timeout)
+        self.kill_grace = float(kill_grace)
+        self.start_timeout = float(start_timeout)
+        self.lock_wait = float(lock_wait)
+        self.python = python
+        self.token = uuid.uuid4().hex
+        self.lock: dict[str, Any] | None = None
+        self.done = False         # converged (e.g. by another operator while we waited)
+        self.timings: dict[str, float] = {}
+        self.began = time.monotonic()
+        self.started: dict[str, Any] | None = None
+        self.previous_argv: list[str] | None = None
+        self.host_name = "?"
+
+    # ------------------------------------------------------------ plumbing
+    def _call(self, host, function: str, secret: str | None = None, secret_kwarg: str | None = None,
+              **kwargs: Any) -> dict[str, Any]:
+        command = tr.remote_call(function, python=self.python, secret=secret, secret_kwarg=secret_kwarg, **kwargs)
+        _status, output = host.run_shell_command(command)
+        return tr.parse_result(output.stdout_lines)
+
+    def _lease(self, seconds: float) -> dict[str, Any] | None:
+        if self.lock is None:
+            return None
+        return dict(self.lock, lease_s=float(seconds) + LOCK_MARGIN_S)
+
+    def _say(self, host, message: str) -> None:
+        host.log(f"sglang :{self.port} {message}")
+
+    def _step(self, name: str, body: Callable[[Any], None]) -> Callable:
+        def run(state, host):
+            if self.done:
+                return True
+            self.host_name = host.name
+            began = time.monotonic()
+            try:
+                body(host)
+            except TransitionFailed as error:
+                self.timings[name] = round(time.monotonic() - began, 3)
+                emit(name, host=host.name, port=self.port, outcome="failed", error=str(error),
+                     duration_s=self.timings[name])
+                host.log_styled(f"sglang :{self.port} {name} failed: {error}", fg="red", log_func=logger.error)
+                self._abandon(host, name)
+                return False
+            self.timings.setdefault(name, round(time.monotonic() - began, 3))
+            return True
+        run.__name__ = f"sglang_{name.replace(' ', '_')}"
+        return run
+
+    def _abandon(self, host, step: str) -> None:
+        """After a failure: leave a record of where it stopped and free the lock for a re-run."""
+        if self.lock is None:
+            return
+        try:
+            self._record(host, phase=f"failed at {step}")
+            self._call(host, "lock_release", path=self.files["lock"], token=self.token)
+        except Exception:
+            logger.debug("could not release the lock", exc_info=True)
+        self.lock = None
+
+    # ------------------------------------------------------------ steps
+    def commands(self) -> list[FunctionCommand]:
+        steps: list[tuple[str, Callable]] = []
+        action = self.change.action
+        if action == "wait":
+            steps = [("wait healthy", self.wait_healthy), ("verify", self.verify)]
+        elif action in ("start", "restart"):
+            steps = [("lock", self.take_lock), ("record", self.record_previous), ("stop", self.stop),
+                     ("gate", self.gate), ("prepare", self.prepare), ("start", self.start),
+                     ("wait healthy", self.wait_healthy), ("verify", self.verify), ("unlock", self.unlock)]
+        elif action in ("stop", "sweep"):
+            steps = [("lock", self.take_lock), ("record", self.record_previous), ("stop", self.stop),
+                     ("gate", self.gate), ("unlock", self.unlock)]
+        return [FunctionCommand(self._step(name, body), (), {}) for name, body in steps]
+
+    def take_lock(self, host) -> None:
+        lease = max(self.drain_timeout + self.kill_grace, self.gate_timeout) + LOCK_MARGIN_S
+        result = self._call(host, "lock_acquire", path=self.files["lock"], token=self.token, owner=_operator(),
+                            lease_s=lease, wait_s=self.lock_wait)
+        if not result.get("acquired"):
+            holder = result.get("holder") or {}
+            left = float(holder.get("expires", 0)) - float(result.get("clock", 0))
+            raise TransitionFailed(
+                f"another transition holds the lock {self.files['lock']}: {holder.get('owner', '?')} "
+                f"(step {holder.get('step', '?')}), lease ends in {max(0, left):.0f} s. "
+                f"Nothing was touched; re-run when it is done (a dead run's lock lapses by itself).")
+        self.lock = {"path": self.files["lock"], "token": self.token}
+        if result.get("taken_over"):
+            old = result["taken_over"]
+            self._say(host, f"took over a lapsed lock from {old.get('owner', '?')} (step {old.get('step', '?')})")
+            emit("lock", host=host.name, port=self.port, outcome="taken over", previous_owner=old.get("owner"))
+        # Look again under the lock: another operator may have just converged this server.
+        observation = host.get_fact(SglangObservation, port=self.port,
+                                    env_names=sorted(self.spec.env) if self.spec else (),
+                                    model_path=self.spec.model_path if self.spec else None, python=self.python)
+        server = observation.get("sglang") or {}
+        if "error" in server:
+            raise TransitionFailed(f"the server probe failed under the lock: {server['error']}")
+        change = tr.compare(server, self.spec)
+        if change.action == "noop":
+            self._say(host, "already converged (by another run) when the lock was taken: nothing to do")
+            self._call(host, "lock_release", path=self.files["lock"], token=self.token)
+            self.lock = None
+            self.done = True
+            return
+        self.server, self.change = server, change
+
+    def _record(self, host, phase: str, previous: dict[str, Any] | None = None, save_previous_env=False) -> None:
+        recorded = dict(self.server.get("state") or {})
+        document = {"schema": 1, "port": self.port, "phase": phase, "by": _operator(),
+                    "current": self.spec.record() if self.spec else None,
+                    "previous": previous if previous is not None else recorded.get("previous"),
+                    "timings": self.timings, "save_previous_env": save_previous_env}
+        result = self._call(host, "record", lock=self._lease(self.gate_timeout), state_file=self.files["state"],
+                            env_file=self.files["env"], document=document)
+        if not result.get("ok"):
+            raise TransitionFailed(f"could not write {self.files['state']}: {result.get('error')}")
+
+    def record_previous(self, host) -> None:
+        previous = None
+        main = self.server.get("main")
+        if main:
+            self.previous_argv = list(main["argv"])
+            command = tr.running_command(self.server) or {}
+            recorded = (self.server.get("state") or {}).get("current") or {}
+            previous = {"model_path": command.get("model_path"), "port": self.port, "flags": command.get("flags"),
+                        "argv": tr.redact_argv(main["argv"]), "python": main["argv"][0],
+                        "env_names": recorded.get("env_names", []), "supervisor": recorded.get("supervisor", "process")}
+        self._record(host, phase="changing", previous=previous, save_previous_env=bool(main))
+
+    def stop(self, host) -> None:
+        main = self.server.get("main")
+        strays = self.server.get("strays") or []
+        if not main and not strays:
+            return
+        if main:
+            self._say(host, f"stopping pid {main['pid']} (SIGTERM: drain, deadline {self.drain_timeout:g} s)")
+        else:
+            self._say(host, f"sweeping {len(strays)} stray sglang process(es)")
+        result = self._call(host, "stop", lock=self._lease(self.drain_timeout + self.kill_grace), port=self.port,
+                            main_pid=main["pid"] if main else None, drain_timeout=self.drain_timeout,
+                            kill_grace=self.kill_grace, pid_file=self.files["pid"])
+        if result.get("error") == "lock lost":
+            raise TransitionFailed(f"the lock was taken over by {(result.get('holder') or {}).get('owner')}")
+        self.timings["drain"] = result.get("drain_s", 0.0)
+        self.timings["kill"] = result.get("kill_s", 0.0)
+        if result.get("drained") is False:
+            self._say(host, f"drain deadline ({self.drain_timeout:g} s) passed: SIGKILLed the process group "
+                            f"and tree ({len(result.get('killed', []))} processes)")
+        elif main:
+            self._say(host, f"drained and exited in {result.get('drain_s', 0):.1f} s")
+        if result.get("swept"):
+            self._say(host, f"swept {len(result['swept'])} sglang process(es) outside the tree: {result['swept']}")
+        if result.get("survivors"):
+            self._say(host, f"processes outlived SIGKILL: {result['survivors']} (the gate will tell)")
+        emit("stop", host=host.name, port=self.port, outcome="drained" if result.get("drained") else "killed",
+             drain_s=self.timings["drain"], kill_s=self.timings["kill"], killed=result.get("killed"),
+             swept=result.get("swept"), survivors=result.get("survivors"))
+
+    def gate(self, host) -> None:
+        """Every GPU at or under max_used_mib and no holder left in the container; polled, no sleep."""
+        from gpugate import gate as gate_logic
+
+        began = time.monotonic()
+        self._call(host, "lock_renew", lock=self._lease(self.gate_timeout), step="gate")
+        decision = None
+        while True:
+            _status, output = host.run_shell_command(probe_command({"gpu": {}}, self.python))
+            doc = parse_probe_output(output.stdout_lines).get("gpu") or {}
+            decision = gate_logic.evaluate(doc, self.max_used_mib)
+            if decision.passed:
+                break
+            if time.monotonic() - began > self.gate_timeout:
+                raise TransitionFailed(gate_logic.format_failure(decision, host.name, self.gate_timeout)
+                                       + "\n  the new server was NOT started")
+            gevent.sleep(GATE_POLL_S)
+        self.timings["gate"] = round(time.monotonic() - began, 3)
+        self._say(host, f"gate passed in {self.timings['gate']:.2f} s: every GPU <= {self.max_used_mib} MiB, no holder")
+        emit("gate", host=host.name, port=self.port, outcome="passed", duration_s=self.timings["gate"])
+
+    def prepare(self, host, rollback: bool = False) -> None:
+        kwargs: dict[str, Any] = {}
+        secret = None
+        if rollback:
+            kwargs["restore_previous"] = True
+        else:
+            secret = base64.b64encode(tr.env_file_text(self.spec.env).encode()).decode()
+        result = self._call(host, "prepare_start", secret=secret, secret_kwarg="env_b64" if secret else None,
+                            lock=self._lease(30), port=self.port, env_file=self.files["env"], **kwargs)
+        if not result.get("ok"):
+            raise TransitionFailed(f"before the start: {result.get('error')}")
+        if result.get("removed_shm"):
+            self._say(host, f"removed stale /dev/shm segments: {', '.join(result['removed_shm'])}")
+
+    def start(self, host, argv: list[str] | None = None) -> None:
+        argv = argv or self.spec.argv
+        if self.spec.supervisor == "systemd" and argv == self.spec.argv:
+            unit_text = render_unit(self.spec, self.files, self.drain_timeout + self.kill_grace)
+            result = self._call(host, "start_systemd", lock=self._lease(60), unit=self.files["unit_name"],
+                                unit_text_b64=base64.b64encode(unit_text.encode()).decode(),
+                                unit_path=self.files["unit"])
+        else:
+            result = self._call(host, "start_process", lock=self._lease(60), argv=argv, env_file=self.files["env"],
+                                log_file=self.files["log"], pid_file=self.files["pid"])
+        if not result.get("ok"):
+            raise TransitionFailed(f"start failed: {result.get('error')}")
+        self.started = result
+        self.load_began = time.monotonic()
+        self._say(host, f"started pid {result['pid']}: {' '.join(tr.redact_argv(argv))}")
+
+    def _wait(self, host, pid: int, log_offset: int | None) -> dict[str, Any]:
+        """Poll (inside the container, in chunks) until ready, crashed, or start_timeout."""
+        began = time.monotonic()
+        last_phase = None
+        while True:
+            elapsed = time.monotonic() - began
+            chunk = max(0.5, min(WAIT_CHUNK_S, self.start_timeout - elapsed))
+            result = self._call(host, "wait_healthy", lock=self._lease(chunk + 30), port=self.port, pid=pid,
+                                chunk_s=chunk, log_file=self.files["log"], log_offset=log_offset or 0)
+            if result.get("error") == "lock lost":
+                raise TransitionFailed(f"the lock was taken over by {(result.get('holder') or {}).get('owner')}")
+            phase = result.get("phase", "unknown")
+            elapsed = time.monotonic() - began
+            if phase in ("ready", "crashed"):
+                result["elapsed"] = elapsed
+                return result
+            if elapsed >= self.start_timeout:
+                return {"phase": "timeout", "last_phase": phase, "elapsed": elapsed}
+            if phase != last_phase or chunk >= WAIT_CHUNK_S:
+                what = {"loading": "loading (port closed)", "starting": "starting (/health 503)",
+                        "generating": "healthy, waiting for a generation"}.get(phase, phase)
+                self._say(host, f"{what}, {elapsed:.0f} s since the start")
+            last_phase = phase
+
+    def wait_healthy(self, host) -> None:
+        if self.started is None:  # action "wait": a load already in progress
+            main = self.server["main"]
+            self.started = {"pid": main["pid"], "log_offset": None}
+        result = self._wait(host, self.started["pid"], self.started.get("log_offset"))
+        self.timings["load"] = round(result["elapsed"], 3)
+        if result["phase"] == "ready":
+            self._say(host, f"healthy and generating after {result['elapsed']:.1f} s")
+            emit("load", host=host.name, port=self.port, outcome="ready", duration_s=self.timings["load"])
+            return
+        why = ("crashed during start" if result["phase"] == "crashed"
+               else f"not healthy within {self.start_timeout:g} s (last phase: {result.get('last_phase')})")
+        tail = result.get("log_tail")
+        if tail is None:
+            tail = self._call(host, "log_tail", log_file=self.files["log"],
+                              offset=self.started.get("log_offset") or 0).get("log_tail", [])
+        emit("load", host=host.name, port=self.port, outcome="failed", error=why, duration_s=self.timings["load"])
+        self._rollback(host, why, tail)
+
+    def _rollback(self, host, why: str, tail: list[str]) -> None:
+        tail_text = "\n".join("    | " + line for line in tail[-30:])
+        failed_pid = self.started["pid"]
+        self._say(host, f"the new server {why}: stopping it")
+        self.server = {"main": {"pid": failed_pid}, "strays": []}
+        self.stop(host)
+        if not self.previous_argv:
+            raise TransitionFailed(f"the new server {why}; no previous server to roll back to. Log tail:\n{tail_text}")
+        self.gate(host)
+        self._say(host, "rolling back to the previous flags")
+        self.prepare(host, rollback=True)
+        self.start(host, argv=self.previous_argv)
+        result = self._wait(host, self.started["pid"], self.started.get("log_offset"))
+        emit("rollback", host=host.name, port=self.port, outcome=result["phase"], error=why)
+        state = ("the previous server serves again" if result["phase"] == "ready"
+                 else f"the rollback did not turn healthy either ({result['phase']})")
+        raise TransitionFailed(f"the new server {why}; rolled back: {state}. Log tail of the failed start:\n{tail_text}")
+
+    def verify(self, host) -> None:
+        observation = host.get_fact(SglangObservation, port=self.port,
+                                    env_names=sorted(self.spec.env), python=self.python)
+        server = observation.get("sglang") or {}
+        if not server.get("running"):
+            raise TransitionFailed("the server is not running after it turned healthy")
+        if server["main"]["argv"] != self.spec.argv:
+            raise TransitionFailed(f"the running argv is not the desired one: {tr.redact_argv(server['main']['argv'])}")
+        info = ((server.get("server_info") or {}).get("args")) or {}
+        mismatches = server_info_mismatches(self.spec.flags, info) if info else {}
+        if mismatches:
+            raise TransitionFailed(f"/get_server_info disagrees with the desired flags: {mismatches}")
+        change = tr.compare(server, self.spec)
+        if change.action != "noop":
+            raise TransitionFailed(f"after the start the server still differs: {'; '.join(change.reasons)}")
+        self._say(host, "verified: the running argv and /get_server_info match the desired flags")
+
+    def unlock(self, host) -> None:
+        phase = "running" if self.spec else "absent"
+        self.timings["total"] = round(time.monotonic() - self.began, 3)
+        self._record(host, phase=phase)
+        self._call(host, "lock_release", path=self.files["lock"], token=self.token)
+        self.lock = None
+        parts = ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items() if k in ("drain", "kill", "gate", "load"))
+        self._say(host, f"done in {self.timings['total']:.1f} s ({parts})")
+        emit("done", host=host.name, port=self.port, outcome=phase, timings=self.timings)
+
+
+def render_unit(spec: tr.Spec, files: Mapping[str, str], stop_timeout_s: float) -> str:
+    """The systemd unit (templates/sglang.service.j2) for this spec."""
+    import shlex
+    from pathlib import Path
+
+    import jinja2
+
+    template_dir = Path(__file__).resolve().parents[2] / "templates"
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir)), keep_trailing_newline=True,
+                             undefined=jinja2.StrictUndefined)
+
+    def systemd_quote(arg: str) -> str:
+        # systemd's ExecStart splits like a shell with double quotes; '%' and '$' are its specifiers
+        return '"' + arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$") + '"'
+
+    return env.get_template("sglang.service.j2").render(
+        port=spec.port, exec_start=" ".join(systemd_quote(a) for a in spec.argv), env_file=files["env"],
+        stop_timeout_s=int(stop_timeout_s), argv_comment=shlex.join(tr.redact_argv(spec.argv)))
+
+
+def _print_plan(host_obj, change: tr.Change, spec: tr.Spec | None, port: int) -> None:
+    lines = [f"sglang :{port} will {change.action}: {'; '.join(change.reasons)}"]
+    lines += ["    " + line for line in change.flag_lines + change.env_lines]
+    lines += ["    steps: " + " -> ".join(tr.steps_for(change.action, spec.supervisor if spec else "process"))]
+    for line in lines:
+        host_obj.log(line)
+
+
+@operation()
+def server(
+    port: int = 30000,
+    model_path: str | None = None,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, Any] | None = None,
+    present: bool = True,
+    supervisor: str = "process",
+    max_used_mib: int = 64,
+    gate_timeout: float = 120,
+    drain_timeout: float = 60,
+    kill_grace: float = 10,
+    start_timeout: float = 2700,
+    python: str = "/usr/bin/python3",
+    restarted: bool = False,
+    lock_wait: float = 0,
+):
+    """
+    Run (or not) an SGLang server with exactly these flags, gated on the GPUs.
+
+    + port: the server's port (one server per port and container)
+    + model_path: ``--model-path`` (a directory in the container, or a repo id)
+    + flags: SGLang flags as data, ``{"tp": 8, "kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True}``
+    + env: the server's environment (written 0600 in the container; values never printed)
+    + present: False stops the server (drain, kill, sweep, gate)
+    + supervisor: ``process`` (own process group, pid file, log) or ``systemd`` (unit from templates/)
+    + max_used_mib: the gate: a GPU is free at or under this many MiB (NVML v2)
+    + gate_timeout: seconds to wait for every GPU to be free after the stop
+    + drain_timeout: seconds of SGLang's SIGTERM drain before SIGKILL of the whole tree
+    + kill_grace: seconds for the tree to vanish after SIGKILL
+    + start_timeout: seconds until healthy and generating (45 min covers a cold TP8 load)
+    + python: the interpreter in the container (``python -m sglang.launch_server``)
+    + restarted: restart even when nothing differs
+    + lock_wait: seconds to wait for another operator's transition (0: fail at once, clearly)
+
+    Everything that can be checked before the stop is checked first (flags, model path, port,
+    GPUs visible, memory held from outside the container, --hicache-size x TP against the
+    container's memory); a failed check touches nothing and the running server keeps running.
+
+    **Example:**
+
+    .. code:: python
+
+        from gpugate.operations import sglang
+
+        sglang.server(
+            name="Serve Kimi with an fp8 KV cache",
+            model_path="/opt/models/kimi", port=30000,
+            flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3", "mem-fraction-static": 0.88},
+        )
+    """
+    try:
+        spec = tr.desired_spec(model_path, port, flags, env, supervisor, python) if present else None
+    except tr.SpecError as error:
+        raise OperationError(f"sglang.server: {error} (nothing was touched)") from error
+    if not present and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
+        raise OperationError(f"sglang.server: port must be an integer in 1..65535, got {port!r}")
+
+    observation = host.get_fact(SglangObservation, port=port, env_names=sorted(spec.env) if spec else (),
+                                model_path=spec.model_path if spec else None, python=python)
+    server_doc = observation.get("sglang") or {}
+    if "error" in server_doc:
+        raise OperationError(f"sglang.server: the server probe failed: {server_doc['error']}")
+
+    change = tr.compare(server_doc, spec)
+    if restarted and change.action in ("noop", "wait") and spec is not None:
+        change = tr.Change("restart", ["restarted=True"], running=change.running)
+    if change.action == "noop":
+        host.noop(change.reasons[0])
+        return
+
+    problems = tr.preflight(observation, spec, max_used_mib) if change.action in ("start", "restart") else []
+    if problems:
+        raise OperationError("sglang.server: refusing to begin (nothing was touched"
+                             + (", the running server keeps running" if server_doc.get("running") else "")
+                             + "):\n  " + "\n  ".join(problems))
+
+    # Print the plan once: at prepare time, or at execute time when prepare was skipped (-y).
+    if not state.is_executing or not state.check_for_changes:
+        _print_plan(host, change, spec, port)
+
+    transition = Transition(spec, change, observation, port=port, max_used_mib=max_used_mib,
+                            gate_timeout=gate_timeout, drain_timeout=drain_timeout, kill_grace=kill_grace,
+                            start_timeout=start_timeout, lock_wait=lock_wait, python=python)
+    yield from transition.commands()

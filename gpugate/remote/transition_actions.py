@@ -1,0 +1,398 @@
+"""The transition's steps as they run INSIDE the container (stdlib only, sent inline).
+
+Each public function takes JSON-able keyword arguments, does one step, polls locally (no
+round trip per poll) and returns a JSON-able dict. The operator side
+(``gpugate.operations.sglang``) runs them with :func:`gpugate.transition.remote_call`.
+
+Every step that runs under the transition lock takes ``lock={"path", "token", "lease_s"}``
+and renews the lease first: a step whose lock was taken over by someone else refuses to act.
+"""
+
+import base64
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import time
+
+try:  # inlined: the command registers the probe as a top-level module first
+    import sglang_probe as probe
+except ImportError:  # imported from the package (tests)
+    from gpugate.remote import sglang_probe as probe
+
+POLL_S = 0.1
+CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+# ---------------------------------------------------------------- the lock (a lease in a file)
+def _locked_file(path):
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    handle = open(path, "a+")
+    fcntl.flock(handle, fcntl.LOCK_EX)  # serialises read-modify-write between operators
+    handle.seek(0)
+    return handle
+
+
+def _read_holder(handle):
+    try:
+        holder = json.loads(handle.read() or "null")
+    except ValueError:
+        holder = {"unreadable": True, "expires": 0}
+    return holder if isinstance(holder, dict) else None
+
+
+def _write_holder(handle, holder):
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps(holder))
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def lock_acquire(path, token, owner, lease_s, wait_s=0, step="lock"):
+    """Take the lease unless someone else holds a live one; a lapsed lease is taken over.
+
+    The lease (not a process) proves the holder alive: the operator's run renews it at every
+    step, so a run that died (SSH dropped, laptop closed) stops renewing and its lock lapses
+    after at most one step's lease; a re-run then takes over and converges.
+    """
+    deadline = time.time() + float(wait_s)
+    while True:
+        handle = _locked_file(path)
+        try:
+            holder = _read_holder(handle)
+            now = time.time()
+            if holder is None or holder.get("token") == token or float(holder.get("expires", 0)) < now:
+                mine = {"token": token, "owner": owner, "since": now, "expires": now + float(lease_s),
+                        "step": step, "container_pid": os.getpid()}
+                _write_holder(handle, mine)
+                taken = holder if holder and holder.get("token") != token else None
+                return {"acquired": True, "taken_over": taken, "clock": now}
+        finally:
+            handle.close()
+        if time.time() >= deadline:
+            return {"acquired": False, "holder": holder, "clock": time.time()}
+        time.sleep(min(1.0, max(0.05, deadline - time.time())))
+
+
+def lock_renew(lock, step):
+    """Extend our lease for `step`; {"ok": False, "holder": ...} when it is no longer ours."""
+    if not lock:
+        return {"ok": True}
+    handle = _locked_file(lock["path"])
+    try:
+        holder = _read_holder(handle)
+        if holder is None or holder.get("token") != lock["token"]:
+            return {"ok": False, "holder": holder}
+        holder["expires"] = time.time() + float(lock["lease_s"])
+        holder["step"] = step
+        _write_holder(handle, holder)
+        return {"ok": True}
+    finally:
+        handle.close()
+
+
+def lock_release(path, token):
+    handle = _locked_file(path)
+    try:
+        holder = _read_holder(handle)
+        if holder is not None and holder.get("token") == token:
+            os.unlink(path)
+            return {"released": True}
+        return {"released": False, "holder": holder}
+    finally:
+        handle.close()
+
+
+def _guard(lock, step):
+    renewed = lock_renew(lock, step)
+    if not renewed["ok"]:
+        return {"ok": False, "error": "lock lost", "holder": renewed.get("holder")}
+    return None
+
+
+# ---------------------------------------------------------------- recorded state
+def record(lock, state_file, env_file, document):
+    """Write the recorded state atomically; keep the running env file as <env>.previous."""
+    refused = _guard(lock, "record")
+    if refused:
+        return refused
+    os.makedirs(os.path.dirname(state_file), exist_ok=True)
+    if env_file and os.path.exists(env_file) and document.get("save_previous_env"):
+        with open(env_file, "rb") as source:
+            data = source.read()
+        _write_private(env_file + ".previous", data)
+    document.pop("save_previous_env", None)
+    document["updated"] = time.time()
+    tmp = state_file + ".tmp"
+    with open(tmp, "w") as handle:
+        json.dump(document, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, state_file)
+    return {"ok": True}
+
+
+def _write_private(path, data):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- stop
+def _alive(pid, start_ticks=None):
+    """Alive and not a zombie, and (when given) the same process, not a reused PID."""
+    stat = probe._read("/proc/%d/stat" % pid)
+    if stat is None:
+        return False
+    fields = stat[stat.rfind(")") + 2:].split()
+    if fields[0] in ("Z", "X"):
+        return False
+    return start_ticks is None or int(fields[19]) == start_ticks
+
+
+def _sglang_processes():
+    table = probe._proc_table()
+    mine = probe._ancestors(table, os.getpid())
+    return {pid: proc for pid, proc in table.items() if pid not in mine and probe.is_sglang_argv(proc["argv"])}
+
+
+def stop(lock, port, main_pid, drain_timeout, kill_grace, pid_file=None):
+    """SIGTERM the main process (SGLang drains), SIGKILL its group and tree at the deadline,
+    then sweep the container for any SGLang process left (orphaned TP workers) and SIGKILL it.
+
+    Returns timings and what was killed; `survivors` are processes that outlived SIGKILL
+    (D state): the gate will then refuse and name them.
+    """
+    refused = _guard(lock, "stop")
+    if refused:
+        return refused
+    began = time.time()
+    table = probe._proc_table()
+    main = table.get(main_pid) if main_pid else None
+    tree = {}
+    if main is not None:
+        for pid in [main_pid] + probe._descendants(table, main_pid):
+            tree[pid] = table[pid]["start_ticks"]
+    result = {"ok": True, "drained": None, "drain_s": 0.0, "kill_s": 0.0, "killed": [], "swept": [],
+              "survivors": []}
+
+    if main is not None:
+        try:
+            os.kill(main_pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = began + float(drain_timeout)
+        while _alive(main_pid, tree[main_pid]) and time.time() < deadline:
+            time.sleep(POLL_S)
+        result["drained"] = not _alive(main_pid, tree[main_pid])
+        result["drain_s"] = round(time.time() - began, 3)
+
+    kill_began = time.time()
+    targets = {}
+    for pid, ticks in tree.items():
+        if _alive(pid, ticks):
+            targets[pid] = ticks
+    if main is not None and main["pgid"] > 1 and main["pgid"] != os.getpgrp():
+        try:
+            os.killpg(main["pgid"], signal.SIGKILL)  # the whole group: workers that re-parented too
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid, ticks in targets.items():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    result["killed"] = sorted(targets)
+    # the sweep: anything of SGLang's still in the container (other trees' orphans included)
+    swept = {}
+    for pid, proc in _sglang_processes().items():
+        if _alive(pid, proc["start_ticks"]):
+            swept[pid] = proc["start_ticks"]
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    result["swept"] = sorted(set(swept) - set(targets))
+    waiting = dict(targets, **swept)
+    deadline = time.time() + float(kill_grace)
+    while time.time() < deadline:
+        waiting = {pid: t for pid, t in waiting.items() if _alive(pid, t)}
+        if not waiting:
+            break
+        time.sleep(POLL_S / 2)
+    result["survivors"] = [{"pid": pid, "state": probe._proc_table().get(pid, {}).get("state"),
+                            "cmdline": " ".join(probe._proc_table().get(pid, {}).get("argv", []))[:200]}
+                           for pid in sorted(waiting) if _alive(pid, waiting[pid])]
+    result["kill_s"] = round(time.time() - kill_began, 3) if (targets or swept) else 0.0
+    if pid_file:
+        try:
+            os.unlink(pid_file)
+        except FileNotFoundError:
+            pass
+    result["ok"] = not result["survivors"]
+    if result["survivors"]:
+        result["error"] = "processes outlived SIGKILL"
+    return result
+
+
+# ---------------------------------------------------------------- before the start
+def prepare_start(lock, port, env_file, env_b64=None, restore_previous=False):
+    """Remove stale /dev/shm segments (only with no SGLang process alive), check the port is
+    free, write the env file (0600) from env_b64, or put <env>.previous back (rollback).
+    Never kills anything that is not SGLang's."""
+    refused = _guard(lock, "prepare")
+    if refused:
+        return refused
+    result = {"ok": True, "removed_shm": []}
+    alive = _sglang_processes()
+    if alive:
+        return {"ok": False, "error": "SGLang processes still alive: %s" % sorted(alive)}
+    if os.path.isdir("/dev/shm"):
+        for name in sorted(os.listdir("/dev/shm")):
+            if name.startswith(probe.SHM_PREFIXES):
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                    result["removed_shm"].append(name)
+                except OSError:
+                    pass
+    listening, pids = probe._listeners(int(port))
+    if listening:
+        table = probe._proc_table()
+        owners = ["%d (%s)" % (pid, " ".join(table.get(pid, {}).get("argv", []))[:80]) for pid in pids]
+        return {"ok": False, "error": "port %d is in use by %s" % (int(port), ", ".join(owners) or "an unknown process")}
+    if restore_previous:
+        previous = env_file + ".previous"
+        if os.path.exists(previous):
+            with open(previous, "rb") as handle:
+                _write_private(env_file, handle.read())
+        elif os.path.exists(env_file):
+            os.unlink(env_file)  # the previous server ran without one
+    elif env_b64 is not None:
+        _write_private(env_file, base64.b64decode(env_b64))
+    return result
+
+
+# ---------------------------------------------------------------- start and wait
+def parse_env_file(text):
+    """KEY="value" lines as written by gpugate (systemd EnvironmentFile syntax, double quotes)."""
+    env = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        if len(value) >= 2 and value[0] == value[-1] == '"':
+            value = value[1:-1]
+            out, index = [], 0
+            while index < len(value):
+                char = value[index]
+                if char == "\\" and index + 1 < len(value):
+                    index += 1
+                    char = value[index]
+                out.append(char)
+                index += 1
+            value = "".join(out)
+        env[key.strip()] = value
+    return env
+
+
+def start_process(lock, argv, env_file, log_file, pid_file):
+    """Start the server in its own session/process group, detached, with a clean environment
+    (pct exec leaks the host's) plus the env file; write the pid file."""
+    refused = _guard(lock, "start")
+    if refused:
+        return refused
+    env = {"PATH": CLEAN_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
+    if env_file and os.path.exists(env_file):
+        with open(env_file) as handle:
+            env.update(parse_env_file(handle.read()))
+    os.makedirs(os.path.dirname(log_file), exist_ok=True)
+    os.makedirs(os.path.dirname(pid_file), exist_ok=True)
+    log = open(log_file, "ab")
+    offset = log.tell()
+    log.write(("\n=== gpugate start %s: %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%S"), " ".join(argv))).encode())
+    log.flush()
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                             env=env, cwd="/", start_new_session=True, close_fds=True)
+    log.close()
+    with open(pid_file + ".tmp", "w") as handle:
+        handle.write("%d\n" % child.pid)
+    os.replace(pid_file + ".tmp", pid_file)
+    return {"ok": True, "pid": child.pid, "log_offset": offset, "started": time.time()}
+
+
+def start_systemd(lock, unit, unit_text_b64, unit_path):
+    refused = _guard(lock, "start")
+    if refused:
+        return refused
+    text = base64.b64decode(unit_text_b64)
+    with open(unit_path + ".tmp", "wb") as handle:
+        handle.write(text)
+    os.replace(unit_path + ".tmp", unit_path)
+    for cmd in (["systemctl", "daemon-reload"], ["systemctl", "reset-failed", unit], ["systemctl", "start", unit]):
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if done.returncode != 0 and cmd[1] != "reset-failed":
+            return {"ok": False, "error": "%s: %s" % (" ".join(cmd), done.stdout.decode("utf-8", "replace")[-400:])}
+    shown = subprocess.run(["systemctl", "show", "-p", "MainPID", "--value", unit], stdout=subprocess.PIPE)
+    pid = int((shown.stdout or b"0").strip() or 0)
+    return {"ok": pid > 0, "pid": pid, "log_offset": None, "started": time.time(),
+            "error": None if pid > 0 else "unit has no main pid"}
+
+
+def _log_since(log_file, offset, lines=40):
+    data = probe._read(log_file, "rb") if log_file else None
+    if data is None:
+        return []
+    return data[offset or 0:][-65536:].decode("utf-8", "replace").splitlines()[-lines:]
+
+
+def wait_healthy(lock, port, pid, chunk_s, log_file=None, log_offset=0, generate_timeout=20.0):
+    """Poll for up to chunk_s: phase 'loading' (port closed) -> 'starting' (/health 503) ->
+    'ready' (/health 200 and /health_generate 200: a real generation). 'crashed' when the main
+    process is gone (with the log's tail)."""
+    refused = _guard(lock, "wait")
+    if refused:
+        return refused
+    deadline = time.time() + float(chunk_s)
+    phase = "loading"
+    while True:
+        if not _alive(int(pid)):
+            return {"ok": True, "phase": "crashed", "log_tail": _log_since(log_file, log_offset)}
+        listening, _ = probe._listeners(int(port))
+        if listening:
+            status, _ = probe.http_get(int(port), "/health", 3.0)
+            phase = "starting" if status != 200 else "generating"
+            if status == 200:
+                gen, _ = probe.http_get(int(port), "/health_generate", generate_timeout)
+                if gen == 200:
+                    return {"ok": True, "phase": "ready"}
+        else:
+            phase = "loading"
+        if time.time() >= deadline:
+            return {"ok": True, "phase": phase}
+        time.sleep(0.25)
+
+
+def log_tail(log_file, offset=0, lines=40):
+    return {"ok": True, "log_tail": _log_since(log_file, offset, lines)}
+
+
+def main(source_args):  # pragma: no cover - the inline entry point
+    call = json.loads(base64.b64decode(source_args[0]).decode())
+    secret = source_args[1] if len(source_args) > 1 else None
+    kwargs = call["kwargs"]
+    if secret is not None:
+        kwargs[call["secret_kwarg"]] = secret
+    try:
+        result = globals()[call["function"]](**kwargs)
+    except Exception as error:  # report, never a traceback on the operator's screen
+        result = {"ok": False, "error": "%s: %s" % (type(error).__name__, error)}
+    print(json.dumps(result))

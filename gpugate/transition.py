@@ -1,0 +1,340 @@
+"""The sglang.server transition as pure logic: the desired spec, the comparison with what runs,
+the checks that must pass before anything is stopped, the plan, and the remote calls' commands.
+
+Nothing here talks to a host: ``gpugate.operations.sglang`` feeds it probe documents and runs
+the commands it builds, so that most behaviour is tested without a network.
+
+Example:
+
+.. code:: python
+
+    spec = desired_spec(model_path="/opt/models/m", port=30000, flags={"tp": 8}, env={"HF_TOKEN": "x"})
+    change = compare(observation["sglang"], spec)   # Change(action="restart", flag_lines=[...], ...)
+    problems = preflight(observation, spec, max_used_mib=64)   # [] or why a restart must not begin
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import re
+import zlib
+from pathlib import Path
+from typing import Any, Mapping
+
+from pyinfra.api import QuoteString, StringCommand
+from pyinfra.api.command import HiddenValue
+
+from gpugate.remote import sglang_probe
+from gpugate.sglang_args import FlagError, diff_flags, parse_argv, redact_argv, render_argv, validate_flags
+
+REMOTE_DIR = Path(__file__).parent / "remote"
+SUPERVISORS = ("process", "systemd")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Names whose values are never shown, even in a diff (all env values are hidden anyway).
+MASK = "***"
+
+
+class SpecError(ValueError):
+    """Bad desired state: raised before anything is touched."""
+
+
+def paths(port: int) -> dict[str, str]:
+    """The files sglang.server owns in a container (docs/architecture.md)."""
+    return {
+        "env": f"/etc/gpugate/sglang-{port}.env",
+        "state": f"/var/lib/gpugate/sglang-{port}.json",
+        "log": f"/var/log/gpugate/sglang-{port}.log",
+        "pid": f"/run/gpugate/sglang-{port}.pid",
+        "lock": f"/run/gpugate/sglang-{port}.lock",
+        "unit": f"/etc/systemd/system/sglang-{port}.service",
+        "unit_name": f"sglang-{port}.service",
+    }
+
+
+@dataclasses.dataclass
+class Spec:
+    """One desired (or recorded) server: what runs, how, with what environment."""
+
+    model_path: str
+    port: int
+    flags: dict[str, Any]
+    env: dict[str, str]
+    supervisor: str = "process"
+    python: str = "/usr/bin/python3"
+
+    @property
+    def argv(self) -> list[str]:
+        return [self.python] + render_argv(self.model_path, self.port, self.flags)
+
+    @property
+    def env_hashes(self) -> dict[str, str]:
+        return {name: sglang_probe.env_hash(value) for name, value in sorted(self.env.items())}
+
+    def record(self) -> dict[str, Any]:
+        """What the state file keeps: everything but env values (those live in the env file)."""
+        return {"model_path": self.model_path, "port": self.port, "flags": self.flags,
+                "env_names": sorted(self.env), "env_hashes": self.env_hashes,
+                "supervisor": self.supervisor, "python": self.python, "argv": redact_argv(self.argv)}
+
+
+def desired_spec(model_path: str | None, port: int, flags: Mapping[str, Any] | None,
+                 env: Mapping[str, Any] | None, supervisor: str = "process",
+                 python: str = "/usr/bin/python3") -> Spec:
+    """Validate the desired state completely (no host needed); raise SpecError naming the problem."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise SpecError(f"port must be an integer in 1..65535, got {port!r}")
+    if not isinstance(model_path, str) or not model_path.strip():
+        raise SpecError("model_path is required (a directory in the container or a repo id)")
+    if supervisor not in SUPERVISORS:
+        raise SpecError(f"supervisor must be one of {', '.join(SUPERVISORS)}, got {supervisor!r}")
+    if not isinstance(python, str) or not python.startswith("/") or any(c in python for c in "\0\n\r"):
+        raise SpecError(f"python must be an absolute path, got {python!r}")
+    clean_env: dict[str, str] = {}
+    for name, value in (env or {}).items():
+        if not isinstance(name, str) or not ENV_NAME.match(name):
+            raise SpecError(f"env name {name!r} is not a valid variable name")
+        if isinstance(value, bool):
+            value = "1" if value else "0"
+        if not isinstance(value, (str, int, float)):
+            raise SpecError(f"env {name}: value must be a string or number")
+        text = str(value)
+        if any(c in text for c in "\0\n\r"):
+            raise SpecError(f"env {name}: value must be one line (no newline or NUL)")
+        clean_env[name] = text
+    try:
+        normalised = validate_flags(flags or {})
+        for key in ("model-path", "port", "host"):
+            if key in normalised:
+                raise FlagError(key, "is set by sglang.server's own arguments, not in flags")
+        spec = Spec(model_path, port, normalised, clean_env, supervisor, python)
+        spec.argv  # renders: checks model path and values once more
+    except FlagError as error:
+        raise SpecError(str(error)) from error
+    return spec
+
+
+def env_file_text(env: Mapping[str, str]) -> str:
+    """systemd EnvironmentFile syntax, double-quoted, read back by transition_actions.parse_env_file."""
+    lines = ["# written by gpugate sglang.server; secrets live only here (mode 0600)"]
+    for name, value in sorted(env.items()):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        lines.append(f'{name}="{escaped}"')
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- comparing with what runs
+@dataclasses.dataclass
+class Change:
+    """What sglang.server has to do on one host, and why (for the printed plan)."""
+
+    action: str  # noop | start | restart | wait | stop | sweep
+    reasons: list[str]
+    flag_lines: list[str] = dataclasses.field(default_factory=list)
+    env_lines: list[str] = dataclasses.field(default_factory=list)
+    running: dict[str, Any] | None = None  # parsed running command (model_path, port, flags)
+
+
+def running_command(server: Mapping[str, Any]) -> dict[str, Any] | None:
+    if not server.get("running"):
+        return None
+    parsed = parse_argv(server["main"]["argv"])
+    return {"model_path": parsed.model_path, "port": parsed.port, "flags": parsed.flags,
+            "python": server["main"]["argv"][0], "argv": server["main"]["argv"]}
+
+
+def env_changes(server: Mapping[str, Any], spec: Spec) -> list[str]:
+    """Env differences as display lines; values never shown. Compares the running process's
+    environment (by hash) for desired names, and names recorded before that are now gone."""
+    lines = []
+    running_hashes = server.get("env_hashes") or {}
+    for name, wanted in spec.env_hashes.items():
+        have = running_hashes.get(name)
+        if have is None:
+            lines.append(f"+ env {name}={MASK}")
+        elif have != wanted:
+            lines.append(f"~ env {name}={MASK} (value changed)")
+    recorded = ((server.get("state") or {}).get("current") or {}).get("env_names") or []
+    for name in sorted(set(recorded) - set(spec.env)):
+        lines.append(f"- env {name}")
+    return lines
+
+
+def compare(server: Mapping[str, Any], spec: Spec | None, healthy_codes=(200,)) -> Change:
+    """Decide the action from the server probe document and the desired spec (None = absent)."""
+    running = running_command(server)
+    strays = server.get("strays") or []
+    if spec is None:
+        if running:
+            return Change("stop", [f"sglang runs on :{server['port']} (pid {server['main']['pid']}) and should not"],
+                          running=running)
+        if strays:
+            return Change("sweep", [f"{len(strays)} stray sglang process(es) left in the container"])
+        return Change("noop", [f"sglang on :{server['port']} is absent"])
+    if not running:
+        reasons = [f"sglang is not running on :{spec.port}"]
+        if strays:
+            reasons.append(f"{len(strays)} stray sglang process(es) will be swept first")
+        return Change("start", reasons, flag_lines=[f"+ {arg}" for arg in _display_args(spec)])
+    flag_lines = diff_flags(running["flags"], spec.flags).lines(redact=True)
+    reasons = []
+    if running["model_path"] != spec.model_path:
+        flag_lines.insert(0, f"- --model-path {running['model_path']}")
+        flag_lines.insert(1, f"+ --model-path {spec.model_path}")
+    if running["python"] != spec.python:
+        reasons.append(f"interpreter {running['python']} -> {spec.python}")
+    if flag_lines:
+        reasons.append("the running flags differ from the desired flags")
+    env_lines = env_changes(server, spec)
+    if env_lines:
+        reasons.append("the server's environment differs")
+    if strays:
+        reasons.append(f"{len(strays)} stray sglang process(es) outside the server's tree")
+    if reasons:
+        return Change("restart", reasons, flag_lines, env_lines, running)
+    health = (server.get("health") or {}).get("health")
+    if health in healthy_codes:
+        return Change("noop", [f"sglang on :{spec.port} already runs with the desired flags"], running=running)
+    # same flags but not (yet) healthy: a load in progress (e.g. a re-run after an SSH drop)
+    return Change("wait", [f"sglang on :{spec.port} runs with the desired flags but is not healthy yet "
+                           f"({_health_text(server)}); waiting for it"], running=running)
+
+
+def _health_text(server: Mapping[str, Any]) -> str:
+    health = server.get("health") or {}
+    if health.get("health") is not None:
+        return f"/health {health['health']}"
+    return health.get("health_error") or "no answer"
+
+
+def _display_args(spec: Spec) -> list[str]:
+    args = redact_argv(spec.argv)[3:]  # after python -m sglang.launch_server
+    out, index = [], 0
+    while index < len(args):
+        if index + 1 < len(args) and not args[index + 1].startswith("--"):
+            out.append(f"{args[index]} {args[index + 1]}")
+            index += 2
+        else:
+            out.append(args[index])
+            index += 1
+    return out
+
+
+# ---------------------------------------------------------------- checks before the stop
+def foreign_memory(gpu_doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """GPUs whose used memory is not held by any process of this container (NVML in a container
+    lists only the container's processes): the host's or another container's. Never ours to kill."""
+    holders = gpu_doc.get("holders") or []
+    out = []
+    for gpu in gpu_doc.get("gpus") or []:
+        used = gpu.get("used_mib")
+        if not used:
+            continue
+        procs = gpu.get("processes") or []
+        known = [p.get("used_mib") for p in procs]
+        if procs and all(isinstance(mib, (int, float)) for mib in known):
+            foreign = used - sum(known)
+        elif procs or holders:
+            foreign = 0  # someone in the container holds it; the gate will deal with it after the stop
+        else:
+            foreign = used
+        if foreign > 0:
+            out.append({"index": gpu.get("index"), "foreign_mib": foreign, "used_mib": used})
+    return out
+
+
+def preflight(observation: Mapping[str, Any], spec: Spec | None, max_used_mib: int) -> list[str]:
+    """Every check that can be made before the stop; a non-empty list means: do not begin
+    (a restart that cannot pass its gate, or cannot start, must not stop the running server)."""
+    server = observation.get("sglang") or {}
+    gpu_doc = observation.get("gpu") or {}
+    problems: list[str] = []
+    if spec is None:
+        return problems
+    if server.get("model_path_exists") is False:
+        problems.append(f"model path {spec.model_path} does not exist in the container")
+    tp = int(spec.flags.get("tp-size", 1))
+    dp = int(spec.flags.get("dp-size", 1))
+    gpus = gpu_doc.get("gpus")
+    if gpus is not None and gpu_doc.get("source") not in (None, "none") and tp * dp > len(gpus):
+        problems.append(f"--tp-size {tp} x --dp-size {dp} needs {tp * dp} GPUs; the container sees {len(gpus)}")
+    hicache = spec.flags.get("hicache-size")
+    limit = server.get("memory_limit_bytes")
+    if hicache and limit:
+        needed = float(hicache) * 1e9 * tp * dp  # --hicache-size is GB per TP rank
+        if needed > 0.9 * limit:
+            problems.append(f"--hicache-size {hicache} GB x {tp * dp} ranks = {needed / 1e9:.0f} GB of host "
+                            f"memory; the container has {limit / 1e9:.0f} GB (limit at 90%)")
+    for gpu in foreign_memory(gpu_doc):
+        if gpu["foreign_mib"] > max_used_mib:
+            problems.append(f"GPU {gpu['index']}: {gpu['foreign_mib']} MiB held from outside the container "
+                            f"(not this container's to free; see the who_holds_gpus runbook); "
+                            f"the gate (<= {max_used_mib} MiB) could not pass after a stop")
+    listeners = server.get("listener_pids") or []
+    tree = {p["pid"] for p in server.get("tree") or []}
+    if server.get("listening") and listeners and not set(listeners) & tree:
+        problems.append(f"port {spec.port} is in use by pid(s) {listeners}, not an sglang server of ours")
+    return problems
+
+
+def steps_for(action: str, supervisor: str = "process") -> list[str]:
+    """The steps the transition will take, in order (printed by --dry)."""
+    start = "start (systemd unit)" if supervisor == "systemd" else "start (own process group, pid file, log)"
+    if action == "start":
+        return ["lock", "record", "sweep strays", "gate", "clean /dev/shm + check port + env file", start,
+                "wait healthy (+ a generation)", "verify flags", "unlock"]
+    if action == "restart":
+        return ["lock", "record previous spec", "stop (SIGTERM drain, SIGKILL tree, sweep)", "gate",
+                "clean /dev/shm + check port + env file", start, "wait healthy (+ a generation)",
+                "verify flags", "unlock (rollback to the previous spec if the start fails)"]
+    if action == "wait":
+        return ["wait healthy (+ a generation)", "verify flags"]
+    if action in ("stop", "sweep"):
+        return ["lock", "stop (SIGTERM drain, SIGKILL tree, sweep)", "gate", "remove pid file", "record absent",
+                "unlock"]
+    return []
+
+
+# ---------------------------------------------------------------- remote calls
+def _module_source(name: str) -> str:
+    return (REMOTE_DIR / f"{name}.py").read_text()
+
+
+def inline_python(modules: list[str], body: str) -> str:
+    """A `python3 -c` program that registers `modules` (files in gpugate/remote) as importable
+    top-level modules, then runs `body`. Nothing is installed in the container; the source
+    travels zlib+base64 encoded (no quotes to multiply through pct's and ssh's `sh -c`)."""
+    lines = ["import sys, types"]
+    for name in modules:
+        lines.append(f"m = types.ModuleType({name!r}); exec(compile({_module_source(name)!r}, {name!r}, 'exec'), "
+                     f"m.__dict__); sys.modules[{name!r}] = m")
+    lines.append(body)
+    packed = base64.b64encode(zlib.compress("\n".join(lines).encode(), 9)).decode()
+    return f"import base64,zlib;exec(zlib.decompress(base64.b64decode('{packed}')))"
+
+
+def remote_call(function: str, python: str = "/usr/bin/python3", secret: str | None = None,
+                secret_kwarg: str | None = None, **kwargs: Any) -> StringCommand:
+    """One command that runs transition_actions.<function>(**kwargs) in the container and prints
+    its JSON result. A secret travels as its own argument, masked wherever pyinfra prints it."""
+    call = base64.b64encode(json.dumps({"function": function, "kwargs": kwargs,
+                                        "secret_kwarg": secret_kwarg}).encode()).decode()
+    source = inline_python(["sglang_probe", "transition_actions"],
+                           "import transition_actions; transition_actions.main(sys.argv[1:])")
+    bits: list[Any] = [python, "-c", QuoteString(source), call]
+    if secret is not None:
+        bits.append(QuoteString(HiddenValue(secret)))
+    return StringCommand(*bits)
+
+
+def parse_result(stdout_lines: list[str]) -> dict[str, Any]:
+    """The JSON document a remote call printed last (anything before it is noise)."""
+    for line in reversed(stdout_lines):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                break
+    return {"ok": False, "error": "no result from the container: " + " | ".join(stdout_lines[-5:])[:400]}
