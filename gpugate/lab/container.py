@@ -190,6 +190,10 @@ def _setup_container_fs(host_dir: Path, vmid: int) -> None:
     cdir = ct_dir(host_dir, vmid)
     gdir = gpu_dir(host_dir)
     nsutil.make_private("/")
+    try:
+        nsutil.umount("/usr/sbin")  # the host's own /usr/sbin overlay (its pct) is not the container's
+    except OSError:
+        pass
     for name in OVERLAID:
         nsutil.mount(
             "overlay",

@@ -478,3 +478,23 @@ def format_status(state: dict) -> str:
             used = " ".join(f"{g['index']}:{g['used_mib']}" for g in host["gpus"])
             out.append(f"  gpu used MiB (of {host['gpus'][0]['total_mib']}): {used}")
     return "\n".join(out) + "\n"
+
+
+def add_container(lab_dir: Path, host: str, vmid: int, start: bool = True) -> None:
+    """Create container <vmid> on a running lab host (like `pct create`), and start it unless start=False.
+
+    Example: add_container(Path("/tmp/gpugate-lab"), "pve1", 130)
+    """
+    lab_dir = Path(lab_dir).resolve()
+    hdir = host_dir(lab_dir, host)
+    try:
+        gpus = int(json.loads((hdir / "gpu" / "config.json").read_text())["count"])
+    except (OSError, ValueError, KeyError):
+        gpus = DEFAULT_GPUS
+    cdir = container.create_container(hdir, vmid, gpus)
+    _install_extras(cdir)
+    if start:
+        result = subprocess.run(host_exec_argv(lab_dir, host) + ["pct", "start", str(vmid)],
+                                capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if result.returncode != 0:
+            raise LabError(f"pct start {vmid} on {host} failed: {result.stderr.strip()}")

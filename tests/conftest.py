@@ -1,0 +1,131 @@
+"""Shared fixtures. The `lab` fixture starts one local lab (2 hosts x 8 GPUs) per test session.
+
+Usage in a test (mark it `lab`):
+
+    @pytest.mark.lab
+    def test_something(lab):
+        out = lab.pct("pve1", "exec", "129", "--", "hostname")
+        assert out.stdout == "ct129\\n"
+        result = lab.pyinfra("inventory.py", "deploy.py", "--dry")   # pyinfra CLI against the lab
+
+xdist: every worker gets its own lab directory (and so its own cgroup tree and ports), so lab tests
+may run in parallel workers; each worker then pays the lab's start (well under a second).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LAB_HOSTS = 2
+LAB_GPUS = 8
+
+
+def lab_unavailable_reason() -> str | None:
+    """Why the lab cannot run here (None when it can)."""
+    if sys.platform != "linux":
+        return "the lab needs Linux namespaces"
+    if os.geteuid() != 0:
+        return "the lab needs root (namespaces, mounts, sshd)"
+    for tool in ("/usr/sbin/sshd", "ssh", "ssh-keygen", "nsenter"):
+        if not (os.path.exists(tool) if tool.startswith("/") else shutil.which(tool)):
+            return f"the lab needs {tool} (apt-get install openssh-server openssh-client util-linux)"
+    return None
+
+
+@dataclass(frozen=True)
+class LabHost:
+    name: str
+    port: int
+    key: str
+    known_hosts: str
+
+
+@dataclass
+class Lab:
+    """A running lab, for tests: SSH into hosts, run pct, run pyinfra against it."""
+
+    dir: Path
+    hosts: list[LabHost]
+    fleet_path: Path
+
+    def host(self, name: str) -> LabHost:
+        return next(h for h in self.hosts if h.name == name)
+
+    def ssh_argv(self, host: str) -> list[str]:
+        """ssh command line (key auth, host key checked against the lab's known_hosts)."""
+        from gpugate.lab import core
+
+        return core.ssh_argv(self.dir, host)
+
+    def ssh(self, host: str, command: str, *, input: str | bytes | None = None, timeout: float = 60,
+            text: bool = True) -> subprocess.CompletedProcess:
+        """Run one shell command line on a lab host over real SSH (no tty)."""
+        return subprocess.run(self.ssh_argv(host) + [command], input=input, capture_output=True,
+                              text=text, timeout=timeout, stdin=None if input is not None else subprocess.DEVNULL)
+
+    def pct(self, host: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """`pct ARGS...` on a lab host over SSH (each argument quoted)."""
+        return self.ssh(host, "pct " + " ".join(shlex.quote(a) for a in args), timeout=timeout)
+
+    def host_exec(self, host: str, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """Run argv inside a lab host without SSH (nsenter into its namespaces); faster for setup."""
+        from gpugate.lab import core
+
+        return subprocess.run(core.host_exec_argv(self.dir, host) + list(argv), capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def env(self) -> dict[str, str]:
+        """Environment under which `pyinfra inventory.py ...` reaches this lab."""
+        env = dict(os.environ)
+        env["GPUGATE_LAB_DIR"] = str(self.dir)
+        env["GPUGATE_FLEET"] = str(self.fleet_path)
+        return env
+
+    def pyinfra(self, *args: str, timeout: float = 300, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
+        """Run the pyinfra CLI (non-interactive) against the lab, e.g. lab.pyinfra("inventory.py", "deploy.py")."""
+        exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+        return subprocess.run([exe, "-y", *args], cwd=cwd, env=self.env(), capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def fault(self, host: str, vmid: int, name: str, clear: bool = False) -> str:
+        from gpugate.lab import faults
+
+        return faults.apply_fault(self.dir, host, vmid, name, clear=clear)
+
+
+def start_lab(lab_dir: Path, hosts: int = LAB_HOSTS, gpus: int = LAB_GPUS) -> Lab:
+    from gpugate.lab import core
+
+    state = core.up(lab_dir, hosts=hosts, gpus=gpus)
+    return Lab(
+        dir=Path(state["dir"]),
+        hosts=[LabHost(h["name"], h["port"], h["key"], h["known_hosts"]) for h in state["hosts"]],
+        fleet_path=Path(state["fleet"]),
+    )
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Lab:
+    """One lab (2 hosts x 8 GPUs, container 129 running on each) for the whole session (per xdist worker)."""
+    reason = lab_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    from gpugate.lab import core
+
+    lab_dir = tmp_path_factory.mktemp("gpugate-lab")
+    try:
+        handle = start_lab(lab_dir)
+    except core.LabError as exc:
+        core.down(lab_dir)
+        pytest.skip(f"the lab could not start here: {exc}")
+    yield handle
+    core.down(lab_dir)
