@@ -20,6 +20,9 @@ PR_SET_PDEATHSIG = 1
 CONTEXT_MIB = 518  # a CUDA context on an H200, measured (shared/reference/nvml-and-containers.md)
 
 
+_title = ""
+
+
 def _set_comm(title: str) -> None:
     try:
         with open("/proc/self/comm", "w") as f:
@@ -35,7 +38,9 @@ def _log(prefix: str, message: str) -> None:
 
 def _on_parent_death(signum, frame) -> None:
     if gpusim.read_faults().get("orphan-worker"):
-        return  # fault: survive the parent, keep the memory
+        # fault: survive the parent, keep the memory
+        _log(_title, "parent process died; staying alive (lab fault orphan-worker)")
+        return
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -48,7 +53,9 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def main() -> int:
+    global _title
     job = json.loads(os.environ.pop("SGLANG_STANDIN_WORKER"))
+    _title = job["title"]
     _set_comm(job["title"])
     _die_with_parent(int(job["parent_pid"]))
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -310,7 +310,8 @@ def _warmup(state: State, host: str, port: int) -> None:
         log("Initialization failed. warmup error: %r" % (exc,))
         return
     if gpusim.read_faults().get("never-healthy"):
-        return  # fault: warmup never completes
+        log("Warmup did not complete (lab fault never-healthy); /health stays 503.")
+        return
     state.up = True
     log("The server is fired up and ready to roll!")
 
