@@ -391,6 +391,20 @@ def _print_plan(host_obj, change: tr.Change, spec: tr.Spec | None, port: int) ->
         host_obj.log(line)
 
 
+def _fail_with(state, host, message: str) -> bool:
+    host.log_styled(message, fg="red", log_func=logger.error)
+    return False
+
+
+def _refuse(message: str):
+    """Fail this host only, before anything is touched. While preparing (and under --dry) an
+    OperationError stops the run with the message; while executing a failing command fails
+    this host alone, so that the other hosts go on."""
+    if not state.is_executing:
+        raise OperationError(message)
+    yield FunctionCommand(_fail_with, (message,), {})
+
+
 @operation()
 def server(
     port: int = 30000,
@@ -444,16 +458,18 @@ def server(
     """
     try:
         spec = tr.desired_spec(model_path, port, flags, env, supervisor, python) if present else None
+        if not present and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
+            raise tr.SpecError(f"port must be an integer in 1..65535, got {port!r}")
     except tr.SpecError as error:
-        raise OperationError(f"sglang.server: {error} (nothing was touched)") from error
-    if not present and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
-        raise OperationError(f"sglang.server: port must be an integer in 1..65535, got {port!r}")
+        yield from _refuse(f"sglang.server: {error} (nothing was touched)")
+        return
 
     observation = host.get_fact(SglangObservation, port=port, env_names=sorted(spec.env) if spec else (),
                                 model_path=spec.model_path if spec else None, python=python)
     server_doc = observation.get("sglang") or {}
     if "error" in server_doc:
-        raise OperationError(f"sglang.server: the server probe failed: {server_doc['error']}")
+        yield from _refuse(f"sglang.server: the server probe failed: {server_doc['error']}")
+        return
 
     change = tr.compare(server_doc, spec)
     if restarted and change.action in ("noop", "wait") and spec is not None:
@@ -464,9 +480,10 @@ def server(
 
     problems = tr.preflight(observation, spec, max_used_mib) if change.action in ("start", "restart") else []
     if problems:
-        raise OperationError("sglang.server: refusing to begin (nothing was touched"
-                             + (", the running server keeps running" if server_doc.get("running") else "")
-                             + "):\n  " + "\n  ".join(problems))
+        yield from _refuse("sglang.server: refusing to begin (nothing was touched"
+                           + (", the running server keeps running" if server_doc.get("running") else "")
+                           + "):\n  " + "\n  ".join(problems))
+        return
 
     # Print the plan once: at prepare time, or at execute time when prepare was skipped (-y).
     if not state.is_executing or not state.check_for_changes:
