@@ -24,6 +24,7 @@ The file (every key but ``hosts`` is optional)::
               env: {HF_TOKEN: "..."}
               present: true       # false: no server on this port (stopped, GPUs freed)
               supervisor: process # or systemd
+              python: /opt/venv/bin/python3   # the interpreter that has sglang (default /usr/bin/python3)
 
 ``ssh: {hostname: "@local"}`` means pyinfra runs on the Proxmox host itself: ``@pct/@local:129``.
 Relative ``ssh.key``, ``ssh.known_hosts_file`` and ``ssh.config_file`` are relative to the
@@ -85,8 +86,9 @@ DATA_TYPES: dict[str, tuple[type, ...]] = {
     "rolling": (bool,),
     "audit_log": (str, type(None)),
     "pct_sudo": (bool,),
+    "lock_wait_s": (int, float),
 }
-_SGLANG_KEYS = ("model_path", "port", "host", "flags", "env", "present", "supervisor")
+_SGLANG_KEYS = ("model_path", "port", "host", "flags", "env", "present", "supervisor", "python")
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]*$")
 _GROUP_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _DATA_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
@@ -115,6 +117,7 @@ class SglangSpec:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     present: bool = True
     supervisor: str | None = None
+    python: str | None = None
 
 
 @dataclasses.dataclass
@@ -275,6 +278,12 @@ def _check_sglang(check: _Checker, raw: Any, entry: str) -> SglangSpec:
                              or any(c.isspace() or c == "\x00" for c in host)):
         raise check.fail(f"{entry}.host", f"expected an address to listen on, got {_describe(host)}")
 
+    python = section.get("python")
+    if python is not None and (not isinstance(python, str) or not python.startswith("/")
+                               or any(c.isspace() or c == "\x00" for c in python)):
+        raise check.fail(f"{entry}.python", f"expected the absolute path of a Python interpreter in the "
+                                            f"container, got {_describe(python)}")
+
     supervisor = section.get("supervisor")
     if supervisor is not None and supervisor not in SUPERVISORS:
         raise check.fail(f"{entry}.supervisor", f"expected one of {', '.join(SUPERVISORS)}, "
@@ -300,7 +309,7 @@ def _check_sglang(check: _Checker, raw: Any, entry: str) -> SglangSpec:
         env[key] = text
 
     return SglangSpec(model_path=model_path, port=port, host=host, flags=flags, env=env,
-                      present=present, supervisor=supervisor)
+                      present=present, supervisor=supervisor, python=python)
 
 
 def _written_key(raw_flags: Mapping[Any, Any], canonical: str) -> str:
@@ -433,6 +442,8 @@ def container_host_data(host: PveHost, container: Container) -> dict[str, Any]:
             data["sglang_host"] = spec.host
         if spec.supervisor is not None:
             data["sglang_supervisor"] = spec.supervisor
+        if spec.python is not None:
+            data["sglang_python"] = spec.python
     data.update(host.data)
     data.update(container.data)
     return data

@@ -12,6 +12,7 @@ sglang_supervisor = "process"  # "process" (own process group, pid file, log) or
 sglang_port = 30000            # SGLang's own default port
 sglang_host = "127.0.0.1"      # --host: the address the server listens on inside the container
 sglang_flags = {}              # SGLang flags (validated: gpugate.sglang_args); see docs/flags.md
+sglang_python = "/usr/bin/python3"  # interpreter in the container that runs `-m sglang.launch_server`
 sglang_env = {}                # environment of the server (file mode 0600; values never printed)
 
 # --- the GPU gate ---
@@ -23,6 +24,7 @@ drain_timeout_s = 60           # SGLang's SIGTERM drain has no deadline: this is
 kill_grace_s = 10              # after SIGKILL of the process group: wait this long for the tree to exit
 start_timeout_s = 2700         # until healthy (45 min: cold TP8 load and CUDA graph capture)
 health_poll_s = 2              # interval of /health polls while the server loads
+lock_wait_s = 0                # a second operator on the same server: wait this long for the lock, then fail
 rolling = False                # True: restart one container at a time (deploy.py); the rest keep serving
 
 # --- records ---

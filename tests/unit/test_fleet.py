@@ -104,6 +104,8 @@ def good_with(old: str, new: str) -> str:
     (good_with('HF_TOKEN: "hf_x"', '"BAD NAME": x'), "hosts.pve1.containers.129.sglang.env.BAD NAME",
      "environment variable names"),
     (good_with("      129:", "      12:"), "hosts.pve1.containers.12", "vmids 100..999999999"),
+    (good_with("supervisor: systemd", "supervisor: systemd\n          python: 'python3 -c x'"),
+     "hosts.pve1.containers.129.sglang.python", "absolute path"),
     (good_with("user: root", "usr: root"), "hosts.pve1.ssh.usr", "unknown key (did you mean user?)"),
     (good_with("port: 2222", "port: ssh"), "hosts.pve1.ssh.port", "expected a port number"),
     (good_with("hostname: pve1.example.net", "hostname: '-oProxyCommand=x'"), "hosts.pve1.ssh.hostname",
@@ -185,3 +187,21 @@ def test_shell_metacharacters_in_values_are_kept_literally(tmp_path):
     assert data["sglang_model_path"] == nasty
     assert data["sglang_flags"] == {"served-model-name": nasty}
     assert data["sglang_env"] == {"X": nasty}
+
+
+def test_the_server_interpreter_can_be_chosen_per_container(tmp_path):
+    path = write(tmp_path, good_with("supervisor: systemd", "supervisor: systemd\n          python: /opt/venv/bin/python3"))
+    hosts = dict(fleet_to_inventory(load_fleet(path))["pve_pve1"][0])
+    assert hosts["@pct/pve1:129"]["sglang_python"] == "/opt/venv/bin/python3"
+    assert "sglang_python" not in hosts["@pct/pve1:130"]  # group_data/all.py's default applies
+
+
+def test_the_fleet_file_the_lab_writes_loads(tmp_path):
+    from gpugate.lab.core import fleet_document, render_fleet_yaml
+
+    doc = fleet_document(tmp_path, [("pve1", 2201), ("pve2", 2202)], {"pve1": [129, 130], "pve2": [131]})
+    path = write(tmp_path, render_fleet_yaml(doc))
+    groups = fleet_to_inventory(load_fleet(path))
+    names = [name for name, _ in groups["pve_pve1"][0] + groups["pve_pve2"][0]]
+    assert names == ["@pct/pve1:129", "@pct/pve1:130", "@pct/pve2:131"]
+    assert dict(groups["pve_pve1"][0])["@pct/pve1:129"]["sglang_flags"] == {"tp-size": 8}
