@@ -376,6 +376,6 @@ NVML_DEVICE_MIG_DISABLE = 0
 NVML_DEVICE_MIG_ENABLE = 1
 
 
-def nvmlDeviceGetMigMode(handle):
-    _check_handle(handle)
+def nvmlDeviceGetMigMode(device):
+    _check_handle(device)
     return [NVML_DEVICE_MIG_DISABLE, NVML_DEVICE_MIG_DISABLE]
