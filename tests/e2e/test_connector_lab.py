@@ -1,0 +1,330 @@
+"""
+The @pct connector end to end against the lab: a real sshd per simulated Proxmox host, the lab's
+`pct` over real PID/mount/UTS namespaces. Run: pytest -m lab tests/e2e/test_connector_lab.py
+
+Also a measurement (not a test): python tests/e2e/test_connector_lab.py --bench [N]
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pyinfra.api import Config, Inventory, State
+from pyinfra.api.command import QuoteString, StringCommand
+
+from gpugate.connectors.pct import PctConnector
+
+pytestmark = pytest.mark.lab
+
+RUNNING_VMID = 129
+STOPPED_VMID = 130
+UNKNOWN_VMID = 999
+
+
+# The lab: our own directory, one host, a running and a stopped container
+#
+
+
+def _lab_core():
+    return pytest.importorskip("gpugate.lab.core")
+
+
+def start_lab(lab_dir: Path) -> dict:
+    core = _lab_core()
+    state = core.up(lab_dir, hosts=1, gpus=1, vmids=(RUNNING_VMID, STOPPED_VMID))
+    host = state["hosts"][0]
+    statuses = {c["vmid"]: c["status"] for c in host["containers"]}
+    if statuses.get(RUNNING_VMID) != "running":
+        on_host(lab_dir, ["pct", "start", str(RUNNING_VMID)])
+    if statuses.get(STOPPED_VMID) == "running":
+        on_host(lab_dir, ["pct", "stop", str(STOPPED_VMID)])
+    return host
+
+
+def on_host(lab_dir: Path, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """Run argv on the lab host pve1 itself (its namespaces), not through the connector."""
+    core = _lab_core()
+    return subprocess.run(
+        core.host_exec_argv(lab_dir, "pve1") + argv, capture_output=True, check=False, **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def lab():
+    if os.geteuid() != 0:
+        pytest.skip("the lab needs root")
+    lab_dir = Path(os.environ.get("GPUGATE_CONNECTOR_LAB_DIR", f"/tmp/lab-connector-e2e-{os.getpid()}"))
+    host = start_lab(lab_dir)
+    yield lab_dir, host
+    _lab_core().down(lab_dir)
+
+
+def ssh_data(lab_dir: Path, host: dict) -> dict:
+    return {
+        "ssh_hostname": "127.0.0.1",
+        "ssh_port": host["port"],
+        "ssh_user": "root",
+        "ssh_key": str(lab_dir / "id_ed25519"),
+        "ssh_known_hosts_file": str(lab_dir / "known_hosts"),
+        "ssh_strict_host_key_checking": "yes",
+    }
+
+
+@pytest.fixture(scope="module")
+def inventory_file(lab, tmp_path_factory):
+    lab_dir, host = lab
+    path = tmp_path_factory.mktemp("inv") / "inventory.py"
+    path.write_text(
+        textwrap.dedent(
+            f"""
+            _ssh = {ssh_data(lab_dir, host)!r}
+            containers = [
+                ("@pct/pve1:{RUNNING_VMID}", dict(_ssh)),
+                ("@pct/pve1:{STOPPED_VMID}", dict(_ssh)),
+                ("@pct/pve1:{UNKNOWN_VMID}", dict(_ssh)),
+            ]
+            """,
+        ),
+    )
+    return path
+
+
+def pyinfra(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pyinfra", "-y", *args],
+        capture_output=True, text=True, timeout=120, check=False, cwd=cwd or tempfile.gettempdir(),
+    )
+
+
+def only_running(inventory_file: Path) -> list[str]:
+    return [str(inventory_file), "--limit", f"@pct/pve1:{RUNNING_VMID}"]
+
+
+@pytest.fixture(scope="module")
+def container_host(lab):
+    """One connected State/host for many commands (hypothesis reuses it)."""
+    lab_dir, host = lab
+    name = f"@pct/pve1:{RUNNING_VMID}"
+    inventory = Inventory(([(name, ssh_data(lab_dir, host))], {}))
+    State(inventory, Config())
+    target = inventory.get_host(name)
+    target.connect(raise_exceptions=True)
+    assert isinstance(target.connector, PctConnector)
+    yield target
+    target.disconnect()
+
+
+def run_in(target, command: str | StringCommand, **kwargs) -> tuple[bool, list[str], list[str]]:
+    status, output = target.run_shell_command(command, **kwargs)
+    return status, output.stdout_lines, output.stderr_lines
+
+
+# The CLI: exec, files, deploy
+#
+
+
+def test_exec_runs_in_the_container_not_on_the_host(lab, inventory_file):
+    lab_dir, _ = lab
+    result = pyinfra(*only_running(inventory_file), "exec", "--", "cat /proc/1/cmdline; echo; hostname")
+    assert result.returncode == 0, result.stderr
+    host_init = on_host(lab_dir, ["cat", "/proc/1/cmdline"]).stdout.split(b"\0")[0].decode()
+    lines = [line.split("] ", 1)[1] for line in result.stderr.splitlines() if line.startswith("[@pct/pve1:129] ")]
+    assert lines[0].startswith("/sbin/init")
+    assert host_init and not lines[0].startswith(host_init)
+    assert f"ct{RUNNING_VMID}" in lines
+
+
+def test_connect_errors_are_distinct_and_the_running_container_goes_on(inventory_file):
+    result = pyinfra(str(inventory_file), "exec", "--", "hostname")
+    out = result.stderr
+    assert f"[@pct/pve1:{STOPPED_VMID}] pct error: container {STOPPED_VMID} on 127.0.0.1 is not running" in out
+    assert f"[@pct/pve1:{UNKNOWN_VMID}] pct error: no container {UNKNOWN_VMID} on 127.0.0.1" in out
+    assert f"[@pct/pve1:{RUNNING_VMID}] ct{RUNNING_VMID}" in out
+
+
+def test_no_pct_on_the_host_is_its_own_error(lab, tmp_path):
+    lab_dir, host = lab
+    data = {**ssh_data(lab_dir, host), "pct_binary": "pct-missing"}
+    inv = tmp_path / "inv.py"
+    inv.write_text(f"hosts = [('@pct/pve1:{RUNNING_VMID}', {data!r})]\n")
+    result = pyinfra(str(inv), "exec", "--", "true")
+    assert "pct error: no `pct` command on 127.0.0.1" in result.stderr
+
+
+def test_files_put_lands_in_the_container_and_not_on_the_host(lab, inventory_file, tmp_path, container_host):
+    lab_dir, _ = lab
+    src = tmp_path / "payload.bin"
+    src.write_bytes(bytes(range(256)) * 4)
+    dest = "/srv/gpugate-e2e/put/payload.bin"
+    result = pyinfra(*only_running(inventory_file), "files.put", f"src={src}", f"dest={dest}")
+    assert result.returncode == 0, result.stderr
+    status, stdout, _ = run_in(container_host, f"od -An -v -tx1 {dest} | tr -d ' \\n'")
+    assert status and "".join(stdout) == src.read_bytes().hex()
+    assert on_host(lab_dir, ["test", "-e", dest]).returncode == 1
+    leftovers = on_host(lab_dir, ["sh", "-c", "ls ${TMPDIR:-/tmp} | grep -c pyinfra-pct || true"])
+    assert leftovers.stdout.strip() == b"0"
+
+
+DEPLOY = """
+from io import StringIO
+from pyinfra.operations import files, server
+
+files.put(name="config file", src=StringIO("flag = 1\\n"), dest="/srv/gpugate-e2e/deploy/app.conf", mode="640")
+files.template(
+    name="unit from a template",
+    src={template!r},
+    dest="/srv/gpugate-e2e/deploy/unit.txt",
+    port=30000,
+)
+"""
+
+
+def test_deploy_puts_and_templates_then_reports_no_changes(lab, inventory_file, tmp_path, container_host):
+    template = tmp_path / "unit.j2"
+    template.write_text("host={{ host.name }} port={{ port }}\n")
+    deploy = tmp_path / "deploy.py"
+    deploy.write_text(DEPLOY.format(template=str(template)))
+    first = pyinfra(*only_running(inventory_file), str(deploy))
+    assert first.returncode == 0, first.stderr
+    assert f"[@pct/pve1:{RUNNING_VMID}] Success" in first.stderr
+    status, stdout, _ = run_in(
+        container_host,
+        "stat -c %a /srv/gpugate-e2e/deploy/app.conf; cat /srv/gpugate-e2e/deploy/unit.txt",
+    )
+    assert status and stdout == ["640", f"host=@pct/pve1:{RUNNING_VMID} port=30000"]
+
+    second = pyinfra(*only_running(inventory_file), str(deploy))
+    assert second.returncode == 0, second.stderr
+    assert f"[@pct/pve1:{RUNNING_VMID}] No changes" in second.stderr
+
+
+def test_server_shell_runs_inside(inventory_file, container_host):
+    result = pyinfra(
+        *only_running(inventory_file), "server.shell",
+        "commands=echo inside-$(hostname) > /srv/gpugate-e2e/shell.txt",
+    )
+    assert result.returncode == 0, result.stderr
+    assert run_in(container_host, "cat /srv/gpugate-e2e/shell.txt")[1] == [f"inside-ct{RUNNING_VMID}"]
+
+
+# The API: details a user relies on
+#
+
+
+def test_the_container_gets_its_own_path_and_no_host_environment(container_host):
+    status, stdout, _ = run_in(container_host, "echo $PATH; env | grep -c '^SSH_' || true")
+    assert status
+    assert stdout == ["/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "0"]
+
+
+def test_no_pty_unless_asked_so_stderr_stays_separate(container_host):
+    status, stdout, stderr = run_in(container_host, "tty || true; echo err >&2")
+    assert stdout == ["not a tty"] and stderr == ["err"]
+    status, stdout, _ = run_in(container_host, "tty >/dev/null && echo has-tty", _get_pty=True)
+    assert stdout[-1].strip() == "has-tty"
+
+
+def test_exit_codes_stdin_env_and_chdir(container_host):
+    assert run_in(container_host, "exit 3")[0] is False
+    assert run_in(container_host, "exit 3", _success_exit_codes=[3])[0] is True
+    assert run_in(container_host, "cat", _stdin="line one")[1] == ["line one"]
+    assert run_in(container_host, "echo $X; pwd", _env={"X": "a b"}, _chdir="/srv")[1] == ["a b", "/srv"]
+    assert run_in(container_host, "id -un", _su_user="nobody", _su_shell="sh")[1] == ["nobody"]
+
+
+def test_get_file_returns_the_bytes(container_host):
+    data = os.urandom(4096)
+    assert container_host.put_file(io.BytesIO(data), "/srv/gpugate-e2e/random.bin")
+    buffer = io.BytesIO()
+    assert container_host.get_file("/srv/gpugate-e2e/random.bin", buffer)
+    assert buffer.getvalue() == data
+
+
+def test_get_file_of_a_missing_file_is_an_error(container_host):
+    with pytest.raises(OSError, match="pct pull in container 129"):
+        container_host.get_file("/srv/gpugate-e2e/no-such-file", io.BytesIO())
+
+
+weird_text = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+    min_size=1,
+    max_size=60,
+)
+weird_names = weird_text.filter(lambda s: "/" not in s and s not in (".", "..") and len(s.encode()) < 200)
+fuzz_settings = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+
+
+@fuzz_settings
+@given(text=weird_text)
+def test_any_command_text_arrives_byte_for_byte(container_host, text):
+    command = StringCommand("printf", "%s", QuoteString(text), "|", "od", "-An", "-v", "-tx1")
+    status, stdout, stderr = run_in(container_host, command)
+    assert status, stderr
+    assert "".join(stdout).replace(" ", "") == text.encode().hex()
+
+
+@fuzz_settings
+@given(name=weird_names, content=st.binary(max_size=64))
+def test_any_file_name_and_content_arrive_byte_for_byte(container_host, name, content):
+    path = f"/srv/gpugate-e2e/fuzz/{name}"
+    run_in(container_host, "mkdir -p /srv/gpugate-e2e/fuzz")
+    assert container_host.put_file(io.BytesIO(content), path)
+    status, stdout, stderr = run_in(
+        container_host, StringCommand("od", "-An", "-v", "-tx1", QuoteString(path)),
+    )
+    assert status, stderr
+    assert "".join(stdout).replace(" ", "") == content.hex()
+    listed = run_in(container_host, "ls /srv/gpugate-e2e/fuzz | od -An -v -tx1")[1]
+    assert name.encode().hex() in "".join(listed).replace(" ", "")
+    run_in(container_host, StringCommand("rm", "-f", QuoteString(path)))
+
+
+# The measurement (python tests/e2e/test_connector_lab.py --bench [N])
+#
+
+
+def bench(samples: int = 50) -> None:
+    from pyinfra.connectors.ssh import SSHConnector  # noqa: F401  (plain @ssh for comparison)
+
+    lab_dir = Path(f"/tmp/lab-connector-bench-{os.getpid()}")
+    host = start_lab(lab_dir)
+    try:
+        data = ssh_data(lab_dir, host)
+        inventory = Inventory(([("@ssh/pve1", data), (f"@pct/pve1:{RUNNING_VMID}", data)], {}))
+        State(inventory, Config())
+        figures = {}
+        for name in ("@ssh/pve1", f"@pct/pve1:{RUNNING_VMID}"):
+            target = inventory.get_host(name)
+            target.connect(raise_exceptions=True)
+            for _ in range(5):  # warm up the connection
+                target.run_shell_command("true")
+            times = []
+            for _ in range(samples):
+                start = time.perf_counter()
+                status, _ = target.run_shell_command("true")
+                times.append((time.perf_counter() - start) * 1000)
+                assert status
+            figures[name] = times
+            target.disconnect()
+        for name, times in figures.items():
+            q = statistics.quantiles(times, n=10)
+            print(f"{name:20s} median {statistics.median(times):6.1f} ms  p10 {q[0]:6.1f}  p90 {q[-1]:6.1f}  (n={samples})")
+    finally:
+        _lab_core().down(lab_dir)
+
+
+if __name__ == "__main__" and "--bench" in sys.argv:
+    bench(int(sys.argv[sys.argv.index("--bench") + 1]) if len(sys.argv) > sys.argv.index("--bench") + 1 else 50)
