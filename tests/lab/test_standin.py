@@ -1,0 +1,121 @@
+"""The SGLang stand-in as an operator sees it: flags, process tree, memory, health sequence, drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+from gpusim_helpers import (GPU_COUNT, TOTAL_MIB, cmdline, hold, http_json, http_status,  # noqa: F401
+                            installed, model_dir, pid_alive, sim, start_standin, wait_until)
+
+
+def test_bad_choice_exits_2_with_argparse_message(start_standin, model_dir):
+    s = start_standin("--model-path", str(model_dir), "--kv-cache-dtype", "fp9")
+    assert s.proc.wait(timeout=30) == 2
+    assert "launch_server.py: error: argument --kv-cache-dtype: invalid choice: 'fp9'" in s.log()
+
+
+def test_unknown_flag_exits_2(start_standin, model_dir):
+    s = start_standin("--model-path", str(model_dir), "--no-such-flag")
+    assert s.proc.wait(timeout=30) == 2
+    assert "unrecognized arguments: --no-such-flag" in s.log()
+
+
+def test_model_path_must_be_a_model_dir_or_hf_id(start_standin, tmp_path):
+    s = start_standin("--model-path", str(tmp_path / "nope"))
+    assert s.proc.wait(timeout=30) == 1
+    assert "HFValidationError: Repo id must be in the form" in s.log()
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    s = start_standin("--model-path", str(empty))
+    assert s.proc.wait(timeout=30) == 1
+    assert "does not appear to have a file named config.json" in s.log()
+
+
+def test_port_closed_and_memory_held_while_loading_then_sigkill_frees_it(sim, start_standin, model_dir):
+    s = start_standin("--model-path", str(model_dir), "--tp", "4", env={"SGLANG_STANDIN_LOAD_S": "60"})
+    per_gpu = int(TOTAL_MIB * 0.88) + 518
+    wait_until(lambda: sim.all_used() == [per_gpu] * GPU_COUNT, what="schedulers holding memory")
+    assert http_status(s.port) == "refused"
+    workers = s.child_pids()
+    assert sorted(cmdline(p)[0] for p in workers) == [
+        "sglang::detokenizer"] + [f"sglang::scheduler_TP{i}" for i in range(4)]
+    assert "sglang.launch_server" in cmdline(s.proc.pid)
+    assert open(f"/proc/{workers[0]}/comm").read().startswith("sglang::")
+    s.proc.kill()
+    s.proc.wait()
+    wait_until(lambda: not any(pid_alive(p) for p in workers), what="workers die with their parent")
+    wait_until(lambda: sim.all_used() == [0] * GPU_COUNT, what="memory released")
+
+
+def test_health_sequence_server_info_and_graceful_drain(sim, start_standin, model_dir):
+    s = start_standin("--model-path", str(model_dir), "--tp", "2", "--kv-cache-dtype", "fp8_e4m3",
+                      "--disable-radix-cache", "--base-gpu-id", "1", env={"SGLANG_STANDIN_TOKEN_S": "0.01"})
+    seen = []
+    wait_until(lambda: seen.append(http_status(s.port)) or seen[-1] == 200, what="/health 200")
+    assert set(seen) <= {"refused", 503, 200}
+    assert "The server is fired up and ready to roll!" in s.log()
+    assert sim.all_used()[0] == 0 and sim.all_used()[1] > 0 and sim.all_used()[2] > 0
+
+    info = http_json(s.port, "/get_server_info")
+    assert (info["tp_size"], info["kv_cache_dtype"], info["disable_radix_cache"]) == (2, "fp8_e4m3", True)
+    assert info["mem_fraction_static"] == 0.88 and "version" in info
+    assert http_json(s.port, "/server_info")["tp_size"] == 2
+    assert http_json(s.port, "/v1/models")["data"][0]["id"] == str(model_dir)
+    assert http_json(s.port, "/get_model_info")["model_path"] == str(model_dir)
+    assert http_status(s.port, "/health_generate") == 200
+    out = http_json(s.port, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3}})
+    assert out["meta_info"]["completion_tokens"] == 3 and out["text"]
+
+    # a long request in flight, then SIGTERM: /health goes 503, the request finishes, exit 0
+    result = {}
+    req = threading.Thread(target=lambda: result.update(http_json(
+        s.port, "/generate", {"text": "long", "sampling_params": {"max_new_tokens": 300}})))
+    req.start()
+    wait_until(lambda: http_json(s.port, "/get_load")[0]["num_reqs"] == 1, what="request in flight")
+    workers = s.child_pids()
+    s.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: http_status(s.port) == 503, what="/health 503 while draining")
+    req.join(timeout=30)
+    assert result["meta_info"]["completion_tokens"] == 300
+    assert s.proc.wait(timeout=30) == 0
+    assert not any(pid_alive(p) for p in workers)
+    wait_until(lambda: sim.all_used() == [0] * GPU_COUNT, what="memory released")
+
+
+def test_tp1_scheduler_is_named_without_rank(sim, start_standin, model_dir):
+    s = start_standin("--model-path", str(model_dir), env={"SGLANG_STANDIN_LOAD_S": "60"})
+    wait_until(lambda: sim.used(0) > 0, what="scheduler memory")
+    assert sorted(cmdline(p)[0] for p in s.child_pids()) == ["sglang::detokenizer", "sglang::scheduler"]
+
+
+def test_start_fails_when_gpu_memory_is_not_free(sim, start_standin, model_dir):
+    holder = hold(sim, gpu="0", mib=3000)
+    try:
+        s = start_standin("--model-path", str(model_dir), "--tp", "2")
+        assert s.proc.wait(timeout=30) == 1
+        log = s.log()
+        assert "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static." in log
+        assert "Initialization failed" in log
+        wait_until(lambda: sim.all_used() == [3000, 0, 0, 0], what="the failed start's memory released")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_tp_beyond_the_gpus_fails(sim, start_standin, model_dir):
+    s = start_standin("--model-path", str(model_dir), "--tp", str(GPU_COUNT + 1))
+    assert s.proc.wait(timeout=30) == 1
+    assert "invalid device ordinal" in s.log()
+    wait_until(lambda: sim.all_used() == [0] * GPU_COUNT, what="memory released")
+
+
+def test_hf_repo_id_is_accepted(sim, start_standin):
+    s = start_standin("--model-path", "org/some-model", env={"SGLANG_STANDIN_LOAD_S": "0"})
+    s.wait_healthy()
+    assert http_json(s.port, "/v1/models")["data"][0]["id"] == "org/some-model"
+    assert json.loads(json.dumps(http_json(s.port, "/get_server_info")))["model_path"] == "org/some-model"
+    os.kill(s.proc.pid, signal.SIGTERM)
+    assert s.proc.wait(timeout=30) == 0
