@@ -1,0 +1,193 @@
+"""GPU operations: the gate every gpugate transition goes through.
+
+``gpu.idle`` is the desired state "no GPU process in the container, every GPU at or under
+``max_used_mib``". When it already holds: no change. Otherwise it (optionally) ends the container's
+GPU holders, then waits with ONE remote command that polls inside the container (no SSH round trip
+per poll) and passes on the first idle reading; on timeout it fails with a message that says, per GPU,
+what is used, by which process (pid, cmdline, state) and whether the memory is held from outside the
+container (never something to kill from here).
+
+The helpers ``wait_for_idle``, ``end_gpu_holders`` and ``kill_gpu_holders_command`` are for other
+operations (``sglang.server``) that gate inside their own transition.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from pyinfra import host, logger, state
+from pyinfra.api import FunctionCommand, OperationError, operation
+
+from gpugate.facts.gpu import GpuState, unreadable_state
+from gpugate.gate import GateDecision, evaluate, format_failure
+from gpugate.remote import (
+    build_end_holders_command,
+    build_wait_command,
+    parse_probe_output,
+)
+
+# The wait's SSH command gets this much longer than the in-container deadline (connect, pct exec,
+# python start) before the controller gives up on it.
+WAIT_TRANSPORT_MARGIN_S = 30.0
+KILL_SETTLE_S = 5.0
+
+
+def kill_gpu_holders_command(grace_s: float = 10.0, ignore_pids: Iterable[int] = ()) -> str:
+    """The shell command that ends the GPU holders of the pid namespace it runs in: SIGTERM, up to
+    ``grace_s`` for them to exit, then SIGKILL; never pid 1 or itself. Through ``@pct`` that is the
+    container's namespace, so nothing outside the container can be reached. Prints
+    ``{"kill": {"targets", "terminated", "killed", "survivors", "errors", "elapsed_s"}}``."""
+    return build_end_holders_command(grace_s=grace_s, ignore_pids=ignore_pids)
+
+
+def end_holders(host, grace_s: float = 10.0, ignore_pids: Iterable[int] = ()) -> dict:
+    """Run ``kill_gpu_holders_command`` on ``host``; -> its report (``error`` set when the command
+    itself failed)."""
+    command = kill_gpu_holders_command(grace_s, ignore_pids)
+    try:
+        _ok, output = host.run_shell_command(command, _timeout=grace_s + KILL_SETTLE_S + 30)
+        report = parse_probe_output(output.stdout_lines).get("kill")
+    except Exception as exc:  # noqa: BLE001 - transport or parse failure: report it, do not raise
+        return {"error": f"{type(exc).__name__}: {exc}", "targets": [], "survivors": []}
+    return report if isinstance(report, dict) else {"error": "no kill report", "survivors": []}
+
+
+def wait_for_idle(host, max_used_mib: int = 64, timeout: float = 120.0,
+                  poll_interval_s: float = 0.05, ignore_pids: Iterable[int] = ()) -> GateDecision:
+    """Wait, polling inside the container, until the gate passes or ``timeout`` is over.
+
+    -> the GateDecision of the last reading, with ``timing``: ``began_at`` and ``returned_at``
+    (controller wall clock around the remote command), ``started_at`` and ``passed_at`` (in the
+    container: the wait's start and the passing reading), ``polls``, ``elapsed_s`` (in-container
+    wait), ``round_trip_s``.
+
+    .. code:: python
+
+        decision = wait_for_idle(host, max_used_mib=64, timeout=120)
+        if not decision.passed:
+            raise OperationError(format_failure(decision, host.name, timeout_s=120))
+    """
+    ignore = tuple(int(pid) for pid in ignore_pids)
+    command = build_wait_command(max_used_mib, timeout, poll_interval_s, ignore)
+    began_at = time.time()
+    wait = None
+    try:
+        _ok, output = host.run_shell_command(command, _timeout=timeout + WAIT_TRANSPORT_MARGIN_S)
+        document = parse_probe_output(output.stdout_lines)
+        gpu, wait = document.get("gpu"), document.get("wait")
+        if not isinstance(gpu, dict) or "source" not in gpu:
+            gpu = unreadable_state("ProbeFailed", str((gpu or {}).get("error")))
+    except Exception as exc:  # noqa: BLE001 - connection lost, timeout, no JSON: cannot decide
+        gpu = unreadable_state(type(exc).__name__, str(exc) or "the wait command failed")
+    returned_at = time.time()
+    decision = evaluate(gpu, max_used_mib, ignore)
+    decision.timing = {
+        **(wait or {}),
+        "began_at": began_at,
+        "returned_at": returned_at,
+        "round_trip_s": round(returned_at - began_at, 4),
+    }
+    return decision
+
+
+def plan_text(decision: GateDecision, kill: bool, kill_grace_s: float, timeout: float,
+              max_used_mib: int) -> str:
+    """What gpu.idle will do, for --dry and the log."""
+    steps = []
+    if kill and decision.holders:
+        steps.append("end %d GPU process(es) in the container (%s): SIGTERM, %gs grace, SIGKILL"
+                     % (len(decision.holders),
+                        ", ".join(f"{h['pid']} {h.get('cmdline', '')[:60]}" for h in decision.holders),
+                        kill_grace_s))
+    steps.append(f"wait up to {timeout:g}s for every GPU <= {max_used_mib} MiB and no GPU process "
+                 f"(now: {decision.summary})")
+    return "; then ".join(steps)
+
+
+def _end_gpu_holders_command(state, host, grace_s: float, ignore_pids: tuple) -> bool:
+    report = end_holders(host, grace_s, ignore_pids)
+    if report.get("error"):
+        host.log_styled(f"could not end the GPU processes: {report['error']}", fg="yellow",
+                        log_func=logger.warning)
+        return True  # the wait decides; it reports what still holds the GPUs
+    text = (f"GPU processes: {len(report.get('terminated', []))} ended on SIGTERM, "
+            f"{len(report.get('killed', []))} on SIGKILL")
+    if report.get("survivors"):
+        text += "; still running: " + ", ".join(
+            f"{s['pid']} [{s.get('state')}] {s.get('cmdline', '')[:80]}" for s in report["survivors"])
+        host.log_styled(text, fg="yellow", log_func=logger.warning)
+    else:
+        host.log(text)
+    return True
+
+
+def _wait_for_idle_command(state, host, max_used_mib: int, timeout: float,
+                           poll_interval_s: float, ignore_pids: tuple) -> bool:
+    decision = wait_for_idle(host, max_used_mib, timeout, poll_interval_s, ignore_pids)
+    timing = decision.timing or {}
+    if decision.passed:
+        host.log(f"GPUs idle after {timing.get('round_trip_s', 0):.2f}s "
+                 f"({timing.get('polls')} polls in the container)")
+        return True
+    # Logged here rather than raised: pyinfra prints an exception from a callback as a traceback.
+    message = format_failure(decision, host.name,
+                             timeout_s=timeout if timing.get("timed_out") else None)
+    host.log_styled(message, fg="red", log_func=logger.error)
+    return False
+
+
+@operation()
+def idle(
+    max_used_mib: int = 64,
+    timeout: float = 120,
+    kill: bool = False,
+    kill_grace_s: float = 10,
+    poll_interval_s: float = 0.05,
+    ignore_pids: Iterable[int] = (),
+):
+    """
+    No GPU process in the container and every GPU at or under ``max_used_mib`` (NVML v2 "used",
+    which is 0 on an idle GPU).
+
+    + max_used_mib: most memory in use per GPU that still counts as idle
+    + timeout: seconds to wait for the state to hold before failing
+    + kill: first end the container's GPU processes (SIGTERM, ``kill_grace_s``, SIGKILL); never
+      anything outside the container, never pid 1
+    + kill_grace_s: seconds between SIGTERM and SIGKILL
+    + poll_interval_s: pause between readings of the in-container wait
+    + ignore_pids: container pids that do not count as GPU processes
+
+    Memory used that no process of the container accounts for is held from outside (the host or
+    another container): the gate waits for it but never kills for it, and its failure message says
+    how to find the owner (``pyinfra <pve-host> fact gpugate.facts.gpu.HostGpuProcesses``).
+
+    **Example:**
+
+    .. code:: python
+
+        from gpugate.operations import gpu
+
+        gpu.idle(
+            name="Free every GPU of the container",
+            max_used_mib=64,
+            timeout=120,
+            kill=True,
+        )
+    """
+    ignore = tuple(int(pid) for pid in ignore_pids)
+    decision = evaluate(host.get_fact(GpuState), max_used_mib, ignore)
+    if decision.passed:
+        host.noop(decision.summary)
+        return
+    if decision.permanent:
+        # No driver, no tools, v1-only memory: waiting cannot change that.
+        raise OperationError(format_failure(decision, host.name))
+    # Printed once: at prepare (also under --dry), or at execute when prepare was skipped (-y).
+    if not state.is_executing or not state.check_for_changes:
+        host.log(f"gpu.idle will {plan_text(decision, kill, kill_grace_s, timeout, max_used_mib)}")
+    if kill and decision.holders:
+        yield FunctionCommand(_end_gpu_holders_command, (kill_grace_s, ignore), {})
+    yield FunctionCommand(
+        _wait_for_idle_command, (max_used_mib, timeout, poll_interval_s, ignore), {}
+    )
