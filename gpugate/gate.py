@@ -160,6 +160,7 @@ def evaluate(state: dict, max_used_mib: int = 64, ignore_pids=()) -> GateDecisio
     )
     decision.reasons.extend(problems)
     decision.holders = [h for h in state.get("holders") or [] if h.get("pid") not in ignore]
+    over = []
     for gpu in state.get("gpus") or []:
         index = gpu.get("index")
         used = gpu.get("used_mib")
@@ -186,7 +187,7 @@ def evaluate(state: dict, max_used_mib: int = 64, ignore_pids=()) -> GateDecisio
                 line += " of %d" % gpu["total_mib"]
             line += " (max %d)" % max_used_mib
             if used > max_used_mib:
-                decision.reasons.append("GPU %s: %d MiB used (max %d)" % (index, used, max_used_mib))
+                over.append((index, used))
         if listed:
             line += "; listed: " + ", ".join(
                 "pid %s %s%s" % (
@@ -199,6 +200,8 @@ def evaluate(state: dict, max_used_mib: int = 64, ignore_pids=()) -> GateDecisio
         if foreign:
             line += "; %d MiB held from outside the container" % foreign
         decision.gpu_lines.append(line)
+    if over:
+        decision.reasons.append(over_threshold_reason(over, max_used_mib))
     if decision.holders:
         decision.reasons.append("%d process(es) in the container hold /dev/nvidia*: %s" % (
             len(decision.holders),
@@ -206,6 +209,18 @@ def evaluate(state: dict, max_used_mib: int = 64, ignore_pids=()) -> GateDecisio
         ))
     decision.passed = not decision.reasons
     return decision
+
+
+def over_threshold_reason(over: list, max_used_mib: int) -> str:
+    """[(0, 4096), (1, 4096)] -> "GPU 0, 1 over 64 MiB (4096 MiB used on each)": one clause, even
+    for 8 GPUs."""
+    indices = ", ".join(str(index) for index, _ in over)
+    amounts = set(used for _, used in over)
+    if len(amounts) == 1:
+        each = " on each" if len(over) > 1 else ""
+        return "GPU %s over %d MiB (%d MiB used%s)" % (indices, max_used_mib, amounts.pop(), each)
+    return "GPU %s over %d MiB (%s MiB used)" % (
+        indices, max_used_mib, ", ".join(str(used) for _, used in over))
 
 
 def holder_line(holder: dict) -> str:

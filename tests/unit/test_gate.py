@@ -90,6 +90,16 @@ def test_failure_message_names_gpus_holders_and_states():
     assert "OUTSIDE" not in text
 
 
+@pytest.mark.parametrize("used,reason", [
+    ((4096, 4096, 0), "GPU 0, 1 over 64 MiB (4096 MiB used on each)"),
+    ((0, 100, 65), "GPU 1, 2 over 64 MiB (100, 65 MiB used)"),
+    ((0, 0, 70), "GPU 2 over 64 MiB (70 MiB used)"),
+])
+def test_one_reason_names_every_gpu_over_the_threshold(used, reason):
+    decision = evaluate(doc([gpu(i, mib) for i, mib in enumerate(used)]))
+    assert decision.reasons == [reason]
+
+
 def test_failure_message_for_foreign_memory_points_at_the_host_fact_and_never_at_kill():
     text = format_failure(evaluate(doc([gpu(0, 0), gpu(1, 40960)])))
     assert "memory held from OUTSIDE the container (GPU 1: 40960 MiB)" in text
