@@ -35,7 +35,7 @@ import time
 import uuid as uuid_module
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional
+from typing import Iterable, List, Optional
 
 DEFAULT_SIM_DIR = "/run/gpugate-sim"
 DEFAULT_LAB_CTL = "/run/gpugate-lab"
