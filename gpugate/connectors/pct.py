@@ -390,8 +390,12 @@ class PctConnector(BaseConnector):
 
     @property
     def pve_host_name(self) -> str:
+        """The Proxmox host as the user named it (`pve1` in @pct/pve1:129), for messages."""
         if self.data["pct_local"]:
             return "localhost"
+        named_host, sep, _ = self.host.name.removeprefix("@pct/").rpartition(":")
+        if self.host.name.startswith("@pct/") and sep and named_host:
+            return named_host
         return self.host.data.get("ssh_hostname") or self.host.name
 
     @property

@@ -160,8 +160,8 @@ def test_exec_runs_in_the_container_not_on_the_host(lab, inventory_file):
 def test_connect_errors_are_distinct_and_the_running_container_goes_on(inventory_file):
     result = pyinfra(str(inventory_file), "exec", "--", "hostname")
     out = result.stderr
-    assert f"[@pct/pve1:{STOPPED_VMID}] pct error: container {STOPPED_VMID} on 127.0.0.1 is not running" in out
-    assert f"[@pct/pve1:{UNKNOWN_VMID}] pct error: no container {UNKNOWN_VMID} on 127.0.0.1" in out
+    assert f"[@pct/pve1:{STOPPED_VMID}] pct error: container {STOPPED_VMID} on pve1 is not running" in out
+    assert f"[@pct/pve1:{UNKNOWN_VMID}] pct error: no container {UNKNOWN_VMID} on pve1" in out
     assert f"[@pct/pve1:{RUNNING_VMID}] ct{RUNNING_VMID}" in out
 
 
@@ -171,7 +171,7 @@ def test_no_pct_on_the_host_is_its_own_error(lab, tmp_path):
     inv = tmp_path / "inv.py"
     inv.write_text(f"hosts = [('@pct/pve1:{RUNNING_VMID}', {data!r})]\n")
     result = pyinfra(str(inv), "exec", "--", "true")
-    assert "pct error: no `pct` command on 127.0.0.1" in result.stderr
+    assert "pct error: no `pct` command on pve1" in result.stderr
 
 
 def test_files_put_lands_in_the_container_and_not_on_the_host(lab, inventory_file, tmp_path, container_host):

@@ -423,3 +423,11 @@ def test_local_variant_runs_the_same_commands_locally():
         host.connect(raise_exceptions=True)
         host.run_shell_command("hostname")
     assert fake.commands[-1] == expected_exec("sh -c hostname")
+
+
+def test_messages_name_the_host_as_the_user_named_it(shell):
+    # the lab (and ssh configs) point every name at 127.0.0.1; errors still say pve1
+    shell.answer("out=$(", True, status_answer(0, "status: stopped"))
+    host = make_host("@pct/pve1:129", ssh_hostname="127.0.0.1")
+    with pytest.raises(ConnectError, match="container 129 on pve1 is not running"):
+        host.connect(raise_exceptions=True)
