@@ -221,7 +221,8 @@ def stop(lock, port, main_pid, drain_timeout, kill_grace, pid_file=None):
             except ProcessLookupError:
                 pass
     result["swept"] = sorted(set(swept) - set(targets))
-    waiting = dict(targets, **swept)
+    waiting = dict(targets)
+    waiting.update(swept)
     deadline = time.time() + float(kill_grace)
     while time.time() < deadline:
         waiting = {pid: t for pid, t in waiting.items() if _alive(pid, t)}

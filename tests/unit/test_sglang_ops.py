@@ -1,0 +1,180 @@
+"""sglang.server without a network: the operation's decisions from mocked observations
+(list(op._inner(...)) under pyinfra's context objects), and the pure transition logic."""
+
+from __future__ import annotations
+
+from unittest.mock import MagicMock
+
+import pytest
+from pyinfra.api import Config, FunctionCommand
+from pyinfra.api.exceptions import OperationError
+from pyinfra.context import ctx_host, ctx_state
+
+from gpugate import transition as tr
+from gpugate.operations import sglang
+from gpugate.remote import sglang_probe, transition_actions
+from gpugate.sglang_args import render_argv
+
+MODEL = "/opt/models/lab-model"
+
+
+def gpus(used=0, processes=()):
+    return {"source": "nvml", "memory_api": "v2", "errors": [], "holders": [],
+            "gpus": [{"index": i, "used_mib": used, "reserved_mib": 615, "processes": list(processes)}
+                     for i in range(8)]}
+
+
+def running(flags, env_hashes=None, health=200, port=30000):
+    argv = ["/usr/bin/python3"] + render_argv(MODEL, port, flags)
+    return {"port": port, "running": True, "main": {"pid": 41, "pgid": 41, "argv": argv, "state": "S"},
+            "tree": [{"pid": 41}], "strays": [], "listening": True, "listener_pids": [41],
+            "health": {"health": health}, "env_hashes": env_hashes or {}, "state": None,
+            "model_path_exists": True, "memory_limit_bytes": 512 * 10**9}
+
+
+def stopped(port=30000):
+    return {"port": port, "running": False, "main": None, "tree": [], "strays": [], "listening": False,
+            "listener_pids": [], "health": {"health": None}, "env_hashes": {}, "state": None,
+            "model_path_exists": True, "memory_limit_bytes": 512 * 10**9}
+
+
+def run_op(observation, executing=False, **kwargs):
+    state = MagicMock(config=Config(), is_executing=executing, check_for_changes=True)
+    host = MagicMock()
+    host.get_fact.return_value = observation
+    kwargs.setdefault("model_path", MODEL)
+    with ctx_state.use(state), ctx_host.use(host):
+        commands = list(sglang.server._inner(**kwargs))
+    return commands, host
+
+
+def step_names(commands):
+    return [c.function.__name__ for c in commands]
+
+
+def logged(host):
+    return "\n".join(call.args[0] for call in host.log.call_args_list)
+
+
+def test_same_flags_and_healthy_is_a_noop():
+    commands, host = run_op({"sglang": running({"tp": 8}), "gpu": gpus(80000)}, flags={"tp": 8})
+    assert commands == []
+    host.noop.assert_called_once_with("sglang on :30000 already runs with the desired flags")
+
+
+def test_first_start_plans_the_whole_transition():
+    commands, host = run_op({"sglang": stopped(), "gpu": gpus()}, flags={"tp": 8})
+    assert step_names(commands) == ["sglang_lock", "sglang_record", "sglang_stop", "sglang_gate", "sglang_prepare",
+                                    "sglang_start", "sglang_wait_healthy", "sglang_verify", "sglang_unlock"]
+    assert "will start" in logged(host) and "+ --tp-size 8" in logged(host)
+
+
+def test_flag_change_prints_the_diff_once_and_restarts():
+    commands, host = run_op({"sglang": running({"tp": 8}), "gpu": gpus(80000, [{"pid": 50, "used_mib": 80000}])},
+                            flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    assert "sglang_stop" in step_names(commands)
+    assert "+ --kv-cache-dtype fp8_e4m3" in logged(host)
+    # executing after a prepare that already printed it: no second copy
+    _, host = run_op({"sglang": running({"tp": 8}), "gpu": gpus(80000, [{"pid": 50, "used_mib": 80000}])},
+                     executing=True, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    assert "+ --kv-cache-dtype" not in logged(host)
+
+
+def test_env_only_change_restarts_without_showing_the_value():
+    commands, host = run_op({"sglang": running({"tp": 8}), "gpu": gpus()}, flags={"tp": 8},
+                            env={"HF_TOKEN": "hf_secret"})
+    assert "sglang_stop" in step_names(commands)
+    assert "+ env HF_TOKEN=***" in logged(host) and "hf_secret" not in logged(host)
+
+
+def test_env_with_the_same_value_is_a_noop():
+    server = running({"tp": 8}, env_hashes={"HF_TOKEN": sglang_probe.env_hash("hf_secret")})
+    commands, _ = run_op({"sglang": server, "gpu": gpus()}, flags={"tp": 8}, env={"HF_TOKEN": "hf_secret"})
+    assert commands == []
+
+
+def test_removal_stops_and_gates_and_absent_is_a_noop():
+    commands, _ = run_op({"sglang": running({"tp": 8}), "gpu": gpus()}, present=False)
+    assert step_names(commands) == ["sglang_lock", "sglang_record", "sglang_stop", "sglang_gate", "sglang_unlock"]
+    commands, host = run_op({"sglang": stopped(), "gpu": gpus()}, present=False)
+    assert commands == [] and host.noop.called
+
+
+def test_bad_flag_fails_before_any_fact_or_command():
+    with pytest.raises(OperationError, match="fp9"):
+        run_op({"sglang": running({"tp": 8}), "gpu": gpus()}, flags={"kv-cache-dtype": "fp9"})
+    # while executing (-y): one failing command for this host only, nothing remote
+    commands, host = run_op({"sglang": running({"tp": 8}), "gpu": gpus()}, executing=True,
+                            flags={"kv-cache-dtype": "fp9"})
+    assert len(commands) == 1 and commands[0].function.__name__ == "_fail_with"
+    host.get_fact.assert_not_called()
+
+
+@pytest.mark.parametrize("bad", [{"port": 0}, {"port": "30000; rm -rf /"}, {"model_path": ""},
+                                 {"env": {"A B": "x"}}, {"env": {"A": "x\nB=y"}}, {"supervisor": "docker"}])
+def test_bad_input_is_refused(bad):
+    with pytest.raises(OperationError):
+        run_op({"sglang": stopped(), "gpu": gpus()}, **dict({"flags": {"tp": 8}}, **bad))
+
+
+def test_foreign_memory_refuses_before_the_stop():
+    # 4096 MiB per GPU with no process of this container: held from outside
+    observation = {"sglang": running({"tp": 8}), "gpu": gpus(4096)}
+    with pytest.raises(OperationError, match="outside the container") as error:
+        run_op(observation, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    assert "keeps running" in str(error.value)
+
+
+def test_checks_before_the_stop_tp_gpus_hicache_model():
+    server = running({"tp": 8})
+    server["model_path_exists"] = False
+    server["memory_limit_bytes"] = 100 * 10**9
+    problems = tr.preflight({"sglang": server, "gpu": gpus()},
+                            tr.desired_spec(MODEL, 30000, {"tp": 16, "enable-hierarchical-cache": True,
+                                                           "hicache-size": 48}, {}), 64)
+    text = "\n".join(problems)
+    assert "does not exist" in text and "needs 16 GPUs" in text and "hicache-size 48" in text
+
+
+def test_loading_server_with_desired_flags_is_waited_for_not_restarted():
+    commands, _ = run_op({"sglang": running({"tp": 8}, health=503), "gpu": gpus()}, flags={"tp": 8})
+    assert step_names(commands) == ["sglang_wait_healthy", "sglang_verify"]
+
+
+def test_restarted_forces_a_restart():
+    commands, _ = run_op({"sglang": running({"tp": 8}), "gpu": gpus()}, flags={"tp": 8}, restarted=True)
+    assert "sglang_stop" in step_names(commands)
+
+
+def test_env_file_round_trips_quotes_and_backslashes():
+    env = {"A": 'x"; rm -rf / $(id) \\ \'q\'', "B": ""}
+    assert transition_actions.parse_env_file(tr.env_file_text(env)) == env
+
+
+def test_secret_env_travels_masked():
+    command = tr.remote_call("prepare_start", secret="c2VjcmV0", secret_kwarg="env_b64", lock=None, port=1,
+                             env_file="/x")
+    assert "c2VjcmV0" not in str(command) and "c2VjcmV0" in command.get_raw_value()
+
+
+def test_lock_lease_blocks_a_second_operator_and_lapses(tmp_path, monkeypatch):
+    path = str(tmp_path / "sglang.lock")
+    assert transition_actions.lock_acquire(path, "a", "alice@x", lease_s=60)["acquired"]
+    second = transition_actions.lock_acquire(path, "b", "bob@y", lease_s=60)
+    assert not second["acquired"] and second["holder"]["owner"] == "alice@x"
+    assert transition_actions.lock_renew({"path": path, "token": "b", "lease_s": 5}, "stop")["ok"] is False
+    now = transition_actions.time.time()
+    monkeypatch.setattr(transition_actions.time, "time", lambda: now + 61)  # alice's run died
+    taken = transition_actions.lock_acquire(path, "b", "bob@y", lease_s=60)
+    assert taken["acquired"] and taken["taken_over"]["owner"] == "alice@x"
+    assert transition_actions.lock_release(path, "a")["released"] is False
+    assert transition_actions.lock_release(path, "b")["released"] is True
+
+
+def test_sglang_process_match_is_on_argv_not_text():
+    assert sglang_probe.is_main_argv(["/usr/bin/python3", "-m", "sglang.launch_server", "--port", "1"])
+    assert sglang_probe.is_main_argv(["/usr/local/bin/sglang", "serve", "--model-path", "m"])
+    assert sglang_probe.is_sglang_argv(["sglang::scheduler_TP3"])
+    assert not sglang_probe.is_sglang_argv(["sh", "-c", "python3 -m sglang.launch_server"])
+    assert not sglang_probe.is_sglang_argv(["vim", "sglang.launch_server"])
+    assert sglang_probe.argv_port(["python3", "-m", "sglang.launch_server", "--port=30001"]) == 30001
