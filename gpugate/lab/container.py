@@ -25,7 +25,9 @@ from pathlib import Path
 from gpugate.lab import nsutil
 
 CONTAINER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-OVERLAID = ("etc", "root", "var", "usr")
+OVERLAID = ("etc", "var", "usr")
+# /root is the container's own (seeded from /etc/skel): the machine's root dotfiles (pyenv, ...)
+# have no place in a container, and a real CT's /root is its own.
 OWN_DIRS = ("opt", "home", "srv")
 DEV_FROM_HOST = ("null", "zero", "full", "random", "urandom", "tty")
 LAB_MODEL_CONFIG = {
@@ -43,6 +45,7 @@ LAB_MODEL_CONFIG = {
 
 # The container's PID 1 (gpugate/lab/ctinit.py, self-contained) is exec'd with argv[0] "/sbin/init".
 INIT_SCRIPT = str(Path(__file__).resolve().parent / "ctinit.py")
+INIT_IN_CT = "/run/lxc-init.py"  # where the container sees it (the package may be hidden by its mounts)
 
 
 class ContainerError(Exception):
@@ -116,7 +119,13 @@ def create_container(host_dir: Path, vmid: int, gpu_count: int = 8) -> Path:
         (cdir / f"{name}-work").mkdir(parents=True, exist_ok=True)
     for name in OWN_DIRS:
         (cdir / name).mkdir(parents=True, exist_ok=True)
-    (cdir / "root-upper").chmod(0o700)
+    root_home = cdir / "root-upper"
+    if not root_home.exists():
+        root_home.mkdir(mode=0o700)
+        for dotfile in (".bashrc", ".profile"):
+            skel = Path("/etc/skel") / dotfile
+            if skel.exists():
+                (root_home / dotfile).write_bytes(skel.read_bytes())
     (cdir / "labctl").mkdir(exist_ok=True)
     model = cdir / "opt" / "models" / "lab-model"
     model.mkdir(parents=True, exist_ok=True)
@@ -189,6 +198,7 @@ def _setup_container_fs(host_dir: Path, vmid: int) -> None:
     """Runs as the container's PID 1 before exec: mounts, hostname, loopback."""
     cdir = ct_dir(host_dir, vmid)
     gdir = gpu_dir(host_dir)
+    init_code = Path(INIT_SCRIPT).read_bytes()  # read now: the mounts below may hide the package
     nsutil.make_private("/")
     try:
         nsutil.umount("/usr/sbin")  # the host's own /usr/sbin overlay (its pct) is not the container's
@@ -205,7 +215,9 @@ def _setup_container_fs(host_dir: Path, vmid: int) -> None:
     for name in OWN_DIRS:
         os.makedirs(f"/{name}", exist_ok=True)
         nsutil.bind(str(cdir / name), f"/{name}")
+    nsutil.bind(str(cdir / "root-upper"), "/root")
     nsutil.mount("tmpfs", "/run", "tmpfs", nsutil.MS_NOSUID | nsutil.MS_NODEV, "mode=755")
+    Path(INIT_IN_CT).write_bytes(init_code)
     for sub in ("gpugate-sim", "gpugate-lab", "lock", "user"):
         os.makedirs(f"/run/{sub}", exist_ok=True)
     if gdir.is_dir():
@@ -290,7 +302,7 @@ def start_container(host_dir: Path, vmid: int, cgroup_base: str | None) -> int:
                     _setup_container_fs(host_dir, vmid)
                     os.write(write_fd, b"ok\n")
                     timeout = _shutdown_timeout(host_dir, vmid)
-                    os.execv(CONTAINER_PYTHON, ["/sbin/init", "-S", "-E", INIT_SCRIPT, str(timeout)])
+                    os.execv(CONTAINER_PYTHON, ["/sbin/init", "-S", "-E", INIT_IN_CT, str(timeout)])
                 except BaseException as exc:  # report any failure to pct start
                     os.write(write_fd, f"error {exc}\n".encode())
                     os._exit(1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import grp
 import os
+import pty  # imported up front: after setns the host's stdlib may be hidden
 import pwd
 import select
 import signal
@@ -416,8 +417,6 @@ def run_inside(command: list[str], env: dict[str, str], use_pty: bool) -> int:
 
 def _run_with_pty(command: list[str], env: dict[str, str]) -> int:
     """lxc-attach's behaviour when any std fd is a tty: a pty inside, stderr merged, CRLF."""
-    import pty  # noqa: PLC0415 -- only for interactive use
-
     child, master = pty.fork()
     if child == 0:
         _exec_child(command, env)

@@ -122,10 +122,12 @@ def test_status_verbose_prints_sorted_key_value_lines(lab):
 
 @pytest.mark.lab
 def test_list_uses_pcts_fixed_columns(lab, stopped_ct):
-    out = lab.pct("pve1", "list").stdout
+    lines = lab.pct("pve1", "list").stdout.splitlines()
     fmt = "%-10s %-10s %-12s %-20s"
-    assert out.splitlines() == [fmt % ("VMID", "Status", "Lock", "Name"), fmt % ("129", "running", "", "ct129"),
-                                fmt % (str(stopped_ct), "stopped", "", f"ct{stopped_ct}")]
+    assert lines[0] == fmt % ("VMID", "Status", "Lock", "Name")
+    assert fmt % ("129", "running", "", "ct129") in lines
+    assert fmt % (str(stopped_ct), "stopped", "", f"ct{stopped_ct}") in lines
+    assert [int(line.split()[0]) for line in lines[1:]] == sorted(int(line.split()[0]) for line in lines[1:])
 
 
 @pytest.mark.lab
