@@ -226,20 +226,15 @@ class Transition:
     def gate(self, host) -> None:
         """Every GPU at or under max_used_mib and no holder left in the container; polled, no sleep."""
         from gpugate import gate as gate_logic
+        from gpugate.operations.gpu import wait_for_idle
 
         began = time.monotonic()
         self._call(host, "lock_renew", lock=self._lease(self.gate_timeout), step="gate")
-        decision = None
-        while True:
-            _status, output = host.run_shell_command(probe_command({"gpu": {}}, self.python))
-            doc = parse_probe_output(output.stdout_lines).get("gpu") or {}
-            decision = gate_logic.evaluate(doc, self.max_used_mib)
-            if decision.passed:
-                break
-            if time.monotonic() - began > self.gate_timeout:
-                raise TransitionFailed(gate_logic.format_failure(decision, host.name, self.gate_timeout)
-                                       + "\n  the new server was NOT started")
-            gevent.sleep(GATE_POLL_S)
+        # the gate engineer's wait: one remote command that polls inside the container
+        decision = wait_for_idle(host, max_used_mib=self.max_used_mib, timeout=self.gate_timeout)
+        if not decision.passed:
+            raise TransitionFailed(gate_logic.format_failure(decision, host.name, self.gate_timeout)
+                                   + "\n  the new server was NOT started")
         self.timings["gate"] = round(time.monotonic() - began, 3)
         self._say(host, f"gate passed in {self.timings['gate']:.2f} s: every GPU <= {self.max_used_mib} MiB, no holder")
         emit("gate", host=host.name, port=self.port, outcome="passed", duration_s=self.timings["gate"])
