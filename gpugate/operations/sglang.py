@@ -11,17 +11,15 @@ import time
 import uuid
 from typing import Any, Callable, Mapping
 
-import gevent
 from pyinfra import logger
 from pyinfra.api import FunctionCommand, OperationError, operation
 from pyinfra.context import host, state
 
 from gpugate import transition as tr
-from gpugate.facts.sglang import SglangObservation, parse_probe_output, probe_command
+from gpugate.facts.sglang import SglangObservation
 from gpugate.sglang_args import server_info_mismatches
 
 WAIT_CHUNK_S = 10.0   # one remote poll loop: progress is printed between chunks
-GATE_POLL_S = 0.2
 LOCK_MARGIN_S = 60.0  # a step's lease = its own deadline + this
 
 
