@@ -66,6 +66,9 @@ LXC_CGROUP_PATTERNS = (
     re.compile(r"/lxc/(\d+)(?:/|$)"),
     re.compile(r"lxc\.payload[./](\d+)(?:/|$)"),
 )
+# Hold /dev/nvidia* without being GPU work (persistenced holds nvidia0 on most GPU hosts).
+DRIVER_DAEMONS = ("nvidia-smi", "nvidia-persistenced", "nv-fabricmanager", "nv-hostengine")
+DRIVER_DAEMON_COMMS = tuple(name[:15] for name in DRIVER_DAEMONS)  # /proc/PID/stat comm: 15 chars
 SMI_SEARCH_PATH = "/usr/bin:/usr/sbin:/bin:/sbin:/usr/local/bin:/usr/local/nvidia/bin"
 
 
@@ -456,8 +459,10 @@ def ancestors(proc_root: str, pid: int) -> set:
 
 
 def is_probe_or_monitor(argv: list, comm: str) -> bool:
-    """Another gpugate probe or an nvidia-smi: they hold the nodes only while they read."""
-    if comm == "nvidia-smi" or (argv and os.path.basename(argv[0]) == "nvidia-smi"):
+    """Another gpugate probe, nvidia-smi, or a driver daemon (persistenced, fabric manager, DCGM):
+    they hold device nodes but are not GPU work to wait for or to end."""
+    program = os.path.basename(argv[0]) if argv else ""
+    if program in DRIVER_DAEMONS or comm in DRIVER_DAEMONS or comm in DRIVER_DAEMON_COMMS:
         return True
     return (len(argv) >= 3 and argv[-1] == PROBE_MARKER and "-c" in argv
             and "python" in os.path.basename(argv[0]))

@@ -270,6 +270,8 @@ def test_holder_scan_reports_state_and_cmdline_and_leaves_out_probes_and_monitor
         {"pid": 13, "argv": ["python3", "-c", "blob", gpu_probe.PROBE_MARKER], "fds": ALL_NODES},
         {"pid": 14, "argv": ["excluded"], "fds": ALL_NODES},
         {"pid": 15, "comm": "kworker", "argv": [], "fds": ["/dev/nvidia-caps/nvidia-cap1"]},
+        {"pid": 16, "comm": "nvidia-persiste", "argv": ["/usr/bin/nvidia-persistenced"],
+         "fds": ["/dev/nvidia0"]},
     ]
     root = make_proc(tmp_path / "proc", processes)
     holders = gpu_probe.scan_holders(root, exclude_pids=[14])
