@@ -21,6 +21,8 @@ import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional, TypedDict
 
+from pyinfra import host, logger, state
+from pyinfra.api import FunctionCommand, operation
 from pyinfra.api.state import BaseStateCallback
 
 from gpugate.sglang_args import SECRET_MASK, SPECS, FlagError, diff_flags, validate_flags
@@ -330,7 +332,10 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired_fla
             flags_text = ", ".join(items) or "="
     gpus = gpu_doc.get("gpus") or []
     gpu_mib = compact_mib([gpu.get("used_mib") for gpu in gpus]) if "source" in gpu_doc else "?"
-    problems = [f"{error.get('source')}: {error.get('message')}" for error in gpu_doc.get("errors") or []]
+    problems = []
+    if gpu_doc.get("source") in (None, "none"):  # errors of a fallback that answered are not problems
+        problems = [f"{error.get('source')}: {error.get('message')}" for error in gpu_doc.get("errors") or []]
+    problems += [f"GPU {gpu.get('index')}: {gpu['error']}" for gpu in gpus if gpu.get("error")]
     return StatusRow(host=host, vmid=vmid, server=state, health=health,
                      model=os.path.basename(model.rstrip("/")) if model and model.startswith("/") else model,
                      flags=flags_text, gpu_mib=gpu_mib, holders=holders_text(gpu_doc), problems=problems)
@@ -392,8 +397,9 @@ def host_summary(pve_host: str, document: Mapping[str, Any]) -> str:
                    and gpu.get("index") not in accounted]
     if unaccounted:
         line += f"; memory with no process on GPU {_index_ranges(sorted(unaccounted))} (stuck in the driver?)"
+    line += f"; read by {document.get('source') or 'none'}"
     errors = document.get("errors") or []
-    if errors:
+    if errors and document.get("source") in (None, "none"):  # a fallback that answered is not a problem
         line += "; errors: " + "; ".join(f"{e.get('source')}: {e.get('message')}" for e in errors)
     return line
 
@@ -483,3 +489,50 @@ def parse_env_lines(lines: Iterable[str]) -> dict[str, str]:
             value = re.sub(r'\\(["\\])', r"\1", value[1:-1])
         env[name.strip()] = value
     return env
+
+
+# ---------------------------------------------------------------- shared by the runbooks
+
+
+def server_arguments(data: Any) -> dict[str, Any]:
+    """sglang.server's arguments from host data, exactly as deploy.py passes them (restart and
+    rollback go through the same operation, so through the same gate)."""
+    return dict(
+        port=data.get("sglang_port", 30000),
+        model_path=data.get("sglang_model_path"),
+        flags=data.get("sglang_flags") or {},
+        env=data.get("sglang_env") or {},
+        present=data.get("sglang_present", True),
+        supervisor=data.get("sglang_supervisor", "process"),
+        max_used_mib=data.get("gpu_max_used_mib", 64),
+        gate_timeout=data.get("gpu_gate_timeout_s", 120),
+        drain_timeout=data.get("drain_timeout_s", 60),
+        kill_grace=data.get("kill_grace_s", 10),
+        start_timeout=data.get("start_timeout_s", 2700),
+        python=data.get("sglang_python", "/usr/bin/python3"),
+        lock_wait=data.get("lock_wait_s", 0),
+    )
+
+
+def _fail_host(state: Any, host: Any, reason: str) -> bool:
+    host.log_styled(reason, fg="red", log_func=logger.error)
+    return False
+
+
+@operation(is_idempotent=False)
+def refused(reason: str):
+    """
+    Touch nothing and fail this host with ``reason`` (the other hosts go on). The reason is
+    printed while preparing (so ``--dry`` shows it) and again when the host fails.
+
+    + reason: what the operator reads: why nothing was done and what to do instead
+
+    **Example:**
+
+    .. code:: python
+
+        refused(name="Free the GPUs", reason="memory held from outside the container ...")
+    """
+    if not state.is_executing:
+        host.log_styled(reason, fg="yellow", log_func=logger.warning)
+    yield FunctionCommand(_fail_host, (reason,), {})
