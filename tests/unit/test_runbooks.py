@@ -1,0 +1,234 @@
+"""The runbooks' pure parts (gpugate/runbooks.py): the status and who-holds tables, the
+free_gpus refusal, the rollback spec. No network; documents shaped like the probes' output."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpugate import runbooks as rb
+
+ARGV = ["/usr/bin/python3", "-m", "sglang.launch_server", "--model-path", "/opt/models/kimi",
+        "--port", "30000", "--tp-size", "8"]
+
+
+def gpu_doc(used=(0,) * 8, holders=(), per_process=True, source="nvml"):
+    gpus = []
+    for index, mib in enumerate(used):
+        procs = [{"pid": h["pid"], "used_mib": mib} for h in holders if index in h.get("gpus", [])]
+        if not per_process:
+            procs = []
+        gpus.append({"index": index, "used_mib": mib, "reserved_mib": 615, "total_mib": 97887,
+                     "error": None, "processes": procs})
+    return {"schema": 1, "source": source, "errors": [], "gpus": gpus, "holders": list(holders)}
+
+
+def workers(n=8, mib=86000):
+    return [{"pid": 100 + i, "cmdline": f"sglang::scheduler_TP{i} -m x", "state": "S", "gpus": [i],
+             "used_mib": mib} for i in range(n)]
+
+
+def serving(flags=None, health=200, listening=True, argv=ARGV, lock=None):
+    return {"port": 30000, "running": True, "listening": listening, "lock": lock,
+            "main": {"pid": 60, "pgid": 60, "argv": argv, "state": "S", "age_s": 300},
+            "command": {"model_path": "/opt/models/kimi", "host": "127.0.0.1", "port": 30000,
+                        "flags": flags or {"tp-size": 8}, "unknown": []},
+            "health": {"health": health, "health_error": None}, "strays": []}
+
+
+STOPPED = {"port": 30000, "running": False, "main": None, "command": None, "strays": [],
+           "health": {"health": None, "health_error": "port 30000 not listening"}}
+
+
+# ------------------------------------------------------------------ tables
+
+def test_table_pads_columns_and_marks_missing_cells():
+    text = rb.format_table([("a", "A"), ("b", "B"), ("c", "LAST")],
+                           [{"a": "long value", "b": None, "c": "x"}, {"a": "s", "b": [1, 2], "c": ""}])
+    assert text.splitlines() == ["A           B     LAST", "long value  -     x", "s           1, 2  -"]
+
+
+def test_per_gpu_mib_folds_runs_and_keeps_order():
+    assert rb.compact_mib([0] * 8) == "0 x8"
+    assert rb.compact_mib([86000] * 6 + [0, 0]) == "86000 x6, 0 0"
+    assert rb.compact_mib([0, 512, 0]) == "0 512 0"
+    assert rb.compact_mib([None] * 8) == "? x8"
+    assert rb.compact_mib([]) == "no GPU"
+
+
+def test_hosts_sort_naturally():
+    assert sorted(["pve10", "pve2", "pve1"], key=rb.natural_key) == ["pve1", "pve2", "pve10"]
+
+
+# ------------------------------------------------------------------ status rows
+
+def test_serving_with_the_desired_flags_reads_equal():
+    row = rb.status_row("pve1", 129, {"sglang": serving(), "gpu": gpu_doc([86000] * 8, workers())},
+                        {"tp": 8}, "/opt/models/kimi")
+    assert row["server"] == "serving pid 60 up 5m" and row["health"] == "/health 200"
+    assert row["model"] == "kimi" and row["flags"] == "="
+    assert row["gpu_mib"] == "86000 x8"
+    assert row["holders"] == "8 in ct (sglang::scheduler_TP0..7)"
+
+
+def test_flags_that_differ_from_the_desired_ones_are_listed():
+    running = {"tp-size": 8, "kv-cache-dtype": "auto", "cuda-graph-max-bs": 8}
+    desired = {"tp": 8, "kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True}
+    row = rb.status_row("pve1", 129, {"sglang": serving(running), "gpu": gpu_doc()}, desired, "/opt/models/kimi")
+    assert row["flags"] == ("---cuda-graph-max-bs 8, +--disable-radix-cache, "
+                            "--kv-cache-dtype auto->fp8_e4m3")
+
+
+def test_secret_flag_values_never_reach_the_table():
+    row = rb.status_row("pve1", 129, {"sglang": serving({"tp-size": 8, "api-key": "hunter2"}), "gpu": gpu_doc()},
+                        {"tp": 8, "api-key": "s3cret"}, "/opt/models/kimi")
+    assert "hunter2" not in str(row) and "s3cret" not in str(row)
+    assert "--api-key ***->***" in row["flags"]
+
+
+def test_another_model_is_a_difference():
+    row = rb.status_row("pve1", 129, {"sglang": serving(), "gpu": gpu_doc()}, {"tp": 8}, "/opt/models/other")
+    assert row["flags"].startswith("model /opt/models/other desired")
+
+
+def test_server_states_while_loading_starting_and_stopped():
+    loading = rb.status_row("h", 1, {"sglang": serving(health=None, listening=False), "gpu": gpu_doc()}, {}, None)
+    starting = rb.status_row("h", 1, {"sglang": serving(health=503), "gpu": gpu_doc()}, {}, None)
+    stopped = rb.status_row("h", 1, {"sglang": STOPPED, "gpu": gpu_doc()}, {"tp": 8}, "/opt/models/kimi")
+    assert loading["server"].startswith("loading pid 60")
+    assert starting["server"].startswith("starting pid 60") and starting["health"] == "/health 503"
+    assert stopped["server"] == "stopped" and stopped["flags"] == "-" and stopped["model"] == "kimi"
+
+
+def test_a_server_that_should_not_run_says_so():
+    row = rb.status_row("h", 1, {"sglang": serving(), "gpu": gpu_doc()}, {}, None, present=False)
+    assert row["flags"] == "should not run"
+
+
+def test_lock_holder_is_shown():
+    row = rb.status_row("h", 1, {"sglang": serving(lock={"owner": "ana@ops", "step": "gate"}), "gpu": gpu_doc()},
+                        {"tp": 8}, "/opt/models/kimi")
+    assert "(locked: ana@ops, gate)" in row["server"]
+
+
+def test_memory_held_from_outside_the_container_is_called_out():
+    row = rb.status_row("h", 1, {"sglang": STOPPED, "gpu": gpu_doc([4096] * 8, per_process=False)}, {}, None)
+    assert row["holders"] == "OUTSIDE the ct: 32768 MiB on GPU 0-7"
+
+
+def test_probe_failures_show_and_are_listed_under_the_table():
+    failed = {"schema": 1, "source": "none", "gpus": [], "holders": [],
+              "errors": [{"source": "nvml", "kind": "DriverNotLoaded", "message": "driver not loaded"}]}
+    row = rb.status_row("pve1", 129, {"sglang": {"error": "NoPython: python3 not found"}, "gpu": failed}, {}, None)
+    assert row["server"] == "probe failed" and "python3 not found" in row["health"]
+    assert "nvml: driver not loaded" in rb.render_status([row])
+
+
+def test_errors_of_a_fallback_that_answered_are_not_problems():
+    doc = gpu_doc()
+    doc["source"] = "nvidia-smi"
+    doc["errors"] = [{"source": "nvml", "kind": "LibraryNotFound", "message": "NVML Shared Library Not Found"}]
+    row = rb.status_row("h", 1, {"sglang": STOPPED, "gpu": doc}, {}, None)
+    assert row["problems"] == [] and "problems" not in rb.render_status([row])
+
+
+# ------------------------------------------------------------------ the fleet report
+
+
+class _Host:
+    def __init__(self, name):
+        self.name = name
+
+
+class _State:
+    def __init__(self, names):
+        self.activated_hosts = [_Host(n) for n in names]
+
+
+def test_fleet_report_prints_once_in_host_order_after_the_last_disconnect():
+    printed = []
+    report = rb.FleetReport(lambda items: "|".join(items), out=printed.append)
+    state = _State(["pve10", "pve2"])
+    report.add("pve10", "b")
+    report.add("pve2", "a")
+    report.host_disconnect(state, state.activated_hosts[0])
+    assert printed == []
+    report.host_disconnect(state, state.activated_hosts[1])
+    report.host_disconnect(state, state.activated_hosts[1])
+    assert printed == ["a|b"]
+
+
+# ------------------------------------------------------------------ who holds the GPUs
+
+HOST_DOC = {"source": "nvidia-smi", "errors": [], "gpus": [{"index": i, "used_mib": 86000 if i < 2 else 4096,
+                                                            "processes": [{"pid": 1}]} for i in range(3)],
+            "processes": [
+                {"pid": 5001, "vmid": None, "gpus": [0, 1, 2], "used_mib": 12288, "state": "S",
+                 "cmdline": "python3 hold.py"},
+                {"pid": 4002, "vmid": 131, "gpus": [1], "used_mib": 86000, "state": "D",
+                 "cmdline": "sglang::scheduler_TP1"},
+                {"pid": 4001, "vmid": 129, "gpus": [0], "used_mib": 86000, "state": "S",
+                 "cmdline": "sglang::scheduler_TP0 " + "x" * 100},
+            ]}
+
+
+def test_holders_are_listed_by_container_then_the_host():
+    rows = rb.holder_rows("pve1", HOST_DOC)
+    assert [(r["owner"], r["pid"]) for r in rows] == [("ct 129", 4001), ("ct 131", 4002), ("host", 5001)]
+    assert rows[2]["gpus"] == "0-2" and rows[1]["state"] == "D"
+    assert len(rows[0]["cmdline"]) == 70 and rows[0]["cmdline"].endswith("...")
+
+
+def test_holders_report_has_one_summary_per_proxmox_host():
+    text = rb.render_holders([("pve1", HOST_DOC), ("pve2", {"source": "none", "gpus": [], "processes": [],
+                                                            "errors": [{"source": "nvml", "message": "no driver"}]})])
+    assert "pve1: GPU MiB 86000 86000 4096; 3 GPU process(es); read by nvidia-smi" in text
+    assert "pve2: GPU MiB no GPU; 0 GPU process(es); read by none; errors: nvml: no driver" in text
+
+
+# ------------------------------------------------------------------ free_gpus
+
+def test_free_gpus_goes_ahead_for_the_containers_own_squatters():
+    assert rb.free_gpus_refusal(STOPPED, gpu_doc([4096] * 8, workers(mib=4096)), 64, "h", 30000) is None
+
+
+def test_free_gpus_refuses_while_the_managed_server_runs():
+    reason = rb.free_gpus_refusal(serving(), gpu_doc([86000] * 8, workers()), 64, "@pct/pve1:129", 30000)
+    assert "sglang on :30000 runs (pid 60)" in reason and "Nothing was touched" in reason
+
+
+def test_free_gpus_refuses_memory_held_from_outside_and_points_to_who_holds_gpus():
+    reason = rb.free_gpus_refusal(STOPPED, gpu_doc([0, 4096], per_process=False), 64, "@pct/pve1:129", 30000)
+    assert "GPU 1: 4096 MiB" in reason and "GPU 0" not in reason
+    assert "runbooks/who_holds_gpus.py --limit @pct/pve1:129" in reason
+
+
+# ------------------------------------------------------------------ rollback
+
+def test_rollback_returns_the_recorded_previous_spec():
+    recorded = {"current": {"flags": {"tp-size": 8, "kv-cache-dtype": "fp8_e4m3"}},
+                "previous": {"model_path": "/opt/models/kimi", "flags": {"tp-size": 8}, "python": "/venv/bin/python",
+                             "env_names": ["HF_TOKEN"], "supervisor": "systemd"}}
+    assert rb.rollback_spec(recorded, "/s.json") == {
+        "model_path": "/opt/models/kimi", "flags": {"tp-size": 8}, "env_names": ["HF_TOKEN"],
+        "supervisor": "systemd", "python": "/venv/bin/python"}
+
+
+@pytest.mark.parametrize("recorded, words", [
+    (None, "missing"),
+    ({"current": {"flags": {}}, "previous": None}, "no previous server"),
+    ({"previous": {"flags": {}}}, "no model path"),
+])
+def test_rollback_without_a_previous_spec_says_why(recorded, words):
+    with pytest.raises(rb.RollbackError, match=words):
+        rb.rollback_spec(recorded, "/var/lib/gpugate/sglang-30000.json")
+
+
+def test_env_file_lines_parse_back_to_values():
+    lines = ["# written by gpugate", "", 'HF_TOKEN="a\\"b\\\\c"', 'PLAIN=x=y']
+    assert rb.parse_env_lines(lines) == {"HF_TOKEN": 'a"b\\c', "PLAIN": "x=y"}
+
+
+def test_server_arguments_are_deploy_py_s():
+    args = rb.server_arguments({"sglang_port": 30001, "sglang_flags": {"tp": 8}, "drain_timeout_s": 5})
+    assert args["port"] == 30001 and args["flags"] == {"tp": 8} and args["drain_timeout"] == 5
+    assert args["present"] is True and args["gate_timeout"] == 120 and "restarted" not in args
