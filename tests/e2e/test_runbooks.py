@@ -46,9 +46,10 @@ def run(lab, runbook: str, *extra: str, flags=None, yes: bool = True):
     """pyinfra [-y] inventory.py runbooks/<runbook>.py ... -> (result, stdout, stdout+stderr)."""
     args = ["inventory.py", runbook if runbook.endswith(".py") else f"runbooks/{runbook}.py",
             "--data", f"sglang_env={json.dumps(FAST)}", "--data", f"sglang_flags={json.dumps(flags or TP8)}",
-            "--data", f"audit_log={lab.dir / 'audit.jsonl'}", *extra]
+            *extra]
     exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
-    result = subprocess.run([exe, *(["-y"] if yes else []), *args], cwd=REPO_ROOT, env=lab.env(),
+    env = dict(lab.env(), GPUGATE_AUDIT_LOG=str(lab.dir / "audit.jsonl"))  # not the project's audit log
+    result = subprocess.run([exe, *(["-y"] if yes else []), *args], cwd=REPO_ROOT, env=env,
                             capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     return result, result.stdout, result.stdout + result.stderr
 
