@@ -2,7 +2,7 @@
 on each, 8 GPUs each), as an operator runs them: `pyinfra -y inventory.py runbooks/<name>.py`.
 
 One lab for this module; the tests run in order, each from the state the previous one left.
-Run: pytest -m lab tests/e2e/test_runbooks.py
+Run: pytest -m lab tests/e2e/test_runbooks_lab.py
 """
 
 from __future__ import annotations
