@@ -74,6 +74,9 @@ class Transition:
         self.began = time.monotonic()
         self.started: dict[str, Any] | None = None
         self.previous_argv: list[str] | None = None
+        self.previous_record: dict[str, Any] | None = None  # the spec that ran before (state file)
+        self.outcome_recorded = False  # the rollback wrote the final state itself: _abandon keeps it
+        self.state_before: dict[str, Any] = dict(self.server.get("state") or {})  # the state file as found
         self.host_name = "?"
 
     # ------------------------------------------------------------ plumbing
@@ -116,7 +119,8 @@ class Transition:
         if self.lock is None:
             return
         try:
-            self._record(host, phase=f"failed at {step}")
+            if not self.outcome_recorded:
+                self._record(host, phase=f"failed at {step}")
             self._call(host, "lock_release", path=self.files["lock"], token=self.token)
         except Exception:
             logger.debug("could not release the lock", exc_info=True)
@@ -168,12 +172,21 @@ class Transition:
             self.done = True
             return
         self.server, self.change = server, change
+        self.state_before = dict(server.get("state") or {})
 
-    def _record(self, host, phase: str, previous: dict[str, Any] | None = None, save_previous_env=False) -> None:
-        recorded = dict(self.server.get("state") or {})
+    _DEFAULT = object()  # sentinel: "the default" for _record's current and previous
+
+    def _record(self, host, phase: str, previous: Any = _DEFAULT, save_previous_env=False,
+                current: Any = _DEFAULT, attempted: dict[str, Any] | None = None) -> None:
+        """Write the state file. ``current`` is what runs (or should run) now: the desired spec by
+        default, the restored one after a rollback, None when nothing runs; ``attempted`` the spec
+        whose start failed (kept so that the operator can see what was tried)."""
+        if previous is self._DEFAULT:  # default: the spec that ran before this transition
+            previous = self.previous_record or self.state_before.get("previous")
+        if current is self._DEFAULT:
+            current = self.spec.record() if self.spec else None
         document = {"schema": 1, "port": self.port, "phase": phase, "by": _operator(),
-                    "current": self.spec.record() if self.spec else None,
-                    "previous": previous if previous is not None else recorded.get("previous"),
+                    "current": current, "previous": previous, "attempted": attempted,
                     "timings": self.timings, "save_previous_env": save_previous_env}
         result = self._call(host, "record", lock=self._lease(self.gate_timeout), state_file=self.files["state"],
                             env_file=self.files["env"], document=document)
@@ -190,6 +203,8 @@ class Transition:
             previous = {"model_path": command.get("model_path"), "port": self.port, "flags": command.get("flags"),
                         "argv": tr.redact_argv(main["argv"]), "python": main["argv"][0],
                         "env_names": recorded.get("env_names", []), "supervisor": recorded.get("supervisor", "process")}
+        if previous is not None:
+            self.previous_record = previous
         self._record(host, phase="changing", previous=previous, save_previous_env=bool(main))
 
     def stop(self, host) -> None:
@@ -308,25 +323,72 @@ class Transition:
             tail = self._call(host, "log_tail", log_file=self.files["log"],
                               offset=self.started.get("log_offset") or 0).get("log_tail", [])
         emit("load", host=host.name, port=self.port, outcome="failed", error=why, duration_s=self.timings["load"])
+        if self.lock is None:
+            # Action "wait": this run did not start the server and holds no lock (the run that
+            # started it may still be at work); stopping it here could cut into that run. Report only.
+            raise TransitionFailed(
+                f"the server on :{self.port} (pid {self.started['pid']}) runs the desired flags but {why}; "
+                f"this run did not start it and left it as it is. Stop it with sglang_present=false or "
+                f"deploy other flags (the previous spec is in {self.files['state']}). Log tail:\n"
+                f"{_tail_text(tail)}")
         self._rollback(host, why, tail)
 
     def _rollback(self, host, why: str, tail: list[str]) -> None:
-        tail_text = "\n".join("    | " + line for line in tail[-30:])
+        """The new server failed: stop it, gate, start the exact previous argv and wait for it.
+
+        The state file then records what runs (the restored spec as ``current``) and what was tried
+        (``attempted``). A rollback that does not turn healthy either is stopped too and the GPUs
+        gated free: the previous flags ran before, so their failure now points at the machine or the
+        container (driver, memory, disk), not at the flags; a half-started server would keep every
+        GPU's memory and answer 503 (or hang) to clients and health checks. Stopped and gated is a
+        known state that a re-run starts from cleanly; the operator is told exactly that.
+        """
+        tail_text = _tail_text(tail)
+        attempted = self.spec.record() if self.spec else None
         failed_pid = self.started["pid"]
         self._say(host, f"the new server {why}: stopping it")
         self.server = {"main": {"pid": failed_pid}, "strays": []}
         self.stop(host)
         if not self.previous_argv:
-            raise TransitionFailed(f"the new server {why}; no previous server to roll back to. Log tail:\n{tail_text}")
+            self.gate(host)
+            self.outcome_recorded = True
+            self._record(host, phase="failed: new server did not start; nothing ran before", current=None,
+                         attempted=attempted)
+            raise TransitionFailed(f"the new server {why}; there was no server before, so nothing to roll back "
+                                   f"to: it was stopped and the GPUs gated free. Log tail:\n{tail_text}")
         self.gate(host)
         self._say(host, "rolling back to the previous flags")
         self.prepare(host, rollback=True)
         self.start(host, argv=self.previous_argv)
         result = self._wait(host, self.started["pid"], self.started.get("log_offset"))
         emit("rollback", host=host.name, port=self.port, outcome=result["phase"], error=why)
-        state = ("the previous server serves again" if result["phase"] == "ready"
-                 else f"the rollback did not turn healthy either ({result['phase']})")
-        raise TransitionFailed(f"the new server {why}; rolled back: {state}. Log tail of the failed start:\n{tail_text}")
+        if result["phase"] == "ready":
+            self.outcome_recorded = True
+            self._record(host, phase="rolled back", current=self.previous_record, attempted=attempted,
+                         previous=self.state_before.get("previous"))
+            raise TransitionFailed(f"the new server {why}; rolled back: the previous server serves again "
+                                   f"(pid {self.started['pid']}, previous flags). Log tail of the failed "
+                                   f"start:\n{tail_text}")
+        # The rollback failed too: leave nothing half-started holding the GPUs.
+        rollback_tail = result.get("log_tail")
+        if rollback_tail is None:
+            rollback_tail = self._call(host, "log_tail", log_file=self.files["log"],
+                                       offset=self.started.get("log_offset") or 0).get("log_tail", [])
+        rollback_why = ("crashed during start" if result["phase"] == "crashed"
+                        else f"was not healthy within {self.start_timeout:g} s (last phase: {result.get('last_phase')})")
+        self._say(host, f"the rollback server {rollback_why}: stopping it too")
+        self.server = {"main": {"pid": self.started["pid"]}, "strays": []}
+        self.stop(host)
+        self.gate(host)
+        self.outcome_recorded = True
+        self._record(host, phase="stopped: the rollback failed too", current=None, attempted=attempted)
+        raise TransitionFailed(
+            f"the new server {why}; the rollback to the previous flags {rollback_why} as well, so it was "
+            f"stopped and the GPUs gated free: NOTHING SERVES on :{self.port} now. The previous flags ran "
+            f"before, so this points at the container or the machine, not (only) the new flags; a "
+            f"half-started server would hold every GPU and answer 503. Fix the cause, then re-run (the "
+            f"state file {self.files['state']} keeps the previous spec under 'previous').\n"
+            f"  log tail of the failed start:\n{tail_text}\n  log tail of the rollback:\n{_tail_text(rollback_tail)}")
 
     def verify(self, host) -> None:
         observation = host.get_fact(SglangObservation, port=self.port,
@@ -354,6 +416,10 @@ class Transition:
         parts = ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items() if k in ("drain", "kill", "gate", "load"))
         self._say(host, f"done in {self.timings['total']:.1f} s ({parts})")
         emit("done", host=host.name, port=self.port, outcome=phase, timings=self.timings)
+
+
+def _tail_text(tail: list[str], lines: int = 30) -> str:
+    return "\n".join("    | " + line for line in tail[-lines:])
 
 
 def render_unit(spec: tr.Spec, files: Mapping[str, str], stop_timeout_s: float) -> str:

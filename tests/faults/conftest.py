@@ -1,0 +1,225 @@
+"""Helpers for the reliability fault suite (issue 7): a lab per module, the real pyinfra CLI
+(optionally streamed, so that a test can act at a given moment of a transition), and readers of
+what a container runs.
+
+Run the suite alone: ``python3 -m pytest -m faults tests/faults`` (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import pytest
+
+from tests.conftest import REPO_ROOT, Lab, lab_unavailable_reason, start_lab
+
+FLAGS = {"tp": 8}
+FP8 = {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}
+# Short stand-in loads and short deadlines keep the suite at a few minutes.
+FAST_ENV = {"SGLANG_STANDIN_LOAD_S": "0.3"}
+SHORT = {"drain_timeout_s": 2, "kill_grace_s": 2, "gpu_gate_timeout_s": 3, "start_timeout_s": 8}
+PORT = 30000
+BYSTANDER_TITLE = "sglang::scheduler_TP0"  # looks exactly like an SGLang worker, but is not ours
+
+
+def pyinfra_exe() -> str:
+    return shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+
+
+def deploy_args(flags=None, env=None, data: dict | None = None, limit: str | None = "pve_pve1") -> list[str]:
+    """Arguments of `pyinfra -y inventory.py deploy.py` with the desired flags/env and --data overrides."""
+    args = ["inventory.py", "deploy.py",
+            "--data", f"sglang_flags={json.dumps(FLAGS if flags is None else flags)}",
+            "--data", f"sglang_env={json.dumps(FAST_ENV if env is None else env)}"]
+    for key, value in {**SHORT, **(data or {})}.items():
+        args += ["--data", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
+    if limit:
+        args += ["--limit", limit]
+    return args
+
+
+class Run:
+    """A finished pyinfra run: exit status and everything it printed (stdout and stderr)."""
+
+    def __init__(self, returncode: int, output: str):
+        self.returncode = returncode
+        self.output = output
+
+    def __repr__(self) -> str:  # shown by pytest when an assertion fails
+        return f"Run(rc={self.returncode})\n{self.output}"
+
+
+def pyinfra(lab: Lab, args: Iterable[str], when: Iterable[tuple[str, Callable[[subprocess.Popen], None]]] = (),
+            timeout: float = 180, extra: Iterable[str] = ("-y",)) -> Run:
+    """Run the pyinfra CLI against the lab, reading its output line by line; for each
+    ``(text, action)`` in ``when``, ``action(process)`` runs once, as soon as a line contains text
+    (e.g. kill the run while it drains, inject a fault when the rollback begins)."""
+    process = subprocess.Popen([pyinfra_exe(), *extra, *args], cwd=REPO_ROOT, env=lab.env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               stdin=subprocess.DEVNULL)
+    pending = list(when)
+    lines: list[str] = []
+    watchdog = threading.Timer(timeout, process.kill)
+    watchdog.start()
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            for item in list(pending):
+                if item[0] in line:
+                    pending.remove(item)
+                    item[1](process)
+        process.wait()
+    finally:
+        watchdog.cancel()
+    return Run(process.returncode, "".join(lines))
+
+
+def deploy(lab: Lab, flags=None, env=None, data: dict | None = None, limit: str | None = "pve_pve1",
+           when=(), timeout: float = 180) -> Run:
+    return pyinfra(lab, deploy_args(flags, env, data, limit), when=when, timeout=timeout)
+
+
+def sh(lab: Lab, host: str, vmid: int, script: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    """A shell script inside a container (through the lab host's nsenter + pct, no SSH)."""
+    return lab.host_exec(host, "pct", "exec", str(vmid), "--", "sh", "-c", script, timeout=timeout)
+
+
+def main_pid(lab: Lab, host: str = "pve1", vmid: int = 129) -> int | None:
+    """The pid of the SGLang main process on PORT in the container (from /proc, not the pid file)."""
+    out = sh(lab, host, vmid, "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | "
+                              "grep -q '^/usr/bin/python3 -m sglang.launch_server' && echo ${p#/proc/}; done")
+    pids = sorted(int(x) for x in out.stdout.split())
+    return pids[0] if pids else None
+
+
+def running_argv(lab: Lab, host: str = "pve1", vmid: int = 129) -> list[str]:
+    pid = main_pid(lab, host, vmid)
+    if pid is None:
+        return []
+    out = sh(lab, host, vmid, f"tr '\\0' '\\n' < /proc/{pid}/cmdline")
+    return [a for a in out.stdout.splitlines() if a]
+
+
+def sglang_processes(lab: Lab, host: str = "pve1", vmid: int = 129) -> list[str]:
+    """Every SGLang-looking process in the container (main and workers), as 'pid state cmdline'."""
+    out = sh(lab, host, vmid, "ps -eo pid=,stat=,args= | grep -E 'sglang(::|\\.launch_server)' | grep -v grep")
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def health(lab: Lab, host: str = "pve1", vmid: int = 129) -> int | None:
+    out = sh(lab, host, vmid, "python3 -c \"import urllib.request as u, urllib.error as e\n"
+                              "try: print(u.urlopen('http://127.0.0.1:%d/health', timeout=3).status)\n"
+                              "except e.HTTPError as x: print(x.code)\n"
+                              "except Exception: print('none')\"" % PORT)
+    text = out.stdout.strip()
+    return int(text) if text.isdigit() else None
+
+
+def gpu_used(lab: Lab, host: str = "pve1") -> list[int]:
+    """Device-wide used MiB per GPU, read on the lab host (whatever namespace holds it)."""
+    out = lab.host_exec(host, "nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits")
+    return [int(x) for x in out.stdout.split()]
+
+
+def state_file(lab: Lab, host: str = "pve1", vmid: int = 129) -> dict:
+    out = sh(lab, host, vmid, f"cat /var/lib/gpugate/sglang-{PORT}.json 2>/dev/null")
+    return json.loads(out.stdout) if out.stdout.strip() else {}
+
+
+def log_starts(lab: Lab, host: str = "pve1", vmid: int = 129) -> int:
+    """How many times the server was started (the supervisor's header lines in its log)."""
+    out = sh(lab, host, vmid, f"grep -c '^=== gpugate start' /var/log/gpugate/sglang-{PORT}.log 2>/dev/null || true")
+    return int(out.stdout.strip() or 0)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 20, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+class Bystanders:
+    """Processes that look like SGLang workers but are not this container's: one on the lab host
+    (outside every container), one in a sibling container. The tool must never touch them."""
+
+    def __init__(self, lab: Lab, host: str = "pve1", sibling_vmid: int = 130):
+        from gpugate.lab import core
+
+        self.lab = lab
+        core.add_container(lab.dir, host, sibling_vmid)
+        spawn = ("import os; os.execvp('sleep', [%r, '3600'])" % BYSTANDER_TITLE)
+        self.processes = [
+            subprocess.Popen(core.host_exec_argv(lab.dir, host) + ["python3", "-c", spawn],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+            subprocess.Popen(core.host_exec_argv(lab.dir, host) + ["pct", "exec", str(sibling_vmid), "--",
+                                                                   "python3", "-c", spawn],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        ]
+        self.host, self.sibling_vmid = host, sibling_vmid
+        assert wait_until(lambda: len(self.host_pids()) == 2, 10), "bystanders did not start"
+        self.pids = self.host_pids()
+
+    def host_pids(self) -> list[int]:
+        """Host pids (the lab host's namespace) of processes titled like an SGLang worker outside ct 129."""
+        out = self.lab.host_exec(self.host, "sh", "-c", f"pgrep -f '^{BYSTANDER_TITLE} 3600'")
+        return sorted(int(x) for x in out.stdout.split())
+
+    def all_alive(self) -> bool:
+        return self.host_pids() == self.pids
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.kill()  # nsenter/pct parents we started; the sleeps die with their namespaces' kill below
+        for pid in self.pids:
+            self.lab.host_exec(self.host, "kill", "-9", str(pid))
+
+
+def module_lab(tmp_path_factory, name: str, hosts: int = 1, gpus: int = 8):
+    """Start a lab for one test module (own directory, own ports); yields it and takes it down."""
+    reason = lab_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    from gpugate.lab import core
+
+    lab_dir = tmp_path_factory.mktemp(name)
+    try:
+        handle = start_lab(lab_dir, hosts=hosts, gpus=gpus)
+    except core.LabError as exc:
+        core.down(lab_dir)
+        pytest.skip(f"the lab could not start here: {exc}")
+    try:
+        yield handle
+    finally:
+        core.down(lab_dir)
+
+
+def ensure_serving(lab: Lab, flags=None, host: str = "pve1") -> int:
+    """Make the container serve `flags` (deploy only when it does not already); -> the main pid."""
+    from gpugate.transition import desired_spec
+
+    want = desired_spec("/opt/models/lab-model", PORT, flags or FLAGS, FAST_ENV).argv
+    if running_argv(lab, host) != want or health(lab, host) != 200:
+        run = deploy(lab, flags or FLAGS, limit=f"pve_{host}")
+        assert run.returncode == 0, run
+    assert running_argv(lab, host) == want
+    return main_pid(lab, host)
+
+
+def said(run: Run, *texts: str) -> None:
+    """Assert that the operator saw each text (the whole output is shown when one is missing)."""
+    missing = [text for text in texts if text not in run.output]
+    assert not missing, f"missing {missing!r} in the output:\n{run.output}"

@@ -1,0 +1,160 @@
+"""Faults around the stop and the GPU gate, and every check made before the stop, through the real
+pyinfra CLI against one lab host (tp 8 on 8 simulated GPUs).
+
+Every test starts from a container serving FLAGS (ensure_serving) and leaves its faults cleared. Two
+bystanders that look exactly like SGLang workers (one on the Proxmox host, one in a sibling
+container) must survive every test: the tool never touches what is not its own container's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.faults.conftest import (FLAGS, FP8, Bystanders, deploy, ensure_serving, flag_value, gpu_used, health,
+                                   main_pid, module_lab, running_argv, said, sglang_processes, sh, state_file,
+                                   wait_until)
+
+pytestmark = [pytest.mark.faults, pytest.mark.lab]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    yield from module_lab(tmp_path_factory, "faults-gate", hosts=1, gpus=8)
+
+
+@pytest.fixture(scope="module")
+def bystanders(lab):
+    handle = Bystanders(lab)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def serving(lab, bystanders):
+    """Container 129 serves FLAGS; afterwards: every fault cleared, the bystanders alive."""
+    pid = ensure_serving(lab)
+    yield pid
+    lab.fault("pve1", 129, "all", clear=True)
+    assert bystanders.all_alive(), "a process outside the container (or of another container) was killed"
+
+
+def test_sigterm_ignored_drain_deadline_then_sigkill_then_gate(lab, serving):
+    lab.fault("pve1", 129, "ignore-sigterm")
+    run = deploy(lab, FP8, data={"drain_timeout_s": 1})
+    assert run.returncode == 0, run
+    said(run, "drain deadline (1 s) passed: SIGKILLed the process group and tree (")
+    said(run, "gate passed")
+    argv = running_argv(lab)
+    assert flag_value(argv, "--kv-cache-dtype") == "fp8_e4m3" and main_pid(lab) != serving
+    assert health(lab) == 200
+
+
+def test_orphaned_tp_workers_are_swept_and_the_gate_passes(lab, serving):
+    lab.fault("pve1", 129, "orphan-worker")
+    sh(lab, "pve1", 129, f"kill -9 {serving}")  # the parent dies; its TP workers stay, holding memory
+    assert wait_until(lambda: main_pid(lab) is None)
+    orphans = sglang_processes(lab)
+    assert len([line for line in orphans if "sglang::scheduler_TP" in line]) == 8  # + the detokenizer
+    assert all(used > 0 for used in gpu_used(lab))
+    run = deploy(lab, FLAGS)
+    assert run.returncode == 0, run
+    said(run, f"{len(orphans)} stray sglang process(es) will be swept first")
+    said(run, f"sweeping {len(orphans)} stray sglang process(es)", "gate passed")
+    assert health(lab) == 200 and running_argv(lab)[-2:] == ["--tp-size", "8"]
+    assert not any(line.split()[0] in {o.split()[0] for o in orphans} for line in sglang_processes(lab))
+
+
+def test_memory_never_released_gate_times_out_and_nothing_starts(lab, serving):
+    lab.fault("pve1", 129, "stuck-memory")  # the driver keeps the memory after the holders die
+    run = deploy(lab, FP8, data={"gpu_gate_timeout_s": 1.5})
+    assert run.returncode != 0, run.output
+    said(run, "gate failed: GPU gate did not pass on @pct/pve1:129 within 1.5 s")
+    said(run, "GPU 0, 1, 2, 3, 4, 5, 6, 7 over 64 MiB")
+    for index in range(8):
+        assert f"GPU {index} (" in run.output  # one line per GPU, with its figures
+    said(run, "the new server was NOT started")
+    assert sglang_processes(lab) == [] and all(used > 0 for used in gpu_used(lab))
+    assert state_file(lab)["phase"] == "failed at gate"
+    # once the memory comes back, a re-run converges
+    lab.fault("pve1", 129, "stuck-memory", clear=True)
+    assert wait_until(lambda: gpu_used(lab) == [0] * 8, 10)
+    run = deploy(lab, FP8)
+    assert run.returncode == 0, run
+    assert flag_value(running_argv(lab), "--kv-cache-dtype") == "fp8_e4m3"
+
+
+def test_stopped_non_sglang_holder_is_named_never_killed(lab, serving):
+    # A process of the container that is not SGLang's holds GPU memory and is stopped (SIGSTOP: state T;
+    # the closest honest stand-in for a D-state holder that a test can make).
+    sh(lab, "pve1", 129, "nohup python3 -m gpugate_gpusim hold --gpu 0,1 --mib 2048 --tag manual "
+                         ">/dev/null 2>&1 & echo $! > /tmp/holder.pid")
+    holder = int(sh(lab, "pve1", 129, "cat /tmp/holder.pid").stdout)
+    assert wait_until(lambda: gpu_used(lab)[0] > 50000)  # server + holder
+    sh(lab, "pve1", 129, f"kill -STOP {holder}")
+    try:
+        run = deploy(lab, FP8, data={"gpu_gate_timeout_s": 1})
+        assert run.returncode != 0
+        said(run, "processes in the container holding /dev/nvidia*:")
+        said(run, f"pid {holder} [T]", "gpugate_gpusim hold")
+        said(run, "the new server was NOT started")
+        assert sh(lab, "pve1", 129, f"cat /proc/{holder}/stat").stdout.split()[2] == "T"  # still there
+        assert sglang_processes(lab) == []
+    finally:
+        sh(lab, "pve1", 129, f"kill -9 {holder}")
+    assert wait_until(lambda: gpu_used(lab) == [0] * 8, 10)
+
+
+def test_memory_held_from_outside_before_the_stop_the_server_is_not_stopped(lab, serving):
+    lab.fault("pve1", 129, "foreign-holder")  # a process on the Proxmox host holds 4 GiB on every GPU
+    run = deploy(lab, FP8)
+    assert run.returncode != 0, run.output
+    said(run, "refusing to begin (nothing was touched, the running server keeps running)")
+    said(run, "GPU 0: 4096 MiB held from outside the container")
+    said(run, "see the who_holds_gpus runbook")
+    assert "stopping" not in run.output
+    assert main_pid(lab) == serving and health(lab) == 200 and "--kv-cache-dtype" not in running_argv(lab)
+    assert lab.host_exec("pve1", "sh", "-c", "pgrep -f 'foreign-holder:pve1:129'").stdout.strip()  # alive
+
+
+def test_memory_held_from_outside_after_the_stop_gate_fails_nothing_killed(lab, serving):
+    lab.fault("pve1", 129, "ignore-sigterm")  # a drain long enough to act in the middle of it
+    # the foreign memory appears while the server drains, after the pre-stop checks passed
+    inject = ("stopping pid", lambda _: lab.fault("pve1", 129, "foreign-holder"))
+    run = deploy(lab, FP8, data={"drain_timeout_s": 1.5, "gpu_gate_timeout_s": 1.5}, when=[inject])
+    assert run.returncode != 0, run.output
+    said(run, "memory held from OUTSIDE the container (GPU 0: 4096 MiB")
+    said(run, "never something to kill from here", "who_holds_gpus")
+    said(run, "the new server was NOT started")
+    assert lab.host_exec("pve1", "sh", "-c", "pgrep -f 'foreign-holder:pve1:129'").stdout.strip()
+    assert gpu_used(lab) == [4096] * 8 and sglang_processes(lab) == []
+    # the owner goes away: a re-run serves the desired flags
+    lab.fault("pve1", 129, "all", clear=True)
+    assert wait_until(lambda: gpu_used(lab) == [0] * 8, 10)
+    run = deploy(lab, FP8)
+    assert run.returncode == 0, run
+
+
+@pytest.mark.parametrize("desired, data, expected", [
+    ({"tp": 8, "kv-cache-dtype": "fp9"}, {}, "--kv-cache-dtype"),
+    ({"tp": 8, "mem-fraction-static": "lots"}, {}, "--mem-fraction-static"),
+    ({"tp": 8, "no-such-flag": 1}, {}, "no-such-flag"),
+    (FLAGS, {"sglang_model_path": "/opt/models/missing"}, "model path /opt/models/missing does not exist"),
+    ({"tp": 16}, {}, "--tp-size 16 x --dp-size 1 needs 16 GPUs; the container sees 8"),
+    ({"tp": 8, "enable-hierarchical-cache": True, "hicache-size": 100000}, {},
+     "--hicache-size 100000 GB x 8 ranks"),
+    (FLAGS, {"sglang_port": 30001}, "port 30001 is in use by pid(s)"),
+])
+def test_pre_stop_checks_refuse_and_the_server_keeps_serving(lab, serving, desired, data, expected):
+    if data.get("sglang_port") == 30001:  # a non-SGLang listener on the desired port
+        sh(lab, "pve1", 129, "nohup python3 -m http.server 30001 --bind 127.0.0.1 >/dev/null 2>&1 & "
+                             "echo $! > /tmp/listener.pid")
+        assert wait_until(lambda: ":7531 " in sh(lab, "pve1", 129, "cat /proc/net/tcp").stdout.upper())
+    try:
+        run = deploy(lab, desired, data=data)
+    finally:
+        sh(lab, "pve1", 129, "[ -f /tmp/listener.pid ] && kill $(cat /tmp/listener.pid); rm -f /tmp/listener.pid")
+    assert run.returncode != 0, run.output
+    said(run, expected, "nothing was touched")
+    assert "stopping" not in run.output
+    assert "Traceback" not in run.output
+    assert main_pid(lab) == serving and health(lab) == 200
