@@ -43,13 +43,14 @@ def lab(tmp_path_factory):
 
 
 def run(lab, runbook: str, *extra: str, flags=None, yes: bool = True):
-    """pyinfra [-y] inventory.py runbooks/<runbook>.py ... -> (result, stdout, stdout+stderr)."""
+    """pyinfra [-y] inventory.py runbooks/<runbook>.py ... -> (result, stdout, stdout+stderr).
+    yes=False: the operator's preview, ``--dry`` without -y (the plan is printed while preparing)."""
     args = ["inventory.py", runbook if runbook.endswith(".py") else f"runbooks/{runbook}.py",
             "--data", f"sglang_env={json.dumps(FAST)}", "--data", f"sglang_flags={json.dumps(flags or TP8)}",
             *extra]
     exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
     env = dict(lab.env(), GPUGATE_AUDIT_LOG=str(lab.dir / "audit.jsonl"))  # not the project's audit log
-    result = subprocess.run([exe, *(["-y"] if yes else []), *args], cwd=REPO_ROOT, env=env,
+    result = subprocess.run([exe, *(["-y"] if yes else ["--dry"]), *args], cwd=REPO_ROOT, env=env,
                             capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     return result, result.stdout, result.stdout + result.stderr
 
@@ -146,7 +147,7 @@ def test_free_gpus_refuses_to_end_a_running_managed_server(lab):
 def test_free_gpus_ends_the_containers_own_gpu_processes(lab):
     in_ct(lab, "pve2", HOLD)
     assert wait_until(lambda: all(used > 0 for used in gpu_used(lab, "pve2")), 10)
-    result, _stdout, out = run(lab, "free_gpus", "--limit", "pve_pve2", yes=False)  # prompts: no tty -> preview
+    result, _stdout, out = run(lab, "free_gpus", "--limit", "pve_pve2", yes=False)  # the preview
     assert "will end 1 GPU process(es)" in out and all(used > 0 for used in gpu_used(lab, "pve2"))
     result, _stdout, out = run(lab, "free_gpus", "--limit", "pve_pve2")
     assert result.returncode == 0, out
@@ -199,6 +200,7 @@ def test_rollback_after_a_change_returns_to_the_previous_flags(lab):
 
 
 def test_rollback_applies_the_recorded_previous_spec_through_the_gate(lab):
+    run(lab, "deploy.py", "--limit", "pve_pve1")  # a running server, then a change: env.previous exists
     run(lab, "deploy.py", "--limit", "pve_pve1", flags=FP8)
     set_previous(lab, {"tp-size": 8, "disable-radix-cache": True})
     result, _stdout, out = run(lab, "rollback", "--limit", "pve_pve1", yes=False)  # the preview
