@@ -1,0 +1,222 @@
+"""docs/benchmarks.md from the results of bench/run.py (a pure function of the results dict).
+
+Example:
+    >>> text = render(json.loads(Path("bench/results/latest.json").read_text()))   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TARGET_GATE_S = 0.150
+TARGET_RESTART_OVERHEAD_S = 1.5
+TARGET_COMMANDS = 3
+TARGET_SPEEDUP = 3.0
+
+METHOD_NAMES = {
+    "gpugate": "gpugate `gpu.idle` wait (one command, polls in the container every 50 ms)",
+    "shell": "hand-run `sleep 3; nvidia-smi` loop (on the Proxmox host, `pct exec`)",
+    "ansible-5s": "Ansible `until:` loop, `delay: 5` (Ansible's default)",
+    "ansible-1s": "Ansible `until:` loop, `delay: 1`",
+}
+
+
+def ms(value) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"
+
+
+def sec(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f} s"
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def _gate(results: dict) -> list[str]:
+    gate = results["gate"]
+    rows = ["| method | n | median | p90 | min | max |", "|---|---|---|---|---|---|"]
+    for method, name in METHOD_NAMES.items():
+        s = gate["summary"][method]
+        rows.append(f"| {name} | {s['n']} | {ms(s['median_s'])} | {ms(s['p90_s'])} | {ms(s['min_s'])} | "
+                    f"{ms(s['max_s'])} |")
+    g = gate["summary"]["gpugate"]
+    raw = {m: ", ".join(f"{t['latency_s'] * 1000:.0f}" for t in gate["trials"] if t["method"] == m)
+           for m in METHOD_NAMES}
+    return [
+        "## 1. Gate latency: memory back -> gate passes",
+        "",
+        f"Container {gate['container']} holds {gate['hold_mib_per_gpu']} MiB on each of 8 GPUs (a `gpugate_gpusim "
+        "hold` process). The waiter starts; the holder is SIGKILLed at a random moment while the waiter polls. "
+        "Latency = the moment the waiter's result is on the controller minus `freed_at`, the moment the lab's "
+        "simulated driver returned the memory (`released.jsonl`, after its 150 ms release delay, which is the "
+        "physical release time of an H200 and is not counted). Trials are interleaved (shuffled per round).",
+        "",
+        *rows,
+        "",
+        f"gpugate in the container (the passing reading, before the answer travels back): median "
+        f"{ms(g.get('in_container_median_s'))}. One bare remote command (`true` over the open SSH connection "
+        f"and `pct exec`) costs {ms(gate['round_trip_s']['median'])} median in this lab.",
+        "",
+        f"Target: gpugate median < 150 ms: {verdict(g['median_s'] is not None and g['median_s'] < TARGET_GATE_S)} "
+        f"({ms(g['median_s'])}).",
+        "",
+        "Raw latencies (ms): " + "; ".join(f"{m}: {raw[m]}" for m in METHOD_NAMES),
+        "",
+    ]
+
+
+def _breakdown_gpugate(run: dict) -> str:
+    transitions = run.get("transitions") or [{}]
+    t = transitions[0]
+    steps = ", ".join(f"{k} {v:.2f}" for k, v in t.items() if k != "total")
+    return (f"startup (interpreter, pyinfra, inventory) {sec(run['startup_s'])}; SSH connect "
+            f"{sec(run['connect_s'])}; {sum(run['commands'].values())} remote commands taking {sec(run['remote_s'])} "
+            f"in all; transition steps (s): {steps}")
+
+
+def _breakdown_ansible(run: dict) -> str:
+    tasks = "; ".join(f"{t['task']} {t['s']:.2f} s ({t['commands']} cmd)" for t in run["tasks"])
+    return (f"startup {sec(run['startup_s'])}; {tasks}; exit {sec(run['teardown_s'])}; "
+            f"{sum(run['commands'].values())} remote commands")
+
+
+def _restart(results: dict) -> list[str]:
+    restart, floor = results["restart"], results["floor"]
+    fm = floor["median"]
+    rows = ["| tool | n | wall (median) | overhead beyond drain + load | remote commands | walls |",
+            "|---|---|---|---|---|---|"]
+    for key, name in (("gpugate", "gpugate (`pyinfra -y inventory.py deploy.py`)"),
+                      ("ansible-1s", "Ansible playbook, delays 1 s"), ("ansible-5s", "Ansible playbook, delays 5 s")):
+        r = restart[key]
+        rows.append(f"| {name} | {r['n']} | {sec(r['wall_median_s'])} | {sec(r['overhead_median_s'])} | "
+                    f"{r['commands_median']:.0f} | {', '.join(f'{w:.2f}' for w in r['walls_s'])} |")
+    g = restart["gpugate"]
+    return [
+        "## 2. Restart overhead: a flag change, beyond the server's own drain and load",
+        "",
+        f"One container (tp 8 on 8 GPUs, stand-in load time {results['load_s']:g} s), flag change "
+        "`tp 8` <-> `tp 8 + kv-cache-dtype fp8_e4m3`, the whole command timed (process start to exit). "
+        "The floor, the stand-in's own time, is measured in a container by a local script with 10 ms polls "
+        f"(SIGTERM -> exit, -> memory back, start -> /health 200): median drain {sec(fm['drain_s'])}, "
+        f"release {sec(fm['release_s'])}, load + warmup {sec(fm['load_s'])}, total **{sec(fm['total_s'])}**. "
+        "Overhead = wall - floor.",
+        "",
+        *rows,
+        "",
+        f"Target: gpugate overhead < 1.5 s per container: "
+        f"{verdict(g['overhead_median_s'] < TARGET_RESTART_OVERHEAD_S)} ({sec(g['overhead_median_s'])}).",
+        "",
+        "Where the time goes (first trial of each):",
+        "",
+        f"- gpugate: {_breakdown_gpugate(g['runs'][0])}",
+        f"- Ansible 1 s: {_breakdown_ansible(restart['ansible-1s']['runs'][0])}",
+        f"- Ansible 5 s: {_breakdown_ansible(restart['ansible-5s']['runs'][0])}",
+        "",
+    ]
+
+
+def _rolling(results: dict) -> list[str]:
+    r = results["rolling"]
+    n = r["containers"]
+    return [
+        f"## 3. Rolling restart of {n} hosts",
+        "",
+        f"One serving container (tp 8) on each of {n} lab hosts, the same flag change, one container at a time.",
+        "",
+        "| run | wall | against N x single restart |",
+        "|---|---|---|",
+        f"| gpugate `--data rolling=true` | {sec(r['gpugate_rolling']['wall_s'])} | "
+        f"{n} x {sec(r['gpugate_single_s'])} = {sec(n * r['gpugate_single_s'])} (ratio {r['gpugate_ratio']:.2f}) |",
+        f"| Ansible `serial: 1`, delays 1 s | {sec(r['ansible_rolling_1s']['wall_s'])} | "
+        f"{n} x {sec(r['ansible_single_s'])} = {sec(n * r['ansible_single_s'])} (ratio {r['ansible_ratio']:.2f}) |",
+        f"| gpugate, all {n} at once (not rolling) | {sec(r['gpugate_parallel']['wall_s'])} | |",
+        f"| gpugate, first start of all {n} at once | {sec(r['gpugate_first_start_parallel']['wall_s'])} | |",
+        "",
+    ]
+
+
+def _converged(results: dict) -> list[str]:
+    c = results["converged"]
+    rows = ["| containers | gpugate wall | Ansible wall | speedup | gpugate cmds/ct | Ansible cmds/ct | "
+            "gpugate startup | Ansible startup | changed |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for size, e in c["sizes"].items():
+        rows.append(f"| {size} | {sec(e['gpugate_wall_s'])} | {sec(e['ansible_wall_s'])} | {e['speedup']:.2f}x | "
+                    f"{e['gpugate_commands_per_container']:.1f} | {e['ansible_commands_per_container']:.1f} | "
+                    f"{sec(e['gpugate_startup_s'])} | {sec(e['ansible_startup_s'])} | {e['something_changed']} |")
+    largest = c["sizes"][max(c["sizes"], key=int)]
+    return [
+        "## 4. Converged re-run: nothing to change",
+        "",
+        "Containers spread over the lab hosts (vmid 129 on every host first, then 130, ...), each serving "
+        "tp 1 on its own GPU. gpugate: `pyinfra -y inventory.py deploy.py`; Ansible: the same playbook "
+        "(its first task reads argv and health; the rest is skipped). Remote commands: pyinfra's SSH "
+        "connector calls (exec, put, get) per container; Ansible's module runs per host (with pipelining, "
+        "one SSH exec each). Wall: median of the repetitions; startup: process start to the first "
+        "connection (gpugate) or the first task (Ansible).",
+        "",
+        *rows,
+        "",
+        f"Targets at {largest['containers']} containers: <= 3 remote commands per container: "
+        f"{verdict(largest['gpugate_commands_per_container'] <= TARGET_COMMANDS)} "
+        f"({largest['gpugate_commands_per_container']:.1f}); >= 3x faster than Ansible: "
+        f"{verdict(largest['speedup'] >= TARGET_SPEEDUP)} ({largest['speedup']:.2f}x).",
+        "",
+    ]
+
+
+def render(results: dict) -> str:
+    m = results["machine"]
+    lines = [
+        "# Benchmarks: gpugate against the alternatives",
+        "",
+        f"Generated by `python3 bench/run.py{' --quick' if results['mode'] == 'quick' else ''}` on "
+        f"{results['started']} in {results['duration_s']:.0f} s; raw numbers in "
+        f"`bench/results/{'quick' if results['mode'] == 'quick' else 'latest'}.json`.",
+        "",
+        "## Machine",
+        "",
+        f"- CPU: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB memory; kernel {m['kernel']}",
+        f"- Python {m['python']}, pyinfra {m['pyinfra']}, ansible-core {m['ansible_core']}, {m['openssh']}",
+        f"- Lab: {results['profile']['hosts']} simulated Proxmox hosts (real sshd on loopback, real namespaces), "
+        f"{len(results['profile']['vmids'])} containers each, 8 simulated GPUs per host; the SGLang stand-in.",
+        "",
+        "## Method",
+        "",
+        "Everything runs in one lab, in one run, side by side. Times are wall clock (`time.time()` on one "
+        "machine, the clock the lab's simulated driver stamps `freed_at` with). The Ansible baseline "
+        "(`bench/ansible/`) is tuned as a competent user would: `pipelining = True`, `gather_facts: false`, "
+        "`forks = 64` (more than the fleet), SSH `ControlPersist`, `interpreter_python` fixed (no discovery); "
+        "it reaches containers with `pct exec` through `ansible.builtin.command` on the Proxmox host over SSH "
+        "(no community collection is installed). Its inventory has one host per container. "
+        "Setup and cleanup reach containers through `nsenter` (no SSH) and are never timed.",
+        "",
+        "Caveat for every absolute figure: a lab `pct exec` costs a Python start of the lab's `pct` plus a "
+        "namespace entry (one bare remote command is given in section 1); every tool pays it per remote "
+        "command, so tools that send fewer commands gain. The machine has 2 cores shared by the tools, the "
+        "lab hosts and the stand-ins.",
+        "",
+        *_gate(results),
+        *_restart(results),
+        *_rolling(results),
+        *_converged(results),
+        "## 5. Real H200 gate latency",
+        "",
+        "_To be filled in by the lead from a run on the H200 device: real NVML (v2 memory), a process "
+        "holding real CUDA memory, killed while gpugate's gate waits; the gate's latency beside the "
+        "physical release time (process exit -> NVML used back to 0)._",
+        "",
+        "| method | n | median | p90 | physical release (median) |",
+        "|---|---|---|---|---|",
+        "| gpugate `gpu.idle` wait | | | | |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(render(json.loads(Path(sys.argv[1]).read_text())))
