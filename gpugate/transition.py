@@ -105,6 +105,14 @@ def desired_spec(model_path: str | None, port: int, flags: Mapping[str, Any] | N
         clean_env[name] = text
     try:
         normalised = validate_flags(flags or {})
+        for key, value in normalised.items():
+            # argv carries any byte but NUL literally; a line break would still end a line of the
+            # systemd unit (ExecStart=...), and the next line would be read as a directive.
+            texts = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(text, str) and any(c in text for c in "\0\n\r") for text in texts):
+                raise FlagError(key, "value must be one line (no newline, carriage return or NUL)")
+        if any(c in model_path for c in "\0\n\r"):
+            raise SpecError("model_path must be one line (no newline, carriage return or NUL)")
         for key in ("model-path", "port", "host"):
             if key in normalised:
                 raise FlagError(key, "is set by sglang.server's own arguments, not in flags")
@@ -322,7 +330,7 @@ def remote_call(function: str, python: str = "/usr/bin/python3", secret: str | N
                                         "secret_kwarg": secret_kwarg}).encode()).decode()
     source = inline_python(["sglang_probe", "transition_actions"],
                            "import transition_actions; transition_actions.main(sys.argv[1:])")
-    bits: list[Any] = [python, "-c", QuoteString(source), call]
+    bits: list[Any] = [QuoteString(python), "-c", QuoteString(source), call]
     if secret is not None:
         bits.append(QuoteString(HiddenValue(secret)))
     return StringCommand(*bits)

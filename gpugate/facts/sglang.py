@@ -96,7 +96,7 @@ def probe_command(sections: dict[str, dict[str, Any]], python: str = "/usr/bin/p
             "    except Exception as error:\n"
             "        out[name] = {'error': '%s: %s' % (type(error).__name__, error)}\n"
             "print(json.dumps(out))")
-    return StringCommand("{", python, "-c", QuoteString(inline_python(modules, body)), ";", "}", "2>&1", "||", "true")
+    return StringCommand("{", QuoteString(python), "-c", QuoteString(inline_python(modules, body)), ";", "}", "2>&1", "||", "true")
 
 
 def parse_probe_output(output: list[str]) -> dict[str, Any]:
