@@ -111,6 +111,7 @@ def test_malformed_fleet_file_touches_nothing(lab, fleet_serving, tmp_path, text
 
 # --------------------------------------------------------------------------- shell injection
 CANARY = "/tmp/gpugate-canary"
+MODEL_CANARY = "/tmp/c-model"  # in the model path as ../../tmp/c-model-... (a short name: path parts <= 255 bytes)
 INJECTIONS = ["; touch {c}-semi", "$(touch {c}-subst)", "`touch {c}-tick`", "' ; touch {c}-squote ; '",
               '" ; touch {c}-dquote ; "', "| touch {c}-pipe", "&& touch {c}-and"]
 
@@ -124,13 +125,14 @@ def no_canary(lab, host="pve1") -> None:
     the container's own /tmp."""
     import glob
 
-    assert glob.glob(CANARY + "*") == []
-    assert sh(lab, host, 129, f"ls {CANARY}* 2>/dev/null || true").stdout.strip() == ""
+    for pattern in (CANARY + "*", MODEL_CANARY + "*"):
+        assert glob.glob(pattern) == []
+        assert sh(lab, host, 129, f"ls {pattern} 2>/dev/null || true").stdout.strip() == ""
 
 
 def test_injection_in_flag_env_and_model_path_is_passed_literally(lab, fleet_serving):
-    # a directory name: no slash, at most 255 bytes
-    model = "/opt/models/m" + injection("model", 5).replace(CANARY, "../../tmp/c")
+    # every part of the path at most 255 bytes; the ".." parts keep it a literal, existing path
+    model = "/opt/models/m" + injection("model", 5).replace(CANARY + "-model", ".." + MODEL_CANARY.replace("/", "/../", 1))
     made = sh(lab, "pve2", 129, f"mkdir -p {shlex.quote(model)} && cp /opt/models/lab-model/config.json "
                                 f"{shlex.quote(model)}/ && echo made")
     assert made.stdout.strip() == "made", made.stderr
