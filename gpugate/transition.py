@@ -209,6 +209,15 @@ def compare(server: Mapping[str, Any], spec: Spec | None, healthy_codes=(200,)) 
                            f"({_health_text(server)}); waiting for it"], running=running)
 
 
+def decide(server: Mapping[str, Any], spec: Spec | None, restarted: bool = False) -> Change:
+    """``compare``, then honour ``restarted``: a server that runs (or loads) the desired flags is
+    restarted all the same. Used before the lock and again under it, so the answer is the same."""
+    change = compare(server, spec)
+    if restarted and spec is not None and change.action in ("noop", "wait"):
+        return Change("restart", ["restarted=True"], running=change.running)
+    return change
+
+
 def _health_text(server: Mapping[str, Any]) -> str:
     health = server.get("health") or {}
     if health.get("health") is not None:

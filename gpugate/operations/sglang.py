@@ -54,7 +54,7 @@ class Transition:
 
     def __init__(self, spec: tr.Spec | None, change: tr.Change, observation: Mapping[str, Any], *,
                  port: int, max_used_mib: int, gate_timeout: float, drain_timeout: float, kill_grace: float,
-                 start_timeout: float, lock_wait: float, python: str):
+                 start_timeout: float, lock_wait: float, python: str, restarted: bool = False):
         self.spec = spec
         self.change = change
         self.server = dict(observation.get("sglang") or {})
@@ -67,6 +67,7 @@ class Transition:
         self.start_timeout = float(start_timeout)
         self.lock_wait = float(lock_wait)
         self.python = python
+        self.restarted = restarted  # asked to restart: re-deciding under the lock must not drop it
         self.token = uuid.uuid4().hex
         self.lock: dict[str, Any] | None = None
         self.done = False         # converged (e.g. by another operator while we waited)
@@ -164,7 +165,7 @@ class Transition:
         server = observation.get("sglang") or {}
         if "error" in server:
             raise TransitionFailed(f"the server probe failed under the lock: {server['error']}")
-        change = tr.compare(server, self.spec)
+        change = tr.decide(server, self.spec, self.restarted)
         if change.action == "noop":
             self._say(host, "already converged (by another run) when the lock was taken: nothing to do")
             self._call(host, "lock_release", path=self.files["lock"], token=self.token)
@@ -530,9 +531,7 @@ def server(
         yield from _refuse(f"sglang.server: the server probe failed: {server_doc['error']}")
         return
 
-    change = tr.compare(server_doc, spec)
-    if restarted and change.action in ("noop", "wait") and spec is not None:
-        change = tr.Change("restart", ["restarted=True"], running=change.running)
+    change = tr.decide(server_doc, spec, restarted)
     if change.action == "noop":
         host.noop(change.reasons[0])
         return
@@ -550,5 +549,6 @@ def server(
 
     transition = Transition(spec, change, observation, port=port, max_used_mib=max_used_mib,
                             gate_timeout=gate_timeout, drain_timeout=drain_timeout, kill_grace=kill_grace,
-                            start_timeout=start_timeout, lock_wait=lock_wait, python=python)
+                            start_timeout=start_timeout, lock_wait=lock_wait, python=python,
+                            restarted=restarted)
     yield from transition.commands()

@@ -172,12 +172,11 @@ def test_free_gpus_never_touches_memory_held_from_outside(lab):
 
 def test_restart_restarts_an_unchanged_server_through_the_gate(lab):
     before = main_pid(lab)
+    argv_before = running_argv(lab)
     result, _stdout, out = run(lab, "restart", "--limit", "pve_pve1")
     assert result.returncode == 0, out
-    if "already converged" in out:
-        pytest.xfail("sglang.server drops restarted=True when it compares again under the lock (reported)")
-    assert "will restart: restarted=True" in out and "gate passed" in out
-    assert main_pid(lab) not in ("", before)
+    assert "will restart: restarted=True" in out and "gate passed" in out and "already converged" not in out
+    assert main_pid(lab) not in ("", before) and running_argv(lab) == argv_before  # new pid, same flags
 
 
 # ------------------------------------------------------------------------------------------ rollback

@@ -146,6 +146,20 @@ def test_restarted_forces_a_restart():
     assert "sglang_stop" in step_names(commands)
 
 
+def test_restarted_survives_the_second_look_under_the_lock(monkeypatch):
+    observation = {"sglang": running({"tp": 8}), "gpu": gpus()}
+    spec = tr.desired_spec(MODEL, 30000, {"tp": 8}, {})
+    transition = sglang.Transition(spec, tr.decide(observation["sglang"], spec, True), observation, port=30000,
+                                   max_used_mib=64, gate_timeout=5, drain_timeout=5, kill_grace=1,
+                                   start_timeout=5, lock_wait=0, python="/usr/bin/python3", restarted=True)
+    monkeypatch.setattr(transition, "_call", lambda host, function, **kw: {"acquired": True})
+    host = MagicMock()
+    host.get_fact.return_value = observation  # unchanged under the lock: healthy, desired flags
+    transition.take_lock(host)
+    assert not transition.done and transition.change.action == "restart"
+    assert "already converged" not in logged(host)
+
+
 def test_env_file_round_trips_quotes_and_backslashes():
     env = {"A": 'x"; rm -rf / $(id) \\ \'q\'', "B": ""}
     assert transition_actions.parse_env_file(tr.env_file_text(env)) == env
