@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -44,25 +45,44 @@ def fleet_file(tmp_path):
     return path
 
 
-def test_inventory_from_fleet_with_group_data_defaults(fleet_file, monkeypatch):
-    from pyinfra.api import State
-    from pyinfra.context import ctx_state
-    from pyinfra_cli.inventory import make_inventory
+# pyinfra's CLI package gevent-patches the process that imports it (monkey.patch_all on import), so the
+# inventory is built in a child process: importing it here would turn every later test's threads into
+# greenlets.
+INVENTORY_PROBE = """
+import json, sys
+from pyinfra.api import State
+from pyinfra.context import ctx_state
+from pyinfra_cli.inventory import make_inventory
+with ctx_state.use(State()):  # pyinfra's CLI loads inventory files inside a state context
+    inventory = make_inventory(sys.argv[1], cwd=sys.argv[2])
+keys = ("sglang_flags", "ssh_hostname", "ssh_port", "pct_vmid", "drain_timeout_s", "start_timeout_s",
+        "sglang_port")
+print(json.dumps({
+    "hosts": {h.name: {k: h.data.get(k) for k in keys} for h in inventory},
+    "groups": {g: sorted(h.name for h in inventory.get_group(g)) for g in ("canary", "pve_pve1")},
+}))
+"""
 
-    monkeypatch.setenv("GPUGATE_FLEET", str(fleet_file))
-    with ctx_state.use(State()):  # pyinfra's CLI loads inventory files inside a state context
-        inventory = make_inventory(str(REPO / "inventory.py"), cwd=str(REPO))
-    assert sorted(host.name for host in inventory) == ["@pct/pve1:129", "@pct/pve1:130"]
-    host = inventory.get_host("@pct/pve1:129")
-    assert host.data.sglang_flags == {"disable-radix-cache": True, "kv-cache-dtype": "fp8_e4m3", "tp-size": 8}
-    assert (host.data.ssh_hostname, host.data.ssh_port, host.data.pct_vmid) == ("127.0.0.1", 2222, 129)
-    assert host.data.drain_timeout_s == 30          # the canary group's data
-    assert host.data.start_timeout_s == 2700        # group_data/all.py
-    assert host.data.sglang_port == 30000           # group_data/all.py default
-    other = inventory.get_host("@pct/pve1:130")
-    assert (other.data.sglang_port, other.data.drain_timeout_s, other.data.sglang_flags) == (30001, 60, {})
-    assert [h.name for h in inventory.get_group("canary")] == ["@pct/pve1:129"]
-    assert sorted(h.name for h in inventory.get_group("pve_pve1")) == ["@pct/pve1:129", "@pct/pve1:130"]
+
+def test_inventory_from_fleet_with_group_data_defaults(fleet_file):
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUGATE_FLEET", "GPUGATE_LAB_DIR")}
+    env["GPUGATE_FLEET"] = str(fleet_file)
+    result = subprocess.run([sys.executable, "-c", INVENTORY_PROBE, str(REPO / "inventory.py"), str(REPO)],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    inventory = json.loads(result.stdout.strip().splitlines()[-1])
+    hosts = inventory["hosts"]
+    assert sorted(hosts) == ["@pct/pve1:129", "@pct/pve1:130"]
+    host = hosts["@pct/pve1:129"]
+    assert host["sglang_flags"] == {"disable-radix-cache": True, "kv-cache-dtype": "fp8_e4m3", "tp-size": 8}
+    assert (host["ssh_hostname"], host["ssh_port"], host["pct_vmid"]) == ("127.0.0.1", 2222, 129)
+    assert host["drain_timeout_s"] == 30          # the canary group's data
+    assert host["start_timeout_s"] == 2700        # group_data/all.py
+    assert host["sglang_port"] == 30000           # group_data/all.py default
+    other = hosts["@pct/pve1:130"]
+    assert (other["sglang_port"], other["drain_timeout_s"], other["sglang_flags"]) == (30001, 60, {})
+    assert inventory["groups"]["canary"] == ["@pct/pve1:129"]
+    assert inventory["groups"]["pve_pve1"] == ["@pct/pve1:129", "@pct/pve1:130"]
 
 
 def test_debug_inventory_shows_the_fleet(fleet_file):
