@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shlex
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -69,18 +70,32 @@ def module_source(name: str) -> str:
     return path.read_text()
 
 
-def python_command(script: str, fallback: Mapping) -> str:
-    """One POSIX shell command running ``script`` with the container's python3; when there is no
-    python3 it prints ``fallback`` as JSON instead. Exits 0 either way (when python3 runs, the
-    script's own exit status)."""
+def pack(script: str) -> str:
+    """``script`` as a ``python -c`` program: zlib+base64, so that nothing in it needs quoting
+    through ssh's, pct's and sh's layers (the one loader every inline command uses)."""
     payload = base64.b64encode(zlib.compress(script.encode(), 9)).decode()
-    boot = f'import base64,zlib;exec(zlib.decompress(base64.b64decode("{payload}")))'
+    return f'import base64,zlib;exec(zlib.decompress(base64.b64decode("{payload}")))'
+
+
+def inline_program(modules: Mapping[str, str], body: str) -> str:
+    """A script that registers ``modules`` (name -> source) as importable modules, in order, then
+    runs ``body`` (with ``_load``, ``_failure`` and ``_emit`` of the prelude at hand)."""
+    loads = "".join(f"_load({name!r}, {source!r})\n" for name, source in modules.items())
+    return _PRELUDE + loads + body
+
+
+def python_command(script: str, fallback: Mapping, python: str | None = None) -> str:
+    """One POSIX shell command running ``script`` with the container's ``python`` (default:
+    python3 on PATH); when there is none it prints ``fallback`` as JSON instead. Exits 0 either way
+    (when python runs, the script's own exit status)."""
+    boot = pack(script)
     fallback_json = json.dumps(fallback, separators=(",", ":"))
     if "'" in fallback_json:
         raise ValueError("fallback JSON must not contain single quotes")
+    interpreter = shlex.quote(python) if python else "python3"
     return (
-        "if command -v python3 >/dev/null 2>&1; "
-        f"then exec python3 -c '{boot}' {PROBE_MARKER}; "
+        f"if command -v {interpreter} >/dev/null 2>&1; "
+        f"then exec {interpreter} -c '{boot}' {PROBE_MARKER}; "
         f"else echo '{fallback_json}'; fi"
     )
 
@@ -90,12 +105,13 @@ def no_python(names: Iterable[str]) -> dict:
     return {name: {"schema": 1, "error": error["message"], "errors": [error]} for name in names}
 
 
-def build_probe_command(sections: Mapping[str, Mapping]) -> str:
+def build_probe_command(sections: Mapping[str, Mapping], python: str | None = None) -> str:
     """One shell command that prints ``{"<name>": <name>_probe.collect(**kwargs), ...}``.
 
     + sections: section name -> keyword arguments for that probe's ``collect`` (JSON-able);
       e.g. ``{"gpu": {}, "sglang": {"port": 30000}}``. A section whose collect raises reads
       ``{"schema": 1, "error": "...", "errors": [...]}``; the others are unaffected.
+    + python: the interpreter in the container (default: python3 on PATH)
 
     Example::
 
@@ -116,7 +132,7 @@ def build_probe_command(sections: Mapping[str, Mapping]) -> str:
         "        out[name] = _failure(exc)\n"
         "_emit(out)\n"
     )
-    return python_command(script, no_python(sections))
+    return python_command(script, no_python(sections), python)
 
 
 def build_wait_command(max_used_mib: int = 64, timeout_s: float = 120.0,
