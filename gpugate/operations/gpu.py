@@ -84,11 +84,57 @@ def wait_for_idle(host, max_used_mib: int = 64, timeout: float = 120.0,
     decision = evaluate(gpu, max_used_mib, ignore)
     decision.timing = {
         **(wait or {}),
+        "used_mib": [entry.get("used_mib") for entry in gpu.get("gpus") or []],  # the last reading
         "began_at": began_at,
         "returned_at": returned_at,
         "round_trip_s": round(returned_at - began_at, 4),
     }
     return decision
+
+
+PROGRESS_EVERY_S = 3.0  # a waiting gate reports what it sees this often (one remote command per chunk)
+
+
+def wait_for_idle_in_chunks(host, max_used_mib: int = 64, timeout: float = 120.0, poll_interval_s: float = 0.05,
+                            ignore_pids: Iterable[int] = (), chunk_s: float = PROGRESS_EVERY_S,
+                            progress=None) -> GateDecision:
+    """``wait_for_idle`` in chunks of ``chunk_s``: after each chunk that did not pass,
+    ``progress(waited_s, decision)`` is called with the last reading, so that the operator sees the
+    memory draining instead of a silent wait (pyinfra shows a command's output only when it ends).
+    A gate that passes within the first chunk costs one remote command, as before.
+    ``decision.timing["waited_s"]`` is the whole wait."""
+    began = time.monotonic()
+    while True:
+        left = timeout - (time.monotonic() - began)
+        decision = wait_for_idle(host, max_used_mib, max(0.0, min(chunk_s, left)), poll_interval_s, ignore_pids)
+        waited = time.monotonic() - began
+        decision.timing = dict(decision.timing or {}, waited_s=round(waited, 3))
+        if decision.passed or decision.permanent or waited >= timeout:
+            return decision
+        if progress is not None:
+            progress(waited, decision)
+
+
+def progress_text(waited_s: float, timeout: float, decision: GateDecision) -> str:
+    """``gate: 6 s of 120 s: GPU MiB 4096 x8; 1 holder(s) left: 55 python3 hold.py``"""
+    from gpugate.runbooks import compact_mib
+
+    used = (decision.timing or {}).get("used_mib") or []
+    text = f"gate: {waited_s:.0f} s of {timeout:g} s: GPU MiB {compact_mib(used)}"
+    if decision.holders:
+        text += f"; {len(decision.holders)} holder(s) left: " + ", ".join(
+            f"{h.get('pid')} {str(h.get('cmdline', ''))[:40]}" for h in decision.holders[:4])
+    elif decision.reasons:
+        text += f"; {decision.reasons[0]}"
+    return text
+
+
+def _audit(audit_log, step: str, **fields) -> None:
+    try:
+        from gpugate import audit
+        audit.emit(step, path=audit_log, **fields)
+    except Exception:  # an audit problem must not break the gate
+        logger.debug("audit emit failed for %s", step, exc_info=True)
 
 
 def plan_text(decision: GateDecision, kill: bool, kill_grace_s: float, timeout: float,
@@ -123,9 +169,15 @@ def _end_gpu_holders_command(state, host, grace_s: float, ignore_pids: tuple) ->
 
 
 def _wait_for_idle_command(state, host, max_used_mib: int, timeout: float,
-                           poll_interval_s: float, ignore_pids: tuple) -> bool:
+                           poll_interval_s: float, ignore_pids: tuple, audit_log=None) -> bool:
+    where = {"host": host.name, "vmid": host.data.get("pct_vmid"), "max_used_mib": max_used_mib}
+    _audit(audit_log, "gate", phase="begin", **where)
     decision = wait_for_idle(host, max_used_mib, timeout, poll_interval_s, ignore_pids)
     timing = decision.timing or {}
+    _audit(audit_log, "gate", phase="end", outcome="passed" if decision.passed else "failed",
+           duration_s=timing.get("round_trip_s"), gpu_used_mib=timing.get("used_mib"),
+           holders=[{"pid": h.get("pid"), "cmdline": h.get("cmdline")} for h in decision.holders],
+           reasons=decision.reasons, **where)
     if decision.passed:
         host.log(f"GPUs idle after {timing.get('round_trip_s', 0):.2f}s "
                  f"({timing.get('polls')} polls in the container)")
@@ -145,6 +197,7 @@ def idle(
     kill_grace_s: float = 10,
     poll_interval_s: float = 0.05,
     ignore_pids: Iterable[int] = (),
+    audit_log: str | None = None,
 ):
     """
     No GPU process in the container and every GPU at or under ``max_used_mib`` (NVML v2 "used",
@@ -157,6 +210,7 @@ def idle(
     + kill_grace_s: seconds between SIGTERM and SIGKILL
     + poll_interval_s: pause between readings of the in-container wait
     + ignore_pids: container pids that do not count as GPU processes
+    + audit_log: the audit file (gate begin/end with per-GPU MiB); default ``./audit.jsonl``
 
     Memory used that no process of the container accounts for is held from outside (the host or
     another container): the gate waits for it but never kills for it, and its failure message says
@@ -189,5 +243,5 @@ def idle(
     if kill and decision.holders:
         yield FunctionCommand(_end_gpu_holders_command, (kill_grace_s, ignore), {})
     yield FunctionCommand(
-        _wait_for_idle_command, (max_used_mib, timeout, poll_interval_s, ignore), {}
+        _wait_for_idle_command, (max_used_mib, timeout, poll_interval_s, ignore), {"audit_log": audit_log}
     )
