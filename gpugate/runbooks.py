@@ -437,66 +437,17 @@ def free_gpus_refusal(server: Mapping[str, Any], gpu_doc: Mapping[str, Any], max
     return None
 
 
-# ---------------------------------------------------------------- rollback
-
-
-class RollbackError(ValueError):
-    """The recorded state has no previous server to return to."""
-
-
-class RollbackSpec(TypedDict):
-    model_path: str
-    flags: dict[str, Any]
-    env_names: list[str]
-    supervisor: str
-    python: str
-
-
-def rollback_spec(recorded: Mapping[str, Any] | None, state_file: str) -> RollbackSpec:
-    """The server to return to, from the recorded state file (``previous``: the spec that ran
-    before the last change, written by sglang.server before every stop).
-
-    >>> rollback_spec({"previous": {"model_path": "/m", "flags": {"tp-size": 8}}}, "/s.json")["flags"]
-    {'tp-size': 8}
-    """
-    if not recorded:
-        raise RollbackError(f"no recorded state ({state_file} is missing): gpugate never changed this server")
-    previous = recorded.get("previous")
-    if not previous:
-        raise RollbackError(f"{state_file} records no previous server (nothing changed since the first start)")
-    if not previous.get("model_path"):
-        raise RollbackError(f"{state_file}: the previous server has no model path")
-    return RollbackSpec(model_path=previous["model_path"], flags=dict(previous.get("flags") or {}),
-                        env_names=sorted(previous.get("env_names") or []),
-                        supervisor=previous.get("supervisor") or "process",
-                        python=previous.get("python") or "/usr/bin/python3")
-
-
-def parse_env_lines(lines: Iterable[str]) -> dict[str, str]:
-    """``NAME="value"`` lines of an env file written by sglang.server -> {NAME: value}
-    (comments and blank lines skipped, the double-quote escapes undone).
-
-    >>> parse_env_lines(['# c', 'A="x \\\\"y\\\\""', 'B=plain'])
-    {'A': 'x "y"', 'B': 'plain'}
-    """
-    env: dict[str, str] = {}
-    for line in lines:
-        line = line.strip()
-        if not line or line.startswith("#") or "=" not in line:
-            continue
-        name, value = line.split("=", 1)
-        if len(value) >= 2 and value[0] == value[-1] == '"':
-            value = re.sub(r'\\(["\\])', r"\1", value[1:-1])
-        env[name.strip()] = value
-    return env
-
-
 # ---------------------------------------------------------------- shared by the runbooks
 
 
 def server_arguments(data: Any) -> dict[str, Any]:
-    """sglang.server's arguments from host data, exactly as deploy.py passes them (restart and
-    rollback go through the same operation, so through the same gate)."""
+    """sglang.server's arguments from host data (group_data/all.py's names): the one mapping, used
+    by deploy.py and the runbooks (restart and rollback go through the same operation, so through
+    the same gate and into the same audit log).
+
+    >>> server_arguments({"sglang_port": 30001, "audit_log": "/srv/audit.jsonl"})["port"]
+    30001
+    """
     return dict(
         port=data.get("sglang_port", 30000),
         model_path=data.get("sglang_model_path"),
@@ -511,6 +462,7 @@ def server_arguments(data: Any) -> dict[str, Any]:
         start_timeout=data.get("start_timeout_s", 2700),
         python=data.get("sglang_python", "/usr/bin/python3"),
         lock_wait=data.get("lock_wait_s", 0),
+        audit_log=data.get("audit_log"),
     )
 
 

@@ -19,15 +19,15 @@ import base64
 import dataclasses
 import json
 import re
-import zlib
 from pathlib import Path
 from typing import Any, Mapping
 
 from pyinfra.api import QuoteString, StringCommand
 from pyinfra.api.command import HiddenValue
 
-from gpugate.remote import sglang_probe
-from gpugate.sglang_args import FlagError, diff_flags, parse_argv, redact_argv, render_argv, validate_flags
+from gpugate.remote import inline_program, pack, sglang_probe
+from gpugate.sglang_args import (SECRET_MASK, SPECS, FlagError, diff_flags, parse_argv, redact_argv, render_argv,
+                                 validate_flags)
 
 REMOTE_DIR = Path(__file__).parent / "remote"
 SUPERVISORS = ("process", "systemd")
@@ -45,6 +45,13 @@ def paths(port: int) -> dict[str, str]:
     return {
         "env": f"/etc/gpugate/sglang-{port}.env",
         "state": f"/var/lib/gpugate/sglang-{port}.json",
+        # The exact argv and env file of the server a rollback returns to (0600; secrets live only
+        # here and in the env file): "previous" = before the last change, "undo" = what a
+        # restore_previous replaced (its own rollback if the restored server fails).
+        "previous_argv": f"/var/lib/gpugate/sglang-{port}.previous.argv",
+        "previous_env": f"/etc/gpugate/sglang-{port}.env.previous",
+        "undo_argv": f"/var/lib/gpugate/sglang-{port}.undo.argv",
+        "undo_env": f"/etc/gpugate/sglang-{port}.env.undo",
         "log": f"/var/log/gpugate/sglang-{port}.log",
         "pid": f"/run/gpugate/sglang-{port}.pid",
         "lock": f"/run/gpugate/sglang-{port}.lock",
@@ -73,10 +80,36 @@ class Spec:
         return {name: sglang_probe.env_hash(value) for name, value in sorted(self.env.items())}
 
     def record(self) -> dict[str, Any]:
-        """What the state file keeps: everything but env values (those live in the env file)."""
-        return {"model_path": self.model_path, "port": self.port, "flags": self.flags,
+        """What the state file keeps: no secret value (secret flags masked, env values only as
+        hashes; the values live in the 0600 env file), and the exact argv's hash."""
+        return {"model_path": self.model_path, "port": self.port, "flags": redact_flags(self.flags),
                 "env_names": sorted(self.env), "env_hashes": self.env_hashes,
-                "supervisor": self.supervisor, "python": self.python, "argv": redact_argv(self.argv)}
+                "supervisor": self.supervisor, "python": self.python, "argv": redact_argv(self.argv),
+                "argv_hash": sglang_probe.argv_hash(self.argv)}
+
+
+def redact_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """Flags with the values of secret flags (``--api-key``...) replaced by ``***``.
+
+    >>> redact_flags({"tp-size": 8, "api-key": "sk-1"})
+    {'tp-size': 8, 'api-key': '***'}
+    """
+    return {name: SECRET_MASK if getattr(SPECS.get(name), "secret", False) and value not in (None, False) else value
+            for name, value in flags.items()}
+
+
+def running_record(server: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The state file's record of the server that runs now (redacted, with its argv hash); the
+    env names and hashes are completed in the container from its env file."""
+    main = server.get("main")
+    if not main:
+        return None
+    command = running_command(server) or {}
+    recorded = (server.get("state") or {}).get("current") or {}
+    return {"model_path": command.get("model_path"), "port": server.get("port"),
+            "flags": redact_flags(command.get("flags") or {}), "argv": redact_argv(main["argv"]),
+            "argv_hash": sglang_probe.argv_hash(main["argv"]), "python": main["argv"][0],
+            "env_names": recorded.get("env_names", []), "supervisor": recorded.get("supervisor", "process")}
 
 
 def desired_spec(model_path: str | None, port: int, flags: Mapping[str, Any] | None,
@@ -218,6 +251,54 @@ def decide(server: Mapping[str, Any], spec: Spec | None, restarted: bool = False
     return change
 
 
+def previous_target(server: Mapping[str, Any], state_file: str) -> dict[str, Any]:
+    """The recorded previous server (``restore_previous``), or SpecError saying why there is none."""
+    state = server.get("state")
+    if not state:
+        raise SpecError(f"cannot roll back: no recorded state ({state_file} is missing): gpugate never "
+                        f"changed this server")
+    previous = state.get("previous")
+    if not isinstance(previous, dict) or not previous.get("model_path"):
+        raise SpecError(f"cannot roll back: {state_file} records no previous server (nothing changed since "
+                        f"the first start)")
+    if not previous.get("argv_hash") or not server.get("previous_argv_saved"):
+        raise SpecError(f"cannot roll back: the previous server's exact command was not kept in the "
+                        f"container (recorded by an older gpugate); deploy the flags you want instead")
+    return previous
+
+
+def compare_previous(server: Mapping[str, Any], target: Mapping[str, Any]) -> Change:
+    """``compare`` for ``restore_previous``: the running argv (by hash: secrets included) and env
+    (by value hashes) against the recorded previous server."""
+    running = running_command(server)
+    port = server.get("port")
+    if not running:
+        return Change("start", [f"sglang is not running on :{port}; starting the recorded previous server"],
+                      flag_lines=[f"+ {arg}" for arg in _args_pairs(list(target.get("argv") or [])[3:])])
+    flag_lines = diff_flags(redact_flags(running["flags"]), target.get("flags") or {}).lines(redact=True)
+    if running["model_path"] != target.get("model_path"):
+        flag_lines[:0] = [f"- --model-path {running['model_path']}", f"+ --model-path {target.get('model_path')}"]
+    reasons = []
+    if sglang_probe.argv_hash(running["argv"]) != target.get("argv_hash"):
+        reasons.append("the running command is not the recorded previous one"
+                       + ("" if flag_lines else " (a secret flag value or the interpreter differs)"))
+    running_hashes = server.get("env_hashes") or {}
+    wanted = target.get("env_hashes") or {}
+    env_lines = [f"~ env {name}={MASK}" if running_hashes.get(name) else f"+ env {name}={MASK}"
+                 for name, value in sorted(wanted.items()) if running_hashes.get(name) != value]
+    recorded = ((server.get("state") or {}).get("current") or {}).get("env_names") or []
+    env_lines += [f"- env {name}" for name in sorted(set(recorded) - set(wanted))]
+    if env_lines:
+        reasons.append("the server's environment is not the previous one")
+    if reasons:
+        return Change("restart", ["roll back to the recorded previous server: " + "; ".join(reasons)],
+                      flag_lines, env_lines, running)
+    if (server.get("health") or {}).get("health") == 200:
+        return Change("noop", [f"sglang on :{port} already runs the recorded previous server"], running=running)
+    return Change("wait", [f"sglang on :{port} runs the recorded previous server but is not healthy yet "
+                           f"({_health_text(server)}); waiting for it"], running=running)
+
+
 def _health_text(server: Mapping[str, Any]) -> str:
     health = server.get("health") or {}
     if health.get("health") is not None:
@@ -226,7 +307,10 @@ def _health_text(server: Mapping[str, Any]) -> str:
 
 
 def _display_args(spec: Spec) -> list[str]:
-    args = redact_argv(spec.argv)[3:]  # after python -m sglang.launch_server
+    return _args_pairs(redact_argv(spec.argv)[3:])  # after python -m sglang.launch_server
+
+
+def _args_pairs(args: list[str]) -> list[str]:
     out, index = [], 0
     while index < len(args):
         if index + 1 < len(args) and not args[index + 1].startswith("--"):
@@ -318,28 +402,17 @@ def _module_source(name: str) -> str:
     return (REMOTE_DIR / f"{name}.py").read_text()
 
 
-def inline_python(modules: list[str], body: str) -> str:
-    """A `python3 -c` program that registers `modules` (files in gpugate/remote) as importable
-    top-level modules, then runs `body`. Nothing is installed in the container; the source
-    travels zlib+base64 encoded (no quotes to multiply through pct's and ssh's `sh -c`)."""
-    lines = ["import sys, types"]
-    for name in modules:
-        lines.append(f"m = types.ModuleType({name!r}); exec(compile({_module_source(name)!r}, {name!r}, 'exec'), "
-                     f"m.__dict__); sys.modules[{name!r}] = m")
-    lines.append(body)
-    packed = base64.b64encode(zlib.compress("\n".join(lines).encode(), 9)).decode()
-    return f"import base64,zlib;exec(zlib.decompress(base64.b64decode('{packed}')))"
-
-
 def remote_call(function: str, python: str = "/usr/bin/python3", secret: str | None = None,
-                secret_kwarg: str | None = None, **kwargs: Any) -> StringCommand:
+                secret_kwarg: str | None = None, with_gpu_probe: bool = False, **kwargs: Any) -> StringCommand:
     """One command that runs transition_actions.<function>(**kwargs) in the container and prints
-    its JSON result. A secret travels as its own argument, masked wherever pyinfra prints it."""
+    its JSON result. A secret travels as its own argument, masked wherever pyinfra prints it.
+    ``with_gpu_probe``: the GPU probe travels too (the drain's per-GPU readings)."""
     call = base64.b64encode(json.dumps({"function": function, "kwargs": kwargs,
                                         "secret_kwarg": secret_kwarg}).encode()).decode()
-    source = inline_python(["sglang_probe", "transition_actions"],
-                           "import transition_actions; transition_actions.main(sys.argv[1:])")
-    bits: list[Any] = [QuoteString(python), "-c", QuoteString(source), call]
+    modules = ["sglang_probe"] + (["gpu_probe"] if with_gpu_probe else []) + ["transition_actions"]
+    script = inline_program({name: _module_source(name) for name in modules},
+                            "import transition_actions\ntransition_actions.main(sys.argv[1:])\n")
+    bits: list[Any] = [QuoteString(python), "-c", QuoteString(pack(script)), call]
     if secret is not None:
         bits.append(QuoteString(HiddenValue(secret)))
     return StringCommand(*bits)

@@ -33,4 +33,5 @@ else:
         timeout=data.get("gpu_gate_timeout_s", 120),
         kill=True,
         kill_grace_s=data.get("kill_grace_s", 10),
+        audit_log=data.get("audit_log"),
     )

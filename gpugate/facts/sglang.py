@@ -25,10 +25,11 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, TypedDict
 
-from pyinfra.api import FactBase, QuoteString, StringCommand
+from pyinfra.api import FactBase
 
+from gpugate.remote import build_probe_command
 from gpugate.sglang_args import parse_argv
-from gpugate.transition import inline_python, paths
+from gpugate.transition import paths
 
 
 class ProcessInfo(TypedDict):
@@ -69,6 +70,7 @@ class SglangServerDoc(TypedDict, total=False):
     server_info: Optional[dict[str, Any]]
     env_hashes: dict[str, Optional[str]]
     state: Optional[dict[str, Any]]   # /var/lib/gpugate/sglang-<port>.json (no secrets)
+    previous_argv_saved: bool         # the previous server's exact argv is kept (0600) for a rollback
     lock: Optional[dict[str, Any]]    # /run/gpugate/sglang-<port>.lock
     shm_stale: list[str]
     memory_limit_bytes: Optional[int]
@@ -82,21 +84,14 @@ def _probe_kwargs(port: int, env_names=(), model_path: str | None = None, tail_l
     files = paths(port)
     return {"port": int(port), "pid_file": files["pid"], "state_file": files["state"], "lock_file": files["lock"],
             "log_file": files["log"], "env_names": sorted(env_names or ()), "model_path": model_path,
-            "tail_lines": int(tail_lines), "generate": bool(generate)}
+            "tail_lines": int(tail_lines), "generate": bool(generate), "previous_argv_file": files["previous_argv"]}
 
 
-def probe_command(sections: dict[str, dict[str, Any]], python: str = "/usr/bin/python3") -> StringCommand:
-    """One command printing one JSON document ``{section: <module>.collect(**kwargs)}`` for
-    ``sglang`` (sglang_probe) and ``gpu`` (gpu_probe). Always exits 0."""
-    modules = [f"{name}_probe" for name in sections]
-    body = ("import json\nout = {}\n"
-            f"for name, kwargs in json.loads({json.dumps(sections)!r}).items():\n"
-            "    try:\n"
-            "        out[name] = sys.modules[name + '_probe'].collect(**kwargs)\n"
-            "    except Exception as error:\n"
-            "        out[name] = {'error': '%s: %s' % (type(error).__name__, error)}\n"
-            "print(json.dumps(out))")
-    return StringCommand("{", QuoteString(python), "-c", QuoteString(inline_python(modules, body)), ";", "}", "2>&1", "||", "true")
+def probe_command(sections: dict[str, dict[str, Any]], python: str = "/usr/bin/python3") -> str:
+    """One command printing one JSON document ``{section: <section>_probe.collect(**kwargs)}``
+    (``sglang``, ``gpu``), run by ``python`` in the container (gpugate.remote.build_probe_command:
+    the same loader as every inline command). Always exits 0."""
+    return build_probe_command(sections, python=python)
 
 
 def parse_probe_output(output: list[str]) -> dict[str, Any]:

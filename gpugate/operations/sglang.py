@@ -1,15 +1,17 @@
 """Operations for the SGLang server in a container.
 
 ``sglang.server``: the desired server, applied idempotently and gated on the GPUs (shared/DESIGN.md,
-"The transition"; docs/transition.md for the steps, the lock and the rollback).
+"The transition"; docs/transition.md for the steps, the lock, the rollback, the audit events and
+the progress lines).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import time
 import uuid
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from pyinfra import logger
 from pyinfra.api import FunctionCommand, OperationError, operation
@@ -17,15 +19,17 @@ from pyinfra.context import host, state
 
 from gpugate import transition as tr
 from gpugate.facts.sglang import SglangObservation
+from gpugate.remote import sglang_probe
 from gpugate.sglang_args import server_info_mismatches
 
-WAIT_CHUNK_S = 10.0   # one remote poll loop: progress is printed between chunks
-LOCK_MARGIN_S = 60.0  # a step's lease = its own deadline + this
+WAIT_CHUNK_S = 10.0      # one remote poll loop of the load: a progress line between chunks
+PROGRESS_EVERY_S = 3.0   # the drain and the gate: one remote command (and one progress line) per chunk
+LOCK_MARGIN_S = 60.0     # a step's lease = its own deadline + this
 
 
 def emit(step: str, **fields: Any) -> None:
-    """The one hook every transition step reports through (audit log: gpugate.audit, issue 6).
-    Never fails the operation."""
+    """The one hook every transition step reports through (the audit log, gpugate.audit; ``path``
+    among the fields picks the file). Never fails the operation."""
     try:
         from gpugate import audit
         audit.emit(step, **fields)
@@ -45,17 +49,29 @@ def _operator() -> str:
         return "unknown"
 
 
+def _compact(values) -> str:
+    from gpugate.runbooks import compact_mib
+    return compact_mib(list(values or []))
+
+
 class Transition:
     """One host's transition: the steps run as FunctionCommands, in order, sharing this context.
 
     Each step renews the lock's lease for its own deadline; a failing step releases the lock,
-    records the phase and fails the operation with a message that says what happened.
+    records the phase and fails the operation with a message that says what happened. Every step
+    (and the drain, kill and sweep inside the stop) writes a ``begin`` and an ``end`` event to the
+    audit log.
+
+    ``target``: for ``restore_previous``, the recorded previous server (the state file's
+    ``previous``); its exact argv and env file are kept in the container and never cross.
     """
 
     def __init__(self, spec: tr.Spec | None, change: tr.Change, observation: Mapping[str, Any], *,
                  port: int, max_used_mib: int, gate_timeout: float, drain_timeout: float, kill_grace: float,
-                 start_timeout: float, lock_wait: float, python: str, restarted: bool = False):
+                 start_timeout: float, lock_wait: float, python: str, restarted: bool = False,
+                 target: dict[str, Any] | None = None, audit_log: str | None = None, vmid: Any = None):
         self.spec = spec
+        self.target = target
         self.change = change
         self.server = dict(observation.get("sglang") or {})
         self.port = port
@@ -68,17 +84,24 @@ class Transition:
         self.lock_wait = float(lock_wait)
         self.python = python
         self.restarted = restarted  # asked to restart: re-deciding under the lock must not drop it
+        self.audit_log = audit_log
+        self.vmid = vmid
         self.token = uuid.uuid4().hex
         self.lock: dict[str, Any] | None = None
         self.done = False         # converged (e.g. by another operator while we waited)
         self.timings: dict[str, float] = {}
         self.began = time.monotonic()
         self.started: dict[str, Any] | None = None
-        self.previous_argv: list[str] | None = None
+        # What a failed start rolls back to: a record (redacted) and the 0600 slot in the container
+        # holding its exact argv and env file ("previous" normally; "undo" for restore_previous).
+        self.undo: dict[str, Any] | None = None
         self.previous_record: dict[str, Any] | None = None  # the spec that ran before (state file)
+        self.replaced: dict[str, Any] | None = None         # restore_previous: the spec it replaced
         self.outcome_recorded = False  # the rollback wrote the final state itself: _abandon keeps it
         self.state_before: dict[str, Any] = dict(self.server.get("state") or {})  # the state file as found
         self.host_name = "?"
+        self.planned = False
+        self.story: dict[str, Any] = {}
 
     # ------------------------------------------------------------ plumbing
     def _call(self, host, function: str, secret: str | None = None, secret_kwarg: str | None = None,
@@ -95,20 +118,60 @@ class Transition:
     def _say(self, host, message: str) -> None:
         host.log(f"sglang :{self.port} {message}")
 
+    def _event(self, step: str, phase: str, **fields: Any) -> None:
+        emit(step, path=self.audit_log, host=self.host_name, vmid=self.vmid, port=self.port, phase=phase, **fields)
+
+    @contextlib.contextmanager
+    def _span(self, step: str, **begin: Any) -> Iterator[dict[str, Any]]:
+        """``begin`` and ``end`` events around a step; the body fills the end event's fields
+        (``outcome`` defaults to ok; a TransitionFailed ends it as failed with the message)."""
+        began = time.monotonic()
+        self._event(step, "begin", **begin)
+        end: dict[str, Any] = {}
+        try:
+            yield end
+        except TransitionFailed as error:
+            outcome = end.pop("outcome", "failed")
+            self._event(step, "end", outcome=outcome, duration_s=round(time.monotonic() - began, 3),
+                        error=str(error)[:2000], **end)
+            raise
+        outcome = end.pop("outcome", "ok")
+        self._event(step, "end", outcome=outcome, duration_s=round(time.monotonic() - began, 3), **end)
+
+    def _flags_story(self) -> dict[str, Any]:
+        """Flags before and after and the diff lines, redacted (the plan and done events)."""
+        main = self.server.get("main")
+        command = tr.running_command(self.server) if main else None
+        if self.target is not None:
+            after, after_flags = self.target.get("argv"), self.target.get("flags")
+        elif self.spec is not None:
+            after, after_flags = tr.redact_argv(self.spec.argv), tr.redact_flags(self.spec.flags)
+        else:
+            after, after_flags = None, None
+        return {"action": self.change.action, "reasons": self.change.reasons,
+                "argv_before": tr.redact_argv(main["argv"]) if main else None,
+                "flags_before": tr.redact_flags(command["flags"]) if command else None,
+                "argv_after": after, "flags_after": after_flags,
+                "diff": self.change.flag_lines + self.change.env_lines}
+
     def _step(self, name: str, body: Callable[[Any], None]) -> Callable:
         def run(state, host):
             if self.done:
                 return True
             self.host_name = host.name
+            if not self.planned:
+                self.planned = True
+                self.story = self._flags_story()
+                self._event("plan", "begin", restore_previous=self.target is not None, **self.story)
             began = time.monotonic()
             try:
                 body(host)
             except TransitionFailed as error:
                 self.timings[name] = round(time.monotonic() - began, 3)
-                emit(name, host=host.name, port=self.port, outcome="failed", error=str(error),
-                     duration_s=self.timings[name])
                 host.log_styled(f"sglang :{self.port} {name} failed: {error}", fg="red", log_func=logger.error)
                 self._abandon(host, name)
+                self._event("done", "end", outcome=f"failed at {name}", error=str(error)[:2000],
+                            timings=self.timings, **self.story)
                 return False
             self.timings.setdefault(name, round(time.monotonic() - began, 3))
             return True
@@ -127,6 +190,18 @@ class Transition:
             logger.debug("could not release the lock", exc_info=True)
         self.lock = None
 
+    def _decide(self, server: Mapping[str, Any]) -> tr.Change:
+        if self.target is None:
+            return tr.decide(server, self.spec, self.restarted)
+        try:
+            self.target = tr.previous_target(server, self.files["state"])
+        except tr.SpecError as error:
+            raise TransitionFailed(str(error)) from error
+        change = tr.compare_previous(server, self.target)
+        if self.restarted and change.action in ("noop", "wait"):
+            return tr.Change("restart", ["restarted=True"], running=change.running)
+        return change
+
     # ------------------------------------------------------------ steps
     def commands(self) -> list[FunctionCommand]:
         steps: list[tuple[str, Callable]] = []
@@ -143,145 +218,214 @@ class Transition:
         return [FunctionCommand(self._step(name, body), (), {}) for name, body in steps]
 
     def take_lock(self, host) -> None:
-        lease = max(self.drain_timeout + self.kill_grace, self.gate_timeout) + LOCK_MARGIN_S
-        result = self._call(host, "lock_acquire", path=self.files["lock"], token=self.token, owner=_operator(),
-                            lease_s=lease, wait_s=self.lock_wait)
-        if not result.get("acquired"):
-            holder = result.get("holder") or {}
-            left = float(holder.get("expires", 0)) - float(result.get("clock", 0))
-            raise TransitionFailed(
-                f"another transition holds the lock {self.files['lock']}: {holder.get('owner', '?')} "
-                f"(step {holder.get('step', '?')}), lease ends in {max(0, left):.0f} s. "
-                f"Nothing was touched; re-run when it is done (a dead run's lock lapses by itself).")
-        self.lock = {"path": self.files["lock"], "token": self.token}
-        if result.get("taken_over"):
-            old = result["taken_over"]
-            self._say(host, f"took over a lapsed lock from {old.get('owner', '?')} (step {old.get('step', '?')})")
-            emit("lock", host=host.name, port=self.port, outcome="taken over", previous_owner=old.get("owner"))
-        # Look again under the lock: another operator may have just converged this server.
-        observation = host.get_fact(SglangObservation, port=self.port,
-                                    env_names=sorted(self.spec.env) if self.spec else (),
-                                    model_path=self.spec.model_path if self.spec else None, python=self.python)
-        server = observation.get("sglang") or {}
-        if "error" in server:
-            raise TransitionFailed(f"the server probe failed under the lock: {server['error']}")
-        change = tr.decide(server, self.spec, self.restarted)
-        if change.action == "noop":
-            self._say(host, "already converged (by another run) when the lock was taken: nothing to do")
-            self._call(host, "lock_release", path=self.files["lock"], token=self.token)
-            self.lock = None
-            self.done = True
-            return
-        self.server, self.change = server, change
-        self.state_before = dict(server.get("state") or {})
+        with self._span("lock", owner=_operator()) as end:
+            lease = max(self.drain_timeout + self.kill_grace, self.gate_timeout) + LOCK_MARGIN_S
+            result = self._call(host, "lock_acquire", path=self.files["lock"], token=self.token, owner=_operator(),
+                                lease_s=lease, wait_s=self.lock_wait)
+            if not result.get("acquired"):
+                holder = result.get("holder") or {}
+                left = float(holder.get("expires", 0)) - float(result.get("clock", 0))
+                end["holder"] = holder.get("owner")
+                raise TransitionFailed(
+                    f"another transition holds the lock {self.files['lock']}: {holder.get('owner', '?')} "
+                    f"(step {holder.get('step', '?')}), lease ends in {max(0, left):.0f} s. "
+                    f"Nothing was touched; re-run when it is done (a dead run's lock lapses by itself).")
+            self.lock = {"path": self.files["lock"], "token": self.token}
+            if result.get("taken_over"):
+                old = result["taken_over"]
+                self._say(host, f"took over a lapsed lock from {old.get('owner', '?')} (step {old.get('step', '?')})")
+                end.update(outcome="taken over", previous_owner=old.get("owner"), previous_step=old.get("step"))
+            # Look again under the lock: another operator may have just converged this server.
+            spec = self.spec
+            observation = host.get_fact(SglangObservation, port=self.port,
+                                        env_names=sorted(spec.env) if spec else (),
+                                        model_path=spec.model_path if spec else None, python=self.python)
+            server = observation.get("sglang") or {}
+            if "error" in server:
+                raise TransitionFailed(f"the server probe failed under the lock: {server['error']}")
+            change = self._decide(server)
+            if change.action == "noop":
+                self._say(host, "already converged (by another run) when the lock was taken: nothing to do")
+                self._call(host, "lock_release", path=self.files["lock"], token=self.token)
+                self.lock = None
+                self.done = True
+                end["outcome"] = "already converged: released"
+                return
+            self.server, self.change = server, change
+            self.state_before = dict(server.get("state") or {})
+            self.story = self._flags_story()  # what is really replaced, as seen under the lock
+            end["action"] = change.action
 
     _DEFAULT = object()  # sentinel: "the default" for _record's current and previous
 
-    def _record(self, host, phase: str, previous: Any = _DEFAULT, save_previous_env=False,
-                current: Any = _DEFAULT, attempted: dict[str, Any] | None = None) -> None:
-        """Write the state file. ``current`` is what runs (or should run) now: the desired spec by
-        default, the restored one after a rollback, None when nothing runs; ``attempted`` the spec
-        whose start failed (kept so that the operator can see what was tried)."""
+    def _record(self, host, phase: str, previous: Any = _DEFAULT, current: Any = _DEFAULT,
+                attempted: dict[str, Any] | None = None, save: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write the state file (no secret value in it). ``current`` is what runs (or should run)
+        now: the desired spec by default (the recorded previous one for restore_previous), the
+        restored one after a rollback, None when nothing runs; ``attempted`` the spec whose start
+        failed; ``save``: keep the running server's argv and env file in a 0600 slot."""
         if previous is self._DEFAULT:  # default: the spec that ran before this transition
-            previous = self.previous_record or self.state_before.get("previous")
+            previous = self.state_before.get("previous") if self.target is not None else (
+                self.previous_record or self.state_before.get("previous"))
         if current is self._DEFAULT:
-            current = self.spec.record() if self.spec else None
+            current = self.target if self.target is not None else (self.spec.record() if self.spec else None)
         document = {"schema": 1, "port": self.port, "phase": phase, "by": _operator(),
                     "current": current, "previous": previous, "attempted": attempted,
-                    "timings": self.timings, "save_previous_env": save_previous_env}
+                    "replaced": self.replaced, "timings": self.timings}
         result = self._call(host, "record", lock=self._lease(self.gate_timeout), state_file=self.files["state"],
-                            env_file=self.files["env"], document=document)
+                            env_file=self.files["env"], document=document, save=save)
         if not result.get("ok"):
             raise TransitionFailed(f"could not write {self.files['state']}: {result.get('error')}")
+        return result
 
     def record_previous(self, host) -> None:
-        previous = None
-        main = self.server.get("main")
-        if main:
-            self.previous_argv = list(main["argv"])
-            command = tr.running_command(self.server) or {}
-            recorded = (self.server.get("state") or {}).get("current") or {}
-            previous = {"model_path": command.get("model_path"), "port": self.port, "flags": command.get("flags"),
-                        "argv": tr.redact_argv(main["argv"]), "python": main["argv"][0],
-                        "env_names": recorded.get("env_names", []), "supervisor": recorded.get("supervisor", "process")}
-        if previous is not None:
-            self.previous_record = previous
-        self._record(host, phase="changing", previous=previous, save_previous_env=bool(main))
+        with self._span("record") as end:
+            main = self.server.get("main")
+            running = tr.running_record(self.server)
+            slot = "undo" if self.target is not None else "previous"
+            save = None
+            if main:
+                key = "replaced" if self.target is not None else "previous"
+                save = {"main_pid": main["pid"], "argv_file": self.files[f"{slot}_argv"],
+                        "env_file": self.files[f"{slot}_env"], "key": key}
+                if self.target is not None:
+                    self.replaced = running
+                else:
+                    self.previous_record = running
+            result = self._record(host, phase="changing", save=save)
+            if result.get("saved"):
+                entry = result.get("entry")
+                if self.target is not None:
+                    self.replaced = entry or self.replaced
+                else:
+                    self.previous_record = entry or self.previous_record
+                self.undo = {"record": self.replaced if self.target is not None else self.previous_record,
+                             "argv_file": save["argv_file"], "env_file": save["env_file"]}
+            end.update(saved_slot=slot if result.get("saved") else None, state_file=self.files["state"])
 
     def stop(self, host) -> None:
-        main = self.server.get("main")
-        strays = self.server.get("strays") or []
-        if not main and not strays:
-            return
-        if main:
-            self._say(host, f"stopping pid {main['pid']} (SIGTERM: drain, deadline {self.drain_timeout:g} s)")
-        else:
-            self._say(host, f"sweeping {len(strays)} stray sglang process(es)")
-        result = self._call(host, "stop", lock=self._lease(self.drain_timeout + self.kill_grace), port=self.port,
-                            main_pid=main["pid"] if main else None, drain_timeout=self.drain_timeout,
-                            kill_grace=self.kill_grace, pid_file=self.files["pid"])
-        if result.get("error") == "lock lost":
-            raise TransitionFailed(f"the lock was taken over by {(result.get('holder') or {}).get('owner')}")
-        self.timings["drain"] = result.get("drain_s", 0.0)
-        self.timings["kill"] = result.get("kill_s", 0.0)
-        if result.get("drained") is False:
-            self._say(host, f"drain deadline ({self.drain_timeout:g} s) passed: SIGKILLed the process group "
-                            f"and tree ({len(result.get('killed', []))} processes)")
-        elif main:
-            self._say(host, f"drained and exited in {result.get('drain_s', 0):.1f} s")
-        if result.get("swept"):
-            self._say(host, f"swept {len(result['swept'])} sglang process(es) outside the tree: {result['swept']}")
-        if result.get("survivors"):
-            self._say(host, f"processes outlived SIGKILL: {result['survivors']} (the gate will tell)")
-        emit("stop", host=host.name, port=self.port, outcome="drained" if result.get("drained") else "killed",
-             drain_s=self.timings["drain"], kill_s=self.timings["kill"], killed=result.get("killed"),
-             swept=result.get("swept"), survivors=result.get("survivors"))
+        """SIGTERM (SGLang's drain) in chunks of PROGRESS_EVERY_S with a progress line each, then
+        SIGKILL of the group and tree and the sweep, in the container."""
+        with self._span("stop") as end:
+            main = self.server.get("main")
+            strays = self.server.get("strays") or []
+            if not main and not strays:
+                end["outcome"] = "nothing to stop"
+                return
+            if main:
+                self._say(host, f"stopping pid {main['pid']} (SIGTERM: drain, deadline {self.drain_timeout:g} s)")
+            else:
+                self._say(host, f"sweeping {len(strays)} stray sglang process(es)")
+            waited, tree, pgid = 0.0, None, None
+            drain_began = time.monotonic()
+            if main:
+                self._event("drain", "begin", pid=main["pid"], deadline_s=self.drain_timeout)
+            while True:
+                chunk = PROGRESS_EVERY_S
+                result = self._call(host, "drain", with_gpu_probe=bool(main),
+                                    lock=self._lease(chunk + self.kill_grace), main_pid=main["pid"] if main else None,
+                                    chunk_s=chunk, deadline_s=max(0.0, self.drain_timeout - waited),
+                                    kill_grace=self.kill_grace, tree=tree, pgid=pgid, pid_file=self.files["pid"])
+                if result.get("error") == "lock lost":
+                    raise TransitionFailed(f"the lock was taken over by {(result.get('holder') or {}).get('owner')}")
+                if "tree" not in result:
+                    raise TransitionFailed(f"the stop failed in the container: {result.get('error')}")
+                waited += float(result.get("waited_s") or 0.0)
+                tree, pgid = result["tree"], result["pgid"]
+                if "kill_s" in result:
+                    break
+                self._say(host, f"draining pid {main['pid']}: {waited:.0f} s of {self.drain_timeout:g} s, "
+                                f"{len(result.get('alive') or [])} of {len(tree)} processes left, "
+                                f"GPU MiB {_compact(result.get('gpu_used_mib'))}")
+            self.timings["drain"] = round(waited, 3) if main else 0.0
+            self.timings["kill"] = result.get("kill_s", 0.0)
+            if main:
+                self._event("drain", "end", outcome="drained" if result.get("drained") else "deadline passed",
+                            duration_s=round(time.monotonic() - drain_began, 3), drain_s=self.timings["drain"],
+                            processes=len(tree or {}))
+            self._event("kill", "begin", targets=sorted(int(pid) for pid in result.get("alive") or []))
+            self._event("kill", "end", outcome="killed" if result.get("killed") else "nothing left",
+                        duration_s=self.timings["kill"], killed=result.get("killed"))
+            self._event("sweep", "begin")
+            self._event("sweep", "end", outcome="swept" if result.get("swept") else "nothing found",
+                        duration_s=result.get("sweep_s"), swept=result.get("swept"),
+                        survivors=result.get("survivors"))
+            if result.get("drained") is False:
+                self._say(host, f"drain deadline ({self.drain_timeout:g} s) passed: SIGKILLed the process group "
+                                f"and tree ({len(result.get('killed', []))} processes)")
+            elif main:
+                self._say(host, f"drained and exited in {self.timings['drain']:.1f} s")
+            if result.get("swept"):
+                self._say(host, f"swept {len(result['swept'])} sglang process(es) outside the tree: {result['swept']}")
+            if result.get("survivors"):
+                self._say(host, f"processes outlived SIGKILL: {result['survivors']} (the gate will tell)")
+            end.update(outcome="drained" if result.get("drained") else ("killed" if main else "swept"),
+                       drain_s=self.timings["drain"], kill_s=self.timings["kill"])
 
     def gate(self, host) -> None:
-        """Every GPU at or under max_used_mib and no holder left in the container; polled, no sleep."""
+        """Every GPU at or under max_used_mib and no holder left in the container; polled in the
+        container, in chunks of PROGRESS_EVERY_S with a progress line each (what it sees)."""
         from gpugate import gate as gate_logic
-        from gpugate.operations.gpu import wait_for_idle
+        from gpugate.operations.gpu import progress_text, wait_for_idle_in_chunks
 
-        began = time.monotonic()
-        self._call(host, "lock_renew", lock=self._lease(self.gate_timeout), step="gate")
-        # the gate engineer's wait: one remote command that polls inside the container
-        decision = wait_for_idle(host, max_used_mib=self.max_used_mib, timeout=self.gate_timeout)
-        if not decision.passed:
-            raise TransitionFailed(gate_logic.format_failure(decision, host.name, self.gate_timeout)
-                                   + "\n  the new server was NOT started")
-        self.timings["gate"] = round(time.monotonic() - began, 3)
-        self._say(host, f"gate passed in {self.timings['gate']:.2f} s: every GPU <= {self.max_used_mib} MiB, no holder")
-        emit("gate", host=host.name, port=self.port, outcome="passed", duration_s=self.timings["gate"])
+        with self._span("gate", max_used_mib=self.max_used_mib, timeout_s=self.gate_timeout) as end:
+            began = time.monotonic()
+            self._call(host, "lock_renew", lock=self._lease(self.gate_timeout), step="gate")
+            decision = wait_for_idle_in_chunks(
+                host, max_used_mib=self.max_used_mib, timeout=self.gate_timeout, chunk_s=PROGRESS_EVERY_S,
+                progress=lambda waited, last: self._say(host, progress_text(waited, self.gate_timeout, last)))
+            timing = decision.timing or {}
+            end.update(gpu_used_mib=timing.get("used_mib"), polls=timing.get("polls"),
+                       holders=[{"pid": h.get("pid"), "cmdline": h.get("cmdline")} for h in decision.holders])
+            if not decision.passed:
+                end["reasons"] = decision.reasons
+                raise TransitionFailed(gate_logic.format_failure(decision, host.name, self.gate_timeout)
+                                       + "\n  the new server was NOT started")
+            self.timings["gate"] = round(time.monotonic() - began, 3)
+            end["outcome"] = "passed"
+            self._say(host, f"gate passed in {self.timings['gate']:.2f} s: every GPU <= {self.max_used_mib} MiB, "
+                            f"no holder (GPU MiB {_compact(timing.get('used_mib'))})")
 
-    def prepare(self, host, rollback: bool = False) -> None:
-        kwargs: dict[str, Any] = {}
-        secret = None
-        if rollback:
-            kwargs["restore_previous"] = True
-        else:
-            secret = base64.b64encode(tr.env_file_text(self.spec.env).encode()).decode()
-        result = self._call(host, "prepare_start", secret=secret, secret_kwarg="env_b64" if secret else None,
-                            lock=self._lease(30), port=self.port, env_file=self.files["env"], **kwargs)
-        if not result.get("ok"):
-            raise TransitionFailed(f"before the start: {result.get('error')}")
-        if result.get("removed_shm"):
-            self._say(host, f"removed stale /dev/shm segments: {', '.join(result['removed_shm'])}")
+    def prepare(self, host, restore_env_from: str | None = None) -> None:
+        with self._span("prepare") as end:
+            kwargs: dict[str, Any] = {}
+            secret = None
+            if restore_env_from is None and self.target is not None:
+                restore_env_from = self.files["previous_env"]
+            if restore_env_from is not None:
+                kwargs["restore_env_from"] = restore_env_from
+                end["env_from"] = restore_env_from
+            else:
+                secret = base64.b64encode(tr.env_file_text(self.spec.env).encode()).decode()
+            result = self._call(host, "prepare_start", secret=secret, secret_kwarg="env_b64" if secret else None,
+                                lock=self._lease(30), port=self.port, env_file=self.files["env"], **kwargs)
+            if not result.get("ok"):
+                raise TransitionFailed(f"before the start: {result.get('error')}")
+            if result.get("removed_shm"):
+                self._say(host, f"removed stale /dev/shm segments: {', '.join(result['removed_shm'])}")
+            end["removed_shm"] = result.get("removed_shm")
 
-    def start(self, host, argv: list[str] | None = None) -> None:
-        argv = argv or self.spec.argv
-        if self.spec.supervisor == "systemd" and argv == self.spec.argv:
-            unit_text = render_unit(self.spec, self.files, self.drain_timeout + self.kill_grace)
-            result = self._call(host, "start_systemd", lock=self._lease(60), unit=self.files["unit_name"],
-                                unit_text_b64=base64.b64encode(unit_text.encode()).decode(),
-                                unit_path=self.files["unit"])
-        else:
-            result = self._call(host, "start_process", lock=self._lease(60), argv=argv, env_file=self.files["env"],
-                                log_file=self.files["log"], pid_file=self.files["pid"])
-        if not result.get("ok"):
-            raise TransitionFailed(f"start failed: {result.get('error')}")
-        self.started = result
-        self.load_began = time.monotonic()
-        self._say(host, f"started pid {result['pid']}: {' '.join(tr.redact_argv(argv))}")
+    def start(self, host, argv_file: str | None = None, shown: list[str] | None = None) -> None:
+        """Start the desired argv, or (``argv_file``: a rollback or restore_previous) the exact argv
+        kept in the container."""
+        if argv_file is None and self.target is not None:
+            argv_file, shown = self.files["previous_argv"], self.target.get("argv")
+        with self._span("start", argv=shown if argv_file else tr.redact_argv(self.spec.argv)) as end:
+            if argv_file is None and self.spec.supervisor == "systemd":
+                unit_text = render_unit(self.spec, self.files, self.drain_timeout + self.kill_grace)
+                result = self._call(host, "start_systemd", lock=self._lease(60), unit=self.files["unit_name"],
+                                    unit_text_b64=base64.b64encode(unit_text.encode()).decode(),
+                                    unit_path=self.files["unit"])
+            else:
+                result = self._call(host, "start_process", lock=self._lease(60),
+                                    argv=None if argv_file else self.spec.argv, argv_file=argv_file,
+                                    env_file=self.files["env"], log_file=self.files["log"], pid_file=self.files["pid"])
+            if not result.get("ok"):
+                raise TransitionFailed(f"start failed: {result.get('error')}")
+            self.started = result
+            end["pid"] = result["pid"]
+            text = " ".join(shown or []) if argv_file else " ".join(tr.redact_argv(self.spec.argv))
+            self._say(host, f"started pid {result['pid']}: {text}")
 
     def _wait(self, host, pid: int, log_offset: int | None) -> dict[str, Any]:
         """Poll (inside the container, in chunks) until ready, crashed, or start_timeout."""
@@ -311,19 +455,20 @@ class Transition:
         if self.started is None:  # action "wait": a load already in progress
             main = self.server["main"]
             self.started = {"pid": main["pid"], "log_offset": None}
-        result = self._wait(host, self.started["pid"], self.started.get("log_offset"))
-        self.timings["load"] = round(result["elapsed"], 3)
-        if result["phase"] == "ready":
-            self._say(host, f"healthy and generating after {result['elapsed']:.1f} s")
-            emit("load", host=host.name, port=self.port, outcome="ready", duration_s=self.timings["load"])
-            return
-        why = ("crashed during start" if result["phase"] == "crashed"
-               else f"not healthy within {self.start_timeout:g} s (last phase: {result.get('last_phase')})")
+        with self._span("load", pid=self.started["pid"]) as end:
+            result = self._wait(host, self.started["pid"], self.started.get("log_offset"))
+            self.timings["load"] = round(result["elapsed"], 3)
+            if result["phase"] == "ready":
+                self._say(host, f"healthy and generating after {result['elapsed']:.1f} s")
+                end["outcome"] = "ready"
+                return
+            why = ("crashed during start" if result["phase"] == "crashed"
+                   else f"not healthy within {self.start_timeout:g} s (last phase: {result.get('last_phase')})")
+            end.update(outcome="crashed" if result["phase"] == "crashed" else "timeout", error=why)
         tail = result.get("log_tail")
         if tail is None:
             tail = self._call(host, "log_tail", log_file=self.files["log"],
                               offset=self.started.get("log_offset") or 0).get("log_tail", [])
-        emit("load", host=host.name, port=self.port, outcome="failed", error=why, duration_s=self.timings["load"])
         if self.lock is None:
             # Action "wait": this run did not start the server and holds no lock (the run that
             # started it may still be at work); stopping it here could cut into that run. Report only.
@@ -332,10 +477,12 @@ class Transition:
                 f"this run did not start it and left it as it is. Stop it with sglang_present=false or "
                 f"deploy other flags (the previous spec is in {self.files['state']}). Log tail:\n"
                 f"{_tail_text(tail)}")
-        self._rollback(host, why, tail)
+        with self._span("rollback", error=why, to=(self.undo or {}).get("argv_file")) as end:
+            self._rollback(host, why, tail, end)
 
-    def _rollback(self, host, why: str, tail: list[str]) -> None:
-        """The new server failed: stop it, gate, start the exact previous argv and wait for it.
+    def _rollback(self, host, why: str, tail: list[str], end: dict[str, Any]) -> None:
+        """The new server failed: stop it, gate, start the exact previous argv (kept in the
+        container) with its env file, and wait for it.
 
         The state file then records what runs (the restored spec as ``current``) and what was tried
         (``attempted``). A rollback that does not turn healthy either is stopped too and the GPUs
@@ -345,28 +492,31 @@ class Transition:
         known state that a re-run starts from cleanly; the operator is told exactly that.
         """
         tail_text = _tail_text(tail)
-        attempted = self.spec.record() if self.spec else None
+        attempted = self.target if self.target is not None else (self.spec.record() if self.spec else None)
         failed_pid = self.started["pid"]
         self._say(host, f"the new server {why}: stopping it")
         self.server = {"main": {"pid": failed_pid}, "strays": []}
         self.stop(host)
-        if not self.previous_argv:
+        if not self.undo:
             self.gate(host)
             self.outcome_recorded = True
             self._record(host, phase="failed: new server did not start; nothing ran before", current=None,
                          attempted=attempted)
+            end["outcome"] = "nothing to roll back to: stopped, GPUs gated free"
             raise TransitionFailed(f"the new server {why}; there was no server before, so nothing to roll back "
                                    f"to: it was stopped and the GPUs gated free. Log tail:\n{tail_text}")
         self.gate(host)
         self._say(host, "rolling back to the previous flags")
-        self.prepare(host, rollback=True)
-        self.start(host, argv=self.previous_argv)
-        result = self._wait(host, self.started["pid"], self.started.get("log_offset"))
-        emit("rollback", host=host.name, port=self.port, outcome=result["phase"], error=why)
+        self.prepare(host, restore_env_from=self.undo["env_file"])
+        self.start(host, argv_file=self.undo["argv_file"], shown=(self.undo.get("record") or {}).get("argv"))
+        with self._span("load", pid=self.started["pid"], rollback=True) as end:
+            result = self._wait(host, self.started["pid"], self.started.get("log_offset"))
+            end["outcome"] = result["phase"]
         if result["phase"] == "ready":
             self.outcome_recorded = True
-            self._record(host, phase="rolled back", current=self.previous_record, attempted=attempted,
+            self._record(host, phase="rolled back", current=self.undo.get("record"), attempted=attempted,
                          previous=self.state_before.get("previous"))
+            end.update(outcome="rolled back: the previous server serves", pid=self.started["pid"])
             raise TransitionFailed(f"the new server {why}; rolled back: the previous server serves again "
                                    f"(pid {self.started['pid']}, previous flags). Log tail of the failed "
                                    f"start:\n{tail_text}")
@@ -383,6 +533,7 @@ class Transition:
         self.gate(host)
         self.outcome_recorded = True
         self._record(host, phase="stopped: the rollback failed too", current=None, attempted=attempted)
+        end["outcome"] = "the rollback failed too: stopped, GPUs gated free"
         raise TransitionFailed(
             f"the new server {why}; the rollback to the previous flags {rollback_why} as well, so it was "
             f"stopped and the GPUs gated free: NOTHING SERVES on :{self.port} now. The previous flags ran "
@@ -392,31 +543,44 @@ class Transition:
             f"  log tail of the failed start:\n{tail_text}\n  log tail of the rollback:\n{_tail_text(rollback_tail)}")
 
     def verify(self, host) -> None:
-        observation = host.get_fact(SglangObservation, port=self.port,
-                                    env_names=sorted(self.spec.env), python=self.python)
-        server = observation.get("sglang") or {}
-        if not server.get("running"):
-            raise TransitionFailed("the server is not running after it turned healthy")
-        if server["main"]["argv"] != self.spec.argv:
-            raise TransitionFailed(f"the running argv is not the desired one: {tr.redact_argv(server['main']['argv'])}")
-        info = ((server.get("server_info") or {}).get("args")) or {}
-        mismatches = server_info_mismatches(self.spec.flags, info) if info else {}
-        if mismatches:
-            raise TransitionFailed(f"/get_server_info disagrees with the desired flags: {mismatches}")
-        change = tr.compare(server, self.spec)
-        if change.action != "noop":
-            raise TransitionFailed(f"after the start the server still differs: {'; '.join(change.reasons)}")
-        self._say(host, "verified: the running argv and /get_server_info match the desired flags")
+        with self._span("verify") as end:
+            observation = host.get_fact(SglangObservation, port=self.port,
+                                        env_names=sorted(self.spec.env) if self.spec else (), python=self.python)
+            server = observation.get("sglang") or {}
+            if not server.get("running"):
+                raise TransitionFailed("the server is not running after it turned healthy")
+            end["pid"] = server["main"]["pid"]
+            if self.target is not None:
+                if sglang_probe.argv_hash(server["main"]["argv"]) != self.target.get("argv_hash"):
+                    raise TransitionFailed("the running command is not the recorded previous one: "
+                                           f"{tr.redact_argv(server['main']['argv'])}")
+                change = tr.compare_previous(server, self.target)
+                what = "the running command is the recorded previous one (argv and env hashes)"
+            else:
+                if server["main"]["argv"] != self.spec.argv:
+                    raise TransitionFailed(
+                        f"the running argv is not the desired one: {tr.redact_argv(server['main']['argv'])}")
+                info = ((server.get("server_info") or {}).get("args")) or {}
+                mismatches = server_info_mismatches(self.spec.flags, info) if info else {}
+                if mismatches:
+                    raise TransitionFailed(f"/get_server_info disagrees with the desired flags: {mismatches}")
+                change = tr.compare(server, self.spec)
+                what = "the running argv and /get_server_info match the desired flags"
+            if change.action != "noop":
+                raise TransitionFailed(f"after the start the server still differs: {'; '.join(change.reasons)}")
+            self._say(host, f"verified: {what}")
 
     def unlock(self, host) -> None:
-        phase = "running" if self.spec else "absent"
-        self.timings["total"] = round(time.monotonic() - self.began, 3)
-        self._record(host, phase=phase)
-        self._call(host, "lock_release", path=self.files["lock"], token=self.token)
-        self.lock = None
+        with self._span("unlock") as end:
+            phase = "running" if (self.spec or self.target is not None) else "absent"
+            self.timings["total"] = round(time.monotonic() - self.began, 3)
+            self._record(host, phase=phase)
+            self._call(host, "lock_release", path=self.files["lock"], token=self.token)
+            self.lock = None
+            end["phase_recorded"] = phase
         parts = ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items() if k in ("drain", "kill", "gate", "load"))
         self._say(host, f"done in {self.timings['total']:.1f} s ({parts})")
-        emit("done", host=host.name, port=self.port, outcome=phase, timings=self.timings)
+        self._event("done", "end", outcome=phase, timings=self.timings, **self.story)
 
 
 def _tail_text(tail: list[str], lines: int = 30) -> str:
@@ -481,6 +645,8 @@ def server(
     python: str = "/usr/bin/python3",
     restarted: bool = False,
     lock_wait: float = 0,
+    restore_previous: bool = False,
+    audit_log: str | None = None,
 ):
     """
     Run (or not) an SGLang server with exactly these flags, gated on the GPUs.
@@ -499,6 +665,12 @@ def server(
     + python: the interpreter in the container (``python -m sglang.launch_server``)
     + restarted: restart even when nothing differs
     + lock_wait: seconds to wait for another operator's transition (0: fail at once, clearly)
+    + restore_previous: the desired server is the one recorded as ``previous`` (before the last
+      change): its exact argv and env file, kept 0600 in the container, are put back through the
+      same gated transition; ``model_path``, ``flags``, ``env`` and ``supervisor`` are not used. A
+      second run is a no-op.
+    + audit_log: the audit file on the control machine (one JSON event per step's begin and end);
+      default ``$GPUGATE_AUDIT_LOG`` or ``./audit.jsonl``
 
     Everything that can be checked before the stop is checked first (flags, model path, port,
     GPUs visible, memory held from outside the container, --hicache-size x TP against the
@@ -515,11 +687,13 @@ def server(
             model_path="/opt/models/kimi", port=30000,
             flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3", "mem-fraction-static": 0.88},
         )
+        sglang.server(name="Back to the flags before the last change", port=30000, restore_previous=True)
     """
+    restoring = bool(restore_previous) and present
     try:
-        spec = tr.desired_spec(model_path, port, flags, env, supervisor, python) if present else None
-        if not present and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise tr.SpecError(f"port must be an integer in 1..65535, got {port!r}")
+        spec = tr.desired_spec(model_path, port, flags, env, supervisor, python) if present and not restoring else None
     except tr.SpecError as error:
         yield from _refuse(f"sglang.server: {error} (nothing was touched)")
         return
@@ -531,12 +705,27 @@ def server(
         yield from _refuse(f"sglang.server: the server probe failed: {server_doc['error']}")
         return
 
-    change = tr.decide(server_doc, spec, restarted)
+    target = None
+    if restoring:
+        try:
+            target = tr.previous_target(server_doc, tr.paths(port)["state"])
+        except tr.SpecError as error:
+            yield from _refuse(f"sglang.server on {host.name}: {error}. Nothing was touched.")
+            return
+        change = tr.compare_previous(server_doc, target)
+        if restarted and change.action in ("noop", "wait"):
+            change = tr.Change("restart", ["restarted=True"], running=change.running)
+    else:
+        change = tr.decide(server_doc, spec, restarted)
     if change.action == "noop":
         host.noop(change.reasons[0])
         return
 
-    problems = tr.preflight(observation, spec, max_used_mib) if change.action in ("start", "restart") else []
+    checked = spec
+    if target is not None:  # the checks read tp/dp/hicache from the recorded (redacted) flags
+        checked = tr.Spec(target["model_path"], port, dict(target.get("flags") or {}), {},
+                          target.get("supervisor") or "process", target.get("python") or python)
+    problems = tr.preflight(observation, checked, max_used_mib) if change.action in ("start", "restart") else []
     if problems:
         yield from _refuse("sglang.server: refusing to begin (nothing was touched"
                            + (", the running server keeps running" if server_doc.get("running") else "")
@@ -550,5 +739,6 @@ def server(
     transition = Transition(spec, change, observation, port=port, max_used_mib=max_used_mib,
                             gate_timeout=gate_timeout, drain_timeout=drain_timeout, kill_grace=kill_grace,
                             start_timeout=start_timeout, lock_wait=lock_wait, python=python,
-                            restarted=restarted)
+                            restarted=restarted, target=target, audit_log=audit_log,
+                            vmid=host.data.get("pct_vmid"))
     yield from transition.commands()

@@ -207,6 +207,11 @@ def env_hash(value):
     return hashlib.sha256(("gpugate-env:" + value).encode("utf-8")).hexdigest()[:16]
 
 
+def argv_hash(argv):
+    """An argv's fingerprint (secret flag values included), recorded instead of the values."""
+    return hashlib.sha256(("gpugate-argv:" + "\0".join(argv)).encode("utf-8")).hexdigest()[:16]
+
+
 def _environ(pid):
     raw = _read("/proc/%d/environ" % pid, "rb")
     if raw is None:
@@ -241,8 +246,11 @@ def log_tail(path, lines=40):
 
 
 def collect(port=DEFAULT_PORT, pid_file=None, state_file=None, lock_file=None, env_names=(),
-            model_path=None, log_file=None, tail_lines=0, generate=False, info_keys=DEFAULT_INFO_KEYS):
-    """The whole server picture for `port`; see the module docstring."""
+            model_path=None, log_file=None, tail_lines=0, generate=False, info_keys=DEFAULT_INFO_KEYS,
+            previous_argv_file=None):
+    """The whole server picture for `port`; see the module docstring. The env hashes cover
+    `env_names` and the names the state file records (current and previous), so that a rollback
+    can be compared without a second look."""
     started = time.time()
     port = int(port)
     table = _proc_table()
@@ -277,6 +285,12 @@ def collect(port=DEFAULT_PORT, pid_file=None, state_file=None, lock_file=None, e
               if p["pid"] not in in_tree and p["pid"] not in mine and is_sglang_argv(p["argv"])]
 
     listening, listener_pids = _listeners(port)
+    state = _json_file(state_file)
+    names = set(env_names)
+    for key in ("current", "previous"):
+        entry = state.get(key) if isinstance(state, dict) else None
+        if isinstance(entry, dict):
+            names.update(name for name in entry.get("env_names") or [] if isinstance(name, str))
     doc = {
         "schema": 1,
         "port": port,
@@ -291,7 +305,8 @@ def collect(port=DEFAULT_PORT, pid_file=None, state_file=None, lock_file=None, e
         "health": None,
         "server_info": None,
         "env_hashes": {},
-        "state": _json_file(state_file),
+        "state": state,
+        "previous_argv_saved": bool(previous_argv_file) and os.path.exists(previous_argv_file),
         "lock": _json_file(lock_file),
         "shm_stale": sorted(name for name in (os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else [])
                             if name.startswith(SHM_PREFIXES)),
@@ -308,7 +323,7 @@ def collect(port=DEFAULT_PORT, pid_file=None, state_file=None, lock_file=None, e
                        "state": main["state"], "age_s": round(uptime - main["start_ticks"] / ticks, 1)}
         environ = _environ(main["pid"]) or {}
         doc["env_hashes"] = {name: (env_hash(environ[name]) if name in environ else None)
-                             for name in env_names}
+                             for name in sorted(names)}
     if listening:
         doc["health"] = health(port, generate=generate)
         if doc["health"]["health"] == 200:

@@ -22,6 +22,7 @@ except ImportError:  # imported from the package (tests)
     from gpugate.remote import sglang_probe as probe
 
 POLL_S = 0.1
+SECRET_FLAGS = ("--api-key", "--admin-api-key")  # their values never reach the server log's header
 CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -115,17 +116,41 @@ def _guard(lock, step):
 
 
 # ---------------------------------------------------------------- recorded state
-def record(lock, state_file, env_file, document):
-    """Write the recorded state atomically; keep the running env file as <env>.previous."""
+def _cmdline(pid):
+    raw = probe._read("/proc/%d/cmdline" % int(pid), "rb") if pid else None
+    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part] if raw else None
+
+
+def record(lock, state_file, env_file, document, save=None):
+    """Write the recorded state atomically (no secret in it: flags redacted, hashes only).
+
+    ``save`` = {"main_pid", "argv_file", "env_file", "key"}: keep the running server's exact argv
+    (read here from /proc, never sent from the operator's side) and its env file in 0600 files
+    (the slot a rollback starts from), and complete ``document[key]`` with the argv hash and the
+    env names and value hashes of that env file."""
     refused = _guard(lock, "record")
     if refused:
         return refused
     os.makedirs(os.path.dirname(state_file), exist_ok=True)
-    if env_file and os.path.exists(env_file) and document.get("save_previous_env"):
-        with open(env_file, "rb") as source:
-            data = source.read()
-        _write_private(env_file + ".previous", data)
-    document.pop("save_previous_env", None)
+    saved, entry = False, None
+    if save:
+        argv = _cmdline(save.get("main_pid"))
+        if argv:
+            _write_private(save["argv_file"], json.dumps(argv).encode())
+            env = {}
+            if env_file and os.path.exists(env_file):
+                with open(env_file, "rb") as source:
+                    data = source.read()
+                _write_private(save["env_file"], data)
+                env = parse_env_file(data.decode("utf-8", "replace"))
+            elif os.path.exists(save["env_file"]):
+                os.unlink(save["env_file"])  # the server ran without one
+            entry = document.get(save.get("key") or "previous")
+            if isinstance(entry, dict):
+                entry["argv_hash"] = probe.argv_hash(argv)
+                entry["env_names"] = sorted(env)
+                entry["env_hashes"] = dict((name, probe.env_hash(value)) for name, value in sorted(env.items()))
+            saved = True
     document["updated"] = time.time()
     tmp = state_file + ".tmp"
     with open(tmp, "w") as handle:
@@ -133,7 +158,7 @@ def record(lock, state_file, env_file, document):
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, state_file)
-    return {"ok": True}
+    return {"ok": True, "saved": saved, "entry": entry}
 
 
 def _write_private(path, data):
@@ -164,54 +189,75 @@ def _sglang_processes():
     return {pid: proc for pid, proc in table.items() if pid not in mine and probe.is_sglang_argv(proc["argv"])}
 
 
-def stop(lock, port, main_pid, drain_timeout, kill_grace, pid_file=None):
-    """SIGTERM the main process (SGLang drains), SIGKILL its group and tree at the deadline,
-    then sweep the container for any SGLang process left (orphaned TP workers) and SIGKILL it.
+def _gpu_used_mib():
+    """Per-GPU used MiB (NVML v2) when the GPU probe travelled with this call, else None."""
+    try:
+        import gpu_probe
+        return [gpu.get("used_mib") for gpu in gpu_probe.collect().get("gpus") or []]
+    except Exception:
+        return None
 
-    Returns timings and what was killed; `survivors` are processes that outlived SIGKILL
-    (D state): the gate will then refuse and name them.
+
+def drain(lock, main_pid, chunk_s, deadline_s, kill_grace, tree=None, pgid=None, pid_file=None):
+    """One chunk of the stop. The first call (``tree`` None) snapshots the main process's tree and
+    sends SIGTERM (SGLang's graceful drain); every call then polls the main process for up to
+    ``chunk_s``. When it has exited, or ``deadline_s`` (the drain time left) is over, the same call
+    goes on to :func:`kill_and_sweep`. Otherwise it returns what the operator is shown while
+    waiting: the tree's processes still alive and the per-GPU used MiB.
     """
     refused = _guard(lock, "stop")
     if refused:
         return refused
     began = time.time()
-    table = probe._proc_table()
-    main = table.get(main_pid) if main_pid else None
-    tree = {}
-    if main is not None:
-        for pid in [main_pid] + probe._descendants(table, main_pid):
-            tree[pid] = table[pid]["start_ticks"]
-    result = {"ok": True, "drained": None, "drain_s": 0.0, "kill_s": 0.0, "killed": [], "swept": [],
-              "survivors": []}
+    if tree is None:
+        tree = {}
+        table = probe._proc_table()
+        main = table.get(main_pid) if main_pid else None
+        if main is not None:
+            for pid in [main_pid] + probe._descendants(table, main_pid):
+                tree[str(pid)] = table[pid]["start_ticks"]
+            pgid = main["pgid"]
+            try:
+                os.kill(main_pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    main_ticks = tree.get(str(main_pid)) if main_pid else None
+    wait_s = max(0.0, min(float(chunk_s), float(deadline_s)))
+    while main_ticks is not None and _alive(main_pid, main_ticks) and time.time() - began < wait_s:
+        time.sleep(POLL_S)
+    exited = main_ticks is None or not _alive(main_pid, main_ticks)
+    result = {"ok": True, "exited": exited, "waited_s": round(time.time() - began, 3), "tree": tree, "pgid": pgid,
+              "alive": sorted(int(pid) for pid, ticks in tree.items() if _alive(int(pid), ticks))}
+    if exited or float(deadline_s) <= float(chunk_s):
+        result.update(kill_and_sweep(None, tree, pgid, kill_grace, pid_file))
+        result["drained"] = exited if main_ticks is not None else None
+    else:
+        result["gpu_used_mib"] = _gpu_used_mib()
+    return result
 
-    if main is not None:
-        try:
-            os.kill(main_pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        deadline = began + float(drain_timeout)
-        while _alive(main_pid, tree[main_pid]) and time.time() < deadline:
-            time.sleep(POLL_S)
-        result["drained"] = not _alive(main_pid, tree[main_pid])
-        result["drain_s"] = round(time.time() - began, 3)
 
+def kill_and_sweep(lock, tree, pgid, kill_grace, pid_file=None):
+    """SIGKILL the process group and whatever of the tree is alive, then sweep the container for
+    any SGLang process left (orphaned TP workers) and SIGKILL it; wait ``kill_grace`` for them.
+
+    ``survivors`` are processes that outlived SIGKILL (D state): the gate will then refuse and
+    name them."""
+    refused = _guard(lock, "stop")
+    if refused:
+        return refused
     kill_began = time.time()
-    targets = {}
-    for pid, ticks in tree.items():
-        if _alive(pid, ticks):
-            targets[pid] = ticks
-    if main is not None and main["pgid"] > 1 and main["pgid"] != os.getpgrp():
+    targets = dict((int(pid), ticks) for pid, ticks in (tree or {}).items() if _alive(int(pid), ticks))
+    if pgid and pgid > 1 and pgid != os.getpgrp():
         try:
-            os.killpg(main["pgid"], signal.SIGKILL)  # the whole group: workers that re-parented too
+            os.killpg(pgid, signal.SIGKILL)  # the whole group: workers that re-parented too
         except (ProcessLookupError, PermissionError):
             pass
-    for pid, ticks in targets.items():
+    for pid in targets:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    result["killed"] = sorted(targets)
-    # the sweep: anything of SGLang's still in the container (other trees' orphans included)
+    sweep_began = time.time()
     swept = {}
     for pid, proc in _sglang_processes().items():
         if _alive(pid, proc["start_ticks"]):
@@ -220,34 +266,48 @@ def stop(lock, port, main_pid, drain_timeout, kill_grace, pid_file=None):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    result["swept"] = sorted(set(swept) - set(targets))
+    sweep_s = time.time() - sweep_began
     waiting = dict(targets)
     waiting.update(swept)
     deadline = time.time() + float(kill_grace)
     while time.time() < deadline:
-        waiting = {pid: t for pid, t in waiting.items() if _alive(pid, t)}
+        waiting = dict((pid, t) for pid, t in waiting.items() if _alive(pid, t))
         if not waiting:
             break
         time.sleep(POLL_S / 2)
-    result["survivors"] = [{"pid": pid, "state": probe._proc_table().get(pid, {}).get("state"),
-                            "cmdline": " ".join(probe._proc_table().get(pid, {}).get("argv", []))[:200]}
-                           for pid in sorted(waiting) if _alive(pid, waiting[pid])]
-    result["kill_s"] = round(time.time() - kill_began, 3) if (targets or swept) else 0.0
+    table = probe._proc_table()
+    survivors = [{"pid": pid, "state": table.get(pid, {}).get("state"),
+                  "cmdline": " ".join(table.get(pid, {}).get("argv", []))[:200]}
+                 for pid in sorted(waiting) if _alive(pid, waiting[pid])]
     if pid_file:
         try:
             os.unlink(pid_file)
         except FileNotFoundError:
             pass
-    result["ok"] = not result["survivors"]
-    if result["survivors"]:
+    result = {"ok": not survivors, "killed": sorted(targets), "swept": sorted(set(swept) - set(targets)),
+              "survivors": survivors, "kill_s": round(time.time() - kill_began, 3) if (targets or swept) else 0.0,
+              "sweep_s": round(sweep_s, 3)}
+    if survivors:
         result["error"] = "processes outlived SIGKILL"
     return result
 
 
+def stop(lock, port, main_pid, drain_timeout, kill_grace, pid_file=None):
+    """The whole stop in one call (drain until ``drain_timeout``, then kill and sweep); the
+    transition runs :func:`drain` in chunks instead, to show progress."""
+    began = time.time()
+    result = drain(lock, main_pid, drain_timeout, drain_timeout, kill_grace, pid_file=pid_file)
+    result["drain_s"] = round(result.get("waited_s", 0.0), 3) if main_pid else 0.0
+    result.setdefault("drained", None)
+    result["elapsed_s"] = round(time.time() - began, 3)
+    return result
+
+
 # ---------------------------------------------------------------- before the start
-def prepare_start(lock, port, env_file, env_b64=None, restore_previous=False):
+def prepare_start(lock, port, env_file, env_b64=None, restore_env_from=None):
     """Remove stale /dev/shm segments (only with no SGLang process alive), check the port is
-    free, write the env file (0600) from env_b64, or put <env>.previous back (rollback).
+    free, write the env file (0600) from env_b64, or put a saved copy back (``restore_env_from``:
+    the previous server's, for a rollback; no copy means it ran without one).
     Never kills anything that is not SGLang's."""
     refused = _guard(lock, "prepare")
     if refused:
@@ -269,8 +329,8 @@ def prepare_start(lock, port, env_file, env_b64=None, restore_previous=False):
         table = probe._proc_table()
         owners = ["%d (%s)" % (pid, " ".join(table.get(pid, {}).get("argv", []))[:80]) for pid in pids]
         return {"ok": False, "error": "port %d is in use by %s" % (int(port), ", ".join(owners) or "an unknown process")}
-    if restore_previous:
-        previous = env_file + ".previous"
+    if restore_env_from:
+        previous = restore_env_from
         if os.path.exists(previous):
             with open(previous, "rb") as handle:
                 _write_private(env_file, handle.read())
@@ -305,12 +365,35 @@ def parse_env_file(text):
     return env
 
 
-def start_process(lock, argv, env_file, log_file, pid_file):
+def redacted(argv):
+    """argv with the values of secret flags masked (the log header; the log's tail is shown)."""
+    out, hide = [], False
+    for arg in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif arg in SECRET_FLAGS:
+            out.append(arg)
+            hide = True
+        elif arg.split("=", 1)[0] in SECRET_FLAGS and "=" in arg:
+            out.append(arg.split("=", 1)[0] + "=***")
+        else:
+            out.append(arg)
+    return out
+
+
+def start_process(lock, argv, env_file, log_file, pid_file, argv_file=None):
     """Start the server in its own session/process group, detached, with a clean environment
-    (pct exec leaks the host's) plus the env file; write the pid file."""
+    (pct exec leaks the host's) plus the env file; write the pid file. ``argv`` None: the argv
+    saved in ``argv_file`` (0600) by :func:`record` (a rollback: secrets never leave the container)."""
     refused = _guard(lock, "start")
     if refused:
         return refused
+    if argv is None:
+        text = probe._read(argv_file) if argv_file else None
+        if text is None:
+            return {"ok": False, "error": "no saved argv to start from (%s is missing)" % argv_file}
+        argv = json.loads(text)
     env = {"PATH": CLEAN_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
     if env_file and os.path.exists(env_file):
         with open(env_file) as handle:
@@ -319,7 +402,7 @@ def start_process(lock, argv, env_file, log_file, pid_file):
     os.makedirs(os.path.dirname(pid_file), exist_ok=True)
     log = open(log_file, "ab")
     offset = log.tell()
-    log.write(("\n=== gpugate start %s: %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%S"), " ".join(argv))).encode())
+    log.write(("\n=== gpugate start %s: %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%S"), " ".join(redacted(argv)))).encode())
     log.flush()
     child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                              env=env, cwd="/", start_new_session=True, close_fds=True)

@@ -25,6 +25,10 @@ pytestmark = [pytest.mark.lab]
 FAST = {"SGLANG_STANDIN_LOAD_S": "0.3"}
 TP8 = {"tp": 8}
 FP8 = {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}
+# Secrets that must never leave the container's 0600 files (nor reach the audit log or the console).
+CANARY_ENV = dict(FAST, HF_TOKEN="secret-canary")
+API = {"tp": 8, "api-key": "sk-canary-key"}
+CANARIES = ("secret-canary", "sk-canary-key")
 HOLD = ("setsid nohup python3 -m gpugate_gpusim hold --gpu all --mib 4096 >/tmp/hold.log 2>&1 "
         "</dev/null & echo $!")
 
@@ -42,11 +46,11 @@ def lab(tmp_path_factory):
     core.down(lab_dir)
 
 
-def run(lab, runbook: str, *extra: str, flags=None, yes: bool = True):
+def run(lab, runbook: str, *extra: str, flags=None, env=None, yes: bool = True):
     """pyinfra [-y] inventory.py runbooks/<runbook>.py ... -> (result, stdout, stdout+stderr).
     yes=False: the operator's preview, ``--dry`` without -y (the plan is printed while preparing)."""
     args = ["inventory.py", runbook if runbook.endswith(".py") else f"runbooks/{runbook}.py",
-            "--data", f"sglang_env={json.dumps(FAST)}", "--data", f"sglang_flags={json.dumps(flags or TP8)}",
+            "--data", f"sglang_env={json.dumps(env or FAST)}", "--data", f"sglang_flags={json.dumps(flags or TP8)}",
             *extra]
     exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
     env = dict(lab.env(), GPUGATE_AUDIT_LOG=str(lab.dir / "audit.jsonl"))  # not the project's audit log
@@ -179,6 +183,42 @@ def test_restart_restarts_an_unchanged_server_through_the_gate(lab):
     assert main_pid(lab) not in ("", before) and running_argv(lab) == argv_before  # new pid, same flags
 
 
+def events_of_last_run(path: Path) -> list[dict]:
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    run_id = [e for e in events if e["step"] == "plan"][-1]["run"]
+    return [e for e in events if e["run"] == run_id]
+
+
+def test_audit_log_alone_tells_the_story_of_one_restart(lab, tmp_path):
+    result, _stdout, out = run(lab, "deploy.py", "--limit", "pve_pve1", flags=API, env=CANARY_ENV)
+    assert result.returncode == 0, out
+    audit_file = tmp_path / "ops-audit.jsonl"  # the audit_log data setting picks the file
+    result, _stdout, out = run(lab, "restart", "--limit", "pve_pve1", "--data", f"audit_log={audit_file}",
+                               flags=API, env=CANARY_ENV)
+    assert result.returncode == 0, out
+    events = events_of_last_run(audit_file)
+    assert {(e["host"], e["vmid"], e["port"]) for e in events} == {("@pct/pve1:129", 129, 30000)}
+    steps = [(e["step"], e["phase"]) for e in events]
+    order = ["lock", "record", "stop", "drain", "kill", "sweep", "gate", "prepare", "start", "load", "verify",
+             "unlock"]
+    assert [step for step, phase in steps if phase == "begin" and step != "plan"] == order
+    for step in order:  # each step began, then ended, with a duration and an outcome
+        begin, end = steps.index((step, "begin")), steps.index((step, "end"))
+        assert begin < end and events[end]["duration_s"] >= 0 and events[end]["outcome"]
+    gate_end = events[steps.index(("gate", "end"))]
+    assert gate_end["outcome"] == "passed" and gate_end["gpu_used_mib"] == [0] * 8
+    plan, done = events[0], events[-1]
+    assert plan["step"] == "plan" and done["step"] == "done" and done["outcome"] == "running"
+    assert plan["argv_before"] == plan["argv_after"] and "--api-key" in plan["argv_after"]
+    assert plan["argv_after"][plan["argv_after"].index("--api-key") + 1] == "***"
+    assert plan["flags_after"]["api-key"] == "***" and done["timings"]["gate"] >= 0
+    assert events[steps.index(("drain", "end"))]["outcome"] == "drained"
+    state_file = in_ct(lab, "pve1", "cat /var/lib/gpugate/sglang-30000.json")
+    for canary in CANARIES:  # in the container's 0600 files and the process only
+        assert canary not in audit_file.read_text() and canary not in out and canary not in state_file
+    assert in_ct(lab, "pve1", "stat -c %a /var/lib/gpugate/sglang-30000.previous.argv").strip() == "600"
+
+
 # ------------------------------------------------------------------------------------------ rollback
 
 def test_rollback_without_a_recorded_change_touches_nothing(lab):
@@ -187,29 +227,54 @@ def test_rollback_without_a_recorded_change_touches_nothing(lab):
     assert "cannot roll back" in out and "sglang-30000.json is missing" in out
 
 
-def test_rollback_after_a_change_returns_to_the_previous_flags(lab):
+def test_rollback_after_a_change_returns_to_the_previous_server(lab):
+    before = running_argv(lab)  # the api-key server of the audit test, HF_TOKEN in its environment
     result, _stdout, out = run(lab, "deploy.py", "--limit", "pve_pve1", flags=FP8)
     assert result.returncode == 0, out
     assert "fp8_e4m3" in running_argv(lab)
-    result, _stdout, out = run(lab, "rollback", "--limit", "pve_pve1")
-    if "records no previous server" in out:
-        pytest.xfail("sglang.server overwrites 'previous' with the old record at unlock (reported)")
-    assert result.returncode == 0, out
-    assert "--kv-cache-dtype" not in running_argv(lab)
-
-
-def test_rollback_applies_the_recorded_previous_spec_through_the_gate(lab):
-    run(lab, "deploy.py", "--limit", "pve_pve1")  # a running server, then a change: env.previous exists
-    run(lab, "deploy.py", "--limit", "pve_pve1", flags=FP8)
-    set_previous(lab, {"tp-size": 8, "disable-radix-cache": True})
     result, _stdout, out = run(lab, "rollback", "--limit", "pve_pve1", yes=False)  # the preview
-    assert "+ --disable-radix-cache" in out and "- --kv-cache-dtype fp8_e4m3" in out
+    assert "- --kv-cache-dtype fp8_e4m3" in out and "+ --api-key ***" in out and "+ env HF_TOKEN=***" in out
     assert "fp8_e4m3" in running_argv(lab)
     result, _stdout, out = run(lab, "rollback", "--limit", "pve_pve1")
     assert result.returncode == 0, out
-    assert "gate passed" in out and "verified" in out
-    argv = running_argv(lab)
-    assert "--disable-radix-cache" in argv and "--kv-cache-dtype" not in argv
-    # the environment came back from the env file's previous copy (the value is never printed)
-    assert "SGLANG_STANDIN_LOAD_S" not in out.replace("env SGLANG_STANDIN_LOAD_S=***", "")
-    assert in_ct(lab, "pve1", "cat /etc/gpugate/sglang-30000.env").count("SGLANG_STANDIN_LOAD_S=") == 1
+    assert "gate passed" in out and "verified: the running command is the recorded previous one" in out
+    assert running_argv(lab) == before  # the exact argv, the api key included, from the container's copy
+    environ = in_ct(lab, "pve1", f"tr '\\0' '\\n' < /proc/{main_pid(lab)}/environ")
+    assert "HF_TOKEN=secret-canary" in environ
+    assert not any(canary in out for canary in CANARIES)
+    events = events_of_last_run(lab.dir / "audit.jsonl")
+    assert events[0]["restore_previous"] is True and "- --kv-cache-dtype fp8_e4m3" in events[0]["diff"]
+    assert events[-1]["step"] == "done" and events[-1]["outcome"] == "running"
+    state = json.loads(in_ct(lab, "pve1", "cat /var/lib/gpugate/sglang-30000.json"))
+    assert state["replaced"]["flags"]["kv-cache-dtype"] == "fp8_e4m3" and state["current"]["flags"]["api-key"] == "***"
+    result, _stdout, out = run(lab, "rollback", "--limit", "pve_pve1")  # the desired state holds: no-op
+    assert result.returncode == 0 and "No changes" in out and "stopping" not in out, out
+
+
+# ------------------------------------------------------------------------------------------ progress
+
+def test_drain_and_gate_show_progress_while_waiting(lab):
+    """A server that ignores SIGTERM (a drain that runs to its deadline) and a GPU process of the
+    container that holds memory until the operator ends it: the console shows, while it waits,
+    what it waits for and what it sees."""
+    from tests.faults.conftest import pyinfra as streamed
+
+    holder = in_ct(lab, "pve1", HOLD).strip()
+    lab.fault("pve1", 129, "ignore-sigterm")
+    end_holder = ("gate: ", lambda _process: in_ct(lab, "pve1", f"kill {holder}"))
+    try:
+        result = streamed(lab, ["inventory.py", "runbooks/restart.py", "--limit", "pve_pve1",
+                                "--data", f"sglang_env={json.dumps(CANARY_ENV)}", "--data", f"sglang_flags={json.dumps(API)}",
+                                "--data", "drain_timeout_s=7", "--data", "kill_grace_s=2"], when=[end_holder])
+    finally:
+        lab.fault("pve1", 129, "ignore-sigterm", clear=True)
+        in_ct(lab, "pve1", f"kill {holder} 2>/dev/null")
+    out = result.output
+    assert result.returncode == 0, out
+    drained = re.findall(r"draining pid \d+: (\d+) s of 7 s, (\d+) of (\d+) processes left, GPU MiB (.+)", out)
+    assert len(drained) >= 2 and [int(line[0]) for line in drained] == sorted(int(line[0]) for line in drained)
+    assert drained[0][3].strip() != "0 x8"  # the server's memory, still held while it drains
+    assert "drain deadline (7 s) passed" in out
+    gate = re.findall(r"gate: (\d+) s of 120 s: GPU MiB (.+); 1 holder\(s\) left: (\d+) ", out)
+    assert gate and gate[0][1] == "4096 x8" and gate[0][2] == holder
+    assert "gate passed" in out

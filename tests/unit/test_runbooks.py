@@ -202,33 +202,12 @@ def test_free_gpus_refuses_memory_held_from_outside_and_points_to_who_holds_gpus
     assert "runbooks/who_holds_gpus.py --limit @pct/pve1:129" in reason
 
 
-# ------------------------------------------------------------------ rollback
-
-def test_rollback_returns_the_recorded_previous_spec():
-    recorded = {"current": {"flags": {"tp-size": 8, "kv-cache-dtype": "fp8_e4m3"}},
-                "previous": {"model_path": "/opt/models/kimi", "flags": {"tp-size": 8}, "python": "/venv/bin/python",
-                             "env_names": ["HF_TOKEN"], "supervisor": "systemd"}}
-    assert rb.rollback_spec(recorded, "/s.json") == {
-        "model_path": "/opt/models/kimi", "flags": {"tp-size": 8}, "env_names": ["HF_TOKEN"],
-        "supervisor": "systemd", "python": "/venv/bin/python"}
-
-
-@pytest.mark.parametrize("recorded, words", [
-    (None, "missing"),
-    ({"current": {"flags": {}}, "previous": None}, "no previous server"),
-    ({"previous": {"flags": {}}}, "no model path"),
-])
-def test_rollback_without_a_previous_spec_says_why(recorded, words):
-    with pytest.raises(rb.RollbackError, match=words):
-        rb.rollback_spec(recorded, "/var/lib/gpugate/sglang-30000.json")
-
-
-def test_env_file_lines_parse_back_to_values():
-    lines = ["# written by gpugate", "", 'HF_TOKEN="a\\"b\\\\c"', 'PLAIN=x=y']
-    assert rb.parse_env_lines(lines) == {"HF_TOKEN": 'a"b\\c', "PLAIN": "x=y"}
-
+# ------------------------------------------------------------------ shared
 
 def test_server_arguments_are_deploy_py_s():
     args = rb.server_arguments({"sglang_port": 30001, "sglang_flags": {"tp": 8}, "drain_timeout_s": 5})
     assert args["port"] == 30001 and args["flags"] == {"tp": 8} and args["drain_timeout"] == 5
     assert args["present"] is True and args["gate_timeout"] == 120 and "restarted" not in args
+    assert args["audit_log"] is None  # the audit file: $GPUGATE_AUDIT_LOG or ./audit.jsonl
+    assert rb.server_arguments({"audit_log": "/srv/audit.jsonl"})["audit_log"] == "/srv/audit.jsonl"
+

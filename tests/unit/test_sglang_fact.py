@@ -94,7 +94,7 @@ result = {{"stop": stop, "pid": ignorer.pid, "code": ignorer.wait()}}
 
 def test_fact_commands_are_one_command_and_parse_probe_output():
     command = SglangObservation().command(port=30000)
-    assert str(command).startswith("{ /usr/bin/python3 -c")
+    assert str(command).startswith("if command -v /usr/bin/python3 ") and "exec /usr/bin/python3 -c" in str(command)
     doc = SglangServer().process(['noise', '{"sglang": {"running": true, "main": {"pid": 5, "argv": '
                                   '["/usr/bin/python3", "-m", "sglang.launch_server", "--model-path", "/m", "--tp", "8"]}}}'])
     assert doc["command"]["flags"] == {"tp-size": 8} and doc["command"]["model_path"] == "/m"
@@ -103,7 +103,7 @@ def test_fact_commands_are_one_command_and_parse_probe_output():
 
 def test_observation_runs_locally_and_exits_zero():
     command = SglangObservation().command(port=PORT + 2)
-    done = subprocess.run(["sh", "-c", command.get_raw_value()], capture_output=True, text=True, timeout=30)
+    done = subprocess.run(["sh", "-c", str(command)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0
     doc = SglangObservation().process(done.stdout.splitlines())
     assert doc["sglang"]["running"] is False and "gpus" in doc["gpu"]
