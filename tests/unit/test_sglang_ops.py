@@ -192,3 +192,47 @@ def test_sglang_process_match_is_on_argv_not_text():
     assert not sglang_probe.is_sglang_argv(["sh", "-c", "python3 -m sglang.launch_server"])
     assert not sglang_probe.is_sglang_argv(["vim", "sglang.launch_server"])
     assert sglang_probe.argv_port(["python3", "-m", "sglang.launch_server", "--port=30001"]) == 30001
+
+
+def test_the_state_file_record_holds_no_secret_value():
+    spec = tr.desired_spec(MODEL, 30000, {"tp": 8, "api-key": "sk-canary"}, {"HF_TOKEN": "hf-canary"})
+    text = str(spec.record())
+    assert "sk-canary" not in text and "hf-canary" not in text
+    assert spec.record()["flags"] == {"tp-size": 8, "api-key": "***"}
+    assert spec.record()["argv_hash"] == sglang_probe.argv_hash(spec.argv)  # the exact argv, by hash
+
+
+def test_record_keeps_the_running_argv_and_env_in_0600_files(tmp_path):
+    import json as _json, os, subprocess, sys
+    env_file = tmp_path / "sglang.env"
+    env_file.write_text(tr.env_file_text({"HF_TOKEN": "hf-canary"}))
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "--api-key", "sk-canary"])
+    try:
+        document = {"previous": {"flags": {"api-key": "***"}}}
+        result = transition_actions.record(None, str(tmp_path / "state.json"), str(env_file), document,
+                                           save={"main_pid": server.pid, "argv_file": str(tmp_path / "prev.argv"),
+                                                 "env_file": str(tmp_path / "prev.env"), "key": "previous"})
+    finally:
+        server.kill()
+    assert result["saved"] and _json.loads((tmp_path / "prev.argv").read_text())[-1] == "sk-canary"
+    assert "hf-canary" in (tmp_path / "prev.env").read_text()
+    assert oct(os.stat(tmp_path / "prev.argv").st_mode & 0o777) == "0o600"
+    assert oct(os.stat(tmp_path / "prev.env").st_mode & 0o777) == "0o600"
+    state = (tmp_path / "state.json").read_text()
+    assert "canary" not in state and result["entry"]["env_names"] == ["HF_TOKEN"]
+
+
+def test_restore_previous_compares_by_hash_and_refuses_without_a_record():
+    previous_spec = tr.desired_spec(MODEL, 30000, {"tp": 8, "api-key": "sk-1"}, {})
+    server = running({"tp": 8, "api-key": "sk-1"})
+    server["state"] = {"current": None, "previous": previous_spec.record()}
+    server["previous_argv_saved"] = True
+    target = tr.previous_target(server, "/s.json")
+    assert tr.compare_previous(server, target).action == "noop"
+    other = running({"tp": 8, "api-key": "sk-2"})  # only the secret differs
+    other["state"], other["previous_argv_saved"] = server["state"], True
+    assert tr.compare_previous(other, target).action == "restart"
+    with pytest.raises(tr.SpecError, match="is missing"):
+        tr.previous_target(stopped(), "/s.json")
+    commands, host = run_op({"sglang": other, "gpu": gpus()}, restore_previous=True, model_path=None)
+    assert "sglang_stop" in step_names(commands) and "sk-" not in logged(host)
