@@ -10,6 +10,7 @@ from pyinfra.api import Config, FunctionCommand
 from pyinfra.api.exceptions import OperationError
 from pyinfra.context import ctx_host, ctx_state
 
+from gpugate import audit
 from gpugate import transition as tr
 from gpugate.operations import sglang
 from gpugate.remote import sglang_probe, transition_actions
@@ -146,7 +147,8 @@ def test_restarted_forces_a_restart():
     assert "sglang_stop" in step_names(commands)
 
 
-def test_restarted_survives_the_second_look_under_the_lock(monkeypatch):
+def test_restarted_survives_the_second_look_under_the_lock(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUGATE_AUDIT_LOG", str(tmp_path / "audit.jsonl"))  # not the project's log
     observation = {"sglang": running({"tp": 8}), "gpu": gpus()}
     spec = tr.desired_spec(MODEL, 30000, {"tp": 8}, {})
     transition = sglang.Transition(spec, tr.decide(observation["sglang"], spec, True), observation, port=30000,
@@ -158,6 +160,8 @@ def test_restarted_survives_the_second_look_under_the_lock(monkeypatch):
     transition.take_lock(host)
     assert not transition.done and transition.change.action == "restart"
     assert "already converged" not in logged(host)
+    lock_events = [e for e in audit.read_events(tmp_path / "audit.jsonl") if e["step"] == "lock"]
+    assert [(e["phase"], e.get("action")) for e in lock_events] == [("begin", None), ("end", "restart")]
 
 
 def test_env_file_round_trips_quotes_and_backslashes():
