@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
+from weakref import WeakKeyDictionary
+
+from gevent.event import AsyncResult, Event
 
 from typing_extensions import TypedDict, Unpack, override
 
@@ -64,6 +67,12 @@ CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_MKTEMP = 'mktemp "${TMPDIR:-/tmp}/pyinfra-pct.XXXXXXXXXX"'
 
 STATUS_CHECK_MARKER = "pct-status-exit:"
+LIST_CHECK_MARKER = "pct-list-exit:"
+
+# Containers of one Proxmox host that share one SSH connection. Each uses at most two SSH sessions
+# at once (a command's channel and its SFTP channel), and sshd allows 10 per connection by default
+# (MaxSessions), so 4 containers stay below it.
+DEFAULT_CONTAINERS_PER_CONNECTION = 4
 
 
 class PctConnectorData(TypedDict):
@@ -72,6 +81,7 @@ class PctConnectorData(TypedDict):
     pct_binary: str
     pct_sudo: bool
     pct_clear_env: bool
+    pct_ssh_share: int
 
 
 connector_data_meta: dict[str, DataMeta] = {
@@ -88,6 +98,11 @@ connector_data_meta: dict[str, DataMeta] = {
         "Give commands the container's own environment (`env -i PATH=...`), "
         "not pct's PATH and the SSH session's variables",
         True,
+    ),
+    "pct_ssh_share": DataMeta(
+        "How many containers of one Proxmox host share one SSH connection in a run "
+        "(1: one connection per container)",
+        DEFAULT_CONTAINERS_PER_CONNECTION,
     ),
 }
 
@@ -114,6 +129,16 @@ def parse_vmid(text: object, where: str) -> int:
             f"Invalid vmid {vmid} in {where}: Proxmox vmids are {MIN_VMID}-{MAX_VMID}",
         )
     return vmid
+
+
+def parse_share(value: object, host_name: str) -> int:
+    """pct_ssh_share: how many containers share one SSH connection (an integer >= 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+        raise InventoryError(f"Invalid pct_ssh_share {value!r} of {host_name}: an integer >= 1")
+    share = int(value)
+    if share < 1:
+        raise InventoryError(f"Invalid pct_ssh_share {value!r} of {host_name}: an integer >= 1")
+    return share
 
 
 def pct_prefix(binary: str, sudo: bool) -> list[str | QuoteString]:
@@ -279,14 +304,14 @@ def classify_pct_error(
     return None
 
 
-def parse_status_check(lines: list[str]) -> tuple[int | None, list[str]]:
-    """The exit code and pct's output lines from make_status_check_command's output."""
+def _parse_marked_output(lines: list[str], marker: str) -> tuple[int | None, list[str]]:
+    """The exit code after ``marker`` and the ``| ``-prefixed output lines (blank ones dropped)."""
     code: int | None = None
     output: list[str] = []
     for line in lines:
-        if line.startswith(STATUS_CHECK_MARKER):
+        if line.startswith(marker):
             try:
-                code = int(line[len(STATUS_CHECK_MARKER) :].strip())
+                code = int(line[len(marker) :].strip())
             except ValueError:
                 code = None
         elif line.startswith("| "):
@@ -294,6 +319,67 @@ def parse_status_check(lines: list[str]) -> tuple[int | None, list[str]]:
         elif line == "|":
             output.append("")
     return code, [line for line in output if line]
+
+
+def parse_status_check(lines: list[str]) -> tuple[int | None, list[str]]:
+    """The exit code and pct's output lines from make_status_check_command's output."""
+    return _parse_marked_output(lines, STATUS_CHECK_MARKER)
+
+
+def make_list_command(binary: str = "pct", sudo: bool = False) -> StringCommand:
+    """
+    One read-only command on the host for every container of it: ``pct list``, prefixed and
+    always exit 0 like make_status_check_command.
+
+    >>> print(make_list_command(sudo=True).get_raw_value())
+    listing=$( sudo -n pct list 2>&1); code=$?; echo "pct-list-exit: $code"; printf '%s\\n' "$listing" | sed 's/^/| /'
+    """
+    return StringCommand(
+        "listing=$(",
+        *pct_prefix(binary, sudo),
+        "list",
+        "2>&1);",
+        "code=$?;",
+        f'echo "{LIST_CHECK_MARKER} $code";',
+        "printf '%s\\n' \"$listing\" | sed 's/^/| /'",
+    )
+
+
+ContainerStatuses = dict[int, str]
+
+
+def parse_container_listing(lines: list[str]) -> ContainerStatuses | None:
+    """
+    {vmid: status} from make_list_command's output, or None when it cannot be read (pct failed,
+    or the output is not pct's table): the caller then asks ``pct status`` per container.
+
+    pct list prints ``VMID Status Lock Name`` (``%-10s %-10s %-12s %-20s``); Lock and Name may be
+    empty, but VMID and Status never are, so they are the first two fields. It prints nothing at
+    all when the host has no container.
+
+    >>> parse_container_listing(["pct-list-exit: 0", "| VMID       Status     Lock         Name",
+    ...                          "| 129        running                   ct129",
+    ...                          "| 130        stopped    backup"])
+    {129: 'running', 130: 'stopped'}
+    >>> parse_container_listing(["pct-list-exit: 0", "|"])
+    {}
+    """
+    code, output = _parse_marked_output(lines, LIST_CHECK_MARKER)
+    if code != 0:
+        return None
+    rows = _strip_host_noise(output)
+    if not rows:
+        return {}
+    header, *body = rows
+    if header.split()[:2] != ["VMID", "Status"]:
+        return None
+    statuses: ContainerStatuses = {}
+    for row in body:
+        fields = row.split()
+        if len(fields) < 2 or not fields[0].isdigit():
+            return None
+        statuses[int(fields[0])] = fields[1]
+    return statuses
 
 
 def status_check_error(lines: list[str], pve_host: str, vmid: int, binary: str) -> str | None:
@@ -324,6 +410,139 @@ def status_check_error(lines: list[str], pve_host: str, vmid: int, binary: str) 
 def _strip_host_noise(lines: list[str]) -> list[str]:
     # sudo warns about an unresolvable hostname on misconfigured hosts; that is not a failure.
     return [line for line in lines if line.strip() and not line.startswith("sudo: unable to resolve")]
+
+
+# Sharing per Proxmox host: one SSH connection and one `pct list` for its containers
+#
+# pyinfra runs every inventory host in its own greenlet and gives each its own connector, so
+# 32 containers on 8 Proxmox hosts would cost 32 SSH handshakes and 32 `pct status` checks. The
+# containers of one host (same SSH settings, same pyinfra State) share instead: one paramiko
+# client (paramiko multiplexes channels on one transport, each container opening its own) and one
+# container listing taken at connect. Both are refcounted and go when the last container
+# disconnects. The locks are gevent's, as pyinfra's own concurrency is.
+
+
+@dataclass(eq=False)
+class SharedSSHClient:
+    """One SSH connection to a Proxmox host and the container hosts that use it."""
+
+    ready: Event = field(default_factory=Event)  # set when connected, or when connecting failed
+    client: object | None = None  # pyinfra's paramiko SSHClient
+    error: ConnectError | None = None
+    users: int = 0
+
+    def can_take(self, per_connection: int) -> bool:
+        if self.users >= per_connection or self.error is not None:
+            return False
+        if not self.ready.is_set():
+            return True  # still connecting: wait for it rather than open another
+        transport = self.client.get_transport() if self.client is not None else None
+        # a dropped connection (network, sshd restarted) is never handed out again
+        return self.client is not None and (transport is None or transport.is_active())
+
+
+@dataclass(eq=False)
+class SharedListing:
+    """One `pct list` of a Proxmox host, read by the first container to connect."""
+
+    result: AsyncResult = field(default_factory=AsyncResult)  # ContainerStatuses | None
+    users: int = 0
+
+
+_shared_clients: "WeakKeyDictionary[State, dict[tuple, list[SharedSSHClient]]]" = WeakKeyDictionary()
+_shared_listings: "WeakKeyDictionary[State, dict[tuple, SharedListing]]" = WeakKeyDictionary()
+
+
+def ssh_settings_key(connector: SSHConnector) -> tuple:
+    """
+    Everything that decides where and how pyinfra's SSH connector connects (host, port, user,
+    key, password, known_hosts, host key policy, ssh config, paramiko arguments, retries and
+    the connect timeout): containers share a connection only when all of it is equal.
+    """
+    data = connector.data
+    settings = [("hostname", data["ssh_hostname"] or connector.host.name)]
+    settings += [(name, repr(data[name])) for name in sorted(connector.data_meta) if name != "ssh_hostname"]
+    settings.append(("connect_timeout", repr(connector.state.config.CONNECT_TIMEOUT)))
+    return tuple(settings)
+
+
+class SharedSSHConnector(SSHConnector):
+    """
+    pyinfra's SSH connector to a Proxmox host whose connection is shared with the other
+    containers of that host in the same State (up to ``per_connection`` per connection).
+
+    Each container keeps its own connector object (its host, data, output prefix, and its own
+    SFTP channel); only the paramiko client is shared. When connecting fails, every container
+    waiting on that connection fails with the same ConnectError; the next connect tries afresh.
+    """
+
+    shared: SharedSSHClient | None = None
+
+    def __init__(self, state: "State", host: "Host", per_connection: int):
+        super().__init__(state, host)
+        self.per_connection = per_connection
+        self.settings_key = ssh_settings_key(self)
+        self._transfer = None
+
+    def _pool(self) -> list[SharedSSHClient]:
+        return _shared_clients.setdefault(self.state, {}).setdefault(self.settings_key, [])
+
+    @override
+    def connect(self) -> None:
+        pool = self._pool()
+        shared = next((s for s in pool if s.can_take(self.per_connection)), None)
+        if shared is not None:
+            shared.users += 1
+            shared.ready.wait()
+            if shared.error is not None:
+                shared.users -= 1
+                raise ConnectError(*shared.error.args)
+            self.client = shared.client
+            self.shared = shared
+            return
+
+        shared = SharedSSHClient(users=1)
+        pool.append(shared)  # before connecting: the other containers wait on this one
+        try:
+            super().connect()
+        except BaseException as error:
+            shared.error = error if isinstance(error, ConnectError) else ConnectError(str(error))
+            if shared in pool:
+                pool.remove(shared)
+            raise
+        else:
+            shared.client = self.client
+            self.shared = shared
+        finally:
+            shared.ready.set()
+
+    @override
+    def disconnect(self) -> None:
+        if self._transfer is not None:
+            transfer, self._transfer = self._transfer, None
+            try:
+                transfer.close()
+            except Exception:  # noqa: BLE001 - a dead connection cannot close its channel
+                pass
+        shared, self.shared = self.shared, None
+        if shared is None:
+            return
+        shared.users -= 1
+        if shared.users > 0:
+            return
+        pool = _shared_clients.get(self.state, {}).get(self.settings_key, [])
+        if shared in pool:
+            pool.remove(shared)
+        if shared.client is not None:
+            shared.client.close()
+
+    @override
+    def get_file_transfer_connection(self):
+        # pyinfra memoizes this per connector object; kept here so that disconnect() closes this
+        # container's own SFTP channel and leaves the other containers' alone.
+        if self._transfer is None:
+            self._transfer = SSHConnector.get_file_transfer_connection.__wrapped__(self)
+        return self._transfer
 
 
 # The connector
@@ -360,7 +579,13 @@ class PctConnector(BaseConnector):
                 "or give host data pct_vmid",
             )
         self.vmid = parse_vmid(self.data["pct_vmid"], f"pct_vmid of {host.name}")
-        self.pve = LocalConnector(state, host) if self.data["pct_local"] else SSHConnector(state, host)
+        per_connection = parse_share(self.data["pct_ssh_share"], host.name)
+        self.pve = (
+            LocalConnector(state, host)
+            if self.data["pct_local"]
+            else SharedSSHConnector(state, host, per_connection)
+        )
+        self._listing: SharedListing | None = None
 
     @override
     @staticmethod
@@ -421,11 +646,30 @@ class PctConnector(BaseConnector):
 
     # Connection
 
+    @property
+    def proxmox_host_key(self) -> tuple:
+        """Which Proxmox host (as reached: SSH settings, or this machine) the container is on."""
+        if isinstance(self.pve, SharedSSHConnector):
+            return self.pve.settings_key
+        return ("@local",)
+
     @override
     def connect(self) -> None:
         self.pve.connect()
-        # One read-only command: is there a pct, is the vmid known here, is it running?
-        # (connect also runs under --dry, so nothing here may change anything.)
+        try:
+            self._check_container_running()
+        except BaseException:
+            self._release_listing()
+            self.pve.disconnect()
+            raise
+
+    def _check_container_running(self) -> None:
+        # Read-only (connect also runs under --dry). The host's one shared `pct list` answers for
+        # every container it shows running; any other container (stopped, unknown vmid, no pct,
+        # a listing that cannot be read or is stale) gets its own `pct status`, which says why.
+        statuses = self._shared_container_statuses()
+        if statuses is not None and statuses.get(self.vmid) == "running":
+            return
         check = make_status_check_command(self.vmid, self.binary, self.use_sudo)
         status, output = self.pve.run_shell_command(check)
         if not status:
@@ -437,8 +681,43 @@ class PctConnector(BaseConnector):
         if message:
             raise ConnectError(message)
 
+    def _shared_container_statuses(self) -> ContainerStatuses | None:
+        """The host's `pct list`, read once per Proxmox host by its first container to connect."""
+        listings = _shared_listings.setdefault(self.state, {})
+        key = (self.proxmox_host_key, self.binary, self.use_sudo)
+        listing = listings.get(key)
+        if listing is None:
+            listing = listings[key] = SharedListing()
+            listing.users += 1
+            self._listing = listing
+            statuses: ContainerStatuses | None = None
+            try:
+                status, output = self.pve.run_shell_command(make_list_command(self.binary, self.use_sudo))
+                if status:
+                    statuses = parse_container_listing(output.stdout_lines)
+            except Exception as error:  # noqa: BLE001 - the per-container check reports it
+                logger.debug("%spct list failed: %s", self.host.print_prefix, error)
+            finally:
+                listing.result.set(statuses)
+            return statuses
+        listing.users += 1
+        self._listing = listing
+        return listing.result.get()
+
+    def _release_listing(self) -> None:
+        listing, self._listing = self._listing, None
+        if listing is None:
+            return
+        listing.users -= 1
+        if listing.users <= 0:
+            listings = _shared_listings.get(self.state, {})
+            for key, value in list(listings.items()):
+                if value is listing:
+                    del listings[key]
+
     @override
     def disconnect(self) -> None:
+        self._release_listing()
         self.pve.disconnect()
 
     # Commands

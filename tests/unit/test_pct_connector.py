@@ -11,6 +11,7 @@ import io
 import shlex
 from unittest.mock import patch
 
+import gevent
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,6 +25,7 @@ from gpugate.connectors.pct import (
     PctConnector,
     classify_pct_error,
     make_pct_exec_command,
+    parse_container_listing,
     parse_vmid,
     status_check_error,
 )
@@ -35,6 +37,14 @@ def out(stdout: list[str] | tuple = (), stderr: list[str] | tuple = ()) -> Comma
     return CommandOutput(
         [OutputLine("stdout", line) for line in stdout] + [OutputLine("stderr", line) for line in stderr],
     )
+
+
+def listing_answer(code: int, *rows: tuple[int, str], lines: tuple[str, ...] = ()) -> CommandOutput:
+    """What make_list_command prints: pct list's table (as pct formats it), prefixed."""
+    table = [f"{vmid:<10} {status:<10} {'':<12} {f'ct{vmid}':<20}" for vmid, status in rows]
+    if rows:
+        table.insert(0, f"{'VMID':<10} {'Status':<10} {'Lock':<12} {'Name':<20}")
+    return out([f"pct-list-exit: {code}", *(f"| {line}" for line in [*lines, *table])])
 
 
 class FakeHostShell:
@@ -55,7 +65,9 @@ class FakeHostShell:
                 return status, output
         if text.startswith("mktemp "):
             return True, out(["/tmp/pyinfra-pct.AbCdEf"])
-        if text.startswith("out=$("):  # connect's status check: a running container
+        if text.startswith("listing=$("):  # connect's `pct list`: container 129 running
+            return True, listing_answer(0, (129, "running"))
+        if text.startswith("out=$("):  # the per-container status check: a running container
             return True, out(["pct-status-exit: 0", "| status: running"])
         return True, out()
 
@@ -291,35 +303,57 @@ def status_answer(code: int, *lines: str) -> CommandOutput:
     return out([f"pct-status-exit: {code}", *(f"| {line}" for line in lines)])
 
 
+LIST_COMMAND = (
+    "listing=$( sudo -n pct list 2>&1); code=$?; echo \"pct-list-exit: $code\"; "
+    "printf '%s\\n' \"$listing\" | sed 's/^/| /'"
+)
+STATUS_COMMAND = (
+    "out=$( pct status 129 2>&1); code=$?; echo \"pct-status-exit: $code\"; "
+    "printf '%s\\n' \"$out\" | sed 's/^/| /'"
+)
+
+
 def test_connect_checks_the_container_with_one_read_only_command(shell):
-    shell.answer("out=$(", True, status_answer(0, "status: running"))
     host = make_host("@pct/pve1:129", ssh_user="ops")
     host.connect(raise_exceptions=True)
     assert host.connected
-    assert shell.commands == [
-        "out=$( sudo -n pct status 129 2>&1); code=$?; echo \"pct-status-exit: $code\"; "
-        "printf '%s\\n' \"$out\" | sed 's/^/| /'",
-    ]
+    assert shell.commands == [LIST_COMMAND]
 
 
 @pytest.mark.parametrize(
-    "answer, message",
+    "listing, answer, message",
     [
-        (status_answer(0, "status: stopped"), "container 129 on pve1 is not running"),
         (
+            listing_answer(0, (129, "stopped")),
+            status_answer(0, "status: stopped"),
+            "container 129 on pve1 is not running: status: stopped",
+        ),
+        (
+            listing_answer(0, (130, "running")),
             status_answer(2, "Configuration file 'nodes/pve1/lxc/129.conf' does not exist"),
             "no container 129 on pve1",
         ),
-        (status_answer(127, "sh: 1: pct: not found"), "no `pct` command on pve1"),
-        (status_answer(1, "sudo: a password is required"), "cannot run pct with sudo on pve1"),
+        (
+            listing_answer(127, lines=("sh: 1: pct: not found",)),
+            status_answer(127, "sh: 1: pct: not found"),
+            "no `pct` command on pve1",
+        ),
+        (
+            listing_answer(1, lines=("sudo: a password is required",)),
+            status_answer(1, "sudo: a password is required"),
+            "cannot run pct with sudo on pve1",
+        ),
     ],
 )
-def test_connect_errors_name_host_and_vmid(shell, answer, message):
+def test_connect_errors_name_host_and_vmid(shell, listing, answer, message):
+    # a container the host's listing does not show running gets its own `pct status`, which says why
+    shell.answer("listing=$(", True, listing)
     shell.answer("out=$(", True, answer)
     host = make_host()
     with pytest.raises(ConnectError, match=message):
         host.connect(raise_exceptions=True)
     assert not host.connected
+    assert shell.commands[-1] == STATUS_COMMAND
 
 
 def test_status_check_error_on_unexpected_output_says_what_pct_printed():
@@ -332,7 +366,6 @@ def test_status_check_error_on_unexpected_output_says_what_pct_printed():
 
 @pytest.fixture
 def connected_host(shell):
-    shell.answer("out=$(", True, status_answer(0, "status: running"))
     host = make_host()
     host.connect(raise_exceptions=True)
     shell.calls.clear()
@@ -417,7 +450,6 @@ def test_get_file_of_a_missing_file_fails_and_removes_the_temp_file(shell, conne
 
 def test_local_variant_runs_the_same_commands_locally():
     fake = FakeHostShell()
-    fake.answer("out=$(", True, status_answer(0, "status: running"))
     with patch("pyinfra.connectors.local.LocalConnector.run_shell_command", fake.as_method()):
         host = make_host("@pct/@local:129", pct_sudo=False)
         host.connect(raise_exceptions=True)
@@ -427,7 +459,224 @@ def test_local_variant_runs_the_same_commands_locally():
 
 def test_messages_name_the_host_as_the_user_named_it(shell):
     # the lab (and ssh configs) point every name at 127.0.0.1; errors still say pve1
+    shell.answer("listing=$(", True, listing_answer(0, (129, "stopped")))
     shell.answer("out=$(", True, status_answer(0, "status: stopped"))
     host = make_host("@pct/pve1:129", ssh_hostname="127.0.0.1")
     with pytest.raises(ConnectError, match="container 129 on pve1 is not running"):
         host.connect(raise_exceptions=True)
+
+
+# One SSH connection and one `pct list` per Proxmox host, shared by its containers
+
+
+class FakeClient:
+    """Stands for the paramiko client pyinfra's SSH connector makes (one per real connect)."""
+
+    def __init__(self, settings: tuple):
+        self.settings = settings
+        self.closed = False
+        self.active = True
+
+    def get_transport(self):
+        client = self
+
+        class Transport:
+            def is_active(self):
+                return client.active and not client.closed
+
+        return Transport()
+
+    def close(self):
+        self.closed = True
+
+
+class FakeSSH:
+    """Patches pyinfra's SSH connector: records every real connect; a port can be made to fail."""
+
+    def __init__(self):
+        self.shell = FakeHostShell()
+        self.clients: list[FakeClient] = []
+        self.failing_ports: set[int] = set()
+
+    def connect(self, connector):
+        gevent.sleep(0.01)  # a handshake takes time: the other containers' greenlets run meanwhile
+        port = connector.data["ssh_port"]
+        if port in self.failing_ports:
+            raise ConnectError(f"Could not connect ([Errno 111] Connection refused: port {port})")
+        connector.client = FakeClient(connector.settings_key)
+        self.clients.append(connector.client)
+
+    def run_shell_command(self, connector, *args, **kwargs):
+        gevent.sleep(0.005)  # one round trip: a command from another greenlet may run meanwhile
+        return self.shell(connector, *args, **kwargs)
+
+    def count(self, prefix: str) -> int:
+        return sum(1 for command in self.shell.commands if command.startswith(prefix))
+
+
+@pytest.fixture
+def ssh():
+    fake = FakeSSH()
+    with (
+        patch("pyinfra.connectors.ssh.SSHConnector.connect", lambda self: fake.connect(self)),
+        patch(
+            "pyinfra.connectors.ssh.SSHConnector.run_shell_command",
+            lambda self, *a, **k: fake.run_shell_command(self, *a, **k),
+        ),
+    ):
+        yield fake
+
+
+def make_fleet(*hosts: tuple[str, dict]):
+    inventory = Inventory((list(hosts), {}))
+    State(inventory, Config())
+    return [inventory.get_host(name) for name, _ in hosts]
+
+
+def connect_concurrently(hosts) -> None:
+    """As pyinfra's connect_all does: one greenlet per host."""
+    gevent.joinall([gevent.spawn(host.connect) for host in hosts], raise_error=True)
+
+
+def test_containers_of_one_host_share_one_ssh_connection_and_one_pct_list(ssh):
+    ssh.shell.answer("listing=$(", True, listing_answer(0, *[(v, "running") for v in (129, 130, 131, 132)]))
+    hosts = make_fleet(*[(f"@pct/pve1:{vmid}", {"ssh_port": 22}) for vmid in (129, 130, 131, 132)])
+    connect_concurrently(hosts)
+    assert all(host.connected for host in hosts)
+    assert len(ssh.clients) == 1
+    assert {id(host.connector.pve.client) for host in hosts} == {id(ssh.clients[0])}
+    assert ssh.shell.commands == [LIST_COMMAND.replace("sudo -n ", "")]
+
+
+def test_hosts_with_different_ssh_settings_never_share(ssh):
+    ssh.shell.answer("listing=$(", True, listing_answer(0, (129, "running"), (130, "running")))
+    hosts = make_fleet(
+        ("@pct/pve1:129", {"ssh_port": 22}),
+        ("@pct/pve1:130", {"ssh_port": 22, "ssh_user": "root"}),
+        ("@pct/pve2:129", {"ssh_port": 22}),
+        ("@pct/pve-key:129", {"ssh_hostname": "pve1", "pct_vmid": 129, "ssh_known_hosts_file": "/x"}),
+    )
+    connect_concurrently(hosts)
+    assert len(ssh.clients) == 4
+    assert ssh.count("listing=$(") == 4
+
+
+def test_a_host_that_cannot_be_reached_fails_only_its_own_containers(ssh, caplog):
+    ssh.failing_ports.add(2222)
+    ssh.shell.answer("listing=$(", True, listing_answer(0, (129, "running"), (130, "running")))
+    bad = make_fleet(*[(f"@pct/pve1:{vmid}", {"ssh_port": 2222}) for vmid in (129, 130)])
+    good = make_fleet(*[(f"@pct/pve1:{vmid}", {"ssh_port": 22}) for vmid in (129, 130)])
+    connect_concurrently(bad + good)  # one State each; pyinfra logs the errors
+    assert [host.connected for host in bad + good] == [False, False, True, True]
+    errors = [r.getMessage() for r in caplog.records if "Could not connect" in r.getMessage()]
+    assert len(errors) == 2 and {e.split("]")[0] for e in errors} == {"[@pct/pve1:129", "[@pct/pve1:130"}
+    assert len(ssh.clients) == 1  # the failed handshake was tried once for both of its containers
+    # the failure is not remembered: the next connect tries again (and now gets through)
+    ssh.failing_ports.clear()
+    bad[0].connect(raise_exceptions=True)
+    assert bad[0].connected and len(ssh.clients) == 2
+
+
+def test_a_failed_connection_in_the_same_state_does_not_poison_the_others(ssh):
+    ssh.failing_ports.add(2222)
+    ssh.shell.answer("listing=$(", True, listing_answer(0, (129, "running"), (130, "running")))
+    hosts = make_fleet(
+        ("@pct/pve1:129", {"ssh_port": 2222}),
+        ("@pct/pve1:130", {"ssh_port": 22}),
+        ("@pct/pve2:129", {"ssh_port": 22}),
+    )
+    connect_concurrently(hosts)
+    assert [host.connected for host in hosts] == [False, True, True]
+
+
+def test_four_containers_share_a_connection_by_default_and_pct_ssh_share_changes_it(ssh):
+    vmids = range(129, 134)
+    ssh.shell.answer("listing=$(", True, listing_answer(0, *[(v, "running") for v in vmids]))
+    connect_concurrently(make_fleet(*[(f"@pct/pve1:{v}", {}) for v in vmids]))
+    assert len(ssh.clients) == 2  # sshd's MaxSessions (10) allows 4 containers x 2 sessions
+    assert ssh.count("listing=$(") == 1  # one listing per Proxmox host, whatever the connections
+    ssh.clients.clear()
+    connect_concurrently(make_fleet(*[(f"@pct/pve1:{v}", {"pct_ssh_share": 1}) for v in vmids]))
+    assert len(ssh.clients) == 5
+
+
+def test_bad_pct_ssh_share_is_an_inventory_error():
+    with pytest.raises(InventoryError, match="Invalid pct_ssh_share 0 of @pct/pve1:129"):
+        make_host("@pct/pve1:129", pct_ssh_share=0)
+
+
+def test_the_last_container_to_disconnect_closes_the_connection_and_forgets_the_listing(ssh):
+    ssh.shell.answer("listing=$(", True, listing_answer(0, (129, "running"), (130, "running")))
+    first, second = make_fleet(("@pct/pve1:129", {}), ("@pct/pve1:130", {}))
+    connect_concurrently([first, second])
+    client = ssh.clients[0]
+    first.disconnect()
+    assert not client.closed
+    second.run_shell_command("true")  # the other container goes on over it
+    second.disconnect()
+    assert client.closed
+    first.connect(raise_exceptions=True)  # a new connection, and a fresh listing
+    assert len(ssh.clients) == 2 and ssh.count("listing=$(") == 2
+
+
+def test_a_dropped_connection_is_not_handed_out_again(ssh):
+    ssh.shell.answer("listing=$(", True, listing_answer(0, (129, "running"), (130, "running")))
+    first, second = make_fleet(("@pct/pve1:129", {}), ("@pct/pve1:130", {}))
+    first.connect(raise_exceptions=True)
+    ssh.clients[0].active = False  # the network dropped it
+    second.connect(raise_exceptions=True)
+    assert len(ssh.clients) == 2 and second.connector.pve.client is ssh.clients[1]
+
+
+def test_a_container_that_fails_its_check_gives_back_its_share(ssh):
+    ssh.shell.answer("listing=$(", True, listing_answer(0, (129, "running")))
+    ssh.shell.answer("out=$(", True, status_answer(0, "status: stopped"))
+    running, stopped = make_fleet(("@pct/pve1:129", {}), ("@pct/pve1:130", {}))
+    connect_concurrently([running, stopped])
+    assert running.connected and not stopped.connected
+    running.disconnect()  # the stopped container holds no share: the connection closes now
+    assert ssh.clients[0].closed
+
+
+def test_only_containers_not_listed_running_get_their_own_pct_status(ssh):
+    ssh.shell.answer("listing=$(", True, listing_answer(0, (129, "running"), (130, "stopped")))
+    ssh.shell.answer("out=$( pct status 130", True, status_answer(0, "status: stopped"))
+    hosts = make_fleet(("@pct/pve1:129", {}), ("@pct/pve1:130", {}), ("@pct/pve1:131", {}))
+    ssh.shell.answer("out=$( pct status 131", True, status_answer(0, "status: running"))  # started since
+    connect_concurrently(hosts)
+    assert [host.connected for host in hosts] == [True, False, True]
+    assert sorted(c for c in ssh.shell.commands if c.startswith("out=$(")) == [
+        STATUS_COMMAND.replace("129", "130"),
+        STATUS_COMMAND.replace("129", "131"),
+    ]
+
+
+def test_an_unreadable_listing_falls_back_to_pct_status_for_each_container(ssh):
+    ssh.shell.answer("listing=$(", True, out(["pct-list-exit: 0", "| something that is not a table"]))
+    hosts = make_fleet(("@pct/pve1:129", {}), ("@pct/pve1:130", {}))
+    connect_concurrently(hosts)
+    assert all(host.connected for host in hosts)
+    assert ssh.count("listing=$(") == 1 and ssh.count("out=$(") == 2
+
+
+@pytest.mark.parametrize(
+    "lines, statuses",
+    [
+        (["pct-list-exit: 0", "|"], {}),  # pct list prints nothing when the host has no container
+        (
+            [
+                "pct-list-exit: 0",
+                "| sudo: unable to resolve host pve1: Name or service not known",
+                "| VMID       Status     Lock         Name                ",
+                "| 129        running                                     ",
+                "| 1234567890 stopped    backup       a-very-long-container-name",
+            ],
+            {129: "running", 1234567890: "stopped"},
+        ),
+        (["pct-list-exit: 255", "| ipcc_send_rec[1] failed: Connection refused"], None),
+        (["pct-list-exit: 0", "| VMID Status", "| ??? running"], None),
+        (["no marker at all"], None),
+    ],
+)
+def test_parse_container_listing(lines, statuses):
+    assert parse_container_listing(lines) == statuses
