@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -155,7 +156,9 @@ def measure_once(nvml, host, signum: int, ignore_pids=()) -> dict:
     killed = {}
 
     def kill_later():
-        time.sleep(1.0)  # the wait is running and polling by then
+        # The wait is running and polling by then; a random moment, so that no poll phase lines up
+        # with the kill run after run.
+        time.sleep(random.uniform(0.5, 1.5))
         killed["at"] = time.time()
         watcher.armed.set()
         holder.send_signal(signum)
