@@ -8,6 +8,7 @@ Also a measurement (not a test): python tests/e2e/test_connector_lab.py --bench 
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import statistics
@@ -17,12 +18,16 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from unittest.mock import patch
 
+import gevent
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pyinfra.api import Config, Inventory, State
 from pyinfra.api.command import QuoteString, StringCommand
+from pyinfra.api.exceptions import ConnectError
+from pyinfra.connectors.ssh import SSHConnector
 
 from gpugate.connectors.pct import PctConnector
 
@@ -31,6 +36,7 @@ pytestmark = pytest.mark.lab
 RUNNING_VMID = 129
 STOPPED_VMID = 130
 UNKNOWN_VMID = 999
+NEIGHBOUR_VMIDS = (131, 132)  # running too: containers that share pve1's SSH connection
 
 
 # The lab: our own directory, one host, a running and a stopped container
@@ -43,11 +49,12 @@ def _lab_core():
 
 def start_lab(lab_dir: Path) -> dict:
     core = _lab_core()
-    state = core.up(lab_dir, hosts=1, gpus=1, vmids=(RUNNING_VMID, STOPPED_VMID))
+    state = core.up(lab_dir, hosts=1, gpus=1, vmids=(RUNNING_VMID, STOPPED_VMID, *NEIGHBOUR_VMIDS))
     host = state["hosts"][0]
     statuses = {c["vmid"]: c["status"] for c in host["containers"]}
-    if statuses.get(RUNNING_VMID) != "running":
-        on_host(lab_dir, ["pct", "start", str(RUNNING_VMID)])
+    for vmid in (RUNNING_VMID, *NEIGHBOUR_VMIDS):
+        if statuses.get(vmid) != "running":
+            on_host(lab_dir, ["pct", "start", str(vmid)])
     if statuses.get(STOPPED_VMID) == "running":
         on_host(lab_dir, ["pct", "stop", str(STOPPED_VMID)])
     return host
@@ -299,6 +306,154 @@ def test_any_file_name_and_content_arrive_byte_for_byte(container_host, name, co
     )
     assert status, stderr
     assert "".join(stdout).replace(" ", "") == content.hex()
+
+
+# One SSH connection and one `pct list` per Proxmox host
+#
+
+
+def ssh_connections_to(port: int) -> int:
+    """This process's established TCP connections to the lab host's sshd (/proc: its socket
+    inodes, matched in the kernel's TCP tables)."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+            if remote_port == port and fields[3] == "01" and fields[9] in inodes:  # 01: ESTABLISHED
+                count += 1
+    return count
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def containers_of_pve1(lab, *entries: tuple[int, dict]):
+    """One State; an entry with a `name` in its data is that alias (the same vmid twice)."""
+    lab_dir, host = lab
+    names = [
+        (extra.pop("name", f"@pct/pve1:{vmid}"), {**ssh_data(lab_dir, host), "pct_vmid": vmid, **extra})
+        for vmid, extra in entries
+    ]
+    inventory = Inventory((names, {}))
+    State(inventory, Config())
+    return [inventory.get_host(name) for name, _ in names]
+
+
+def test_containers_of_one_host_share_one_ssh_connection_and_one_pct_list(lab):
+    _, host = lab
+    before = ssh_connections_to(host["port"])
+    targets = containers_of_pve1(lab, (RUNNING_VMID, {}), *((vmid, {}) for vmid in NEIGHBOUR_VMIDS))
+    commands: list[str] = []
+    original = SSHConnector.run_shell_command
+
+    def spy(connector, command, *args, **kwargs):
+        commands.append(command.get_raw_value())
+        return original(connector, command, *args, **kwargs)
+
+    with patch.object(SSHConnector, "run_shell_command", spy):
+        for target in targets:
+            target.connect(raise_exceptions=True)
+    try:
+        assert ssh_connections_to(host["port"]) == before + 1
+        assert [c.split(" ")[:4] for c in commands] == [["listing=$(", "pct", "list", "2>&1);"]]
+        for vmid, target in zip((RUNNING_VMID, *NEIGHBOUR_VMIDS), targets):
+            assert run_in(target, "hostname")[1] == [f"ct{vmid}"]
+    finally:
+        for target in targets:
+            target.disconnect()
+    assert wait_for(lambda: ssh_connections_to(host["port"]) == before)  # the last one closed it
+
+
+def test_wrong_ssh_settings_fail_alone_and_do_not_poison_the_shared_connection(lab, tmp_path):
+    # the same host and vmid, but a known_hosts without pve1's key (strict checking): refused
+    (tmp_path / "empty_known_hosts").write_text("")
+    wrong = {"name": "@pct/wrong-known-hosts", "ssh_known_hosts_file": str(tmp_path / "empty_known_hosts")}
+    wrong_host, *good = containers_of_pve1(lab, (RUNNING_VMID, wrong), (RUNNING_VMID, {}), (NEIGHBOUR_VMIDS[0], {}))
+    gevent.joinall([gevent.spawn(t.connect, show_errors=False) for t in (wrong_host, *good)], raise_error=True)
+    try:
+        assert not wrong_host.connected
+        assert all(t.connected for t in good)
+        assert good[0].connector.pve.client is good[1].connector.pve.client
+        assert [run_in(t, "hostname")[1] for t in good] == [[f"ct{RUNNING_VMID}"], [f"ct{NEIGHBOUR_VMIDS[0]}"]]
+        with pytest.raises(ConnectError, match="No host key for .* found in known_hosts"):
+            wrong_host.connect(raise_exceptions=True)
+    finally:
+        for target in good:
+            target.disconnect()
+
+
+CONCURRENT_CHILD = """
+from gevent import monkey; monkey.patch_all()   # as the pyinfra CLI does, before anything else
+import io, json, os, sys
+import gevent
+from pyinfra.api import Config, Inventory, State
+from pyinfra.api.connect import connect_all
+sys.path.insert(0, {tests!r})
+from test_connector_lab import ssh_connections_to
+
+names, port, rounds = {names!r}, {port}, {rounds}
+inventory = Inventory((names, {{}}))
+state = State(inventory, Config())
+connect_all(state)
+hosts = [inventory.get_host(name) for name, _ in names]
+connections = ssh_connections_to(port)
+
+def work(host):
+    vmid = host.data.pct_vmid
+    bad = []
+    for i in range(rounds):
+        payload = f"{{vmid}}-{{i}}-" * 2000
+        ok, out = host.run_shell_command(f"hostname; printf %s {{payload}}; echo; echo err-{{vmid}}-{{i}} >&2")
+        if not ok or out.stdout_lines != [f"ct{{vmid}}", payload] or out.stderr_lines != [f"err-{{vmid}}-{{i}}"]:
+            bad.append(("command", i, out.stdout_lines[:1], out.stderr_lines))
+        data = os.urandom(50000) + str(vmid).encode()
+        host.put_file(io.BytesIO(data), f"/srv/concurrent-{{i}}.bin")
+        back = io.BytesIO()
+        host.get_file(f"/srv/concurrent-{{i}}.bin", back)
+        if back.getvalue() != data:
+            bad.append(("file", i))
+    return bad
+
+greenlets = [gevent.spawn(work, host) for host in hosts]
+gevent.joinall(greenlets, raise_error=True)
+print(json.dumps({{"connected": [h.connected for h in hosts], "connections": connections,
+                  "errors": {{h.name: g.value for h, g in zip(hosts, greenlets)}}}}))
+for host in hosts:
+    host.disconnect()
+"""
+
+
+def test_concurrent_commands_and_files_of_several_containers_over_one_connection(lab):
+    # In a child process gevent-patched as the pyinfra CLI is: paramiko's transport and every
+    # container's channels (commands, and each container's own SFTP channel) interleave in greenlets.
+    lab_dir, host = lab
+    names = [(f"@pct/pve1:{vmid}", ssh_data(lab_dir, host)) for vmid in (RUNNING_VMID, *NEIGHBOUR_VMIDS)]
+    code = CONCURRENT_CHILD.format(tests=str(Path(__file__).parent), names=names, port=host["port"], rounds=4)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["connected"] == [True, True, True]
+    assert report["connections"] == 1
+    assert report["errors"] == {name: [] for name, _ in names}
 
 
 # The measurement (python tests/e2e/test_connector_lab.py --bench [N])
