@@ -486,6 +486,25 @@ def bench(samples: int = 50) -> None:
         for name, times in figures.items():
             q = statistics.quantiles(times, n=10)
             print(f"{name:20s} median {statistics.median(times):6.1f} ms  p10 {q[0]:6.1f}  p90 {q[-1]:6.1f}  (n={samples})")
+
+        # connect(): the 3 running containers of pve1, each with its own SSH connection and
+        # `pct status` (pct_ssh_share=1) vs sharing one connection and one `pct list`
+        vmids = (RUNNING_VMID, *NEIGHBOUR_VMIDS)
+        connects: dict[str, list[float]] = {"own connection each": [], "shared": []}
+        for _ in range(max(3, samples // 5)):
+            for label, share in (("own connection each", 1), ("shared", 4)):
+                names = [(f"@pct/pve1:{vmid}", {**data, "pct_ssh_share": share}) for vmid in vmids]
+                inventory = Inventory((names, {}))
+                State(inventory, Config())
+                targets = [inventory.get_host(name) for name, _ in names]
+                start = time.perf_counter()
+                for target in targets:
+                    target.connect(raise_exceptions=True)
+                connects[label].append((time.perf_counter() - start) * 1000)
+                for target in targets:
+                    target.disconnect()
+        for label, times in connects.items():
+            print(f"connect 3 containers, {label:20s} median {statistics.median(times):6.1f} ms  (n={len(times)})")
     finally:
         _lab_core().down(lab_dir)
         remove_lab_dir(lab_dir)
