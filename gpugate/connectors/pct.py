@@ -5,7 +5,9 @@ Every command goes through ``pct exec <vmid> -- env -i PATH=... sh -c '<command>
 Proxmox host (over pyinfra's SSH connector, or locally with ``@local``), and every file through
 ``pct push`` / ``pct pull`` and a temporary file in the Proxmox host's temp dir that is always
 removed. pyinfra's ``_sudo``/``_su_user``/``_env``/``_chdir`` apply *inside* the container;
-``sudo`` for ``pct`` itself on the host is separate (host data ``pct_sudo``).
+``sudo`` for ``pct`` itself on the host is separate (host data ``pct_sudo``). The containers of
+one Proxmox host share one SSH connection (up to ``pct_ssh_share``, default 4) and one ``pct list``
+at connect in a run.
 
 .. code:: shell
 
