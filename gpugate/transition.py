@@ -399,23 +399,68 @@ def steps_for(action: str, supervisor: str = "process") -> list[str]:
 
 # ---------------------------------------------------------------- remote calls
 def _module_source(name: str) -> str:
+    if name == "gate":  # the gate's decision (stdlib only) lives beside the package's other logic
+        return (REMOTE_DIR.parent / "gate.py").read_text()
     return (REMOTE_DIR / f"{name}.py").read_text()
 
 
 def remote_call(function: str, python: str = "/usr/bin/python3", secret: str | None = None,
-                secret_kwarg: str | None = None, with_gpu_probe: bool = False, **kwargs: Any) -> StringCommand:
+                secret_kwarg: str | None = None, with_gpu_probe: bool = False, with_gate: bool = False,
+                **kwargs: Any) -> StringCommand:
     """One command that runs transition_actions.<function>(**kwargs) in the container and prints
     its JSON result. A secret travels as its own argument, masked wherever pyinfra prints it.
-    ``with_gpu_probe``: the GPU probe travels too (the drain's per-GPU readings)."""
+    ``with_gpu_probe``: the GPU probe travels too (the drain's per-GPU readings); ``with_gate``:
+    the probe and the gate's decision (``gate_wait``)."""
     call = base64.b64encode(json.dumps({"function": function, "kwargs": kwargs,
                                         "secret_kwarg": secret_kwarg}).encode()).decode()
-    modules = ["sglang_probe"] + (["gpu_probe"] if with_gpu_probe else []) + ["transition_actions"]
+    modules = ["sglang_probe"] + (["gpu_probe"] if with_gpu_probe or with_gate else []) + (
+        ["gate"] if with_gate else []) + ["transition_actions"]
     script = inline_program({name: _module_source(name) for name in modules},
                             "import transition_actions\ntransition_actions.main(sys.argv[1:])\n")
     bits: list[Any] = [QuoteString(python), "-c", QuoteString(pack(script)), call]
     if secret is not None:
         bits.append(QuoteString(HiddenValue(secret)))
     return StringCommand(*bits)
+
+
+def step_call(function: str, *, budget_kwarg: str | None = None, secret_kwarg: str | None = None,
+              inputs: Mapping[str, str] | None = None, always: bool = False, **kwargs: Any) -> dict[str, Any]:
+    """One step of a :func:`sequence_call` (transition_actions.<function>(**kwargs)); see
+    transition_actions.sequence for ``budget_kwarg``, ``secret_kwarg``, ``inputs`` and ``always``."""
+    call: dict[str, Any] = {"function": function, "kwargs": kwargs}
+    if inputs:
+        call["inputs"] = dict(inputs)
+    if budget_kwarg:
+        call["budget_kwarg"] = budget_kwarg
+    if secret_kwarg:
+        call["secret_kwarg"] = secret_kwarg
+    if always:
+        call["always"] = True
+    return call
+
+
+def sequence_call(calls: list[dict[str, Any]], python: str = "/usr/bin/python3", budget_s: float | None = None,
+                  secret: str | None = None, with_gpu_probe: bool = False, with_gate: bool = False) -> StringCommand:
+    """ONE command running ``calls`` (from :func:`step_call`) in order in the container
+    (transition_actions.sequence): each step only after the one before it completed. The secret,
+    if any, goes to the call that names a ``secret_kwarg``, masked as in :func:`remote_call`.
+
+    Example::
+
+        sequence_call([step_call("record", lock=lock, ...), step_call("drain", lock=lock, ...)])
+    """
+    return remote_call("sequence", python=python, secret=secret, secret_kwarg="secret" if secret is not None else None,
+                       with_gpu_probe=with_gpu_probe, with_gate=with_gate, calls=calls, budget_s=budget_s)
+
+
+def sequence_results(document: Mapping[str, Any], expected: int) -> list[dict[str, Any]]:
+    """The per-step results of a sequence's output; when the command itself failed (no results),
+    the first step carries its error, so that the step that was due reports it."""
+    results = document.get("results")
+    if isinstance(results, list) and results:
+        return [dict(r) for r in results]
+    error = document.get("error") or "no result from the container"
+    return [{"ok": False, "error": error}] if expected else []
 
 
 def parse_result(stdout_lines: list[str]) -> dict[str, Any]:

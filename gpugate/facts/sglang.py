@@ -79,8 +79,10 @@ class SglangServerDoc(TypedDict, total=False):
     error: str
 
 
-def _probe_kwargs(port: int, env_names=(), model_path: str | None = None, tail_lines: int = 0,
-                  generate: bool = False) -> dict[str, Any]:
+def probe_kwargs(port: int, env_names=(), model_path: str | None = None, tail_lines: int = 0,
+                 generate: bool = False) -> dict[str, Any]:
+    """The server probe's keyword arguments (``sglang_probe.collect``) for ``port``; the facts and
+    the transition's in-command looks (``transition_actions.observe``) use the same ones."""
     files = paths(port)
     return {"port": int(port), "pid_file": files["pid"], "state_file": files["state"], "lock_file": files["lock"],
             "log_file": files["log"], "env_names": sorted(env_names or ()), "model_path": model_path,
@@ -122,7 +124,7 @@ class SglangServer(FactBase):
 
     def command(self, port: int = 30000, env_names=(), model_path: str | None = None, tail_lines: int = 0,
                 generate: bool = False, python: str = "/usr/bin/python3"):
-        return probe_command({"sglang": _probe_kwargs(port, env_names, model_path, tail_lines, generate)}, python)
+        return probe_command({"sglang": probe_kwargs(port, env_names, model_path, tail_lines, generate)}, python)
 
     @staticmethod
     def default() -> SglangServerDoc:
@@ -140,7 +142,7 @@ class SglangObservation(FactBase):
 
     def command(self, port: int = 30000, env_names=(), model_path: str | None = None, tail_lines: int = 0,
                 python: str = "/usr/bin/python3"):
-        return probe_command({"sglang": _probe_kwargs(port, env_names, model_path, tail_lines),
+        return probe_command({"sglang": probe_kwargs(port, env_names, model_path, tail_lines),
                               "gpu": {}}, python)
 
     @staticmethod

@@ -71,23 +71,38 @@ def wait_for_idle(host, max_used_mib: int = 64, timeout: float = 120.0,
     ignore = tuple(int(pid) for pid in ignore_pids)
     command = build_wait_command(max_used_mib, timeout, poll_interval_s, ignore)
     began_at = time.time()
-    wait = None
     try:
         _ok, output = host.run_shell_command(command, _timeout=timeout + WAIT_TRANSPORT_MARGIN_S)
         document = parse_probe_output(output.stdout_lines)
-        gpu, wait = document.get("gpu"), document.get("wait")
-        if not isinstance(gpu, dict) or "source" not in gpu:
-            gpu = unreadable_state("ProbeFailed", str((gpu or {}).get("error")))
     except Exception as exc:  # noqa: BLE001 - connection lost, timeout, no JSON: cannot decide
-        gpu = unreadable_state(type(exc).__name__, str(exc) or "the wait command failed")
+        document = {"error": str(exc) or "the wait command failed", "error_kind": type(exc).__name__}
     returned_at = time.time()
-    decision = evaluate(gpu, max_used_mib, ignore)
+    decision = decision_from_wait(document, max_used_mib, ignore)
+    decision.timing.update(began_at=began_at, returned_at=returned_at, round_trip_s=round(returned_at - began_at, 4))
+    return decision
+
+
+def decision_from_wait(document: dict, max_used_mib: int = 64, ignore_pids: Iterable[int] = ()) -> GateDecision:
+    """The gate's decision from one in-container wait's answer ``{"gpu": <GpuState>, "wait":
+    {...}}`` (``build_wait_command``, or the transition's ``gate_wait`` step); an answer without a
+    readable GPU document is undecidable. ``timing``: the wait's figures and ``used_mib``, the
+    last reading per GPU.
+
+    .. code:: python
+
+        decision = decision_from_wait({"gpu": probe_document, "wait": {"passed": True, "polls": 3}})
+    """
+    gpu, wait = document.get("gpu"), document.get("wait")
+    if not isinstance(gpu, dict) or "source" not in gpu:
+        if document.get("error_kind"):
+            gpu = unreadable_state(document["error_kind"], str(document.get("error")))
+        else:
+            gpu = unreadable_state("ProbeFailed", str((gpu or {}).get("error") if isinstance(gpu, dict)
+                                                      else document.get("error")))
+    decision = evaluate(gpu, max_used_mib, tuple(int(pid) for pid in ignore_pids))
     decision.timing = {
-        **(wait or {}),
+        **(wait if isinstance(wait, dict) else {}),
         "used_mib": [entry.get("used_mib") for entry in gpu.get("gpus") or []],  # the last reading
-        "began_at": began_at,
-        "returned_at": returned_at,
-        "round_trip_s": round(returned_at - began_at, 4),
     }
     return decision
 

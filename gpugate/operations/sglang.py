@@ -18,7 +18,7 @@ from pyinfra.api import FunctionCommand, OperationError, operation
 from pyinfra.context import host, state
 
 from gpugate import transition as tr
-from gpugate.facts.sglang import SglangObservation
+from gpugate.facts.sglang import SglangObservation, probe_kwargs, with_command
 from gpugate.remote import sglang_probe
 from gpugate.sglang_args import server_info_mismatches
 
@@ -38,7 +38,12 @@ def emit(step: str, **fields: Any) -> None:
 
 
 class TransitionFailed(Exception):
-    """A step could not complete; the message is what the operator reads."""
+    """A step could not complete; the message is what the operator reads. ``step``: the step that
+    failed when it ran within another step's command (prepare or start in the gate's)."""
+
+    def __init__(self, message: str, step: str | None = None):
+        super().__init__(message)
+        self.step = step
 
 
 def _operator() -> str:
@@ -102,6 +107,11 @@ class Transition:
         self.host_name = "?"
         self.planned = False
         self.story: dict[str, Any] = {}
+        # (call, on_result): a step sent with the next remote command (the record, after the lock)
+        self.queued: list[tuple[dict[str, Any], Callable[[Mapping[str, Any]], None]]] = []
+        self.first_wait: dict[str, Any] | None = None   # the load's reading taken in the start's command
+        self.looked_after_start: dict[str, Any] | None = None  # the probe taken there when it was ready
+        self.verify_server: dict[str, Any] | None = None  # the probe verify compares (taken when ready)
 
     # ------------------------------------------------------------ plumbing
     def _call(self, host, function: str, secret: str | None = None, secret_kwarg: str | None = None,
@@ -109,6 +119,21 @@ class Transition:
         command = tr.remote_call(function, python=self.python, secret=secret, secret_kwarg=secret_kwarg, **kwargs)
         _status, output = host.run_shell_command(command)
         return tr.parse_result(output.stdout_lines)
+
+    def _run(self, host, calls: list[dict[str, Any]], *, budget_s: float | None = None, secret: str | None = None,
+             gpu: bool = False, gate: bool = False) -> list[dict[str, Any]]:
+        """Run ``calls`` (tr.step_call) in ONE remote command, each after the one before completed;
+        -> one result per step that ran, each with ``step_s`` (its duration, measured in the
+        container). A record queued by the lock step goes first and is reported here."""
+        queued, self.queued = self.queued, []
+        calls = [entry[0] for entry in queued] + calls
+        command = tr.sequence_call(calls, python=self.python, budget_s=budget_s, secret=secret,
+                                   with_gpu_probe=gpu, with_gate=gate)
+        _status, output = host.run_shell_command(command)
+        results = tr.sequence_results(tr.parse_result(output.stdout_lines), len(calls))
+        for _call, on_result in queued:
+            on_result(results.pop(0) if results else {"ok": False, "error": "not run: an earlier step failed"})
+        return results
 
     def _lease(self, seconds: float) -> dict[str, Any] | None:
         if self.lock is None:
@@ -122,21 +147,38 @@ class Transition:
         emit(step, path=self.audit_log, host=self.host_name, vmid=self.vmid, port=self.port, phase=phase, **fields)
 
     @contextlib.contextmanager
-    def _span(self, step: str, **begin: Any) -> Iterator[dict[str, Any]]:
+    def _span(self, step: str, began: float | None = None, **begin: Any) -> Iterator[dict[str, Any]]:
         """``begin`` and ``end`` events around a step; the body fills the end event's fields
-        (``outcome`` defaults to ok; a TransitionFailed ends it as failed with the message)."""
-        began = time.monotonic()
+        (``outcome`` defaults to ok; a TransitionFailed ends it as failed with the message;
+        ``duration_s`` set by the body replaces the controller's own figure). ``began``: the step
+        began earlier (time.monotonic()), before a command whose results came first."""
+        began = time.monotonic() if began is None else began
         self._event(step, "begin", **begin)
         end: dict[str, Any] = {}
         try:
             yield end
         except TransitionFailed as error:
             outcome = end.pop("outcome", "failed")
-            self._event(step, "end", outcome=outcome, duration_s=round(time.monotonic() - began, 3),
-                        error=str(error)[:2000], **end)
+            duration = end.pop("duration_s", round(time.monotonic() - began, 3))
+            self._event(step, "end", outcome=outcome, duration_s=duration, error=str(error)[:2000], **end)
             raise
         outcome = end.pop("outcome", "ok")
-        self._event(step, "end", outcome=outcome, duration_s=round(time.monotonic() - began, 3), **end)
+        duration = end.pop("duration_s", round(time.monotonic() - began, 3))
+        self._event(step, "end", outcome=outcome, duration_s=duration, **end)
+
+    def _measured(self, step: str, result: Mapping[str, Any], begin: Mapping[str, Any] | None = None
+                  ) -> contextlib.AbstractContextManager:
+        """A span for a step that already ran in the container within a merged command: its events
+        are written now, with the duration measured there (``step_s``)."""
+        self.timings[step] = float(result.get("step_s") or 0.0)
+        span = self._span(step, **dict(begin or {}))
+
+        @contextlib.contextmanager
+        def measured() -> Iterator[dict[str, Any]]:
+            with span as end:
+                end["duration_s"] = self.timings[step]
+                yield end
+        return measured()
 
     def _flags_story(self) -> dict[str, Any]:
         """Flags before and after and the diff lines, redacted (the plan and done events)."""
@@ -167,10 +209,11 @@ class Transition:
             try:
                 body(host)
             except TransitionFailed as error:
-                self.timings[name] = round(time.monotonic() - began, 3)
-                host.log_styled(f"sglang :{self.port} {name} failed: {error}", fg="red", log_func=logger.error)
-                self._abandon(host, name)
-                self._event("done", "end", outcome=f"failed at {name}", error=str(error)[:2000],
+                failed = error.step or name  # a step merged into this command may be the one that failed
+                self.timings.setdefault(name, round(time.monotonic() - began, 3))
+                host.log_styled(f"sglang :{self.port} {failed} failed: {error}", fg="red", log_func=logger.error)
+                self._abandon(host, failed)
+                self._event("done", "end", outcome=f"failed at {failed}", error=str(error)[:2000],
                             timings=self.timings, **self.story)
                 return False
             self.timings.setdefault(name, round(time.monotonic() - began, 3))
@@ -179,13 +222,15 @@ class Transition:
         return run
 
     def _abandon(self, host, step: str) -> None:
-        """After a failure: leave a record of where it stopped and free the lock for a re-run."""
+        """After a failure: leave a record of where it stopped and free the lock for a re-run
+        (one command: the record, then the release even when the record failed)."""
+        self.queued = []
         if self.lock is None:
             return
         try:
-            if not self.outcome_recorded:
-                self._record(host, phase=f"failed at {step}")
-            self._call(host, "lock_release", path=self.files["lock"], token=self.token)
+            calls = [] if self.outcome_recorded else [self._record_call(phase=f"failed at {step}")]
+            calls.append(tr.step_call("lock_release", path=self.files["lock"], token=self.token, always=True))
+            self._run(host, calls)
         except Exception:
             logger.debug("could not release the lock", exc_info=True)
         self.lock = None
@@ -202,27 +247,46 @@ class Transition:
             return tr.Change("restart", ["restarted=True"], running=change.running)
         return change
 
+    def _probe_kwargs(self, model_path: bool = True) -> dict[str, Any]:
+        """The server probe's arguments, as the observe fact sends them (same env names and model path,
+        so that a look under the lock reads what the first look read)."""
+        spec = self.spec
+        return probe_kwargs(self.port, env_names=sorted(spec.env) if spec else (),
+                            model_path=spec.model_path if spec and model_path else None)
+
     # ------------------------------------------------------------ steps
     def commands(self) -> list[FunctionCommand]:
+        """The steps as FunctionCommands. Steps that share a remote command (docs/transition.md,
+        "Remote commands per restart"): record goes with the stop's first chunk (or, with nothing
+        to stop, with the gate); prepare, start and the load's first reading with the gate's
+        passing chunk; verify reads the probe taken when the load turned ready; unlock records
+        and releases in one command."""
         steps: list[tuple[str, Callable]] = []
         action = self.change.action
         if action == "wait":
             steps = [("wait healthy", self.wait_healthy), ("verify", self.verify)]
         elif action in ("start", "restart"):
-            steps = [("lock", self.take_lock), ("record", self.record_previous), ("stop", self.stop),
-                     ("gate", self.gate), ("prepare", self.prepare), ("start", self.start),
+            steps = [("lock", self.take_lock), ("stop", self.stop), ("gate", self.gate_and_start),
                      ("wait healthy", self.wait_healthy), ("verify", self.verify), ("unlock", self.unlock)]
         elif action in ("stop", "sweep"):
-            steps = [("lock", self.take_lock), ("record", self.record_previous), ("stop", self.stop),
-                     ("gate", self.gate), ("unlock", self.unlock)]
+            steps = [("lock", self.take_lock), ("stop", self.stop), ("gate", self.gate), ("unlock", self.unlock)]
         return [FunctionCommand(self._step(name, body), (), {}) for name, body in steps]
 
     def take_lock(self, host) -> None:
+        """Take the lease and look again under it, in one command; then queue the record."""
         with self._span("lock", owner=_operator()) as end:
             lease = max(self.drain_timeout + self.kill_grace, self.gate_timeout) + LOCK_MARGIN_S
-            result = self._call(host, "lock_acquire", path=self.files["lock"], token=self.token, owner=_operator(),
-                                lease_s=lease, wait_s=self.lock_wait)
+            results = self._run(host, [
+                tr.step_call("lock_acquire", path=self.files["lock"], token=self.token, owner=_operator(),
+                             lease_s=lease, wait_s=self.lock_wait),
+                # Look again under the lock: another operator may have just converged this server.
+                tr.step_call("observe", **self._probe_kwargs()),
+            ])
+            result = results[0]
             if not result.get("acquired"):
+                if "holder" not in result:
+                    raise TransitionFailed(f"could not take the lock {self.files['lock']}: {result.get('error')}. "
+                                           f"Nothing was touched.")
                 holder = result.get("holder") or {}
                 left = float(holder.get("expires", 0)) - float(result.get("clock", 0))
                 end["holder"] = holder.get("owner")
@@ -235,14 +299,12 @@ class Transition:
                 old = result["taken_over"]
                 self._say(host, f"took over a lapsed lock from {old.get('owner', '?')} (step {old.get('step', '?')})")
                 end.update(outcome="taken over", previous_owner=old.get("owner"), previous_step=old.get("step"))
-            # Look again under the lock: another operator may have just converged this server.
-            spec = self.spec
-            observation = host.get_fact(SglangObservation, port=self.port,
-                                        env_names=sorted(spec.env) if spec else (),
-                                        model_path=spec.model_path if spec else None, python=self.python)
-            server = observation.get("sglang") or {}
-            if "error" in server:
-                raise TransitionFailed(f"the server probe failed under the lock: {server['error']}")
+            looked = results[1] if len(results) > 1 else {}
+            server = looked.get("server")
+            if not isinstance(server, dict) or "error" in server:
+                raise TransitionFailed("the server probe failed under the lock: "
+                                       f"{(server or {}).get('error') if isinstance(server, dict) else looked.get('error')}")
+            with_command(server)
             change = self._decide(server)
             if change.action == "noop":
                 self._say(host, "already converged (by another run) when the lock was taken: nothing to do")
@@ -255,15 +317,17 @@ class Transition:
             self.state_before = dict(server.get("state") or {})
             self.story = self._flags_story()  # what is really replaced, as seen under the lock
             end["action"] = change.action
+        self._queue_record()
 
     _DEFAULT = object()  # sentinel: "the default" for _record's current and previous
 
-    def _record(self, host, phase: str, previous: Any = _DEFAULT, current: Any = _DEFAULT,
-                attempted: dict[str, Any] | None = None, save: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Write the state file (no secret value in it). ``current`` is what runs (or should run)
-        now: the desired spec by default (the recorded previous one for restore_previous), the
-        restored one after a rollback, None when nothing runs; ``attempted`` the spec whose start
-        failed; ``save``: keep the running server's argv and env file in a 0600 slot."""
+    def _record_call(self, phase: str, previous: Any = _DEFAULT, current: Any = _DEFAULT,
+                     attempted: dict[str, Any] | None = None, save: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The call that writes the state file (no secret value in it). ``current`` is what runs (or
+        should run) now: the desired spec by default (the recorded previous one for
+        restore_previous), the restored one after a rollback, None when nothing runs; ``attempted``
+        the spec whose start failed; ``save``: keep the running server's argv and env file in a
+        0600 slot."""
         if previous is self._DEFAULT:  # default: the spec that ran before this transition
             previous = self.state_before.get("previous") if self.target is not None else (
                 self.previous_record or self.state_before.get("previous"))
@@ -272,60 +336,83 @@ class Transition:
         document = {"schema": 1, "port": self.port, "phase": phase, "by": _operator(),
                     "current": current, "previous": previous, "attempted": attempted,
                     "replaced": self.replaced, "timings": self.timings}
-        result = self._call(host, "record", lock=self._lease(self.gate_timeout), state_file=self.files["state"],
+        return tr.step_call("record", lock=self._lease(self.gate_timeout), state_file=self.files["state"],
                             env_file=self.files["env"], document=document, save=save)
+
+    def _record_result(self, result: Mapping[str, Any]) -> None:
         if not result.get("ok"):
-            raise TransitionFailed(f"could not write {self.files['state']}: {result.get('error')}")
+            raise TransitionFailed(f"could not write {self.files['state']}: {result.get('error')}", step="record")
+
+    def _record(self, host, phase: str, **kwargs: Any) -> dict[str, Any]:
+        """Write the state file now, in a command of its own (see _record_call)."""
+        result = self._run(host, [self._record_call(phase, **kwargs)])[0]
+        self._record_result(result)
         return result
 
-    def record_previous(self, host) -> None:
-        with self._span("record") as end:
-            main = self.server.get("main")
-            running = tr.running_record(self.server)
-            slot = "undo" if self.target is not None else "previous"
-            save = None
-            if main:
-                key = "replaced" if self.target is not None else "previous"
-                save = {"main_pid": main["pid"], "argv_file": self.files[f"{slot}_argv"],
-                        "env_file": self.files[f"{slot}_env"], "key": key}
-                if self.target is not None:
-                    self.replaced = running
-                else:
-                    self.previous_record = running
-            result = self._record(host, phase="changing", save=save)
-            if result.get("saved"):
-                entry = result.get("entry")
-                if self.target is not None:
-                    self.replaced = entry or self.replaced
-                else:
-                    self.previous_record = entry or self.previous_record
-                self.undo = {"record": self.replaced if self.target is not None else self.previous_record,
-                             "argv_file": save["argv_file"], "env_file": save["env_file"]}
-            end.update(saved_slot=slot if result.get("saved") else None, state_file=self.files["state"])
+    def _queue_record(self) -> None:
+        """The record of the server that runs now (and its 0600 slot), sent with the next command
+        (the stop's first chunk, or the gate): it must come before anything is stopped, and it
+        does, since a sequence stops at a step that failed."""
+        main = self.server.get("main")
+        running = tr.running_record(self.server)
+        slot = "undo" if self.target is not None else "previous"
+        save = None
+        if main:
+            key = "replaced" if self.target is not None else "previous"
+            save = {"main_pid": main["pid"], "argv_file": self.files[f"{slot}_argv"],
+                    "env_file": self.files[f"{slot}_env"], "key": key}
+            if self.target is not None:
+                self.replaced = running
+            else:
+                self.previous_record = running
+        call = self._record_call(phase="changing", save=save)
+
+        def on_result(result: Mapping[str, Any]) -> None:
+            with self._measured("record", result) as end:
+                self._record_result(result)
+                if result.get("saved"):
+                    entry = result.get("entry")
+                    if self.target is not None:
+                        self.replaced = entry or self.replaced
+                    else:
+                        self.previous_record = entry or self.previous_record
+                    self.undo = {"record": self.replaced if self.target is not None else self.previous_record,
+                                 "argv_file": save["argv_file"], "env_file": save["env_file"]}
+                end.update(saved_slot=slot if result.get("saved") else None, state_file=self.files["state"])
+
+        self.queued.append((call, on_result))
 
     def stop(self, host) -> None:
         """SIGTERM (SGLang's drain) in chunks of PROGRESS_EVERY_S with a progress line each, then
         SIGKILL of the group and tree and the sweep, in the container."""
-        with self._span("stop") as end:
-            main = self.server.get("main")
-            strays = self.server.get("strays") or []
-            if not main and not strays:
+        began = time.monotonic()
+        main = self.server.get("main")
+        strays = self.server.get("strays") or []
+        if not main and not strays:
+            with self._span("stop") as end:
                 end["outcome"] = "nothing to stop"
-                return
-            if main:
-                self._say(host, f"stopping pid {main['pid']} (SIGTERM: drain, deadline {self.drain_timeout:g} s)")
-            else:
-                self._say(host, f"sweeping {len(strays)} stray sglang process(es)")
-            waited, tree, pgid = 0.0, None, None
-            drain_began = time.monotonic()
+            return
+        if main:
+            self._say(host, f"stopping pid {main['pid']} (SIGTERM: drain, deadline {self.drain_timeout:g} s)")
+        else:
+            self._say(host, f"sweeping {len(strays)} stray sglang process(es)")
+        waited, tree, pgid = 0.0, None, None
+
+        def drain_chunk() -> dict[str, Any]:
+            chunk = PROGRESS_EVERY_S
+            return self._run(host, [tr.step_call(
+                "drain", lock=self._lease(chunk + self.kill_grace), main_pid=main["pid"] if main else None,
+                chunk_s=chunk, deadline_s=max(0.0, self.drain_timeout - waited), kill_grace=self.kill_grace,
+                tree=tree, pgid=pgid, pid_file=self.files["pid"])], gpu=bool(main))[0]
+
+        # The first chunk carries the queued record: its events come first, then the stop's.
+        result: dict[str, Any] | None = drain_chunk()
+        with self._span("stop", began=began) as end:
             if main:
                 self._event("drain", "begin", pid=main["pid"], deadline_s=self.drain_timeout)
             while True:
-                chunk = PROGRESS_EVERY_S
-                result = self._call(host, "drain", with_gpu_probe=bool(main),
-                                    lock=self._lease(chunk + self.kill_grace), main_pid=main["pid"] if main else None,
-                                    chunk_s=chunk, deadline_s=max(0.0, self.drain_timeout - waited),
-                                    kill_grace=self.kill_grace, tree=tree, pgid=pgid, pid_file=self.files["pid"])
+                if result is None:
+                    result = drain_chunk()
                 if result.get("error") == "lock lost":
                     raise TransitionFailed(f"the lock was taken over by {(result.get('holder') or {}).get('owner')}")
                 if "tree" not in result:
@@ -337,11 +424,12 @@ class Transition:
                 self._say(host, f"draining pid {main['pid']}: {waited:.0f} s of {self.drain_timeout:g} s, "
                                 f"{len(result.get('alive') or [])} of {len(tree)} processes left, "
                                 f"GPU MiB {_compact(result.get('gpu_used_mib'))}")
+                result = None
             self.timings["drain"] = round(waited, 3) if main else 0.0
             self.timings["kill"] = result.get("kill_s", 0.0)
             if main:
                 self._event("drain", "end", outcome="drained" if result.get("drained") else "deadline passed",
-                            duration_s=round(time.monotonic() - drain_began, 3), drain_s=self.timings["drain"],
+                            duration_s=round(time.monotonic() - began, 3), drain_s=self.timings["drain"],
                             processes=len(tree or {}))
             self._event("kill", "begin", targets=sorted(int(pid) for pid in result.get("alive") or []))
             self._event("kill", "end", outcome="killed" if result.get("killed") else "nothing left",
@@ -363,17 +451,42 @@ class Transition:
                        drain_s=self.timings["drain"], kill_s=self.timings["kill"])
 
     def gate(self, host) -> None:
-        """Every GPU at or under max_used_mib and no holder left in the container; polled in the
-        container, in chunks of PROGRESS_EVERY_S with a progress line each (what it sees)."""
-        from gpugate import gate as gate_logic
-        from gpugate.operations.gpu import progress_text, wait_for_idle_in_chunks
+        """Every GPU at or under max_used_mib and no holder left in the container (nothing started)."""
+        self._gate(host, [])
 
-        with self._span("gate", max_used_mib=self.max_used_mib, timeout_s=self.gate_timeout) as end:
-            began = time.monotonic()
-            self._call(host, "lock_renew", lock=self._lease(self.gate_timeout), step="gate")
-            decision = wait_for_idle_in_chunks(
-                host, max_used_mib=self.max_used_mib, timeout=self.gate_timeout, chunk_s=PROGRESS_EVERY_S,
-                progress=lambda waited, last: self._say(host, progress_text(waited, self.gate_timeout, last)))
+    def _gate(self, host, then: list[dict[str, Any]], secret: str | None = None) -> list[dict[str, Any]]:
+        """The gate, polled in the container in chunks of PROGRESS_EVERY_S with a progress line per
+        chunk (what it sees); ``then``: the steps that run in the same command as soon as it passes
+        (no round trip, and no window, between the gate and the start). -> their results."""
+        from gpugate import gate as gate_logic
+        from gpugate.operations.gpu import decision_from_wait, progress_text
+
+        began = time.monotonic()
+
+        def gate_chunk() -> list[dict[str, Any]]:
+            chunk = min(PROGRESS_EVERY_S, max(0.0, self.gate_timeout - (time.monotonic() - began)))
+            # The lease covers this chunk and what follows it in the same command (the start, the
+            # load's first reading), then a step's margin.
+            calls = [tr.step_call("gate_wait", lock=self._lease(PROGRESS_EVERY_S + 60),
+                                  max_used_mib=self.max_used_mib, timeout_s=chunk)] + then
+            return self._run(host, calls, budget_s=PROGRESS_EVERY_S, secret=secret if then else None, gate=True)
+
+        # With nothing to stop, the first chunk carries the queued record: its events come first.
+        results: list[dict[str, Any]] | None = gate_chunk()
+        with self._span("gate", began=began, max_used_mib=self.max_used_mib, timeout_s=self.gate_timeout) as end:
+            while True:
+                if results is None:
+                    results = gate_chunk()
+                waited = time.monotonic() - began
+                reading = results[0]
+                if reading.get("error") == "lock lost":
+                    raise TransitionFailed(f"the lock was taken over by {(reading.get('holder') or {}).get('owner')}")
+                decision = decision_from_wait(reading, self.max_used_mib)
+                if decision.passed or decision.permanent or waited >= self.gate_timeout:
+                    break
+                self._say(host, progress_text(waited, self.gate_timeout, decision))
+                results = None
+            after = results[1:]
             timing = decision.timing or {}
             end.update(gpu_used_mib=timing.get("used_mib"), polls=timing.get("polls"),
                        holders=[{"pid": h.get("pid"), "cmdline": h.get("cmdline")} for h in decision.holders])
@@ -381,61 +494,89 @@ class Transition:
                 end["reasons"] = decision.reasons
                 raise TransitionFailed(gate_logic.format_failure(decision, host.name, self.gate_timeout)
                                        + "\n  the new server was NOT started")
-            self.timings["gate"] = round(time.monotonic() - began, 3)
+            # until the controller knew it passed, less the steps that ran after it in the same command
+            self.timings["gate"] = round(waited - sum(float(r.get("step_s") or 0.0) for r in after), 3)
             end["outcome"] = "passed"
+            end["duration_s"] = self.timings["gate"]
             self._say(host, f"gate passed in {self.timings['gate']:.2f} s: every GPU <= {self.max_used_mib} MiB, "
                             f"no holder (GPU MiB {_compact(timing.get('used_mib'))})")
+        return after
 
-    def prepare(self, host, restore_env_from: str | None = None) -> None:
-        with self._span("prepare") as end:
-            kwargs: dict[str, Any] = {}
-            secret = None
-            if restore_env_from is None and self.target is not None:
-                restore_env_from = self.files["previous_env"]
-            if restore_env_from is not None:
-                kwargs["restore_env_from"] = restore_env_from
-                end["env_from"] = restore_env_from
-            else:
-                secret = base64.b64encode(tr.env_file_text(self.spec.env).encode()).decode()
-            result = self._call(host, "prepare_start", secret=secret, secret_kwarg="env_b64" if secret else None,
-                                lock=self._lease(30), port=self.port, env_file=self.files["env"], **kwargs)
-            if not result.get("ok"):
-                raise TransitionFailed(f"before the start: {result.get('error')}")
-            if result.get("removed_shm"):
-                self._say(host, f"removed stale /dev/shm segments: {', '.join(result['removed_shm'])}")
-            end["removed_shm"] = result.get("removed_shm")
-
-    def start(self, host, argv_file: str | None = None, shown: list[str] | None = None) -> None:
-        """Start the desired argv, or (``argv_file``: a rollback or restore_previous) the exact argv
-        kept in the container."""
+    def gate_and_start(self, host, restore_env_from: str | None = None, argv_file: str | None = None,
+                       shown: list[str] | None = None, rollback: bool = False) -> None:
+        """Gate, then in the same command as the passing reading: clean /dev/shm, check the port,
+        write the env file, start, and read the load until the chunk is over (and the probe for
+        verify when it is ready already). ``argv_file`` (a rollback or restore_previous): the exact
+        argv kept in the container; ``restore_env_from``: the env file kept with it."""
         if argv_file is None and self.target is not None:
             argv_file, shown = self.files["previous_argv"], self.target.get("argv")
-        with self._span("start", argv=shown if argv_file else tr.redact_argv(self.spec.argv)) as end:
-            if argv_file is None and self.spec.supervisor == "systemd":
-                unit_text = render_unit(self.spec, self.files, self.drain_timeout + self.kill_grace)
-                result = self._call(host, "start_systemd", lock=self._lease(60), unit=self.files["unit_name"],
-                                    unit_text_b64=base64.b64encode(unit_text.encode()).decode(),
-                                    unit_path=self.files["unit"])
-            else:
-                result = self._call(host, "start_process", lock=self._lease(60),
-                                    argv=None if argv_file else self.spec.argv, argv_file=argv_file,
-                                    env_file=self.files["env"], log_file=self.files["log"], pid_file=self.files["pid"])
-            if not result.get("ok"):
-                raise TransitionFailed(f"start failed: {result.get('error')}")
-            self.started = result
-            end["pid"] = result["pid"]
+        if restore_env_from is None and self.target is not None:
+            restore_env_from = self.files["previous_env"]
+        prepare_kwargs: dict[str, Any] = {}
+        secret = None
+        if restore_env_from is not None:
+            prepare_kwargs["restore_env_from"] = restore_env_from
+        else:
+            secret = base64.b64encode(tr.env_file_text(self.spec.env).encode()).decode()
+        lease = self._lease(PROGRESS_EVERY_S + 60)
+        then = [tr.step_call("prepare_start", lock=lease, port=self.port, env_file=self.files["env"],
+                             secret_kwarg="env_b64" if secret else None, **prepare_kwargs)]
+        if argv_file is None and self.spec.supervisor == "systemd":
+            unit_text = render_unit(self.spec, self.files, self.drain_timeout + self.kill_grace)
+            then.append(tr.step_call("start_systemd", lock=lease, unit=self.files["unit_name"],
+                                     unit_text_b64=base64.b64encode(unit_text.encode()).decode(),
+                                     unit_path=self.files["unit"]))
+        else:
+            then.append(tr.step_call("start_process", lock=lease, argv=None if argv_file else self.spec.argv,
+                                     argv_file=argv_file, env_file=self.files["env"], log_file=self.files["log"],
+                                     pid_file=self.files["pid"]))
+        # The load's first reading (the new pid from the start's result) for what is left of the chunk,
+        # and, once it is ready, the probe that verify compares.
+        then.append(tr.step_call("wait_healthy", lock=self._lease(PROGRESS_EVERY_S + 60), port=self.port,
+                                 chunk_s=PROGRESS_EVERY_S, log_file=self.files["log"], budget_kwarg="chunk_s",
+                                 inputs={"pid": "pid", "log_offset": "log_offset"}))
+        then.append(tr.step_call("observe", **self._probe_kwargs(model_path=False)))
+        after = self._gate(host, then, secret=secret)
+        prepared = after[0] if after else {"ok": False, "error": "not run"}
+        with self._measured("prepare", prepared) as end:
+            if restore_env_from is not None:
+                end["env_from"] = restore_env_from
+            if not prepared.get("ok"):
+                raise TransitionFailed(f"before the start: {prepared.get('error')}", step="prepare")
+            if prepared.get("removed_shm"):
+                self._say(host, f"removed stale /dev/shm segments: {', '.join(prepared['removed_shm'])}")
+            end["removed_shm"] = prepared.get("removed_shm")
+        started = after[1] if len(after) > 1 else {"ok": False, "error": "not run"}
+        with self._measured("start", started, {"argv": shown if argv_file else tr.redact_argv(self.spec.argv)}) as end:
+            if not started.get("ok"):
+                raise TransitionFailed(f"start failed: {started.get('error')}", step="start")
+            self.started = started
+            end["pid"] = started["pid"]
             text = " ".join(shown or []) if argv_file else " ".join(tr.redact_argv(self.spec.argv))
-            self._say(host, f"started pid {result['pid']}: {text}")
+            self._say(host, f"started pid {started['pid']}: {text}")
+        self.first_wait = after[2] if len(after) > 2 else None
+        self.looked_after_start = (after[3].get("server") if len(after) > 3 else None)
 
-    def _wait(self, host, pid: int, log_offset: int | None) -> dict[str, Any]:
-        """Poll (inside the container, in chunks) until ready, crashed, or start_timeout."""
-        began = time.monotonic()
+    def _wait(self, host, pid: int, log_offset: int | None, first: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Poll (inside the container, in chunks) until ready, crashed, or start_timeout. ``first``:
+        the reading taken in the start's own command (its ``step_s`` counts into the load). When
+        ready, ``server`` is the probe taken right then in the same command (for verify)."""
+        began = time.monotonic() - (float(first.get("step_s") or 0.0) if first else 0.0)
         last_phase = None
+        result = dict(first) if first else None
         while True:
-            elapsed = time.monotonic() - began
-            chunk = max(0.5, min(WAIT_CHUNK_S, self.start_timeout - elapsed))
-            result = self._call(host, "wait_healthy", lock=self._lease(chunk + 30), port=self.port, pid=pid,
-                                chunk_s=chunk, log_file=self.files["log"], log_offset=log_offset or 0)
+            if result is None:
+                elapsed = time.monotonic() - began
+                chunk = max(0.5, min(WAIT_CHUNK_S, self.start_timeout - elapsed))
+                results = self._run(host, [
+                    tr.step_call("wait_healthy", lock=self._lease(chunk + 30), port=self.port, pid=pid, chunk_s=chunk,
+                                 log_file=self.files["log"], log_offset=log_offset or 0),
+                    tr.step_call("observe", **self._probe_kwargs(model_path=False))])
+                result = results[0]
+                if len(results) > 1:
+                    result["server"] = results[1].get("server")
+            else:
+                chunk = float(result.get("step_s") or 0.0)
             if result.get("error") == "lock lost":
                 raise TransitionFailed(f"the lock was taken over by {(result.get('holder') or {}).get('owner')}")
             phase = result.get("phase", "unknown")
@@ -450,15 +591,25 @@ class Transition:
                         "generating": "healthy, waiting for a generation"}.get(phase, phase)
                 self._say(host, f"{what}, {elapsed:.0f} s since the start")
             last_phase = phase
+            result = None
+
+    def _first_wait(self) -> dict[str, Any] | None:
+        """The load's reading taken in the start's command (with the probe when ready), once."""
+        first, self.first_wait = self.first_wait, None
+        if first is not None and self.looked_after_start is not None:
+            first["server"], self.looked_after_start = self.looked_after_start, None
+        return first
 
     def wait_healthy(self, host) -> None:
         if self.started is None:  # action "wait": a load already in progress
             main = self.server["main"]
             self.started = {"pid": main["pid"], "log_offset": None}
         with self._span("load", pid=self.started["pid"]) as end:
-            result = self._wait(host, self.started["pid"], self.started.get("log_offset"))
+            result = self._wait(host, self.started["pid"], self.started.get("log_offset"), self._first_wait())
             self.timings["load"] = round(result["elapsed"], 3)
+            end["duration_s"] = self.timings["load"]  # since the start, the part read in the start's command included
             if result["phase"] == "ready":
+                self.verify_server = result.get("server")
                 self._say(host, f"healthy and generating after {result['elapsed']:.1f} s")
                 end["outcome"] = "ready"
                 return
@@ -505,13 +656,12 @@ class Transition:
             end["outcome"] = "nothing to roll back to: stopped, GPUs gated free"
             raise TransitionFailed(f"the new server {why}; there was no server before, so nothing to roll back "
                                    f"to: it was stopped and the GPUs gated free. Log tail:\n{tail_text}")
-        self.gate(host)
         self._say(host, "rolling back to the previous flags")
-        self.prepare(host, restore_env_from=self.undo["env_file"])
-        self.start(host, argv_file=self.undo["argv_file"], shown=(self.undo.get("record") or {}).get("argv"))
-        with self._span("load", pid=self.started["pid"], rollback=True) as end:
-            result = self._wait(host, self.started["pid"], self.started.get("log_offset"))
-            end["outcome"] = result["phase"]
+        self.gate_and_start(host, restore_env_from=self.undo["env_file"], argv_file=self.undo["argv_file"],
+                            shown=(self.undo.get("record") or {}).get("argv"))
+        with self._span("load", pid=self.started["pid"], rollback=True) as load_end:
+            result = self._wait(host, self.started["pid"], self.started.get("log_offset"), self._first_wait())
+            load_end.update(outcome=result["phase"], duration_s=round(result["elapsed"], 3))
         if result["phase"] == "ready":
             self.outcome_recorded = True
             self._record(host, phase="rolled back", current=self.undo.get("record"), attempted=attempted,
@@ -543,10 +693,16 @@ class Transition:
             f"  log tail of the failed start:\n{tail_text}\n  log tail of the rollback:\n{_tail_text(rollback_tail)}")
 
     def verify(self, host) -> None:
+        """Compare what runs with what was asked for, from the probe taken in the same command that
+        saw the server ready (no command of its own)."""
         with self._span("verify") as end:
-            observation = host.get_fact(SglangObservation, port=self.port,
-                                        env_names=sorted(self.spec.env) if self.spec else (), python=self.python)
-            server = observation.get("sglang") or {}
+            server, self.verify_server = self.verify_server, None
+            if not isinstance(server, dict) or "error" in server:
+                observation = host.get_fact(SglangObservation, port=self.port,
+                                            env_names=sorted(self.spec.env) if self.spec else (), python=self.python)
+                server = observation.get("sglang") or {}
+            else:
+                with_command(server)
             if not server.get("running"):
                 raise TransitionFailed("the server is not running after it turned healthy")
             end["pid"] = server["main"]["pid"]
@@ -571,11 +727,13 @@ class Transition:
             self._say(host, f"verified: {what}")
 
     def unlock(self, host) -> None:
+        """Record the outcome and release the lock, in one command."""
         with self._span("unlock") as end:
             phase = "running" if (self.spec or self.target is not None) else "absent"
             self.timings["total"] = round(time.monotonic() - self.began, 3)
-            self._record(host, phase=phase)
-            self._call(host, "lock_release", path=self.files["lock"], token=self.token)
+            results = self._run(host, [self._record_call(phase=phase),
+                                       tr.step_call("lock_release", path=self.files["lock"], token=self.token)])
+            self._record_result(results[0])
             self.lock = None
             end["phase_recorded"] = phase
         parts = ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items() if k in ("drain", "kill", "gate", "load"))

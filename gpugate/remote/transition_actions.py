@@ -75,7 +75,7 @@ def lock_acquire(path, token, owner, lease_s, wait_s=0, step="lock"):
         finally:
             handle.close()
         if time.time() >= deadline:
-            return {"acquired": False, "holder": holder, "clock": time.time()}
+            return {"acquired": False, "pending": True, "holder": holder, "clock": time.time()}
         time.sleep(min(1.0, max(0.05, deadline - time.time())))
 
 
@@ -233,6 +233,7 @@ def drain(lock, main_pid, chunk_s, deadline_s, kill_grace, tree=None, pgid=None,
         result["drained"] = exited if main_ticks is not None else None
     else:
         result["gpu_used_mib"] = _gpu_used_mib()
+        result["pending"] = True  # still draining: a sequence goes no further in this command
     return result
 
 
@@ -449,7 +450,7 @@ def wait_healthy(lock, port, pid, chunk_s, log_file=None, log_offset=0, generate
     phase = "loading"
     while True:
         if not _alive(int(pid)):
-            return {"ok": True, "phase": "crashed", "log_tail": _log_since(log_file, log_offset)}
+            return {"ok": True, "phase": "crashed", "pending": True, "log_tail": _log_since(log_file, log_offset)}
         listening, _ = probe._listeners(int(port))
         if listening:
             status, _ = probe.http_get(int(port), "/health", 3.0)
@@ -461,12 +462,95 @@ def wait_healthy(lock, port, pid, chunk_s, log_file=None, log_offset=0, generate
         else:
             phase = "loading"
         if time.time() >= deadline:
-            return {"ok": True, "phase": phase}
+            return {"ok": True, "phase": phase, "pending": True}
         time.sleep(0.25)
 
 
 def log_tail(log_file, offset=0, lines=40):
     return {"ok": True, "log_tail": _log_since(log_file, offset, lines)}
+
+
+# ---------------------------------------------------------------- observe and gate (for sequences)
+def observe(**probe_kwargs):
+    """The server probe (the SglangServer fact's document), e.g. under the lock just taken, or
+    right after the server turned healthy (what verify compares)."""
+    return {"ok": True, "server": probe.collect(**probe_kwargs)}
+
+
+def _gate_modules():
+    try:  # inlined: the command registers them as top-level modules first
+        import gate as gate_logic
+        import gpu_probe
+    except ImportError:  # imported from the package (tests)
+        from gpugate import gate as gate_logic
+        from gpugate.remote import gpu_probe
+    return gate_logic, gpu_probe
+
+
+def gate_wait(lock, max_used_mib, timeout_s, poll_interval_s=0.05):
+    """The GPU gate polled here for up to ``timeout_s`` (gpugate.gate.poll_until_idle: every GPU
+    at or under ``max_used_mib``, no holder); ``pending`` while it has not passed."""
+    refused = _guard(lock, "gate")
+    if refused:
+        return refused
+    gate_logic, gpu_probe = _gate_modules()
+    out = gate_logic.poll_until_idle(lambda: gpu_probe.collect(keep_nvml_open=True), max_used_mib=int(max_used_mib),
+                                     timeout_s=max(0.0, float(timeout_s)), poll_interval_s=float(poll_interval_s))
+    passed = bool((out.get("wait") or {}).get("passed"))
+    return {"ok": True, "gpu": out.get("gpu"), "wait": out.get("wait"), "pending": not passed}
+
+
+# ---------------------------------------------------------------- several steps in one command
+SEQUENCE_STEPS = ("lock_acquire", "lock_renew", "lock_release", "record", "observe", "drain", "kill_and_sweep",
+                  "gate_wait", "prepare_start", "start_process", "start_systemd", "wait_healthy", "log_tail")
+
+
+def _completed(result):
+    return result.get("ok") is not False and not result.get("pending")
+
+
+def sequence(calls, budget_s=None, secret=None):
+    """Run steps in order in ONE remote command (one SSH + pct exec round trip for all of them),
+    each only once the one before it has completed: a step that fails (``ok`` false), or has not
+    reached its goal yet (``pending``: the lock is held by someone else, the drain or the gate or
+    the load goes on), ends the sequence and the operator's side decides what comes next. A call
+    with ``always`` runs even then (releasing the lock after a failure).
+
+    Each call: ``{"function", "kwargs", "secret_kwarg"?, "budget_kwarg"?, "inputs"?, "always"?}``;
+    ``inputs`` maps an argument to a key of the previous step's result (the new server's pid, from
+    the start, for the load's first reading).
+    ``budget_kwarg`` names a wait's length argument, cut to what is left of ``budget_s`` (counted
+    from the command's start) so that the command returns within one progress chunk; the wait
+    still reads at least once. Each result gets ``step_s``: the step's duration measured here.
+    """
+    began = time.time()
+    results = []
+    stopped = False
+    for call in calls:
+        if stopped and not call.get("always"):
+            continue
+        name = call["function"]
+        kwargs = dict(call.get("kwargs") or {})
+        if call.get("secret_kwarg") and secret is not None:
+            kwargs[call["secret_kwarg"]] = secret
+        for argument, key in (call.get("inputs") or {}).items():
+            kwargs[argument] = results[-1].get(key) if results else None
+        if call.get("budget_kwarg") and budget_s is not None:
+            left = float(budget_s) - (time.time() - began)
+            kwargs[call["budget_kwarg"]] = max(0.0, min(float(kwargs.get(call["budget_kwarg"], left)), left))
+        step_began = time.time()
+        try:
+            if name not in SEQUENCE_STEPS:
+                raise ValueError("not a step: %r" % name)
+            result = globals()[name](**kwargs)
+        except Exception as error:  # report, never a traceback on the operator's screen
+            result = {"ok": False, "error": "%s: %s" % (type(error).__name__, error)}
+        result["step_s"] = round(time.time() - step_began, 3)
+        result["function"] = name
+        results.append(result)
+        if not _completed(result):
+            stopped = True
+    return {"ok": True, "results": results, "elapsed_s": round(time.time() - began, 3)}
 
 
 def main(source_args):  # pragma: no cover - the inline entry point

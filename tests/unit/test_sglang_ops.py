@@ -65,8 +65,9 @@ def test_same_flags_and_healthy_is_a_noop():
 
 def test_first_start_plans_the_whole_transition():
     commands, host = run_op({"sglang": stopped(), "gpu": gpus()}, flags={"tp": 8})
-    assert step_names(commands) == ["sglang_lock", "sglang_record", "sglang_stop", "sglang_gate", "sglang_prepare",
-                                    "sglang_start", "sglang_wait_healthy", "sglang_verify", "sglang_unlock"]
+    # record travels with the stop's first chunk, prepare and start with the gate's passing chunk
+    assert step_names(commands) == ["sglang_lock", "sglang_stop", "sglang_gate", "sglang_wait_healthy",
+                                    "sglang_verify", "sglang_unlock"]
     assert "will start" in logged(host) and "+ --tp-size 8" in logged(host)
 
 
@@ -96,7 +97,7 @@ def test_env_with_the_same_value_is_a_noop():
 
 def test_removal_stops_and_gates_and_absent_is_a_noop():
     commands, _ = run_op({"sglang": running({"tp": 8}), "gpu": gpus()}, present=False)
-    assert step_names(commands) == ["sglang_lock", "sglang_record", "sglang_stop", "sglang_gate", "sglang_unlock"]
+    assert step_names(commands) == ["sglang_lock", "sglang_stop", "sglang_gate", "sglang_unlock"]
     commands, host = run_op({"sglang": stopped(), "gpu": gpus()}, present=False)
     assert commands == [] and host.noop.called
 
@@ -154,9 +155,10 @@ def test_restarted_survives_the_second_look_under_the_lock(monkeypatch, tmp_path
     transition = sglang.Transition(spec, tr.decide(observation["sglang"], spec, True), observation, port=30000,
                                    max_used_mib=64, gate_timeout=5, drain_timeout=5, kill_grace=1,
                                    start_timeout=5, lock_wait=0, python="/usr/bin/python3", restarted=True)
-    monkeypatch.setattr(transition, "_call", lambda host, function, **kw: {"acquired": True})
+    # the lock and the look under it in one command: unchanged, healthy, desired flags
+    monkeypatch.setattr(transition, "_run", lambda host, calls, **kw: [{"acquired": True},
+                                                                       {"ok": True, "server": observation["sglang"]}])
     host = MagicMock()
-    host.get_fact.return_value = observation  # unchanged under the lock: healthy, desired flags
     transition.take_lock(host)
     assert not transition.done and transition.change.action == "restart"
     assert "already converged" not in logged(host)
