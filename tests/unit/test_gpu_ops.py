@@ -138,3 +138,14 @@ def test_end_holders_reports_survivors():
 def test_kill_command_is_one_quoted_shell_command():
     command = gpu.kill_gpu_holders_command(grace_s=3, ignore_pids=[7])
     assert command.startswith("if command -v python3") and command.count("'") == 4
+
+
+def test_a_wait_answer_without_a_gpu_reading_never_passes():
+    from gpugate.operations.gpu import decision_from_wait
+
+    lost = decision_from_wait({"ok": False, "error": "lock lost"})
+    assert not lost.passed and lost.undecidable
+    idle = {"source": "nvml", "memory_api": "v2", "errors": [], "holders": [],
+            "gpus": [{"index": i, "used_mib": 0, "reserved_mib": 615, "processes": []} for i in range(2)]}
+    passed = decision_from_wait({"gpu": idle, "wait": {"passed": True, "polls": 3}})
+    assert passed.passed and passed.timing["used_mib"] == [0, 0] and passed.timing["polls"] == 3

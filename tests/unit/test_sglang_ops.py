@@ -209,10 +209,14 @@ def test_the_state_file_record_holds_no_secret_value():
 
 
 def test_record_keeps_the_running_argv_and_env_in_0600_files(tmp_path):
-    import json as _json, os, subprocess, sys
+    import json as _json, os, subprocess, sys, time
     env_file = tmp_path / "sglang.env"
     env_file.write_text(tr.env_file_text({"HF_TOKEN": "hf-canary"}))
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "--api-key", "sk-canary"])
+    for _ in range(500):  # until the child has exec'd (before that /proc shows the parent's argv)
+        if b"sk-canary" in open(f"/proc/{server.pid}/cmdline", "rb").read():
+            break
+        time.sleep(0.01)
     try:
         document = {"previous": {"flags": {"api-key": "***"}}}
         result = transition_actions.record(None, str(tmp_path / "state.json"), str(env_file), document,
@@ -242,3 +246,46 @@ def test_restore_previous_compares_by_hash_and_refuses_without_a_record():
         tr.previous_target(stopped(), "/s.json")
     commands, host = run_op({"sglang": other, "gpu": gpus()}, restore_previous=True, model_path=None)
     assert "sglang_stop" in step_names(commands) and "sk-" not in logged(host)
+
+
+# ---------------------------------------------------------------- several steps in one remote command
+def test_a_record_that_fails_stops_the_command_before_the_drain(tmp_path):
+    import subprocess, sys
+    lock = str(tmp_path / "sglang.lock")
+    transition_actions.lock_acquire(lock, "other", "bob@y", lease_s=60)  # our lease was taken over
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        mine = {"path": lock, "token": "mine", "lease_s": 60}
+        out = transition_actions.sequence([
+            tr.step_call("record", lock=mine, state_file=str(tmp_path / "state.json"), env_file=None,
+                         document={"phase": "changing"}),
+            tr.step_call("drain", lock=mine, main_pid=server.pid, chunk_s=0.1, deadline_s=0.1, kill_grace=0.1),
+            tr.step_call("lock_release", path=lock, token="mine", always=True)])
+        assert server.poll() is None  # never signalled: the drain did not run
+    finally:
+        server.kill()
+    record, release = out["results"]
+    assert record["error"] == "lock lost" and record["function"] == "record"
+    assert release["released"] is False and not (tmp_path / "state.json").exists()
+
+
+def test_the_load_reading_follows_the_start_in_the_same_command(tmp_path):
+    import sys
+    out = transition_actions.sequence([
+        tr.step_call("start_process", lock=None, argv=[sys.executable, "-c", "import time; time.sleep(30)"],
+                     env_file=None, log_file=str(tmp_path / "server.log"), pid_file=str(tmp_path / "server.pid")),
+        tr.step_call("wait_healthy", lock=None, port=1, chunk_s=60, log_file=str(tmp_path / "server.log"),
+                     budget_kwarg="chunk_s", inputs={"pid": "pid", "log_offset": "log_offset"}),
+        tr.step_call("observe", port=1)], budget_s=0.2)
+    started, load = out["results"]  # still loading (port closed): no probe for verify yet
+    try:
+        assert started["pid"] == int((tmp_path / "server.pid").read_text())
+        assert load["phase"] == "loading" and load["pending"]  # the new pid is alive; the 60 s cut to the budget
+    finally:
+        transition_actions.os.kill(started["pid"], 9)
+
+
+def test_a_sequence_carries_the_env_secret_masked():
+    command = tr.sequence_call([tr.step_call("prepare_start", lock=None, port=1, env_file="/x",
+                                             secret_kwarg="env_b64")], secret="SEZfVE9LRU49aGY=")
+    assert "SEZfVE9LRU49aGY=" not in str(command) and "SEZfVE9LRU49aGY=" in command.get_raw_value()
