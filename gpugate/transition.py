@@ -44,6 +44,8 @@ def paths(port: int) -> dict[str, str]:
     """The files sglang.server owns in a container (docs/architecture.md)."""
     return {
         "env": f"/etc/gpugate/sglang-{port}.env",
+        # the desired env file, written (0600) with the lock, moved into place just before the start
+        "staged_env": f"/etc/gpugate/sglang-{port}.env.next",
         "state": f"/var/lib/gpugate/sglang-{port}.json",
         # The exact argv and env file of the server a rollback returns to (0600; secrets live only
         # here and in the env file): "previous" = before the last change, "undo" = what a

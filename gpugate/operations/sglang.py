@@ -276,12 +276,18 @@ class Transition:
         """Take the lease and look again under it, in one command; then queue the record."""
         with self._span("lock", owner=_operator()) as end:
             lease = max(self.drain_timeout + self.kill_grace, self.gate_timeout) + LOCK_MARGIN_S
-            results = self._run(host, [
-                tr.step_call("lock_acquire", path=self.files["lock"], token=self.token, owner=_operator(),
-                             lease_s=lease, wait_s=self.lock_wait),
-                # Look again under the lock: another operator may have just converged this server.
-                tr.step_call("observe", **self._probe_kwargs()),
-            ])
+            calls = [tr.step_call("lock_acquire", path=self.files["lock"], token=self.token, owner=_operator(),
+                                  lease_s=lease, wait_s=self.lock_wait)]
+            secret = None
+            if self.target is None and self.spec is not None:
+                # The env values travel in this short command's argv, not in the gate's (seconds long).
+                secret = base64.b64encode(tr.env_file_text(self.spec.env).encode()).decode()
+                calls.append(tr.step_call("stage_env", lock={"path": self.files["lock"], "token": self.token, "lease_s": lease},
+                                          staged_file=self.files["staged_env"], secret_kwarg="env_b64"))
+            # Look again under the lock: another operator may have just converged this server.
+            calls.append(tr.step_call("observe", **self._probe_kwargs()))
+            results = self._run(host, calls, secret=secret)
+            staged = results.pop(1) if secret is not None and len(results) > 1 else None
             result = results[0]
             if not result.get("acquired"):
                 if "holder" not in result:
@@ -299,6 +305,9 @@ class Transition:
                 old = result["taken_over"]
                 self._say(host, f"took over a lapsed lock from {old.get('owner', '?')} (step {old.get('step', '?')})")
                 end.update(outcome="taken over", previous_owner=old.get("owner"), previous_step=old.get("step"))
+            if staged is not None and not staged.get("ok"):
+                raise TransitionFailed(f"could not write {self.files['staged_env']}: {staged.get('error')}. "
+                                       f"Nothing was stopped.")
             looked = results[1] if len(results) > 1 else {}
             server = looked.get("server")
             if not isinstance(server, dict) or "error" in server:
@@ -454,7 +463,7 @@ class Transition:
         """Every GPU at or under max_used_mib and no holder left in the container (nothing started)."""
         self._gate(host, [])
 
-    def _gate(self, host, then: list[dict[str, Any]], secret: str | None = None) -> list[dict[str, Any]]:
+    def _gate(self, host, then: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The gate, polled in the container in chunks of PROGRESS_EVERY_S with a progress line per
         chunk (what it sees); ``then``: the steps that run in the same command as soon as it passes
         (no round trip, and no window, between the gate and the start). -> their results."""
@@ -469,7 +478,7 @@ class Transition:
             # load's first reading), then a step's margin.
             calls = [tr.step_call("gate_wait", lock=self._lease(PROGRESS_EVERY_S + 60),
                                   max_used_mib=self.max_used_mib, timeout_s=chunk)] + then
-            return self._run(host, calls, budget_s=PROGRESS_EVERY_S, secret=secret if then else None, gate=True)
+            return self._run(host, calls, budget_s=PROGRESS_EVERY_S, gate=True)
 
         # With nothing to stop, the first chunk carries the queued record: its events come first.
         results: list[dict[str, Any]] | None = gate_chunk()
@@ -512,15 +521,13 @@ class Transition:
             argv_file, shown = self.files["previous_argv"], self.target.get("argv")
         if restore_env_from is None and self.target is not None:
             restore_env_from = self.files["previous_env"]
-        prepare_kwargs: dict[str, Any] = {}
-        secret = None
         if restore_env_from is not None:
-            prepare_kwargs["restore_env_from"] = restore_env_from
-        else:
-            secret = base64.b64encode(tr.env_file_text(self.spec.env).encode()).decode()
+            prepare_kwargs = {"restore_env_from": restore_env_from}
+        else:  # the desired env file, staged (0600) with the lock
+            prepare_kwargs = {"staged_env": self.files["staged_env"]}
         lease = self._lease(PROGRESS_EVERY_S + 60)
         then = [tr.step_call("prepare_start", lock=lease, port=self.port, env_file=self.files["env"],
-                             secret_kwarg="env_b64" if secret else None, **prepare_kwargs)]
+                             **prepare_kwargs)]
         if argv_file is None and self.spec.supervisor == "systemd":
             unit_text = render_unit(self.spec, self.files, self.drain_timeout + self.kill_grace)
             then.append(tr.step_call("start_systemd", lock=lease, unit=self.files["unit_name"],
@@ -536,7 +543,7 @@ class Transition:
                                  chunk_s=PROGRESS_EVERY_S, log_file=self.files["log"], budget_kwarg="chunk_s",
                                  inputs={"pid": "pid", "log_offset": "log_offset"}))
         then.append(tr.step_call("observe", **self._probe_kwargs(model_path=False)))
-        after = self._gate(host, then, secret=secret)
+        after = self._gate(host, then)
         prepared = after[0] if after else {"ok": False, "error": "not run"}
         with self._measured("prepare", prepared) as end:
             if restore_env_from is not None:

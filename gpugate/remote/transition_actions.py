@@ -305,11 +305,23 @@ def stop(lock, port, main_pid, drain_timeout, kill_grace, pid_file=None):
 
 
 # ---------------------------------------------------------------- before the start
-def prepare_start(lock, port, env_file, env_b64=None, restore_env_from=None):
+def stage_env(lock, staged_file, env_b64):
+    """Write the desired env file's text to a 0600 staging file, for :func:`prepare_start` to move
+    into place. Sent with the lock (a short command): the values then never travel in the
+    longer-lived gate command's argv."""
+    refused = _guard(lock, "lock")
+    if refused:
+        return refused
+    _write_private(staged_file, base64.b64decode(env_b64))
+    return {"ok": True}
+
+
+def prepare_start(lock, port, env_file, env_b64=None, restore_env_from=None, staged_env=None):
     """Remove stale /dev/shm segments (only with no SGLang process alive), check the port is
-    free, write the env file (0600) from env_b64, or put a saved copy back (``restore_env_from``:
-    the previous server's, for a rollback; no copy means it ran without one).
-    Never kills anything that is not SGLang's."""
+    free, write the env file (0600) from env_b64, move the staged one into place (``staged_env``,
+    from :func:`stage_env`; missing is an error, never a start without its environment), or put a
+    saved copy back (``restore_env_from``: the previous server's, for a rollback; no copy means
+    it ran without one). Never kills anything that is not SGLang's."""
     refused = _guard(lock, "prepare")
     if refused:
         return refused
@@ -330,7 +342,12 @@ def prepare_start(lock, port, env_file, env_b64=None, restore_env_from=None):
         table = probe._proc_table()
         owners = ["%d (%s)" % (pid, " ".join(table.get(pid, {}).get("argv", []))[:80]) for pid in pids]
         return {"ok": False, "error": "port %d is in use by %s" % (int(port), ", ".join(owners) or "an unknown process")}
-    if restore_env_from:
+    if staged_env:
+        if not os.path.exists(staged_env):
+            return {"ok": False, "error": "the desired env file staged at the lock (%s) is missing" % staged_env}
+        os.chmod(staged_env, 0o600)
+        os.replace(staged_env, env_file)
+    elif restore_env_from:
         previous = restore_env_from
         if os.path.exists(previous):
             with open(previous, "rb") as handle:
@@ -501,7 +518,8 @@ def gate_wait(lock, max_used_mib, timeout_s, poll_interval_s=0.05):
 
 
 # ---------------------------------------------------------------- several steps in one command
-SEQUENCE_STEPS = ("lock_acquire", "lock_renew", "lock_release", "record", "observe", "drain", "kill_and_sweep",
+SEQUENCE_STEPS = ("lock_acquire", "lock_renew", "lock_release", "stage_env", "record", "observe", "drain",
+                  "kill_and_sweep",
                   "gate_wait", "prepare_start", "start_process", "start_systemd", "wait_healthy", "log_tail")
 
 

@@ -156,8 +156,8 @@ def test_restarted_survives_the_second_look_under_the_lock(monkeypatch, tmp_path
                                    max_used_mib=64, gate_timeout=5, drain_timeout=5, kill_grace=1,
                                    start_timeout=5, lock_wait=0, python="/usr/bin/python3", restarted=True)
     # the lock and the look under it in one command: unchanged, healthy, desired flags
-    monkeypatch.setattr(transition, "_run", lambda host, calls, **kw: [{"acquired": True},
-                                                                       {"ok": True, "server": observation["sglang"]}])
+    monkeypatch.setattr(transition, "_run", lambda host, calls, **kw: (
+        [{"acquired": True}] + [{"ok": True}] * (len(calls) - 2) + [{"ok": True, "server": observation["sglang"]}]))
     host = MagicMock()
     transition.take_lock(host)
     assert not transition.done and transition.change.action == "restart"
