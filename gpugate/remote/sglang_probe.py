@@ -17,8 +17,6 @@ import json
 import os
 import socket
 import time
-import urllib.error
-import urllib.request
 
 DEFAULT_PORT = 30000
 # sglang's own process match (python/sglang/cli/killall.py), applied to argv elements so that a
@@ -151,6 +149,11 @@ def _listeners(port):
 
 def http_get(port, path, timeout):
     """(status, body) or (None, error text). 503 is an answer, not an error."""
+    # Imported here: urllib.request (http.client, email, ssl) is ~12 ms of every command's start,
+    # and most transition steps never speak HTTP.
+    import urllib.error
+    import urllib.request
+
     url = "http://127.0.0.1:%d%s" % (port, path)
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:

@@ -480,7 +480,7 @@ def wait_healthy(lock, port, pid, chunk_s, log_file=None, log_offset=0, generate
             phase = "loading"
         if time.time() >= deadline:
             return {"ok": True, "phase": phase, "pending": True}
-        time.sleep(0.25)
+        time.sleep(POLL_S)  # the moment it turns ready counts: a cheap look (/proc, one local GET)
 
 
 def log_tail(log_file, offset=0, lines=40):
