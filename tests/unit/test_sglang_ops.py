@@ -289,3 +289,16 @@ def test_a_sequence_carries_the_env_secret_masked():
     command = tr.sequence_call([tr.step_call("prepare_start", lock=None, port=1, env_file="/x",
                                              secret_kwarg="env_b64")], secret="SEZfVE9LRU49aGY=")
     assert "SEZfVE9LRU49aGY=" not in str(command) and "SEZfVE9LRU49aGY=" in command.get_raw_value()
+
+
+def test_the_env_file_is_staged_0600_under_our_lease_only(tmp_path):
+    import base64, os
+    lock = str(tmp_path / "sglang.lock")
+    transition_actions.lock_acquire(lock, "mine", "alice@x", lease_s=60)
+    text = base64.b64encode(tr.env_file_text({"HF_TOKEN": "hf-canary"}).encode()).decode()
+    staged = tmp_path / "sglang.env.next"
+    assert transition_actions.stage_env({"path": lock, "token": "mine", "lease_s": 60}, str(staged), text)["ok"]
+    assert oct(os.stat(staged).st_mode & 0o777) == "0o600" and "hf-canary" in staged.read_text()
+    other = tmp_path / "other.env.next"
+    refused = transition_actions.stage_env({"path": lock, "token": "theirs", "lease_s": 60}, str(other), text)
+    assert refused["error"] == "lock lost" and not other.exists()
