@@ -22,6 +22,7 @@ except ImportError:  # imported from the package (tests)
     from gpugate.remote import sglang_probe as probe
 
 POLL_S = 0.1
+DRAIN_POLL_S = 0.02  # the main process's exit: one /proc read per poll; every poll interval is downtime
 SECRET_FLAGS = ("--api-key", "--admin-api-key")  # their values never reach the server log's header
 CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -224,7 +225,7 @@ def drain(lock, main_pid, chunk_s, deadline_s, kill_grace, tree=None, pgid=None,
     main_ticks = tree.get(str(main_pid)) if main_pid else None
     wait_s = max(0.0, min(float(chunk_s), float(deadline_s)))
     while main_ticks is not None and _alive(main_pid, main_ticks) and time.time() - began < wait_s:
-        time.sleep(POLL_S)
+        time.sleep(DRAIN_POLL_S)
     exited = main_ticks is None or not _alive(main_pid, main_ticks)
     result = {"ok": True, "exited": exited, "waited_s": round(time.time() - began, 3), "tree": tree, "pgid": pgid,
               "alive": sorted(int(pid) for pid, ticks in tree.items() if _alive(int(pid), ticks))}
@@ -275,7 +276,7 @@ def kill_and_sweep(lock, tree, pgid, kill_grace, pid_file=None):
         waiting = dict((pid, t) for pid, t in waiting.items() if _alive(pid, t))
         if not waiting:
             break
-        time.sleep(POLL_S / 2)
+        time.sleep(DRAIN_POLL_S)
     table = probe._proc_table()
     survivors = [{"pid": pid, "state": table.get(pid, {}).get("state"),
                   "cmdline": " ".join(table.get(pid, {}).get("argv", []))[:200]}
