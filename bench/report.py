@@ -125,9 +125,11 @@ def _restart(results: dict) -> list[str]:
         f"- Ansible 5 s: {_breakdown_ansible(_median_run(restart['ansible-5s']['runs']))}",
         "",
         f"Reading: gpugate sends {g['commands_median']:.0f} remote commands for one restart against the "
-        f"playbook's {restart['ansible-1s']['commands_median']:.0f}: the connect-time `pct status` check, the "
-        "probe, and one command per transition step (lock, record, stop, gate, prepare, start, wait healthy, "
-        "verify, unlock...). At about "
+        f"playbook's {restart['ansible-1s']['commands_median']:.0f}: the connect-time `pct list` (one per "
+        "Proxmox host), the observe probe, then the transition's steps packed into four commands "
+        "(lock + stage the env file + a look under the lock; record + the drain's first chunk; gate + "
+        "prepare + start + the load's first reading + the probe that verify reads; record + unlock), "
+        "plus one per further 3 s chunk of a drain or gate and per load poll chunk. At about "
         f"{ms(results['gate']['round_trip_s']['median'])} per lab round trip plus the pyinfra start, that "
         "is where gpugate's overhead goes; its gate and health waits themselves lose almost nothing (they "
         "poll inside the container). The playbook loses its time in the `until:` delays instead (the 5 s "
@@ -186,8 +188,9 @@ def _converged(results: dict) -> list[str]:
         f"({largest['gpugate_commands_per_container']:.1f}); >= 3x faster than Ansible: "
         f"{verdict(largest['speedup'] >= TARGET_SPEEDUP)} ({largest['speedup']:.2f}x).",
         "",
-        f"Reading: gpugate needs 2 commands per container (the connector's `pct status` check and one "
-        "combined probe) and one SSH connection per container; the playbook needs 1 command per container "
+        "Reading: gpugate needs one combined probe per container plus one `pct list` per Proxmox host "
+        "(so 2 commands per container with one container per host, 1.25 with four), over one SSH "
+        "connection per Proxmox host shared by its containers; the playbook needs 1 command per container "
         "over one multiplexed connection per Proxmox host. Both grow linearly; in this lab every remote "
         "command is a Python start (the lab's `pct`, and a probe or Ansible's module) on the same 2 cores, "
         f"so the fleet run is CPU-bound: a gpugate remote command takes {ms(_gpugate_exec_median(smallest['gpugate_runs']))} "
