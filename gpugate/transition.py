@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pyinfra.api import QuoteString, StringCommand
-from pyinfra.api.command import HiddenValue
 
 from gpugate.remote import inline_program, pack, sglang_probe
 from gpugate.sglang_args import (SECRET_MASK, SPECS, FlagError, diff_flags, parse_argv, redact_argv, render_argv,
@@ -406,53 +405,98 @@ def _module_source(name: str) -> str:
     return (REMOTE_DIR / f"{name}.py").read_text()
 
 
-def remote_call(function: str, python: str = "/usr/bin/python3", secret: str | None = None,
-                secret_kwarg: str | None = None, with_gpu_probe: bool = False, with_gate: bool = False,
-                **kwargs: Any) -> StringCommand:
-    """One command that runs transition_actions.<function>(**kwargs) in the container and prints
-    its JSON result. A secret travels as its own argument, masked wherever pyinfra prints it.
+@dataclasses.dataclass(frozen=True)
+class RemoteCall:
+    """A remote call to run: ``command`` (its argv holds no secret value) and ``stdin``, the
+    JSON document of secret arguments the container's program reads from its standard input
+    (None: there are none, nothing is read). Run it with
+    ``host.run_shell_command(call.command, _stdin=call.stdin)`` (see :func:`run_remote`): values
+    on a command line are readable by anyone on the Proxmox host (``ps``, /proc/PID/cmdline)
+    for as long as the command runs; stdin is not."""
+
+    command: StringCommand
+    stdin: str | None = None
+
+
+def run_remote(host, call: RemoteCall):
+    """``host.run_shell_command`` for a :class:`RemoteCall`: its secrets go on the command's stdin."""
+    if call.stdin is None:
+        return host.run_shell_command(call.command)
+    return host.run_shell_command(call.command, _stdin=call.stdin)
+
+
+def remote_call(function: str, python: str = "/usr/bin/python3", secret: Mapping[str, Any] | None = None,
+                with_gpu_probe: bool = False, with_gate: bool = False, **kwargs: Any) -> RemoteCall:
+    """One command that runs transition_actions.<function>(**kwargs, **secret) in the container
+    and prints its JSON result. ``secret``: arguments whose values must never be on a command
+    line (env values, an argv with ``--api-key``): they travel on the command's stdin.
     ``with_gpu_probe``: the GPU probe travels too (the drain's per-GPU readings); ``with_gate``:
-    the probe and the gate's decision (``gate_wait``)."""
-    call = base64.b64encode(json.dumps({"function": function, "kwargs": kwargs,
-                                        "secret_kwarg": secret_kwarg}).encode()).decode()
+    the probe and the gate's decision (``gate_wait``).
+
+    Example::
+
+        call = remote_call("stage_env", lock=lock, staged_file=path, secret={"env_b64": text})
+        status, output = run_remote(host, call)   # "text" is in neither the argv nor pyinfra's log
+    """
+    document: dict[str, Any] = {"function": function, "kwargs": kwargs}
+    if secret:
+        document["secret_on_stdin"] = True
+    call = base64.b64encode(json.dumps(document).encode()).decode()
     modules = ["sglang_probe"] + (["gpu_probe"] if with_gpu_probe or with_gate else []) + (
         ["gate"] if with_gate else []) + ["transition_actions"]
     script = inline_program({name: _module_source(name) for name in modules},
                             "import transition_actions\ntransition_actions.main(sys.argv[1:])\n")
-    bits: list[Any] = [QuoteString(python), "-c", QuoteString(pack(script)), call]
-    if secret is not None:
-        bits.append(QuoteString(HiddenValue(secret)))
-    return StringCommand(*bits)
+    command = StringCommand(QuoteString(python), "-c", QuoteString(pack(script)), call)
+    return RemoteCall(command, json.dumps(dict(secret), separators=(",", ":")) if secret else None)
 
 
-def step_call(function: str, *, budget_kwarg: str | None = None, secret_kwarg: str | None = None,
+def step_call(function: str, *, budget_kwarg: str | None = None, secret: Mapping[str, Any] | None = None,
               inputs: Mapping[str, str] | None = None, always: bool = False, **kwargs: Any) -> dict[str, Any]:
-    """One step of a :func:`sequence_call` (transition_actions.<function>(**kwargs)); see
-    transition_actions.sequence for ``budget_kwarg``, ``secret_kwarg``, ``inputs`` and ``always``."""
+    """One step of a :func:`sequence_call` (transition_actions.<function>(**kwargs, **secret));
+    ``secret``: arguments that travel on the command's stdin, never in its argv; see
+    transition_actions.sequence for ``budget_kwarg``, ``inputs`` and ``always``."""
     call: dict[str, Any] = {"function": function, "kwargs": kwargs}
     if inputs:
         call["inputs"] = dict(inputs)
     if budget_kwarg:
         call["budget_kwarg"] = budget_kwarg
-    if secret_kwarg:
-        call["secret_kwarg"] = secret_kwarg
+    if secret:
+        call["secret"] = dict(secret)
     if always:
         call["always"] = True
     return call
 
 
+def split_secrets(calls: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """``calls`` without their secret arguments, and those arguments by step position (as the
+    strings JSON keys are): what :func:`sequence_call` sends on stdin.
+
+    >>> split_secrets([{"function": "observe", "kwargs": {}}, {"function": "stage_env", "kwargs": {}, "secret": {"env_b64": "x"}}])
+    ([{'function': 'observe', 'kwargs': {}}, {'function': 'stage_env', 'kwargs': {}}], {'1': {'env_b64': 'x'}})
+    """
+    public, secrets = [], {}
+    for index, call in enumerate(calls):
+        call = dict(call)
+        secret = call.pop("secret", None)
+        if secret:
+            secrets[str(index)] = dict(secret)
+        public.append(call)
+    return public, secrets
+
+
 def sequence_call(calls: list[dict[str, Any]], python: str = "/usr/bin/python3", budget_s: float | None = None,
-                  secret: str | None = None, with_gpu_probe: bool = False, with_gate: bool = False) -> StringCommand:
+                  with_gpu_probe: bool = False, with_gate: bool = False) -> RemoteCall:
     """ONE command running ``calls`` (from :func:`step_call`) in order in the container
-    (transition_actions.sequence): each step only after the one before it completed. The secret,
-    if any, goes to the call that names a ``secret_kwarg``, masked as in :func:`remote_call`.
+    (transition_actions.sequence): each step only after the one before it completed. The steps'
+    secret arguments, if any, travel on the command's stdin (:class:`RemoteCall`).
 
     Example::
 
         sequence_call([step_call("record", lock=lock, ...), step_call("drain", lock=lock, ...)])
     """
-    return remote_call("sequence", python=python, secret=secret, secret_kwarg="secret" if secret is not None else None,
-                       with_gpu_probe=with_gpu_probe, with_gate=with_gate, calls=calls, budget_s=budget_s)
+    public, secrets = split_secrets(calls)
+    return remote_call("sequence", python=python, secret={"secrets": secrets} if secrets else None,
+                       with_gpu_probe=with_gpu_probe, with_gate=with_gate, calls=public, budget_s=budget_s)
 
 
 def sequence_results(document: Mapping[str, Any], expected: int) -> list[dict[str, Any]]:

@@ -114,22 +114,20 @@ class Transition:
         self.verify_server: dict[str, Any] | None = None  # the probe verify compares (taken when ready)
 
     # ------------------------------------------------------------ plumbing
-    def _call(self, host, function: str, secret: str | None = None, secret_kwarg: str | None = None,
-              **kwargs: Any) -> dict[str, Any]:
-        command = tr.remote_call(function, python=self.python, secret=secret, secret_kwarg=secret_kwarg, **kwargs)
-        _status, output = host.run_shell_command(command)
+    def _call(self, host, function: str, **kwargs: Any) -> dict[str, Any]:
+        _status, output = tr.run_remote(host, tr.remote_call(function, python=self.python, **kwargs))
         return tr.parse_result(output.stdout_lines)
 
-    def _run(self, host, calls: list[dict[str, Any]], *, budget_s: float | None = None, secret: str | None = None,
+    def _run(self, host, calls: list[dict[str, Any]], *, budget_s: float | None = None,
              gpu: bool = False, gate: bool = False) -> list[dict[str, Any]]:
         """Run ``calls`` (tr.step_call) in ONE remote command, each after the one before completed;
         -> one result per step that ran, each with ``step_s`` (its duration, measured in the
-        container). A record queued by the lock step goes first and is reported here."""
+        container). A record queued by the lock step goes first and is reported here. Secret
+        arguments (tr.step_call's ``secret``) go on the command's stdin."""
         queued, self.queued = self.queued, []
         calls = [entry[0] for entry in queued] + calls
-        command = tr.sequence_call(calls, python=self.python, budget_s=budget_s, secret=secret,
-                                   with_gpu_probe=gpu, with_gate=gate)
-        _status, output = host.run_shell_command(command)
+        remote = tr.sequence_call(calls, python=self.python, budget_s=budget_s, with_gpu_probe=gpu, with_gate=gate)
+        _status, output = tr.run_remote(host, remote)
         results = tr.sequence_results(tr.parse_result(output.stdout_lines), len(calls))
         for _call, on_result in queued:
             on_result(results.pop(0) if results else {"ok": False, "error": "not run: an earlier step failed"})
@@ -278,16 +276,17 @@ class Transition:
             lease = max(self.drain_timeout + self.kill_grace, self.gate_timeout) + LOCK_MARGIN_S
             calls = [tr.step_call("lock_acquire", path=self.files["lock"], token=self.token, owner=_operator(),
                                   lease_s=lease, wait_s=self.lock_wait)]
-            secret = None
-            if self.target is None and self.spec is not None:
-                # The env values travel in this short command's argv, not in the gate's (seconds long).
-                secret = base64.b64encode(tr.env_file_text(self.spec.env).encode()).decode()
+            staging = self.target is None and self.spec is not None
+            if staging:
+                # The env values go on this short command's stdin (never in an argv), staged 0600
+                # under the lock for prepare to move into place.
+                env_b64 = base64.b64encode(tr.env_file_text(self.spec.env).encode()).decode()
                 calls.append(tr.step_call("stage_env", lock={"path": self.files["lock"], "token": self.token, "lease_s": lease},
-                                          staged_file=self.files["staged_env"], secret_kwarg="env_b64"))
+                                          staged_file=self.files["staged_env"], secret={"env_b64": env_b64}))
             # Look again under the lock: another operator may have just converged this server.
             calls.append(tr.step_call("observe", **self._probe_kwargs()))
-            results = self._run(host, calls, secret=secret)
-            staged = results.pop(1) if secret is not None and len(results) > 1 else None
+            results = self._run(host, calls)
+            staged = results.pop(1) if staging and len(results) > 1 else None
             result = results[0]
             if not result.get("acquired"):
                 if "holder" not in result:
@@ -530,11 +529,12 @@ class Transition:
                              **prepare_kwargs)]
         if argv_file is None and self.spec.supervisor == "systemd":
             unit_text = render_unit(self.spec, self.files, self.drain_timeout + self.kill_grace)
+            # The unit's ExecStart and the argv may hold a secret flag (--api-key): on stdin.
             then.append(tr.step_call("start_systemd", lock=lease, unit=self.files["unit_name"],
-                                     unit_text_b64=base64.b64encode(unit_text.encode()).decode(),
+                                     secret={"unit_text_b64": base64.b64encode(unit_text.encode()).decode()},
                                      unit_path=self.files["unit"]))
         else:
-            then.append(tr.step_call("start_process", lock=lease, argv=None if argv_file else self.spec.argv,
+            then.append(tr.step_call("start_process", lock=lease, secret={"argv": None if argv_file else self.spec.argv},
                                      argv_file=argv_file, env_file=self.files["env"], log_file=self.files["log"],
                                      pid_file=self.files["pid"]))
         # The load's first reading (the new pid from the start's result) for what is left of the chunk,

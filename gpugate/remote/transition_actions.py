@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 try:  # inlined: the command registers the probe as a top-level module first
@@ -308,8 +309,8 @@ def stop(lock, port, main_pid, drain_timeout, kill_grace, pid_file=None):
 # ---------------------------------------------------------------- before the start
 def stage_env(lock, staged_file, env_b64):
     """Write the desired env file's text to a 0600 staging file, for :func:`prepare_start` to move
-    into place. Sent with the lock (a short command): the values then never travel in the
-    longer-lived gate command's argv."""
+    into place. ``env_b64`` comes on the lock command's stdin (never an argv); staged once under
+    the lock, it need not travel again with each of the gate's chunks."""
     refused = _guard(lock, "lock")
     if refused:
         return refused
@@ -528,14 +529,16 @@ def _completed(result):
     return result.get("ok") is not False and not result.get("pending")
 
 
-def sequence(calls, budget_s=None, secret=None):
+def sequence(calls, budget_s=None, secrets=None):
     """Run steps in order in ONE remote command (one SSH + pct exec round trip for all of them),
     each only once the one before it has completed: a step that fails (``ok`` false), or has not
     reached its goal yet (``pending``: the lock is held by someone else, the drain or the gate or
     the load goes on), ends the sequence and the operator's side decides what comes next. A call
     with ``always`` runs even then (releasing the lock after a failure).
 
-    Each call: ``{"function", "kwargs", "secret_kwarg"?, "budget_kwarg"?, "inputs"?, "always"?}``;
+    Each call: ``{"function", "kwargs", "budget_kwarg"?, "inputs"?, "always"?}``; ``secrets``
+    (read from stdin by :func:`main`, never on the command line) maps a call's position ("0", "1"...)
+    to more arguments for it: env values, an argv that may hold ``--api-key``;
     ``inputs`` maps an argument to a key of the previous step's result (the new server's pid, from
     the start, for the load's first reading).
     ``budget_kwarg`` names a wait's length argument, cut to what is left of ``budget_s`` (counted
@@ -545,13 +548,12 @@ def sequence(calls, budget_s=None, secret=None):
     began = time.time()
     results = []
     stopped = False
-    for call in calls:
+    for index, call in enumerate(calls):
         if stopped and not call.get("always"):
             continue
         name = call["function"]
         kwargs = dict(call.get("kwargs") or {})
-        if call.get("secret_kwarg") and secret is not None:
-            kwargs[call["secret_kwarg"]] = secret
+        kwargs.update((secrets or {}).get(str(index)) or {})
         for argument, key in (call.get("inputs") or {}).items():
             kwargs[argument] = results[-1].get(key) if results else None
         if call.get("budget_kwarg") and budget_s is not None:
@@ -573,12 +575,13 @@ def sequence(calls, budget_s=None, secret=None):
 
 
 def main(source_args):  # pragma: no cover - the inline entry point
-    call = json.loads(base64.b64decode(source_args[0]).decode())
-    secret = source_args[1] if len(source_args) > 1 else None
-    kwargs = call["kwargs"]
-    if secret is not None:
-        kwargs[call["secret_kwarg"]] = secret
+    """``source_args[0]``: the call (base64 JSON). Its secret arguments, if it has any, come as
+    one JSON document on stdin: values on a command line are readable in ``ps`` on the host."""
     try:
+        call = json.loads(base64.b64decode(source_args[0]).decode())
+        kwargs = call["kwargs"]
+        if call.get("secret_on_stdin"):
+            kwargs.update(json.loads(sys.stdin.read()))
         result = globals()[call["function"]](**kwargs)
     except Exception as error:  # report, never a traceback on the operator's screen
         result = {"ok": False, "error": "%s: %s" % (type(error).__name__, error)}

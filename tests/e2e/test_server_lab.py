@@ -142,6 +142,71 @@ def test_crash_on_start_rolls_back_to_the_previous_server(lab):
     assert in_ct(lab, "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:30000/health').status)\"").strip() == "200"
 
 
+# Runs on the lab host, which sees the container's processes too: every few ms, every process's
+# cmdline, with every base64 token in it decoded (and unzipped), again and again (our commands nest
+# base64 JSON in base64), as anyone on the host could; stops when its stdin closes; prints JSON.
+CMDLINE_WATCHER = r"""
+import base64, binascii, json, os, re, select, sys, time, zlib
+canaries = [c.encode() for c in sys.argv[1:]]
+TOKEN = re.compile(rb"[A-Za-z0-9+/]{12,}={0,2}")
+def reveal(data, depth=0):
+    found = {c for c in canaries if c in data}
+    if depth < 4:
+        for token in TOKEN.findall(data):
+            try:
+                decoded = base64.b64decode(token + b"=" * (-len(token) % 4))
+            except (binascii.Error, ValueError):
+                continue
+            try:
+                decoded = zlib.decompress(decoded)
+            except zlib.error:
+                pass
+            found |= reveal(decoded, depth + 1)
+    return found
+known, seen, ours, samples, began = {}, {}, 0, 0, time.time()
+while time.time() - began < 300 and not select.select([sys.stdin], [], [], 0)[0]:
+    samples += 1
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():  # not the canaries in its own argv
+            continue
+        try:
+            with open("/proc/%s/cmdline" % pid, "rb") as handle:
+                raw = handle.read()
+        except OSError:
+            continue
+        if b"pct" in raw and b"129" in raw:
+            ours += 1  # a pct exec of the run, caught while it ran
+        if raw not in known:
+            known[raw] = reveal(raw)
+        for canary in known[raw]:
+            seen.setdefault(canary.decode(), set()).add(raw.replace(b"\0", b" ").decode("utf-8", "replace")[:200])
+    time.sleep(0.003)
+print(json.dumps({"samples": samples, "ours": ours, "seen": {k: sorted(v) for k, v in seen.items()}}))
+"""
+
+
+def test_secrets_never_appear_in_any_command_line_on_the_host(lab):
+    import subprocess
+    from gpugate.lab import core
+
+    watcher = subprocess.Popen(core.host_exec_argv(lab.dir, "pve1") + ["python3", "-c", CMDLINE_WATCHER,
+                                                                        "secret-canary", "sk-canary-key"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        result, out = deploy(lab, flags={"tp": 8, "api-key": "sk-canary-key"}, env=dict(FAST, HF_TOKEN="secret-canary"))
+    finally:
+        report, errors = watcher.communicate(input="", timeout=60)
+    assert result.returncode == 0, out
+    watched = json.loads(report or "{}") if watcher.returncode == 0 else pytest.fail(errors)
+    assert watched["ours"] > 0, watched  # the watcher did see the run's commands while they ran
+    assert "secret-canary" not in watched["seen"], watched["seen"]
+    # --api-key is SGLang's own command line (as the operator asked); none of ours carries it
+    assert all("sglang.launch_server" in line and " -c " not in line for line in watched["seen"].get("sk-canary-key", [])), watched
+    pid = in_ct(lab, "cat /run/gpugate/sglang-30000.pid").strip()
+    assert "HF_TOKEN=secret-canary" in in_ct(lab, f"tr '\\0' '\\n' < /proc/{pid}/environ").splitlines()
+    assert "sk-canary-key" in running_argv(lab) and "secret-canary" not in out and "sk-canary-key" not in out
+
+
 def test_removal_stops_everything_and_frees_the_gpus(lab):
     result = lab.pyinfra("inventory.py", "deploy.py", "--data", "sglang_present=false")
     out = result.stdout + result.stderr

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from unittest.mock import MagicMock
 
 import pytest
@@ -171,10 +172,11 @@ def test_env_file_round_trips_quotes_and_backslashes():
     assert transition_actions.parse_env_file(tr.env_file_text(env)) == env
 
 
-def test_secret_env_travels_masked():
-    command = tr.remote_call("prepare_start", secret="c2VjcmV0", secret_kwarg="env_b64", lock=None, port=1,
-                             env_file="/x")
-    assert "c2VjcmV0" not in str(command) and "c2VjcmV0" in command.get_raw_value()
+def test_a_secret_argument_travels_on_stdin_never_in_the_command_line():
+    call = tr.remote_call("prepare_start", secret={"env_b64": "c2VjcmV0"}, lock=None, port=1, env_file="/x")
+    assert "c2VjcmV0" not in call.command.get_raw_value() and "c2VjcmV0" not in str(call.command)
+    assert json.loads(call.stdin) == {"env_b64": "c2VjcmV0"}
+    assert tr.remote_call("lock_release", path="/x", token="t").stdin is None  # nothing to read: stdin untouched
 
 
 def test_lock_lease_blocks_a_second_operator_and_lapses(tmp_path, monkeypatch):
@@ -285,10 +287,20 @@ def test_the_load_reading_follows_the_start_in_the_same_command(tmp_path):
         transition_actions.os.kill(started["pid"], 9)
 
 
-def test_a_sequence_carries_the_env_secret_masked():
-    command = tr.sequence_call([tr.step_call("prepare_start", lock=None, port=1, env_file="/x",
-                                             secret_kwarg="env_b64")], secret="SEZfVE9LRU49aGY=")
-    assert "SEZfVE9LRU49aGY=" not in str(command) and "SEZfVE9LRU49aGY=" in command.get_raw_value()
+def test_a_sequence_sends_each_steps_secrets_on_stdin_and_the_container_applies_them(tmp_path):
+    argv = ["/usr/bin/python3", "-m", "sglang.launch_server", "--api-key", "sk-canary"]
+    calls = [tr.step_call("observe", port=1),
+             tr.step_call("stage_env", lock=None, staged_file="/x", secret={"env_b64": "SEZfVE9LRU49aGY="}),
+             tr.step_call("start_process", lock=None, secret={"argv": argv}, env_file="/e", log_file="/l", pid_file="/p")]
+    call = tr.sequence_call(calls)
+    raw = call.command.get_raw_value()
+    assert "SEZfVE9LRU49aGY=" not in raw and "sk-canary" not in raw
+    assert json.loads(call.stdin) == {"secrets": {"1": {"env_b64": "SEZfVE9LRU49aGY="}, "2": {"argv": argv}}}
+    # the container's side: position "0" gets the argument meant for the first step
+    staged = tmp_path / "env.next"
+    out = transition_actions.sequence([{"function": "stage_env", "kwargs": {"lock": None, "staged_file": str(staged)}}],
+                                      secrets={"0": {"env_b64": "SEZfVE9LRU49aGY="}})
+    assert out["results"][0]["ok"] and staged.read_text() == "HF_TOKEN=hf"
 
 
 def test_the_env_file_is_staged_0600_under_our_lease_only(tmp_path):
