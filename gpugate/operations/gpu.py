@@ -2,8 +2,10 @@
 
 ``gpu.idle`` is the desired state "no GPU process in the container, every GPU at or under
 ``max_used_mib``". When it already holds: no change. Otherwise it (optionally) ends the container's
-GPU holders, then waits with ONE remote command that polls inside the container (no SSH round trip
-per poll) and passes on the first idle reading; on timeout it fails with a message that says, per GPU,
+GPU holders, then waits, polling inside the container (no SSH round trip per poll), in remote
+commands of ``PROGRESS_EVERY_S`` (3 s) each: it passes on the first idle reading, and after each
+chunk that did not pass prints what it sees (``gate: 3 s of 120 s: GPU MiB 4096 x8; 1 holder(s)
+left: 55 python3 hold.py``); on timeout it fails with a message that says, per GPU,
 what is used, by which process (pid, cmdline, state) and whether the memory is held from outside the
 container (never something to kill from here).
 
@@ -126,6 +128,8 @@ def wait_for_idle_in_chunks(host, max_used_mib: int = 64, timeout: float = 120.0
         decision.timing = dict(decision.timing or {}, waited_s=round(waited, 3))
         if decision.passed or decision.permanent or waited >= timeout:
             return decision
+        if "polls" not in decision.timing:  # no answer from the container's wait: asking again at once would spin
+            return decision
         if progress is not None:
             progress(waited, decision)
 
@@ -184,18 +188,26 @@ def _end_gpu_holders_command(state, host, grace_s: float, ignore_pids: tuple) ->
 
 
 def _wait_for_idle_command(state, host, max_used_mib: int, timeout: float,
-                           poll_interval_s: float, ignore_pids: tuple, audit_log=None) -> bool:
+                           poll_interval_s: float, ignore_pids: tuple, audit_log=None,
+                           chunk_s: float = PROGRESS_EVERY_S) -> bool:
     where = {"host": host.name, "vmid": host.data.get("pct_vmid"), "max_used_mib": max_used_mib}
     _audit(audit_log, "gate", phase="begin", **where)
-    decision = wait_for_idle(host, max_used_mib, timeout, poll_interval_s, ignore_pids)
+
+    def report(waited_s: float, decision: GateDecision) -> None:
+        # One line per chunk: pyinfra shows a command's output only once it ends, so a single
+        # two-minute wait would look hung.
+        host.log(progress_text(waited_s, timeout, decision))
+
+    decision = wait_for_idle_in_chunks(host, max_used_mib, timeout, poll_interval_s, ignore_pids,
+                                       chunk_s=chunk_s, progress=report)
     timing = decision.timing or {}
     _audit(audit_log, "gate", phase="end", outcome="passed" if decision.passed else "failed",
-           duration_s=timing.get("round_trip_s"), gpu_used_mib=timing.get("used_mib"),
+           duration_s=timing.get("waited_s"), gpu_used_mib=timing.get("used_mib"),
            holders=[{"pid": h.get("pid"), "cmdline": h.get("cmdline")} for h in decision.holders],
            reasons=decision.reasons, **where)
     if decision.passed:
-        host.log(f"GPUs idle after {timing.get('round_trip_s', 0):.2f}s "
-                 f"({timing.get('polls')} polls in the container)")
+        host.log(f"GPUs idle after {timing.get('waited_s', 0):.2f}s "
+                 f"({timing.get('polls')} polls in the container's last wait)")
         return True
     # Logged here rather than raised: pyinfra prints an exception from a callback as a traceback.
     message = format_failure(decision, host.name,

@@ -234,6 +234,25 @@ def test_host_fact_maps_container_processes_to_their_vmid(lab):
     assert all(p["used_mib"] > 0 for p in schedulers)
 
 
+# Holds 4096 MiB on every GPU for 7 s, then exits (the driver frees it): the gate's wait outlives
+# pyinfra's start and a first 3 s chunk.
+SHORT_LIVED = ("setsid nohup python3 -c 'import time, gpugate_gpusim as sim; "
+               "held = [sim.allocate(gpu, 4096) for gpu in range(8)]; time.sleep(7)' "
+               ">/dev/null 2>&1 </dev/null & echo $!")
+
+
+def test_a_long_wait_prints_what_it_sees_every_3_s_then_passes(lab):
+    pid = int(in_ct(lab, SHORT_LIVED).strip())
+    STARTED.append(pid)
+    assert wait_until(lambda: gpu_used(lab) == [4096] * 8, 10), "the holder never held memory"
+    result, out = gate(lab, timeout=30)
+    assert result.returncode == 0, out
+    progress = f"gate: 3 s of 30 s: GPU MiB 4096 x8; 1 holder(s) left: {pid} python3 -c import time, gpugate_gpus"
+    assert progress in out, out
+    assert out.index(progress) < out.index("GPUs idle after"), out
+    assert gpu_used(lab) == [0] * 8
+
+
 def test_gate_never_passes_before_the_memory_is_back(lab):
     sample = measure_once(lab, hold_mib=4096)
     assert sample["passed"] is True

@@ -109,13 +109,59 @@ def test_wait_for_idle_runs_one_remote_loop_and_keeps_timing():
     assert PROBE_MARKER in call.args[0] and call.kwargs["_timeout"] == 30 + gpu.WAIT_TRANSPORT_MARGIN_S
 
 
-def test_wait_command_fails_the_operation_with_the_operator_message():
+@pytest.fixture
+def chunk_clock(monkeypatch):
+    """The controller's clock, advanced by one 3 s chunk per remote command (the fake host answers at once)."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(gpu.time, "monotonic", lambda: clock["now"])
+    return clock
+
+
+def chunked_host(fact, outputs, clock):
+    host = fake_host(fact, outputs)
+    answer = host.run_shell_command.side_effect
+
+    def run_shell_command(command, **kwargs):
+        clock["now"] += gpu.PROGRESS_EVERY_S
+        return answer(command, **kwargs)
+
+    host.run_shell_command.side_effect = run_shell_command
+    return host
+
+
+def test_wait_command_fails_the_operation_with_the_operator_message(chunk_clock):
     busy = gpu_doc(used=(0, 20000), holders=[{**SCHEDULER, "state": "D"}])
-    host = fake_host(None, [wait_output(busy, False)])
+    host = chunked_host(None, [wait_output(busy, False)] * 10, chunk_clock)
     assert gpu._wait_for_idle_command(None, host, 64, 30, 0.05, ()) is False
+    assert host.run_shell_command.call_count == 10  # 30 s in 3 s chunks
     message = host.log_styled.call_args[0][0]
     assert message.startswith("GPU gate did not pass on @pct/pve1:129 within 30 s")
     assert "pid 31 [D] sglang::scheduler_TP0" in message
+
+
+def test_a_long_wait_prints_what_it_sees_after_each_chunk_then_passes(chunk_clock):
+    draining = gpu_doc(used=(4096,) * 8, holders=[SCHEDULER])
+    host = chunked_host(None, [wait_output(draining, False), wait_output(draining, False),
+                               wait_output(gpu_doc(), True)], chunk_clock)
+    assert gpu._wait_for_idle_command(None, host, 64, 120, 0.05, ()) is True
+    lines = [call.args[0] for call in host.log.call_args_list]
+    assert lines[:2] == ["gate: 3 s of 120 s: GPU MiB 4096 x8; 1 holder(s) left: 31 sglang::scheduler_TP0",
+                         "gate: 6 s of 120 s: GPU MiB 4096 x8; 1 holder(s) left: 31 sglang::scheduler_TP0"]
+    assert lines[2].startswith("GPUs idle after 9.00s") and len(lines) == 3
+    for call in host.run_shell_command.call_args_list:  # each chunk's in-container wait is at most 3 s
+        assert call.kwargs["_timeout"] == gpu.PROGRESS_EVERY_S + gpu.WAIT_TRANSPORT_MARGIN_S
+
+
+def test_a_gate_that_passes_at_once_is_one_remote_command_and_no_progress_line(chunk_clock):
+    host = chunked_host(None, [wait_output(gpu_doc(), True)], chunk_clock)
+    assert gpu._wait_for_idle_command(None, host, 64, 120, 0.05, ()) is True
+    assert host.run_shell_command.call_count == 1 and host.log.call_count == 1
+
+
+def test_no_answer_from_the_container_fails_without_asking_again(chunk_clock):
+    host = chunked_host(None, [None, None], chunk_clock)
+    assert gpu._wait_for_idle_command(None, host, 64, 120, 0.05, ()) is False
+    assert host.run_shell_command.call_count == 1
 
 
 def test_wait_with_no_answer_is_a_failure_not_a_pass():
