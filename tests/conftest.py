@@ -113,19 +113,31 @@ def start_lab(lab_dir: Path, hosts: int = LAB_HOSTS, gpus: int = LAB_GPUS) -> La
     )
 
 
-@pytest.fixture(scope="session")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Lab:
-    """One lab (2 hosts x 8 GPUs, container 129 running on each) for the whole session (per xdist worker)."""
+def module_lab(tmp_path_factory: pytest.TempPathFactory, name: str, hosts: int = LAB_HOSTS,
+               gpus: int = LAB_GPUS):
+    """A lab in its own directory (own ports, own cgroups) for a fixture of any scope: yields it and
+    takes it down. Skipped where this machine cannot have a lab (lab_unavailable_reason); a lab that
+    fails to start on a machine that can have one is an error, not a skip.
+
+    .. code:: python
+
+        @pytest.fixture(scope="module")
+        def lab(tmp_path_factory):
+            yield from module_lab(tmp_path_factory, "lab-server", hosts=1, gpus=8)
+    """
     reason = lab_unavailable_reason()
     if reason:
         pytest.skip(reason)
     from gpugate.lab import core
 
-    lab_dir = tmp_path_factory.mktemp("gpugate-lab")
+    lab_dir = tmp_path_factory.mktemp(name)
     try:
-        handle = start_lab(lab_dir)
-    except core.LabError as exc:
+        yield start_lab(lab_dir, hosts=hosts, gpus=gpus)
+    finally:
         core.down(lab_dir)
-        pytest.skip(f"the lab could not start here: {exc}")
-    yield handle
-    core.down(lab_dir)
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Lab:
+    """One lab (2 hosts x 8 GPUs, container 129 running on each) for the whole session (per xdist worker)."""
+    yield from module_lab(tmp_path_factory, "gpugate-lab")

@@ -23,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # for --bench runs
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.conftest import lab_unavailable_reason, start_lab  # noqa: E402
+from tests.conftest import module_lab, start_lab  # noqa: E402
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -54,16 +54,9 @@ STUBBORN = ("setsid nohup python3 -c 'import signal, gpugate_gpusim as sim; "
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    reason = lab_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    from gpugate.lab import core
-
-    lab_dir = tmp_path_factory.mktemp("lab-gate")
-    handle = start_lab(lab_dir, hosts=1, gpus=8)
-    (lab_dir / "gate_deploy.py").write_text(GATE_DEPLOY)
-    yield handle
-    core.down(lab_dir)
+    for handle in module_lab(tmp_path_factory, "lab-gate", hosts=1, gpus=8):
+        (handle.dir / "gate_deploy.py").write_text(GATE_DEPLOY)
+        yield handle
 
 
 @pytest.fixture(autouse=True)

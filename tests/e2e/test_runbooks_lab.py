@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, lab_unavailable_reason, start_lab
+from tests.conftest import REPO_ROOT, module_lab
 
 pytestmark = [pytest.mark.lab]
 
@@ -35,15 +35,7 @@ HOLD = ("setsid nohup python3 -m gpugate_gpusim hold --gpu all --mib 4096 >/tmp/
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    reason = lab_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    from gpugate.lab import core
-
-    lab_dir = tmp_path_factory.mktemp("lab-runbooks")
-    handle = start_lab(lab_dir, hosts=2, gpus=8)
-    yield handle
-    core.down(lab_dir)
+    yield from module_lab(tmp_path_factory, "lab-runbooks", hosts=2, gpus=8)
 
 
 def run(lab, runbook: str, *extra: str, flags=None, env=None, yes: bool = True):

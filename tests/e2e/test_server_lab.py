@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.conftest import lab_unavailable_reason, start_lab
+from tests.conftest import module_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -24,15 +24,7 @@ FAST = {"SGLANG_STANDIN_LOAD_S": "0.5"}
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    reason = lab_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    from gpugate.lab import core
-
-    lab_dir = tmp_path_factory.mktemp("lab-server")
-    handle = start_lab(lab_dir, hosts=1, gpus=8)
-    yield handle
-    core.down(lab_dir)
+    yield from module_lab(tmp_path_factory, "lab-server", hosts=1, gpus=8)
 
 
 def deploy(lab, *extra: str, flags=None, env=None, dry=False):

@@ -16,9 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-import pytest
-
-from tests.conftest import REPO_ROOT, Lab, lab_unavailable_reason, start_lab
+from tests.conftest import REPO_ROOT, Lab
 
 FLAGS = {"tp": 8}
 FP8 = {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}
@@ -186,25 +184,6 @@ class Bystanders:
             process.kill()  # nsenter/pct parents we started; the sleeps die with their namespaces' kill below
         for pid in self.pids:
             self.lab.host_exec(self.host, "kill", "-9", str(pid))
-
-
-def module_lab(tmp_path_factory, name: str, hosts: int = 1, gpus: int = 8):
-    """Start a lab for one test module (own directory, own ports); yields it and takes it down."""
-    reason = lab_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    from gpugate.lab import core
-
-    lab_dir = tmp_path_factory.mktemp(name)
-    try:
-        handle = start_lab(lab_dir, hosts=hosts, gpus=gpus)
-    except core.LabError as exc:
-        core.down(lab_dir)
-        pytest.skip(f"the lab could not start here: {exc}")
-    try:
-        yield handle
-    finally:
-        core.down(lab_dir)
 
 
 def ensure_serving(lab: Lab, flags=None, host: str = "pve1") -> int:

@@ -13,8 +13,9 @@ import shlex
 
 import pytest
 
-from tests.faults.conftest import (FAST_ENV, deploy, flag_value, health, main_pid, module_lab, pyinfra,
-                                   running_argv, said, sh, state_file, wait_until)
+from tests.conftest import module_lab
+from tests.faults.conftest import (FAST_ENV, deploy, flag_value, health, main_pid, pyinfra,
+                                   running_argv, said, sh, state_file)
 
 pytestmark = [pytest.mark.faults, pytest.mark.lab]
 

@@ -9,13 +9,13 @@ that the previous flags start cleanly, as they would when only the new flags are
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.conftest import module_lab
 from tests.faults.conftest import (FLAGS, FP8, PORT, deploy, ensure_serving, flag_value, gpu_used, health,
-                                   log_starts, main_pid, module_lab, running_argv, said, sglang_processes, sh,
+                                   log_starts, main_pid, running_argv, said, sglang_processes, sh,
                                    state_file, wait_until)
 
 pytestmark = [pytest.mark.faults, pytest.mark.lab]

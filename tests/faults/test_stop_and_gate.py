@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import module_lab
 from tests.faults.conftest import (FLAGS, FP8, Bystanders, deploy, ensure_serving, flag_value, gpu_used, health,
-                                   main_pid, module_lab, running_argv, said, sglang_processes, sh, state_file,
+                                   main_pid, running_argv, said, sglang_processes, sh, state_file,
                                    wait_until)
 
 pytestmark = [pytest.mark.faults, pytest.mark.lab]
