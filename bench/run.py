@@ -41,7 +41,6 @@ from bench.tools import (  # noqa: E402
     run_gpugate,
     shell_check_argv,
     start_ansible,
-    summarize_ansible,
 )
 
 LOAD_S = 1.0

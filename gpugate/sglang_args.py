@@ -34,7 +34,7 @@ import difflib
 import json
 import math
 import shlex
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 __all__ = [
     "FlagError",

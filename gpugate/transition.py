@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from pyinfra.api import QuoteString, StringCommand
 
-from gpugate.remote import inline_program, pack, sglang_probe
+from gpugate.remote import inline_program, pack, parse_probe_output, sglang_probe
 from gpugate.sglang_args import (SECRET_MASK, SPECS, FlagError, diff_flags, parse_argv, redact_argv, render_argv,
                                  validate_flags)
 
@@ -263,8 +263,8 @@ def previous_target(server: Mapping[str, Any], state_file: str) -> dict[str, Any
         raise SpecError(f"cannot roll back: {state_file} records no previous server (nothing changed since "
                         f"the first start)")
     if not previous.get("argv_hash") or not server.get("previous_argv_saved"):
-        raise SpecError(f"cannot roll back: the previous server's exact command was not kept in the "
-                        f"container (recorded by an older gpugate); deploy the flags you want instead")
+        raise SpecError("cannot roll back: the previous server's exact command was not kept in the "
+                        "container (recorded by an older gpugate); deploy the flags you want instead")
     return previous
 
 
@@ -511,11 +511,7 @@ def sequence_results(document: Mapping[str, Any], expected: int) -> list[dict[st
 
 def parse_result(stdout_lines: list[str]) -> dict[str, Any]:
     """The JSON document a remote call printed last (anything before it is noise)."""
-    for line in reversed(stdout_lines):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except ValueError:
-                break
-    return {"ok": False, "error": "no result from the container: " + " | ".join(stdout_lines[-5:])[:400]}
+    try:
+        return parse_probe_output(stdout_lines)
+    except ValueError:
+        return {"ok": False, "error": "no result from the container: " + " | ".join(stdout_lines[-5:])[:400]}

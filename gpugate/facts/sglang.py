@@ -22,11 +22,11 @@ or from the CLI: ``pyinfra inventory.py fact gpugate.facts.sglang.SglangServer p
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional, TypedDict
 
 from pyinfra.api import FactBase
 
+from gpugate import remote
 from gpugate.remote import build_probe_command
 from gpugate.sglang_args import parse_argv
 from gpugate.transition import paths
@@ -97,14 +97,11 @@ def probe_command(sections: dict[str, dict[str, Any]], python: str = "/usr/bin/p
 
 
 def parse_probe_output(output: list[str]) -> dict[str, Any]:
-    for line in reversed(output):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except ValueError:
-                break
-    return {"error": "the probe printed no JSON: " + " | ".join(output[-5:])[:500]}
+    """The probe's JSON document, or ``{"error": ...}`` naming what it printed instead."""
+    try:
+        return remote.parse_probe_output(output)
+    except ValueError:
+        return {"error": "the probe printed no JSON: " + " | ".join(output[-5:])[:500]}
 
 
 def with_command(server: dict[str, Any]) -> dict[str, Any]:

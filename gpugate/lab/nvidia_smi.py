@@ -245,7 +245,7 @@ def _parse_args(argv: List[str]) -> dict:
         elif name in ("-h", "--help"):
             opts["help"] = True
         else:
-            raise UsageError(f'Invalid combination of input arguments. Please run "nvidia-smi -h" for help.\n')
+            raise UsageError('Invalid combination of input arguments. Please run "nvidia-smi -h" for help.\n')
         i += 1
     return opts
 

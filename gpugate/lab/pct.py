@@ -126,7 +126,7 @@ class Pct:
             raise ParseError(f"400 Parameter verification failed.\nvmid: type check ('integer') failed - got '{raw}'")
         vmid = int(raw)
         if vmid < 100:
-            raise ParseError(f"400 Parameter verification failed.\nvmid: value must have a minimum value of 100")
+            raise ParseError("400 Parameter verification failed.\nvmid: value must have a minimum value of 100")
         return vmid
 
     def load_config(self, vmid: int) -> str:
