@@ -1,93 +1,214 @@
-"""The `gpugate` console script: the local lab (`gpugate lab up|down|status|fault|ssh`).
+"""The `gpugate` console script: run the deploy and the runbooks, and the local lab.
 
 Example:
+    $ gpugate --version
+    $ gpugate deploy --dry                      # = pyinfra <project>/inventory.py <project>/deploy.py --dry
+    $ gpugate runbook status --limit pve1       # = pyinfra <project>/inventory.py <project>/runbooks/status.py ...
+    $ gpugate files                             # where inventory.py, deploy.py and the runbooks are
     $ gpugate lab up --hosts 2
     $ gpugate lab ssh pve1 pct exec 129 -- nvidia-smi
     $ gpugate lab down
+
+`deploy` and `runbook` run pyinfra on the files that ship with gpugate (from a checkout: the
+checkout's own; from a wheel: gpugate/project/ in site-packages), in the current directory, so
+`./fleet.yaml` (or $GPUGATE_FLEET) is the fleet; every argument after the name goes to pyinfra.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+import gpugate
+from gpugate import resources
 from gpugate.lab import core
+
+PYINFRA_COMMANDS = ("deploy", "runbook")
 
 
 def _vmids(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(",") if part.strip())
+    try:
+        vmids = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of vmids (e.g. 129,130)") from None
+    if not vmids or any(v < 100 for v in vmids):
+        raise argparse.ArgumentTypeError(f"{text!r}: vmids are integers >= 100, as in Proxmox (e.g. 129,130)")
+    return vmids
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version  # noqa: PLC0415
+
+        pyinfra_version = version("pyinfra")
+    except Exception:  # noqa: BLE001 -- the version line must print whatever is installed
+        pyinfra_version = "not installed"
+    return f"gpugate {gpugate.__version__} (pyinfra {pyinfra_version}, Python {sys.version.split()[0]})"
+
+
+def _add_dir(parser: argparse.ArgumentParser, top_level: bool) -> None:
+    # --dir is accepted before and after the action (`gpugate lab --dir X up`, `gpugate lab up --dir X`);
+    # after it, the default is SUPPRESS so that it never overwrites one given before.
+    parser.add_argument("--dir", type=Path, metavar="DIR", default=None if top_level else argparse.SUPPRESS,
+                        help="the lab's state directory (default: $GPUGATE_LAB_DIR, else /tmp/gpugate-lab)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpugate", description="gated SGLang restarts; the local lab")
-    top = parser.add_subparsers(dest="group", required=True)
+    parser = argparse.ArgumentParser(
+        prog="gpugate", description="Declarative, GPU-gated SGLang restarts in Proxmox LXC containers, on pyinfra.",
+        epilog="The deploy and the runbooks are pyinfra files: `gpugate files` shows where they are.")
+    parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
+    top = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
+
+    deploy = top.add_parser("deploy", help="apply deploy.py to the fleet (pyinfra arguments follow, e.g. --dry)",
+                            description="Runs `pyinfra INVENTORY DEPLOY [PYINFRA_ARGS...]` with the files "
+                                        "that ship with gpugate, in the current directory.")
+    deploy.add_argument("pyinfra_args", nargs="*", metavar="PYINFRA_ARGS",
+                        help="passed to pyinfra as they are: --dry, -y, --limit pve1, --data key=value ...")
+    runbook = top.add_parser("runbook", help="run a day-2 runbook: " + ", ".join(resources.runbook_names()),
+                             description="Runs `pyinfra INVENTORY runbooks/NAME.py [PYINFRA_ARGS...]`.")
+    runbook.add_argument("name", help="one of: " + ", ".join(resources.runbook_names()))
+    runbook.add_argument("pyinfra_args", nargs="*", metavar="PYINFRA_ARGS",
+                         help="passed to pyinfra as they are: --limit pve1, --data format=json ...")
+    top.add_parser("files", help="print where inventory.py, deploy.py, group_data/ and runbooks/ are")
+
     lab = top.add_parser("lab", help="the local lab of simulated Proxmox GPU hosts")
-    lab.add_argument("--dir", type=Path, default=None, help="state dir (default $GPUGATE_LAB_DIR or /tmp/gpugate-lab)")
-    sub = lab.add_subparsers(dest="action", required=True)
-    up = sub.add_parser("up", help="start the lab (a lab already up is left as it is)")
-    up.add_argument("--hosts", type=int, default=1)
-    up.add_argument("--gpus", type=int, default=core.DEFAULT_GPUS)
-    up.add_argument("--gpu-mib", type=int, default=core.DEFAULT_GPU_MIB)
-    up.add_argument("--containers", type=_vmids, default=core.DEFAULT_VMIDS, help="vmids per host, e.g. 129,130")
-    up.add_argument("--dir", type=Path, default=None, dest="dir_late")
-    sub.add_parser("down", help="stop every lab host (state is kept)").add_argument("--dir", type=Path, default=None, dest="dir_late")
+    _add_dir(lab, top_level=True)
+    sub = lab.add_subparsers(dest="action", required=True, metavar="ACTION")
+    up = sub.add_parser("up", help="start the lab, or bring a stopped one back (a running host is left as it is)")
+    up.add_argument("--hosts", type=_positive, default=None, metavar="N",
+                    help="number of Proxmox hosts pve1..pveN (default: the hosts the lab has, else 1); "
+                         "more than the lab has adds hosts, fewer is refused")
+    up.add_argument("--gpus", type=_positive, default=core.DEFAULT_GPUS, metavar="G",
+                    help=f"simulated GPUs per host (default {core.DEFAULT_GPUS})")
+    up.add_argument("--gpu-mib", type=_positive, default=core.DEFAULT_GPU_MIB, metavar="MIB",
+                    help=f"memory of each simulated GPU in MiB (default {core.DEFAULT_GPU_MIB}, an H200)")
+    up.add_argument("--containers", type=_vmids, default=core.DEFAULT_VMIDS, metavar="VMIDS",
+                    help="containers per host, comma-separated vmids (default %s)"
+                         % ",".join(map(str, core.DEFAULT_VMIDS)))
+    _add_dir(up, top_level=False)
+    down = sub.add_parser("down", help="stop every lab host (state, keys and the fleet file are kept)")
+    _add_dir(down, top_level=False)
     st = sub.add_parser("status", help="hosts, SSH ports, containers, GPU memory")
-    st.add_argument("--json", action="store_true")
-    st.add_argument("--dir", type=Path, default=None, dest="dir_late")
+    st.add_argument("--json", action="store_true", help="print the status as one JSON document")
+    _add_dir(st, top_level=False)
     fault = sub.add_parser("fault", help="inject (or --clear) a fault into a container")
-    fault.add_argument("--host", required=True)
-    fault.add_argument("--vmid", type=int, required=True)
-    fault.add_argument("--clear", action="store_true")
+    fault.add_argument("--host", required=True, help="the lab host, e.g. pve1")
+    fault.add_argument("--vmid", type=int, required=True, help="the container, e.g. 129")
+    fault.add_argument("--clear", action="store_true", help="remove the fault (NAME may be `all`)")
     fault.add_argument("name", help="ignore-sigterm, orphan-worker, stuck-memory, foreign-holder, "
                                     "crash-on-start, never-healthy, slow-start=SECONDS")
-    fault.add_argument("--dir", type=Path, default=None, dest="dir_late")
+    _add_dir(fault, top_level=False)
     ssh = sub.add_parser("ssh", help="ssh into a lab host (host key checked)")
-    ssh.add_argument("host")
-    ssh.add_argument("command", nargs=argparse.REMAINDER)
-    ssh.add_argument("--dir", type=Path, default=None, dest="dir_late")
+    ssh.add_argument("host", help="the lab host, e.g. pve1")
+    ssh.add_argument("command", nargs=argparse.REMAINDER, help="a command to run there (default: a login shell)")
+    _add_dir(ssh, top_level=False)
     return parser
 
 
+def pyinfra_argv(command: str, args: Sequence[str]) -> list[str]:
+    """The pyinfra command line for ``gpugate deploy ARGS`` / ``gpugate runbook NAME ARGS``.
+
+    Example: ``pyinfra_argv("runbook", ["status", "--limit", "pve1"])`` ->
+    ``[python, "-m", "pyinfra", ".../inventory.py", ".../runbooks/status.py", "--limit", "pve1"]``
+    """
+    project = resources.project_dir()
+    if command == "deploy":
+        target, rest = project / "deploy.py", list(args)
+    else:
+        if not args or args[0].startswith("-"):
+            raise core.LabError("which runbook? gpugate runbook NAME [PYINFRA_ARGS...]; NAME is one of: "
+                                + ", ".join(resources.runbook_names()))
+        name = args[0].removesuffix(".py")
+        target, rest = project / "runbooks" / f"{name}.py", list(args[1:])
+        if not target.is_file():
+            raise core.LabError(f"no runbook {args[0]!r}; runbooks: " + ", ".join(resources.runbook_names()))
+    return [sys.executable, "-m", "pyinfra", str(project / "inventory.py"), str(target), *rest]
+
+
+def _lab_host(lab_dir: Path, name: str) -> str:
+    """``name`` when the lab has that host; a one-line LabError naming the hosts it has otherwise."""
+    names = core.existing_hosts(lab_dir)
+    if name not in names:
+        have = f"its hosts: {', '.join(names)}" if names else "it has no hosts (gpugate lab up)"
+        raise core.LabError(f"no lab host {name!r} in {lab_dir}; {have}")
+    return name
+
+
+def _lab(args: argparse.Namespace) -> int:
+    lab_dir = (args.dir or core.default_lab_dir()).resolve()
+    if args.action == "up":
+        started = time.monotonic()
+        state = core.up(lab_dir, hosts=args.hosts, gpus=args.gpus, gpu_mib=args.gpu_mib, vmids=args.containers)
+        sys.stdout.write(core.format_status(state))
+        for note in state.get("notes") or []:
+            print(note)
+        print(f"fleet file: {state['fleet']}")
+        print(f"lab up in {time.monotonic() - started:.2f}s")
+        return 0
+    if args.action == "down":
+        stopped = core.down(lab_dir)
+        print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
+        return 0
+    if args.action == "status":
+        state = core.status(lab_dir)
+        print(json.dumps(state, indent=2) if args.json else core.format_status(state), end="\n" if args.json else "")
+        return 0
+    if args.action == "fault":
+        from gpugate.lab import faults  # noqa: PLC0415 -- only this action needs the fault machinery
+
+        try:  # a misspelt fault is named (with the likely one) before the host is looked up
+            faults.parse_fault(args.name, args.clear)
+        except ValueError as exc:
+            close = difflib.get_close_matches(args.name.partition("=")[0], [n.partition("=")[0] for n in faults.FAULT_NAMES], 1)
+            raise ValueError(f"{exc}" + (f" (did you mean {close[0]}?)" if close else "")) from None
+        _lab_host(lab_dir, args.host)
+        print(faults.apply_fault(lab_dir, args.host, args.vmid, args.name, clear=args.clear))
+        return 0
+    if args.action == "ssh":
+        argv_ssh = core.ssh_argv(lab_dir, _lab_host(lab_dir, args.host))
+        if sys.stdin.isatty() and not args.command:
+            argv_ssh.insert(1, "-t")
+        os.execvp(argv_ssh[0], argv_ssh + args.command)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    lab_dir = (getattr(args, "dir_late", None) or args.dir or core.default_lab_dir()).resolve()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args.action == "up":
-            started = time.monotonic()
-            state = core.up(lab_dir, hosts=args.hosts, gpus=args.gpus, gpu_mib=args.gpu_mib, vmids=args.containers)
-            sys.stdout.write(core.format_status(state))
-            print(f"fleet file: {state['fleet']}")
-            print(f"lab up in {time.monotonic() - started:.2f}s")
+        if argv and argv[0] in PYINFRA_COMMANDS and not {"-h", "--help"} & set(argv[1:2]):
+            # Everything after the command is pyinfra's; argparse would take its options for ours.
+            command = pyinfra_argv(argv[0], argv[1:])
+            os.execv(command[0], command)
+        args = build_parser().parse_args(argv)
+        if args.group == "files":
+            project = resources.project_dir()
+            print(f"{'project:':<14}{project}")
+            for name in ("inventory.py", "deploy.py", "group_data", "runbooks"):
+                print(f"{name + ':':<14}{project / name}")
+            print(f"{'templates:':<14}{resources.resource('templates')}")
             return 0
-        if args.action == "down":
-            stopped = core.down(lab_dir)
-            print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
-            return 0
-        if args.action == "status":
-            state = core.status(lab_dir)
-            print(json.dumps(state, indent=2) if args.json else core.format_status(state), end="" if not args.json else "\n")
-            return 0
-        if args.action == "fault":
-            try:
-                from gpugate.lab import faults  # noqa: PLC0415 -- optional until it lands
-            except ImportError:
-                print("gpugate.lab.faults is not available in this checkout", file=sys.stderr)
-                return 2
-            print(faults.apply_fault(lab_dir, args.host, args.vmid, args.name, clear=args.clear))
-            return 0
-        if args.action == "ssh":
-            argv_ssh = core.ssh_argv(lab_dir, args.host)
-            if sys.stdin.isatty() and not args.command:
-                argv_ssh.insert(1, "-t")
-            os.execvp(argv_ssh[0], argv_ssh + args.command)
-    except core.LabError as exc:
+        return _lab(args)
+    except (core.LabError, ValueError, OSError) as exc:
+        # A mistyped command gets one line, never a traceback.
         print(f"gpugate: {exc}", file=sys.stderr)
         return 1
-    return 1
 
 
 if __name__ == "__main__":

@@ -753,22 +753,17 @@ def _tail_text(tail: list[str], lines: int = 30) -> str:
 
 
 def render_unit(spec: tr.Spec, files: Mapping[str, str], stop_timeout_s: float) -> str:
-    """The systemd unit (templates/sglang.service.j2) for this spec."""
+    """The systemd unit (gpugate/templates/sglang.service.j2, package data) for this spec."""
     import shlex
-    from pathlib import Path
 
-    import jinja2
-
-    template_dir = Path(__file__).resolve().parents[2] / "templates"
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir)), keep_trailing_newline=True,
-                             undefined=jinja2.StrictUndefined)
+    from gpugate.resources import render_template
 
     def systemd_quote(arg: str) -> str:
         # systemd's ExecStart splits like a shell with double quotes; '%' and '$' are its specifiers
         return '"' + arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$") + '"'
 
-    return env.get_template("sglang.service.j2").render(
-        port=spec.port, exec_start=" ".join(systemd_quote(a) for a in spec.argv), env_file=files["env"],
+    return render_template(
+        "sglang.service.j2", port=spec.port, exec_start=" ".join(systemd_quote(a) for a in spec.argv), env_file=files["env"],
         stop_timeout_s=int(stop_timeout_s), argv_comment=shlex.join(tr.redact_argv(spec.argv)))
 
 
