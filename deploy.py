@@ -11,16 +11,18 @@ see docs/architecture.md ("Inventory data") and docs/transition.md.
 
 from pyinfra import host
 
+from gpugate.fleet import validated_settings
 from gpugate.operations import sglang
 from gpugate.runbooks import server_arguments
 
 data = host.data
 arguments = server_arguments(data)
+settings = validated_settings(data)  # rolling=no is false, not the true string "no"
 
 sglang.server(
     name=f"SGLang on :{arguments['port']}" + (" (present)" if arguments["present"] else " (absent)"),
-    restarted=data.get("sglang_restarted", False),
+    restarted=settings.get("sglang_restarted", False),
     # A rolling restart: this operation runs host by host instead of on every host at once.
-    _serial=bool(data.get("rolling", False)),
+    _serial=settings.get("rolling", False),
     **arguments,
 )

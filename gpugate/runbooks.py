@@ -25,6 +25,7 @@ from pyinfra import host, logger, state
 from pyinfra.api import FunctionCommand, operation
 from pyinfra.api.state import BaseStateCallback
 
+from gpugate.fleet import validated_settings
 from gpugate.sglang_args import SECRET_MASK, SPECS, FlagError, diff_flags, validate_flags
 from gpugate.transition import foreign_memory
 
@@ -445,9 +446,18 @@ def server_arguments(data: Any) -> dict[str, Any]:
     by deploy.py and the runbooks (restart and rollback go through the same operation, so through
     the same gate and into the same audit log).
 
+    Every value is checked first (gpugate.fleet.validated_settings: types, booleans from
+    true/false/yes/no/1/0 only, unknown settings refused with a did-you-mean); a bad one raises
+    gpugate.fleet.SettingsError naming the setting.
+
     >>> server_arguments({"sglang_port": 30001, "audit_log": "/srv/audit.jsonl"})["port"]
     30001
+    >>> server_arguments({"rolling": "no", "drain_timeout_s": "abc"})
+    Traceback (most recent call last):
+    ...
+    gpugate.fleet.SettingsError: setting drain_timeout_s='abc': expected a number, got 'abc' (str)
     """
+    data = validated_settings(data)
     return dict(
         port=data.get("sglang_port", 30000),
         model_path=data.get("sglang_model_path"),

@@ -414,6 +414,35 @@ def _strip_host_noise(lines: list[str]) -> list[str]:
     return [line for line in lines if line.strip() and not line.startswith("sudo: unable to resolve")]
 
 
+def strict_host_key_policy(host_data: object) -> str:
+    """
+    The host key policy for the Proxmox host: what the user set (host data
+    ``ssh_strict_host_key_checking``, e.g. ``accept-new``), else ``yes``: the key must already be
+    in known_hosts. (pyinfra's own default, accept-new, trusts an unknown key silently; its
+    StrictHostKeyChecking from an ssh_config_file applies only when this is None, which would
+    otherwise mean an interactive prompt, so gpugate never leaves it None.)
+
+    >>> strict_host_key_policy({}), strict_host_key_policy({"ssh_strict_host_key_checking": "accept-new"})
+    ('yes', 'accept-new')
+    """
+    explicit = host_data.get("ssh_strict_host_key_checking")  # type: ignore[attr-defined]
+    return "yes" if explicit in (None, "") else str(explicit)
+
+
+def unknown_host_key_error(error: "ConnectError", data: object) -> "ConnectError":
+    """The ConnectError for a Proxmox host whose key is not in known_hosts, saying what to do;
+    any other error as it is."""
+    if "No host key for" not in str(error):
+        return error
+    known_hosts = data.get("ssh_known_hosts_file") or "~/.ssh/known_hosts"  # type: ignore[attr-defined]
+    return ConnectError(
+        f"{error} -- the Proxmox host's key is not in {known_hosts}, and gpugate does not trust an "
+        "unknown host key: add it after checking its fingerprint (ssh-keyscan, or one interactive "
+        "`ssh` to the host), or relax the check explicitly with ssh: {strict_host_key_checking: "
+        "accept-new} in fleet.yaml (--data ssh_strict_host_key_checking=accept-new)",
+    )
+
+
 # Sharing per Proxmox host: one SSH connection and one `pct list` for its containers
 #
 # pyinfra runs every inventory host in its own greenlet and gives each its own connector, so
@@ -482,6 +511,10 @@ class SharedSSHConnector(SSHConnector):
 
     def __init__(self, state: "State", host: "Host", per_connection: int):
         super().__init__(state, host)
+        # pyinfra's own default is accept-new: an unknown host key (an empty known_hosts) would
+        # be trusted silently. gpugate checks strictly unless the user relaxes it explicitly
+        # (ssh_strict_host_key_checking: accept-new).
+        self.data["ssh_strict_host_key_checking"] = strict_host_key_policy(host.data)
         self.per_connection = per_connection
         self.settings_key = ssh_settings_key(self)
         self._transfer = None
@@ -506,7 +539,10 @@ class SharedSSHConnector(SSHConnector):
         shared = SharedSSHClient(users=1)
         pool.append(shared)  # before connecting: the other containers wait on this one
         try:
-            super().connect()
+            try:
+                super().connect()
+            except ConnectError as error:
+                raise unknown_host_key_error(error, self.data) from None
         except BaseException as error:
             shared.error = error if isinstance(error, ConnectError) else ConnectError(str(error))
             if shared in pool:

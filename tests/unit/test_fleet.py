@@ -24,7 +24,7 @@ hosts:
           port: 30000
           flags: {tp: 8, kv-cache-dtype: fp8_e4m3, disable-radix-cache: true, mem-fraction-static: 0.88,
                   disable-cuda-graph: false}
-          env: {HF_TOKEN: "hf_x", NCCL_DEBUG: 1}
+          env: {HF_TOKEN: "hf_x", NCCL_DEBUG: "1"}
           supervisor: systemd
       130:
         sglang: {model_path: /opt/models/m, present: false}
@@ -111,8 +111,9 @@ def good_with(old: str, new: str) -> str:
     (good_with("hostname: pve1.example.net", "hostname: '-oProxyCommand=x'"), "hosts.pve1.ssh.hostname",
      "expected a host name"),
     (good_with("data: {gpu_max_used_mib: 128}", "data: {gpu_max_used_mib: lots}"),
-     "hosts.pve1.data.gpu_max_used_mib", "expected int"),
-    (good_with("data: {gpu_max_used_mib: 128}", "data: {rolling: 1}"), "hosts.pve1.data.rolling", "expected bool"),
+     "hosts.pve1.data.gpu_max_used_mib", "expected a whole number"),
+    (good_with("data: {gpu_max_used_mib: 128}", "data: {rolling: maybe}"), "hosts.pve1.data.rolling",
+     "expected true or false"),
     (good_with("data: {gpu_max_used_mib: 128}", "data: {sglang_flags: {}}"), "hosts.pve1.data.sglang_flags",
      "sglang: section"),
     (good_with("groups: [canary]", "groups: [pve_x]"), "hosts.pve1.containers.129.groups", "not a usable group"),
