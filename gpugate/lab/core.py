@@ -335,17 +335,75 @@ def check_lab_dir(lab_dir: Path) -> None:
             raise LabError(f"lab dir {resolved} lies under {prefix}, which containers overlay; choose another")
 
 
-def up(lab_dir: Path, hosts: int = 1, gpus: int = DEFAULT_GPUS, gpu_mib: int = DEFAULT_GPU_MIB,
+def planned_hosts(existing: list[str], hosts: int | None) -> list[str]:
+    """The hosts ``lab up --hosts N`` brings up on a lab that has ``existing``: pve1..pveN. ``None``
+    keeps the lab as it is (1 host for a new lab); more than it has adds hosts; fewer is refused
+    with what is there (dropping hosts would delete their containers' state).
+
+    >>> planned_hosts([], None), planned_hosts(["pve1", "pve2"], None), planned_hosts(["pve1"], 2)
+    (['pve1'], ['pve1', 'pve2'], ['pve1', 'pve2'])
+    """
+    wanted = hosts if hosts is not None else (len(existing) or 1)
+    if wanted < len(existing):
+        raise LabError(
+            f"this lab has {len(existing)} hosts ({_name_span(existing)}); --hosts {wanted} would leave "
+            f"{_name_span(existing[wanted:])} out. Run `gpugate lab up` (no --hosts) to bring it up as it is, "
+            f"or choose another --dir for a {wanted}-host lab, or `gpugate lab down` and remove the directory")
+    return host_names(wanted)
+
+
+def _name_span(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+FLEET_MARK = ".fleet.yaml.written"  # sha256 of the fleet file as the lab last wrote it
+
+
+def write_fleet_file(lab_dir: Path, text: str) -> str | None:
+    """Write the lab's fleet file without ever overwriting a user's edits; returns a note for the
+    operator, or None when there is nothing to say.
+
+    - no ``fleet.yaml``: written (creation);
+    - ``fleet.yaml`` as the lab last wrote it (nobody edited it): replaced by the new view;
+    - edited since: kept as it is; the lab's view goes to ``fleet.lab.yaml`` beside it, and the
+      note says so.
+    """
+    fleet = Path(lab_dir) / "fleet.yaml"
+    beside = Path(lab_dir) / "fleet.lab.yaml"
+    mark = Path(lab_dir) / FLEET_MARK
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    try:
+        current = fleet.read_text()
+    except FileNotFoundError:
+        current = None
+    if current == text:
+        mark.write_text(digest + "\n")
+        beside.unlink(missing_ok=True)
+        return None
+    written = mark.read_text().strip() if mark.exists() else None
+    if current is None or hashlib.sha256(current.encode()).hexdigest() == written:
+        fleet.write_text(text)
+        mark.write_text(digest + "\n")
+        beside.unlink(missing_ok=True)
+        return None if current is None else f"{fleet}: updated to the lab's hosts (it had no edits of yours)"
+    beside.write_text(text)
+    return (f"{fleet} has edits of yours and was kept as it is; the lab's view (hosts, ports) is in {beside}: "
+            f"diff {fleet} {beside}")
+
+
+def up(lab_dir: Path, hosts: int | None = None, gpus: int = DEFAULT_GPUS, gpu_mib: int = DEFAULT_GPU_MIB,
        vmids: tuple[int, ...] = DEFAULT_VMIDS) -> dict:
-    """Bring the lab up (idempotent: running hosts are left exactly as they are). Returns the status."""
+    """Bring the lab up with ``hosts`` hosts (None: the hosts it has; see planned_hosts). Hosts that
+    run are left exactly as they are, stopped ones are started, new ones made. Returns the status,
+    with ``notes`` (what the operator must know: the fleet file kept, ...)."""
     if os.geteuid() != 0:
         raise LabError("the lab needs root (namespaces, mounts, sshd)")
     lab_dir = Path(lab_dir).resolve()
     check_lab_dir(lab_dir)
+    names = planned_hosts(existing_hosts(lab_dir), hosts)
     lab_dir.mkdir(parents=True, exist_ok=True)
     _keygen(lab_dir / "id_ed25519", "gpugate-lab-client")
     (lab_dir / "authorized_keys").write_text((lab_dir / "id_ed25519.pub").read_text())
-    names = host_names(hosts)
     to_start = [n for n in names if host_init_pid(lab_dir, n) is None]
     for name in to_start:
         _prepare_host(lab_dir, name, gpus, gpu_mib, list(vmids))
@@ -357,8 +415,9 @@ def up(lab_dir: Path, hosts: int = 1, gpus: int = DEFAULT_GPUS, gpu_mib: int = D
     state = status(lab_dir)
     vmid_map = {h["name"]: [c["vmid"] for c in h["containers"]] for h in state["hosts"]}
     doc = fleet_document(lab_dir, [(h["name"], h["port"]) for h in state["hosts"]], vmid_map)
-    (lab_dir / "fleet.yaml").write_text(render_fleet_yaml(doc))
+    note = write_fleet_file(lab_dir, render_fleet_yaml(doc))
     (lab_dir / "lab.json").write_text(json.dumps(state, indent=2) + "\n")
+    state["notes"] = [note] if note else []
     return state
 
 
@@ -382,7 +441,8 @@ def _rmdir_cgroup_tree(path: str, timeout_s: float = 5.0) -> None:
 def down(lab_dir: Path) -> list[str]:
     """Kill every lab host (its PID namespace takes sshd, driver and containers along). Returns names stopped.
 
-    State (keys, ports, container dirs) stays, so `lab up` brings back the same hosts and host keys.
+    State (keys, ports, container dirs, the fleet file with any edits) stays, so `lab up` brings back
+    the same hosts and host keys.
     """
     lab_dir = Path(lab_dir).resolve()
     stopped = []
@@ -402,8 +462,7 @@ def down(lab_dir: Path) -> list[str]:
     cg = lab_cgroup_dir(lab_dir)
     if cg:
         _rmdir_cgroup_tree(cg)
-    for leftover in ("lab.json", "fleet.yaml"):
-        (lab_dir / leftover).unlink(missing_ok=True)
+    (lab_dir / "lab.json").unlink(missing_ok=True)
     return stopped
 
 
@@ -448,7 +507,7 @@ def host_status(lab_dir: Path, name: str) -> HostInfo:
         else:
             state = "unknown"
         info.containers.append({"vmid": vmid, "status": state, "name": container.container_hostname(hdir, vmid)})
-    info.gpus = gpu_usage(hdir / "gpu")
+    info.gpus = gpu_usage(hdir / "gpu") if pid else []  # a host that is down has no GPU memory in use
     return info
 
 
@@ -474,7 +533,7 @@ def format_status(state: dict) -> str:
         out.append(f"{host['name']}: {mark}  ssh root@{host['hostname']} -p {host['port']} -i {host['key']}")
         for ct in host["containers"]:
             out.append(f"  ct {ct['vmid']} ({ct['name']}): {ct['status']}")
-        if host["gpus"]:
+        if host["gpus"] and host["running"]:  # a down host's ledger is history, not GPU memory in use
             used = " ".join(f"{g['index']}:{g['used_mib']}" for g in host["gpus"])
             out.append(f"  gpu used MiB (of {host['gpus'][0]['total_mib']}): {used}")
     return "\n".join(out) + "\n"
