@@ -19,16 +19,19 @@ from gpugate.fleet import fleet_to_inventory as _fleet_to_inventory
 from gpugate.fleet import load_fleet as _load_fleet
 
 
-def _fleet_path() -> _Path:
+def _fleet_path() -> tuple[_Path, str]:
+    """The fleet file and why that one (what the run prints first, so that nobody edits one fleet
+    file and deploys another)."""
     explicit = _os.environ.get("GPUGATE_FLEET")
     if explicit:
-        return _Path(explicit)
+        return _Path(explicit), "$GPUGATE_FLEET"
     local = _Path("fleet.yaml")
     if local.exists():
-        return local
-    lab = _Path(_os.environ.get("GPUGATE_LAB_DIR") or "/tmp/gpugate-lab") / "fleet.yaml"
+        return local.resolve(), "./fleet.yaml"
+    lab_env = _os.environ.get("GPUGATE_LAB_DIR")
+    lab = _Path(lab_env or "/tmp/gpugate-lab") / "fleet.yaml"
     if lab.exists():
-        return lab
+        return lab, "the lab's, $GPUGATE_LAB_DIR" if lab_env else "the default lab's: no ./fleet.yaml, no $GPUGATE_FLEET"
     _sys.stderr.write(
         "gpugate: no fleet file. Write ./fleet.yaml (see docs/flags.md), set GPUGATE_FLEET=PATH, "
         f"or start the local lab with `gpugate lab up` (it writes {lab}).\n")
@@ -36,7 +39,9 @@ def _fleet_path() -> _Path:
 
 
 def _groups() -> dict:
-    path = _fleet_path()
+    path, why = _fleet_path()
+    # Once, first, on stderr: `--data format=json` keeps stdout one JSON document.
+    _sys.stderr.write(f"gpugate: fleet {path} ({why})\n")
     try:
         return _fleet_to_inventory(_load_fleet(path))
     except _FleetError as error:
