@@ -28,9 +28,12 @@ at connect in a run.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 from weakref import WeakKeyDictionary
 
@@ -51,6 +54,8 @@ from pyinfra.connectors.util import (
     extract_control_arguments,
     make_unix_command_for_host,
 )
+
+from gpugate.claims import LOCK_DIR, busy_message, gpu_ranges
 
 if TYPE_CHECKING:
     from pyinfra.api.arguments import ConnectorArguments
@@ -407,6 +412,19 @@ def status_check_error(lines: list[str], pve_host: str, vmid: int, binary: str) 
         return failure.describe(pve_host, vmid)
     detail = " / ".join(output) or "no output"
     return f"pct error: `pct status {vmid}` on {pve_host} failed (exit {code}): {detail}"
+
+
+def _last_json(lines: list[str]) -> dict | None:
+    """The last stdout line that is a JSON object, or None."""
+    for line in reversed(lines):
+        text = line.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                continue
+            return value if isinstance(value, dict) else None
+    return None
 
 
 def _strip_host_noise(lines: list[str]) -> list[str]:
@@ -794,6 +812,60 @@ class PctConnector(BaseConnector):
             # Even when the caller accepts pct's exit code (255) as success: the command never ran.
             return False, self._with_failure_line(output, failure)
         return status, output
+
+    # GPU locks on the Proxmox host (gpugate.claims)
+
+    def hold_gpu_locks(
+        self,
+        gpus: Sequence[int],
+        run: str,
+        python: str,
+        agent: str,
+        grace_s: float = 30,
+        wait_s: float = 0,
+        lock_dir: str = LOCK_DIR,
+    ) -> tuple[bool, str]:
+        """
+        Take this transition's GPU locks on the Proxmox host (``/run/gpugate/gpu-<i>.lock``, one
+        exclusive flock per GPU, in index order) and hold them, in a detached process on the
+        host, until ``pct exec <vmid> -- <python> <agent> wait '{"run": run, "grace_s": ...}'``
+        returns (the agent's wait: the run has ended, or it did not begin within ``grace_s``).
+        Call it right before the hand-off: ``(True, what)`` -> hand off; ``(False, why)`` ->
+        refuse, nothing was touched (``why`` names the container whose run holds a GPU, after
+        waiting up to ``wait_s`` for it).
+
+        .. code:: python
+
+            ok, message = host.connector.hold_gpu_locks([0, 1, 2, 3], run_id, "/usr/bin/python3",
+                                                        "/var/lib/gpugate/agent-<sha>.py")
+        """
+        from gpugate import host_gpu_lock  # noqa: PLC0415 -- its source travels, not the module
+        from gpugate.remote import pack  # noqa: PLC0415
+
+        gpu_list = sorted({int(gpu) for gpu in gpus})
+        if not gpu_list:
+            return True, "no GPU to claim"
+        args = {
+            "vmid": self.vmid, "gpus": gpu_list, "run": str(run), "python": python, "agent": agent,
+            "grace_s": grace_s, "wait_s": wait_s, "lock_dir": lock_dir, "path": CONTAINER_PATH,
+            "pct": [str(bit) for bit in pct_prefix(self.binary, self.use_sudo)],
+            "clear_env": bool(self.data["pct_clear_env"]),
+        }
+        source = Path(host_gpu_lock.__file__).read_text()
+        # on the host, as root: the lock dir is /run's, and the holder runs pct
+        bits: list = (["sudo", "-n"] if self.use_sudo else []) + [
+            "python3", "-c", QuoteString(pack(source)), QuoteString(json.dumps(args))]
+        status, output = self.pve.run_shell_command(StringCommand(*bits), _timeout=int(max(30, wait_s + 30)))
+        answer = _last_json(output.stdout_lines)
+        where = f"GPU {gpu_ranges(gpu_list)} of {self.pve_host_name}"
+        if not status or answer is None:
+            detail = " / ".join(_strip_host_noise(output.stderr_lines)) or output.stdout or "no answer"
+            return False, f"could not take the locks of {where} for run {run}: {detail}; nothing was touched"
+        if answer.get("ok"):
+            return True, f"holding the locks of {where} for run {run} (holder pid {answer.get('pid')} on the host)"
+        if "gpu" in answer:
+            return False, busy_message(self.pve_host_name, self.vmid, int(answer["gpu"]), answer.get("owner"), run)
+        return False, f"could not take the locks of {where} for run {run}: {answer.get('error')}; nothing was touched"
 
     # Files
 
