@@ -1,0 +1,250 @@
+"""The controller's side of the container agent (docs/agent-protocol.md): the agent's one-file
+source and hash, and the short shell commands that run it in a container.
+
+The agent (gpugate/remote/agent.py, with gpugate/remote/gpu_probe.py bundled into the same text)
+is installed content-addressed at ``/var/lib/gpugate/agent-<sha256>.py`` by the first ``start``
+(its source travels on stdin). Every command runs a small bootstrap that checks the installed
+file's hash; a missing or different file answers ``{"agent_missing": true}`` (observe, follow) so
+the controller can observe once with the agent inline (read-only) and install it with the hand-off.
+
+Example::
+
+    from gpugate import agentcmd
+    ok, out = host.run_shell_command(agentcmd.observe_command("/usr/bin/python3", {"port": 30000}))
+    doc = agentcmd.parse_output(out.stdout_lines)
+    if doc.get("agent_missing"):
+        ok, out = host.run_shell_command(agentcmd.inline_observe_command("/usr/bin/python3", {"port": 30000}))
+        doc = agentcmd.parse_output(out.stdout_lines)
+    command = agentcmd.start_command("/usr/bin/python3")
+    stdin = agentcmd.start_stdin({"run": "r1", "desired": spec_doc, ...}, include_source=doc.get("agent_missing"))
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import shlex
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from gpugate.remote import pack
+
+REMOTE_DIR = Path(__file__).resolve().parent / "remote"
+STATE_DIR = "/var/lib/gpugate"
+PROBE_MARKER = "gpugate-probe"
+BUNDLE_LINE = "_BUNDLE = {}  # filled by gpugate.agentcmd.agent_source(): {\"gpu_probe\": \"<source>\"}"
+BUNDLED = ("gpu_probe",)
+
+
+@functools.lru_cache(maxsize=1)
+def agent_source() -> str:
+    """The agent as ONE file: agent.py with the bundled modules' sources in ``_BUNDLE``.
+
+    >>> "def observe(" in agent_source()
+    True
+    """
+    text = (REMOTE_DIR / "agent.py").read_text()
+    if text.count(BUNDLE_LINE) != 1:
+        raise RuntimeError("gpugate/remote/agent.py lost its _BUNDLE line; agentcmd cannot bundle it")
+    bundle = {name: (REMOTE_DIR / f"{name}.py").read_text() for name in BUNDLED}
+    return text.replace(BUNDLE_LINE, "_BUNDLE = " + repr(bundle))
+
+
+@functools.lru_cache(maxsize=1)
+def agent_sha() -> str:
+    """sha256 (hex) of :func:`agent_source` as UTF-8: the installed file's name and check."""
+    return hashlib.sha256(agent_source().encode("utf-8")).hexdigest()
+
+
+def agent_path(sha: str | None = None) -> str:
+    """``/var/lib/gpugate/agent-<sha>.py``.
+
+    >>> agent_path("ab12")
+    '/var/lib/gpugate/agent-ab12.py'
+    """
+    return f"{STATE_DIR}/agent-{sha or agent_sha()}.py"
+
+
+# The bootstrap: checks the installed agent's hash (installs it from the start document's
+# agent_source when that matches), loads it through importlib so that its bytecode is cached
+# beside it (observe is the converged re-run's only command: every ms counts), and runs it.
+_BOOT = r'''
+import hashlib, json, os, sys
+S = %(sha)r
+P = %(path)r
+a = sys.argv[1:]
+if a and a[-1] == %(marker)r:
+    a = a[:-1]
+d = None
+if a[:1] == ["start"]:
+    try:
+        d = json.loads(sys.stdin.read() or "null")
+    except ValueError as e:
+        print(json.dumps({"ok": False, "error": "the start document is not JSON: %%s" %% e}))
+        sys.exit(0)
+try:
+    with open(P, "rb") as f:
+        b = f.read()
+except OSError:
+    b = None
+if b is None or hashlib.sha256(b).hexdigest() != S:
+    t = d.get("agent_source") if isinstance(d, dict) else None
+    if t is None or hashlib.sha256(t.encode("utf-8")).hexdigest() != S:
+        print(json.dumps({"agent_missing": True, "sha256": S, "found": b is not None,
+                          "ok": False, "error": "agent %%s is not installed" %% S[:12]}))
+        sys.exit(0)
+    try:
+        os.makedirs(os.path.dirname(P), mode=0o700, exist_ok=True)
+        os.chmod(os.path.dirname(P), 0o700)
+        tmp = "%%s.tmp.%%d" %% (P, os.getpid())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        v = memoryview(t.encode("utf-8"))
+        while v:
+            v = v[os.write(fd, v):]
+        os.fsync(fd)
+        os.close(fd)
+        os.replace(tmp, P)
+    except OSError as e:
+        print(json.dumps({"ok": False, "error": "cannot install the agent at %%s: %%s" %% (P, e)}))
+        sys.exit(0)
+import importlib.util
+sys.dont_write_bytecode = False  # the agent's bytecode is cached beside it (pct exec may pass PYTHONDONTWRITEBYTECODE)
+spec = importlib.util.spec_from_file_location("gpugate_agent", P)
+m = importlib.util.module_from_spec(spec)
+sys.modules["gpugate_agent"] = m
+spec.loader.exec_module(m)
+m.AGENT_SHA256 = S
+sys.exit(m.main(a, d))
+'''
+
+_INLINE = r'''
+import json, sys, types
+m = types.ModuleType("gpugate_agent")
+m.__file__ = "<gpugate-agent>"
+sys.modules["gpugate_agent"] = m
+exec(compile(%(source)r, m.__file__, "exec"), m.__dict__)
+m.AGENT_SHA256 = %(sha)r
+m.INLINE = True
+sys.exit(m.main(["observe", json.dumps(%(args)r)]))
+'''
+
+
+def _interpreter(python: str | None) -> str:
+    return shlex.quote(python or "python3")
+
+
+def _no_python(python: str | None) -> str:
+    doc = {"ok": False, "no_python": True, "error": f"no Python interpreter {python or 'python3'} in the container"}
+    return shlex.quote(json.dumps(doc, separators=(",", ":")))
+
+
+@functools.lru_cache(maxsize=1)
+def _boot() -> str:
+    return pack(_BOOT % {"sha": agent_sha(), "path": agent_path(), "marker": PROBE_MARKER})
+
+
+def _agent_command(python: str | None, command: str, args: Mapping[str, Any] | None) -> str:
+    interpreter = _interpreter(python)
+    words = [command] + ([json.dumps(dict(args), separators=(",", ":"), sort_keys=True)] if args is not None else [])
+    quoted = " ".join(shlex.quote(word) for word in words)
+    return (f"if command -v {interpreter} >/dev/null 2>&1; then exec {interpreter} -c '{_boot()}' {quoted} "
+            f"{PROBE_MARKER}; else echo {_no_python(python)}; fi")
+
+
+def observe_command(python: str | None, args: Mapping[str, Any]) -> str:
+    """Run the installed agent's ``observe`` (read-only). Prints the observe document, or
+    ``{"agent_missing": true, ...}`` when the agent of this controller is not installed.
+
+    + args: ``{"port": 30000, "env_names": [...], "model_path": "...", "gpus": [...] | None,
+      "tail_lines": 0, "generate": False, "secret_flags": [...]}``
+
+    Example::
+
+        observe_command("/usr/bin/python3", {"port": 30000, "env_names": ["HF_TOKEN"]})
+    """
+    return _agent_command(python, "observe", args)
+
+
+def inline_observe_command(python: str | None, args: Mapping[str, Any]) -> str:
+    """The same observe with the agent sent inline (zlib+base64 in the argv, ~40 KB); installs
+    nothing and writes nothing (``--dry`` stays read-only)."""
+    script = _INLINE % {"source": agent_source(), "sha": agent_sha(), "args": dict(args)}
+    return (f"if command -v {_interpreter(python)} >/dev/null 2>&1; then exec {_interpreter(python)} "
+            f"-c '{pack(script)}' {PROBE_MARKER}; else echo {_no_python(python)}; fi")
+
+
+def start_command(python: str | None) -> str:
+    """The hand-off: reads the start document (:func:`start_stdin`) on stdin, installs the agent
+    when the document carries its source, answers ``{"ok": true, "run", "pid", "journal"}`` once
+    the detached agent holds the transition lock, or ``{"ok": false, "busy": ...}`` /
+    ``{"ok": false, "error": ...}``."""
+    return _agent_command(python, "start", None)
+
+
+def start_stdin(doc: Mapping[str, Any], include_source: bool) -> str:
+    """The start document as the text to send on the start command's stdin (it holds secrets:
+    never put it in an argv). ``include_source``: the agent is not installed yet (observe said
+    ``agent_missing``): the bootstrap installs it from this text, checked by hash.
+
+    + doc: ``{"run", "operator", "desired": SpecDoc | None, "replaces": SpecDoc | None,
+      "rollback_to": SpecDoc | {"history": key|index} | {"running": True} | "auto" | None,
+      "restart": bool, "budgets": {...}}``
+    """
+    body = dict(doc)
+    body.pop("agent_source", None)
+    if include_source:
+        body["agent_source"] = agent_source()
+    return json.dumps(body, separators=(",", ":"))
+
+
+def follow_command(python: str | None, run: str, offset: int = 0, wait_s: float = 3.0) -> str:
+    """The run's journal events from byte ``offset``, waiting up to ``wait_s`` for new ones or
+    the end: ``{"events", "offset", "active", "ended", "outcome", "reasons", "message"}``."""
+    return _agent_command(python, "follow", {"run": run, "offset": int(offset), "wait_s": float(wait_s)})
+
+
+def wait_command(python: str | None, run: str, grace_s: float = 30.0, timeout_s: float | None = None) -> str:
+    """Blocks until run ``run`` has ended, or it did not appear within ``grace_s``:
+    ``{"run", "appeared", "ended", "outcome"}`` (the host-side GPU lock holder uses it)."""
+    args: dict[str, Any] = {"run": run, "grace_s": float(grace_s)}
+    if timeout_s is not None:
+        args["timeout_s"] = float(timeout_s)
+    return _agent_command(python, "wait", args)
+
+
+def parse_output(stdout_lines: Iterable[str] | str | None) -> dict:
+    """The one JSON document an agent command printed (the last line that is a JSON object; a pty
+    may add CR, a login shell noise). Never raises: ``{"error": ...}`` when there is none.
+
+    >>> parse_output(['noise', '{"ok": true}'])
+    {'ok': True}
+    >>> parse_output(["Traceback ..."])["error"]
+    'no JSON document in the agent output: Traceback ...'
+    """
+    if stdout_lines is None:
+        return {"error": "no output from the agent"}
+    lines = stdout_lines.splitlines() if isinstance(stdout_lines, str) else list(stdout_lines)
+    for line in reversed([str(line).strip() for line in lines]):
+        if line.startswith("{"):
+            try:
+                document = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(document, dict):
+                return document
+    text = " | ".join(str(line).strip() for line in lines if str(line).strip())
+    return {"error": "no JSON document in the agent output: " + (text[-300:] or "(empty)")}
+
+
+# Re-exported so the controller hashes exactly as the agent does.
+def env_hash(value: str) -> str:
+    from gpugate.remote.agent import env_hash as agent_env_hash
+
+    return agent_env_hash(value)
+
+
+def argv_hash(argv: list[str]) -> str:
+    from gpugate.remote.agent import argv_hash as agent_argv_hash
+
+    return agent_argv_hash(argv)

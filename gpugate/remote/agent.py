@@ -1,0 +1,2168 @@
+"""gpugate's container-side agent: everything that runs inside a container, in one stdlib-only file.
+
+Installed once per container, content-addressed (``/var/lib/gpugate/agent-<sha256>.py``, see
+gpugate.agentcmd, which bundles gpugate/remote/gpu_probe.py into the same file). Python >= 3.8.
+The contract with the controller is docs/agent-protocol.md. Commands (each prints ONE JSON document
+on stdout and exits 0; errors are fields, never a traceback):
+
+- ``observe '<json>'``: read-only picture of the server on a port, the GPUs, the container, the
+  transition and the history.
+- ``start`` (JSON on stdin: it holds secrets): takes the container's transition lock (a kernel
+  flock held for the agent's whole life), detaches (own session, stdio on /dev/null, SIGHUP
+  ignored) and runs the transition to its end: stop -> gate -> prepare -> start -> healthy ->
+  verify -> commit; from the stop on any failure -> rollback -> NOTHING SERVES with both reasons.
+- ``follow '<json>'``: the journal's new events of a run, waiting up to wait_s.
+- ``wait '<json>'``: blocks until a run has ended (the host-side GPU lock holder uses it).
+
+What may be signalled: the server's own tree (the recorded main pid checked by its start time, and
+its descendants) and stray SGLang *server* parts of this port or holding this server's GPUs. Never
+a process group, never a client (``sglang.bench_*``), a notebook or a monitor.
+
+Example (in a container)::
+
+    python3 agent.py observe '{"port": 30000}'
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import signal
+import sys
+import time
+
+SCHEMA = 1
+_BUNDLE = {}  # filled by gpugate.agentcmd.agent_source(): {"gpu_probe": "<source>"}
+
+STATE_DIR = "/var/lib/gpugate"
+RUNS_DIR = STATE_DIR + "/runs"
+RUN_DIR = "/run/gpugate"
+LOG_DIR = "/var/log/gpugate"
+ETC_DIR = "/etc/gpugate"
+LOCK_PATH = RUN_DIR + "/transition.lock"
+DEFAULT_PORT = 30000
+CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+BASE_ENV = {"PATH": CLEAN_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
+PROBE_MARKER = "gpugate-probe"  # argv[-1] of every agent process: GPU scans never count it as a holder
+MASK = "***"
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+SECRET_WORDS = ("api_key", "admin_api_key", "token", "password", "secret")
+MIN_SECRET_TEXT = 4  # shorter env values are not searched for in text (they would mangle every line)
+HISTORY_GOOD = 5
+HISTORY_FAILED = 10
+LOG_MAX_BYTES = 64 * 1024 * 1024
+LOG_KEEP = 3
+PROGRESS_S = 1.5
+DRAIN_POLL_S = 0.02
+GATE_POLL_S = 0.05
+LOAD_POLL_S = 0.1
+DEFAULT_BUDGETS = {"drain_timeout_s": 60.0, "kill_grace_s": 10.0, "gate_timeout_s": 120.0,
+                   "start_timeout_s": 2700.0, "max_used_mib": 64, "generate_timeout_s": 30.0}
+SHM_PREFIXES = ("psm_", "sgl_shm_", "multi_tokenizer_args_")
+TITLE_PREFIXES = ("sglang::scheduler", "sglang::detokenizer", "sglang::data_parallel_controller",
+                  "sglang::tokenizer_worker")
+INFO_KEYS = ("model_path", "port", "host", "tp_size", "dp_size", "pp_size", "version", "max_total_num_tokens",
+             "max_running_requests", "context_length", "kv_cache_dtype")
+PERMANENT_GPU_ERRORS = ("DriverNotLoaded", "LibRmVersionMismatch", "NoPython")
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,95}$")
+
+
+class Failure(Exception):
+    """A step did not reach its goal; the message is what the operator reads (no secret in it)."""
+
+
+# ==================================================================================== small I/O
+def _read(path, mode="r", limit=None):
+    try:
+        with open(path, mode) as handle:
+            return handle.read() if limit is None else handle.read(limit)
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _json_file(path):
+    text = _read(path)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _makedirs(path, mode=0o755):
+    if not os.path.isdir(path):
+        os.makedirs(path, mode=mode, exist_ok=True)
+
+
+def write_private(path, data, mode=0o600):
+    """Atomically replace ``path`` with ``data`` (temp file, fsync, rename), mode 0600.
+
+    >>> write_private("/var/lib/gpugate/sglang-30000.json", b"{}")
+    """
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    _makedirs(os.path.dirname(path))
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.fchmod(fd, mode)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+
+
+def free_mib(path):
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize // (1024 * 1024)
+
+
+def _now_iso(t=None):
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t if t is not None else time.time()))
+
+
+# ==================================================================================== /proc
+def proc_stat(pid):
+    """-> (comm, state, ppid, pgid, start_ticks) or None when gone."""
+    text = _read("/proc/%d/stat" % pid)
+    if text is None:
+        return None
+    close = text.rfind(")")
+    fields = text[close + 2:].split()
+    try:
+        return text[text.find("(") + 1:close], fields[0], int(fields[1]), int(fields[2]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def proc_argv(pid):
+    raw = _read("/proc/%d/cmdline" % pid, "rb")
+    if not raw:
+        return []
+    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
+
+
+def proc_table():
+    """Every process of this PID namespace: pid -> {pid, ppid, pgid, state, start_ticks, comm, argv}."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        stat = proc_stat(pid)
+        if stat is None:
+            continue
+        table[pid] = {"pid": pid, "comm": stat[0], "state": stat[1], "ppid": stat[2], "pgid": stat[3],
+                      "start_ticks": stat[4], "argv": proc_argv(pid)}
+    return table
+
+
+def alive(pid, start_ticks=None):
+    """Running (not a zombie) and, when given, the same process (not a reused pid)."""
+    stat = proc_stat(int(pid)) if pid else None
+    if stat is None or stat[1] in ("Z", "X"):
+        return False
+    return start_ticks is None or stat[4] == int(start_ticks)
+
+
+def ancestors(table, pid):
+    seen = set()
+    while pid in table and pid not in seen:
+        seen.add(pid)
+        pid = table[pid]["ppid"]
+    seen.add(pid)
+    return seen
+
+
+def descendants(table, root):
+    children = {}
+    for proc in table.values():
+        children.setdefault(proc["ppid"], []).append(proc["pid"])
+    out, stack = [], [root]
+    while stack:
+        for child in sorted(children.get(stack.pop(), ())):
+            if child not in out and child != root:
+                out.append(child)
+                stack.append(child)
+    return out
+
+
+def proc_environ(pid):
+    raw = _read("/proc/%d/environ" % pid, "rb")
+    if raw is None:
+        return None
+    env = {}
+    for part in raw.split(b"\0"):
+        if b"=" in part:
+            key, _, value = part.partition(b"=")
+            env[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+    return env
+
+
+def listeners(port):
+    """Socket inodes (``socket:[N]``) in LISTEN on TCP ``port`` (v4 and v6, any address): netlink
+    sock_diag (walks only the listening sockets: ~0.2 ms), else /proc/net/tcp* (~10-20 ms on a
+    busy host, it walks every socket)."""
+    try:
+        return _listeners_netlink(int(port))
+    except (OSError, ValueError, AttributeError):
+        pass
+    inodes = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in (_read(path) or "").splitlines()[1:]:
+            cols = line.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == int(port):
+                inodes.add("socket:[%s]" % cols[9])
+    return inodes
+
+
+def _listeners_netlink(port):
+    import socket
+    import struct
+
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)  # NETLINK_SOCK_DIAG
+    inodes = set()
+    try:
+        sock.settimeout(2.0)
+        for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), start=1):
+            # inet_diag_req_v2: family, protocol, ext, pad, states (1 << TCP_LISTEN), inet_diag_sockid
+            request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << 10) + b"\0" * 48
+            # nlmsghdr: len, SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, pid
+            sock.send(struct.pack("=IHHII", 16 + len(request), 20, 0x301, seq, 0) + request)
+            done = False
+            while not done:
+                data = sock.recv(65536)
+                offset = 0
+                while offset + 16 <= len(data):
+                    length, kind, _, _, _ = struct.unpack_from("=IHHII", data, offset)
+                    if length < 16:
+                        raise ValueError("bad netlink message")
+                    if kind == 3:  # NLMSG_DONE
+                        done = True
+                        break
+                    if kind == 2:  # NLMSG_ERROR
+                        raise OSError("sock_diag refused the request")
+                    body = offset + 16
+                    sport = struct.unpack_from("!H", data, body + 4)[0]
+                    if sport == port:
+                        inodes.add("socket:[%d]" % struct.unpack_from("=I", data, body + 68)[0])
+                    offset += (length + 3) & ~3
+    finally:
+        sock.close()
+    return inodes
+
+
+def socket_owners(inodes):
+    """pids holding any of the socket ``inodes`` (a /proc/*/fd scan; only when something listens)."""
+    pids = []
+    if not inodes:
+        return pids
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            for fd in os.listdir("/proc/%s/fd" % name):
+                if os.readlink("/proc/%s/fd/%s" % (name, fd)) in inodes:
+                    pids.append(int(name))
+                    break
+        except OSError:
+            continue
+    return sorted(pids)
+
+
+def pid1_comm():
+    return (_read("/proc/1/comm") or "").strip() or None
+
+
+def memory_limit_bytes():
+    limits = []
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemTotal:"):
+            limits.append(int(line.split()[1]) * 1024)
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        text = (_read(path) or "").strip()
+        if text.isdigit() and int(text) < 1 << 60:
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+# ==================================================================================== argv recognition
+def _flag_value(argv, *names):
+    """The last value given for any of ``names`` (``--x v`` or ``--x=v``), else None."""
+    value = None
+    for index, arg in enumerate(argv):
+        for name in names:
+            if arg == name and index + 1 < len(argv):
+                value = argv[index + 1]
+            elif arg.startswith(name + "="):
+                value = arg[len(name) + 1:]
+    return value
+
+
+def _flag_int(argv, default, *names):
+    value = _flag_value(argv, *names)
+    try:
+        return int(value) if value is not None else default
+    except ValueError:
+        return default
+
+
+def _python_module(argv):
+    """``-m <module>`` of a python argv (within its first options), else None."""
+    if not argv or not os.path.basename(argv[0]).startswith("python"):
+        return None
+    for index, part in enumerate(argv[1:5], start=1):
+        if part == "-m" and index + 1 < len(argv):
+            return argv[index + 1]
+        if part.startswith("-m") and len(part) > 2:
+            return part[2:]
+    return None
+
+
+def is_main_argv(argv):
+    """SGLang's server main: ``python -m sglang.launch_server ...`` or ``sglang serve ...``.
+
+    >>> is_main_argv(["/usr/bin/python3", "-m", "sglang.launch_server", "--port", "30000"])
+    True
+    >>> is_main_argv(["python3", "-m", "sglang.bench_serving", "--port", "30000"])
+    False
+    """
+    if not argv:
+        return False
+    if _python_module(argv) == "sglang.launch_server":
+        return True
+    program = os.path.basename(argv[0])
+    if program == "sglang" and argv[1:2] == ["serve"]:
+        return True
+    if program.startswith("python") and len(argv) > 2 and os.path.basename(argv[1]) == "sglang" \
+            and argv[2] == "serve":
+        return True
+    return False
+
+
+def is_worker_argv(argv):
+    """An SGLang server child by its process title (sglang::scheduler_TP0, sglang::detokenizer...)."""
+    return bool(argv) and argv[0].startswith(TITLE_PREFIXES)
+
+
+def is_server_part(argv):
+    return is_main_argv(argv) or is_worker_argv(argv)
+
+
+def is_client_argv(argv):
+    """SGLang clients (benchmarks, one-off scripts): reported, never signalled."""
+    module = _python_module(argv) or ""
+    return module.startswith("sglang.") and not is_main_argv(argv)
+
+
+def argv_port(argv):
+    return _flag_int(argv, DEFAULT_PORT, "--port")
+
+
+def argv_host(argv):
+    return _flag_value(argv, "--host") or "127.0.0.1"
+
+
+def connect_host(host):
+    """Where to reach a server bound to ``host`` from inside the container."""
+    if not host or host in ("0.0.0.0", "::", "[::]", "*"):
+        return "127.0.0.1"
+    return host.strip("[]")
+
+
+def server_gpus(argv, env=None, uuids=None):
+    """The GPUs a server uses, from its flags and environment: tp x pp x dp (dp only without
+    --enable-dp-attention) ids from --base-gpu-id by --gpu-id-step, mapped through
+    CUDA_VISIBLE_DEVICES. None when they cannot be told (a UUID we cannot map).
+
+    >>> server_gpus(["python3", "-m", "sglang.launch_server", "--tp", "4", "--base-gpu-id", "4"])
+    [4, 5, 6, 7]
+    """
+    tp = _flag_int(argv, 1, "--tp-size", "--tp", "--tensor-parallel-size")
+    pp = _flag_int(argv, 1, "--pp-size", "--pp", "--pipeline-parallel-size")
+    dp = _flag_int(argv, 1, "--dp-size", "--dp", "--data-parallel-size")
+    nnodes = max(1, _flag_int(argv, 1, "--nnodes"))
+    if "--enable-dp-attention" in argv:
+        dp = 1
+    base = _flag_int(argv, 0, "--base-gpu-id")
+    step = max(1, _flag_int(argv, 1, "--gpu-id-step"))
+    count = max(1, tp * pp * dp // nnodes)
+    ids = [base + index * step for index in range(count)]
+    visible = (env or {}).get("CUDA_VISIBLE_DEVICES")
+    if visible is None or visible.strip() == "":
+        return ids
+    entries = [item.strip() for item in visible.split(",") if item.strip()]
+    out = []
+    for index in ids:
+        if index >= len(entries):
+            return None
+        entry = entries[index]
+        if entry.isdigit():
+            out.append(int(entry))
+        elif uuids and entry in uuids:
+            out.append(uuids.index(entry))
+        else:
+            return None
+    return out
+
+
+# ==================================================================================== secrets
+def env_hash(value):
+    """A value's fingerprint: the controller compares env values it never sees.
+
+    >>> env_hash("x")[:4]
+    '4c4b'
+    """
+    return hashlib.sha256(("gpugate-env:" + value).encode("utf-8")).hexdigest()[:16]
+
+
+def argv_hash(argv):
+    """An argv's fingerprint (secret values included), recorded instead of the values."""
+    return hashlib.sha256(("gpugate-argv:" + "\0".join(argv)).encode("utf-8")).hexdigest()[:16]
+
+
+def spec_key(spec):
+    """What makes two specs the same server: exact argv, env, supervisor and unit text."""
+    material = json.dumps([spec.get("argv") or [], sorted((spec.get("env") or {}).items()),
+                           spec.get("supervisor") or "process", spec.get("unit_text") or ""])
+    return hashlib.sha256(material.encode("utf-8")).hexdigest()[:16]
+
+
+def redact_argv(argv, secret_flags=SECRET_FLAGS):
+    """argv with the values of secret flags as ***.
+
+    >>> redact_argv(["x", "--api-key", "sk-1", "--admin-api-key=a"])
+    ['x', '--api-key', '***', '--admin-api-key=***']
+    """
+    out, hide = [], False
+    for arg in argv or []:
+        if hide:
+            out.append(MASK)
+            hide = False
+        elif arg in secret_flags:
+            out.append(arg)
+            hide = True
+        elif "=" in arg and arg.split("=", 1)[0] in secret_flags:
+            out.append(arg.split("=", 1)[0] + "=" + MASK)
+        else:
+            out.append(arg)
+    return out
+
+
+def secret_flag_values(argv, secret_flags=SECRET_FLAGS):
+    values = []
+    for index, arg in enumerate(argv or []):
+        if arg in secret_flags and index + 1 < len(argv):
+            values.append(argv[index + 1])
+        elif "=" in arg and arg.split("=", 1)[0] in secret_flags:
+            values.append(arg.split("=", 1)[1])
+    return values
+
+
+_SECRET_ASSIGN = re.compile(r"((?:%s)\s*[=:]\s*)('[^']*'|\"[^\"]*\"|[^\s,)]+)" % "|".join(
+    re.escape(word) for word in SECRET_WORDS), re.IGNORECASE)
+_SECRET_FLAG_TEXT = re.compile(r"(--(?:admin-)?api-key(?:=|\s+))(\S+)")
+
+
+class Redactor:
+    """Masks known secret values (env values, secret flag values) and SGLang's own
+    ``api_key='...'`` shapes wherever they appear in text.
+
+    >>> Redactor(["sk-secret-1"]).text("server_args=ServerArgs(api_key='sk-secret-1', port=1)")
+    "server_args=ServerArgs(api_key='***', port=1)"
+    """
+
+    def __init__(self, values=()):
+        self.values = sorted(set(v for v in values if isinstance(v, str) and len(v) >= MIN_SECRET_TEXT),
+                             key=len, reverse=True)
+
+    def add(self, values):
+        self.values = sorted(set(self.values) | set(v for v in values if isinstance(v, str)
+                                                    and len(v) >= MIN_SECRET_TEXT), key=len, reverse=True)
+
+    def text(self, text):
+        if not isinstance(text, str):
+            return text
+        for value in self.values:
+            if value in text:
+                text = text.replace(value, MASK)
+
+        def assign(match):
+            value = match.group(2)
+            if value in ("None", "null", "''", '""'):
+                return match.group(0)
+            quote = value[0] if value[:1] in ("'", '"') else ""
+            return match.group(1) + quote + MASK + quote
+
+        text = _SECRET_ASSIGN.sub(assign, text)
+        return _SECRET_FLAG_TEXT.sub(lambda m: m.group(1) + (m.group(2) if m.group(2) == MASK else MASK), text)
+
+    def deep(self, value):
+        """The same over a JSON-able document (strings anywhere in it)."""
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, list):
+            return [self.deep(item) for item in value]
+        if isinstance(value, dict):
+            return dict((key, self.deep(item)) for key, item in value.items())
+        return value
+
+
+def spec_secrets(spec):
+    if not spec:
+        return []
+    flags = tuple(SECRET_FLAGS) + tuple(spec.get("secret_flags") or ())
+    return list((spec.get("env") or {}).values()) + secret_flag_values(spec.get("argv") or [], flags)
+
+
+# ==================================================================================== package metadata
+def sglang_version():
+    """The installed SGLang's version from its dist-info/egg-info METADATA (never imports sglang)."""
+    seen = set()
+    for entry in sys.path:
+        directory = entry or "."
+        if directory in seen or not os.path.isdir(directory):
+            continue
+        seen.add(directory)
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            lower = name.lower()
+            if lower.startswith("sglang-") and (lower.endswith(".dist-info") or lower.endswith(".egg-info")):
+                meta = _read(os.path.join(directory, name, "METADATA")) or _read(os.path.join(directory, name, "PKG-INFO"))
+                for line in (meta or "").splitlines():
+                    if line.startswith("Version:"):
+                        return line.split(":", 1)[1].strip()
+        if "sglang" in names:  # a source tree or the lab's stand-in: version.py, without importing
+            for candidate in ("version.py", "__init__.py"):
+                text = _read(os.path.join(directory, "sglang", candidate)) or ""
+                match = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
+                if match:
+                    return match.group(1)
+    return None
+
+
+# ==================================================================================== HTTP (raw socket: no urllib import)
+def http_get(host, port, path, timeout=3.0):
+    """(status, body) or (None, error text). 503 is an answer, not an error."""
+    import socket
+
+    deadline = time.time() + timeout
+    try:
+        conn = socket.create_connection((connect_host(host), int(port)), timeout=timeout)
+    except OSError as error:
+        return None, "%s: %s" % (type(error).__name__, error)
+    try:
+        conn.sendall(("GET %s HTTP/1.0\r\nHost: 127.0.0.1:%d\r\nConnection: close\r\n\r\n" % (path, int(port))).encode())
+        chunks, size = [], 0
+        while size < 4 * 1024 * 1024:
+            conn.settimeout(max(0.05, deadline - time.time()))
+            data = conn.recv(65536)
+            if not data:
+                break
+            chunks.append(data)
+            size += len(data)
+            head = b"".join(chunks)
+            if b"\r\n\r\n" in head:
+                header, _, body = head.partition(b"\r\n\r\n")
+                match = re.search(rb"(?im)^content-length:\s*(\d+)", header)
+                if match and len(body) >= int(match.group(1)):
+                    break
+    except OSError as error:
+        return None, "%s: %s" % (type(error).__name__, error)
+    finally:
+        conn.close()
+    raw = b"".join(chunks)
+    header, _, body = raw.partition(b"\r\n\r\n")
+    parts = header.split(b"\r\n", 1)[0].split()
+    if len(parts) < 2 or not parts[1].isdigit():
+        return None, "not an HTTP answer"
+    return int(parts[1]), body.decode("utf-8", "replace")
+
+
+def health(host, port, generate=False, timeout=3.0, generate_timeout=30.0):
+    status, error = http_get(host, port, "/health", timeout)
+    doc = {"health": status, "health_error": error if status is None else None,
+           "health_generate": None, "health_generate_error": None}
+    if generate and status == 200:
+        code, error = http_get(host, port, "/health_generate", generate_timeout)
+        doc["health_generate"] = code
+        doc["health_generate_error"] = error if code is None else None
+    return doc
+
+
+def server_info(host, port, timeout=3.0, keys=None):
+    """/get_server_info (newer: /server_info): the resolved args, or an error."""
+    for path in ("/get_server_info", "/server_info"):
+        status, body = http_get(host, port, path, timeout)
+        if status == 200:
+            try:
+                info = json.loads(body)
+            except ValueError:
+                return {"path": path, "error": "not JSON", "args": None}
+            if not isinstance(info, dict):
+                return {"path": path, "error": "not an object", "args": None}
+            if keys is not None:
+                info = dict((key, info[key]) for key in keys if key in info)
+            return {"path": path, "error": None, "args": info}
+        if status is None:
+            return {"path": path, "error": body, "args": None}
+    return {"path": None, "error": "no server info endpoint answered", "args": None}
+
+
+# ==================================================================================== paths of a port
+def paths(port):
+    port = int(port)
+    return {"env": "%s/sglang-%d.env" % (ETC_DIR, port), "history": "%s/sglang-%d.json" % (STATE_DIR, port),
+            "log": "%s/sglang-%d.log" % (LOG_DIR, port), "pid": "%s/sglang-%d.pid" % (RUN_DIR, port),
+            "fallback_log": "%s/sglang-%d.log" % (RUN_DIR, port),
+            "unit": "/etc/systemd/system/sglang-%d.service" % port, "unit_name": "sglang-%d.service" % port}
+
+
+def read_pid_file(port):
+    """The supervisor's record of the main process: {pid, start_ticks, log, supervisor} or None."""
+    text = (_read(paths(port)["pid"]) or "").strip()
+    if not text:
+        return None
+    if text.isdigit():
+        return {"pid": int(text), "start_ticks": None}
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("pid"), int) else None
+
+
+# ==================================================================================== the server on a port
+def _own_pids(table):
+    return ancestors(table, os.getpid())
+
+
+def find_server(table, port, own=None):
+    """The main process serving/configured for ``port`` and its tree (pids with start ticks)."""
+    own = own if own is not None else _own_pids(table)
+    recorded = read_pid_file(port)
+    candidates = [p for p in table.values() if p["pid"] not in own and p["state"] not in ("Z", "X")
+                  and is_main_argv(p["argv"]) and argv_port(p["argv"]) == int(port)]
+    main = None
+    if recorded:
+        for proc in candidates:
+            if proc["pid"] == recorded["pid"] and recorded.get("start_ticks") in (None, proc["start_ticks"]):
+                main = proc
+    if main is None and candidates:
+        pids = set(p["pid"] for p in candidates)
+        top = [p for p in candidates if p["ppid"] not in pids] or candidates
+        main = sorted(top, key=lambda p: (p["start_ticks"], p["pid"]))[0]
+    tree = [main["pid"]] + descendants(table, main["pid"]) if main else []
+    return main, tree
+
+
+def _summary(proc, redactor):
+    return {"pid": proc["pid"], "ppid": proc["ppid"], "pgid": proc["pgid"], "state": proc["state"],
+            "cmdline": redactor.text(" ".join(redact_argv(proc["argv"])))[:300]}
+
+
+def workers_of(table, tree, expected):
+    schedulers = [table[pid] for pid in tree if pid in table and table[pid]["argv"][:1]
+                  and table[pid]["argv"][0].startswith("sglang::scheduler")]
+    live = [p for p in schedulers if p["state"] not in ("Z", "X")]
+    return {"expected": expected, "alive": len(live), "dead": max(0, (expected or 0) - len(live)),
+            "zombies": [p["pid"] for p in schedulers if p["state"] in ("Z", "X")]}
+
+
+def gpu_probe():
+    """gpugate/remote/gpu_probe.py: bundled in the installed file, imported in the package."""
+    module = sys.modules.get("gpugate_gpu_probe")
+    if module is not None:
+        return module
+    source = _BUNDLE.get("gpu_probe")
+    if source is None:
+        try:
+            from gpugate.remote import gpu_probe as module  # the package (tests, the controller)
+            return module
+        except ImportError:
+            source = _read(os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_probe.py"))
+    import types
+
+    module = types.ModuleType("gpugate_gpu_probe")
+    module.__file__ = "<gpugate:gpu_probe>"
+    sys.modules["gpugate_gpu_probe"] = module
+    exec(_cached_code(source, module.__file__), module.__dict__)
+    return module
+
+
+def _cached_code(source, name):
+    """compile(source), cached as marshal beside the installed agent (its own bytecode is cached
+    by importlib; the bundled module's would be compiled again by every command: ~5 ms)."""
+    import marshal
+
+    here = globals().get("__file__") or ""
+    cache = None
+    if here.startswith(STATE_DIR + "/") and not globals().get("INLINE"):
+        digest = hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
+        cache = "%s/__pycache__/bundle-%s-%d%d.marshal" % (STATE_DIR, digest, sys.version_info[0], sys.version_info[1])
+        data = _read(cache, "rb")
+        if data:
+            try:
+                return marshal.loads(data)
+            except (ValueError, EOFError, TypeError):
+                pass
+    code = compile(source, name, "exec")
+    if cache:
+        try:
+            write_private(cache, marshal.dumps(code))
+        except OSError:
+            pass
+    return code
+
+
+def read_gpus(keep_open=False, exclude=()):
+    try:
+        return gpu_probe().collect(exclude_pids=exclude, keep_nvml_open=keep_open)
+    except Exception as error:  # noqa: BLE001 - a document, never a traceback
+        return {"schema": 1, "source": "none", "gpus": [], "holders": [], "memory_api": None,
+                "errors": [{"source": "agent", "kind": type(error).__name__, "message": str(error)[:300]}]}
+
+
+def _gpu_uuids(gpu_doc):
+    return [g.get("uuid") for g in (gpu_doc or {}).get("gpus") or []]
+
+
+def gpu_holders(gpu_doc, skip_pids, redactor):
+    """GPU holders that are not ``skip_pids``: with the GPUs where they hold memory (a CUDA
+    context) and whether they hold memory at all (an NVML monitor holds the files at 0 MiB)."""
+    out = []
+    for holder in (gpu_doc or {}).get("holders") or []:
+        if holder.get("pid") in skip_pids:
+            continue
+        gpus = sorted(set(holder.get("gpus") or []))
+        memory = bool(gpus) and (holder.get("used_mib") is None or holder.get("used_mib") > 0)
+        argv = proc_argv(holder["pid"])
+        out.append({"pid": holder["pid"], "cmdline": redactor.text(" ".join(redact_argv(argv)) or holder.get("cmdline", ""))[:300],
+                    "state": holder.get("state"), "gpus": gpus, "used_mib": holder.get("used_mib"),
+                    "memory": memory, "server_part": is_server_part(argv), "client": is_client_argv(argv)})
+    return out
+
+
+# ==================================================================================== the lock
+def lock_status():
+    """{held, run, pid, since} of the container's transition lock, without touching it: /proc/locks
+    says whether a flock is on the file, the file says whose (the holder writes it)."""
+    info = _json_file(LOCK_PATH) or {}
+    try:
+        st = os.stat(LOCK_PATH)
+    except OSError:
+        return {"held": False, "run": None, "pid": None}
+    held = None
+    text = _read("/proc/locks")
+    if text is not None:
+        held = False
+        for line in text.splitlines():
+            cols = line.split()
+            if "FLOCK" not in cols:
+                continue
+            for col in cols:
+                parts = col.split(":")
+                if len(parts) == 3 and parts[2].isdigit() and int(parts[2]) == st.st_ino:
+                    try:
+                        major, minor = int(parts[0], 16), int(parts[1], 16)
+                    except ValueError:
+                        continue
+                    if (major, minor) == (os.major(st.st_dev), os.minor(st.st_dev)):
+                        held = True
+    if held is None:  # no /proc/locks: the recorded holder alive is the next best thing
+        held = bool(info.get("pid")) and alive(info["pid"], info.get("start_ticks"))
+    if held and info.get("pid") and not alive(info["pid"], info.get("start_ticks")):
+        info = dict(info, run=None)  # held by someone who has not written the file yet
+    return {"held": held, "run": info.get("run") if held else None, "pid": info.get("pid") if held else None,
+            "since": info.get("since") if held else None}
+
+
+# ==================================================================================== the journal
+def journal_path(run):
+    return "%s/%s.jsonl" % (RUNS_DIR, run)
+
+
+class Journal:
+    """Append-only JSON lines, fsync'd. Writing is best-effort: ENOSPC (or any OSError) keeps the
+    line in memory and retries with the next event; the state machine never stops for it."""
+
+    def __init__(self, run):
+        self.run = run
+        self.path = journal_path(run)
+        self.pending = []
+        self.failed = None
+        self.events = []
+        self.last_progress = {}
+
+    def write(self, event):
+        event = dict(event)
+        event.setdefault("t", round(time.time(), 3))
+        self.events.append(event)
+        self.pending.append(json.dumps(event, separators=(",", ":"), default=str) + "\n")
+        try:
+            _makedirs(RUNS_DIR, 0o700)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                while self.pending:
+                    data = self.pending[0].encode("utf-8")
+                    written = os.write(fd, data)
+                    if written != len(data):  # a torn line: end it, so the reader skips it
+                        os.write(fd, b"\n")
+                        raise OSError(errno.ENOSPC, "short write")
+                    self.pending.pop(0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.failed = None
+        except OSError as error:
+            self.failed = "%s" % error
+
+    def progress(self, step, every=PROGRESS_S, **fields):
+        now = time.time()
+        if now - self.last_progress.get(step, 0.0) >= every:
+            self.last_progress[step] = now
+            self.write(dict(step=step, phase="progress", **fields))
+
+
+def read_journal(run, offset=0, limit=None):
+    """(events, new offset): whole lines from byte ``offset``; a torn line is skipped."""
+    try:
+        with open(journal_path(run), "rb") as handle:
+            handle.seek(offset)
+            data = handle.read()
+    except OSError:
+        return None, offset
+    end = data.rfind(b"\n") + 1
+    events, consumed = [], 0
+    for line in data[:end].split(b"\n")[:-1]:
+        if limit is not None and len(events) >= limit:
+            break
+        consumed += len(line) + 1
+        try:
+            event = json.loads(line.decode("utf-8"))
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    return events, offset + consumed
+
+
+def journal_ends(run):
+    """(first event, last step event, outcome event) from the head and tail of a journal."""
+    try:
+        with open(journal_path(run), "rb") as handle:
+            head = handle.readline()
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - 65536))
+            tail = handle.read()
+    except OSError:
+        return None, None, None
+    first = None
+    try:
+        first = json.loads(head.decode("utf-8"))
+    except ValueError:
+        pass
+    last, outcome = None, None
+    for line in reversed(tail.split(b"\n")):
+        try:
+            event = json.loads(line.decode("utf-8"))
+        except ValueError:
+            continue
+        if not isinstance(event, dict):
+            continue
+        if event.get("step") == "outcome" and outcome is None:
+            outcome = event
+        elif last is None and event.get("step") not in ("outcome", None):
+            last = event
+        if last is not None and outcome is not None:
+            break
+    return first, last, outcome
+
+
+def latest_run():
+    text = (_read(RUNS_DIR + "/latest") or "").strip()
+    return text if RUN_ID.match(text or "") else None
+
+
+def transition_summary(run=None, lock=None):
+    """The run's state for observe: active (a live agent holds the lock for it), step, outcome
+    (``interrupted`` when it has none and no agent holds it)."""
+    run = run or latest_run()
+    if not run:
+        return None
+    first, last, outcome = journal_ends(run)
+    lock = lock if lock is not None else lock_status()
+    active = bool(lock.get("held") and lock.get("run") == run)
+    if first is None and not active:
+        return {"run": run, "active": False, "step": None, "outcome": "interrupted" if os.path.exists(journal_path(run)) else None,
+                "reasons": None, "message": "no journal" if not os.path.exists(journal_path(run)) else "journal unreadable"}
+    first = first or {}
+    doc = {"run": run, "active": active, "step": (last or {}).get("step"), "phase": (last or {}).get("phase"),
+           "target": (last or {}).get("target"), "began": first.get("t"), "updated": (last or first).get("t"),
+           "ports": first.get("ports"), "by": first.get("by"),
+           "desired": first.get("desired"), "from": first.get("from"), "outcome": None, "reasons": None,
+           "message": None}
+    if outcome is not None:
+        doc.update(outcome=outcome.get("outcome"), reasons=outcome.get("reasons"), message=outcome.get("message"),
+                   updated=outcome.get("t"), recovered_by=outcome.get("recovered_by"))
+    elif not active:
+        doc.update(outcome="interrupted", message="the agent ended during %s without an outcome"
+                   % (doc["step"] or "its start"))
+    return doc
+
+
+# ==================================================================================== history
+def load_history(port):
+    doc = _json_file(paths(port)["history"])
+    if not isinstance(doc, dict) or doc.get("schema") != 2:
+        return {"schema": 2, "port": int(port), "good": [], "failed": [], "last": None}
+    doc.setdefault("good", [])
+    doc.setdefault("failed", [])
+    return doc
+
+
+def save_history(port, doc):
+    write_private(paths(port)["history"], json.dumps(doc, indent=1, sort_keys=True))
+
+
+def make_record(spec, by=None, capacity=None, extra=None):
+    """A history record of a spec: nothing secret (flags and argv redacted, env as names and
+    hashes) plus what the controller's own record says (redacted again here)."""
+    redactor = Redactor(spec_secrets(spec))
+    flags = tuple(SECRET_FLAGS) + tuple(spec.get("secret_flags") or ())
+    record = redactor.deep(dict(spec.get("record") or {}))
+    env = spec.get("env") or {}
+    record.update({"argv": redactor.deep(redact_argv(spec.get("argv") or [], flags)),
+                   "argv_hash": argv_hash(spec.get("argv") or []), "env_names": sorted(env),
+                   "env_hashes": dict((name, env_hash(value)) for name, value in sorted(env.items())),
+                   "port": spec.get("port"), "gpus": spec.get("gpus"), "supervisor": spec.get("supervisor") or "process",
+                   "key": spec_key(spec), "at": _now_iso(), "by": by})
+    if capacity is not None:
+        record["capacity"] = capacity
+    if extra:
+        record.update(redactor.deep(extra))
+    return record
+
+
+def public_history(doc):
+    return {"good": [entry.get("record") for entry in doc.get("good") or []],
+            "failed": list(doc.get("failed") or []), "last": doc.get("last")}
+
+
+# ==================================================================================== observe
+def observe(args):
+    """Everything the controller plans from, in one read-only pass (docs/agent-protocol.md)."""
+    began = time.time()
+    port = int(args.get("port") or DEFAULT_PORT)
+    files = paths(port)
+    table = proc_table()
+    own = _own_pids(table)
+    history = load_history(port)
+    redactor = Redactor()
+    for entry in history.get("good") or []:
+        redactor.add(spec_secrets(entry.get("spec")))
+    env_file = _read(files["env"])
+    if env_file:
+        redactor.add(parse_env_file(env_file).values())
+    secret_flags = tuple(SECRET_FLAGS) + tuple(args.get("secret_flags") or ())
+
+    main, tree = find_server(table, port, own)
+    gpu_doc = read_gpus(exclude=own)
+    environ = proc_environ(main["pid"]) if main else None
+    if main:
+        redactor.add(secret_flag_values(main["argv"], secret_flags))
+        redactor.add(list((environ or {}).get(name) for name in (args.get("env_names") or []) if environ))
+    tree_set = set(tree)
+    server = {"schema": SCHEMA, "port": port, "running": main is not None, "main": None,
+              "tree": [_summary(table[pid], redactor) for pid in tree if pid in table],
+              "strays": [], "clients": [], "listening": False, "listener_pids": [], "health": None,
+              "server_info": None, "env_hashes": {}, "workers": None, "serving": False, "gpus": None}
+    for proc in sorted(table.values(), key=lambda p: p["pid"]):
+        if proc["pid"] in tree_set or proc["pid"] in own:
+            continue
+        if is_server_part(proc["argv"]):
+            entry = _summary(proc, redactor)
+            entry["port"] = argv_port(proc["argv"]) if is_main_argv(proc["argv"]) else None
+            server["strays"].append(entry)
+        elif is_client_argv(proc["argv"]):
+            server["clients"].append(_summary(proc, redactor))
+    inodes = listeners(port)
+    server["listening"] = bool(inodes)
+    server["listener_pids"] = socket_owners(inodes)
+    host = argv_host(main["argv"]) if main else args.get("host") or "127.0.0.1"
+    if main:
+        uptime = float((_read("/proc/uptime") or "0").split()[0])
+        server["main"] = {"pid": main["pid"], "pgid": main["pgid"], "state": main["state"],
+                          "start_ticks": main["start_ticks"], "argv": redactor.deep(redact_argv(main["argv"], secret_flags)),
+                          "argv_hash": argv_hash(main["argv"]),
+                          "age_s": round(uptime - main["start_ticks"] / float(os.sysconf("SC_CLK_TCK")), 1),
+                          "supervisor": _supervisor_of(main["pid"], port)}
+        names = set(args.get("env_names") or [])
+        names.update(name for entry in history.get("good") or [] for name in (entry.get("record") or {}).get("env_names") or [])
+        server["env_hashes"] = dict((name, env_hash(environ[name]) if environ and name in environ else None)
+                                    for name in sorted(names))
+        gpus = server_gpus(main["argv"], environ, _gpu_uuids(gpu_doc))
+        server["gpus"] = gpus
+        server["workers"] = workers_of(table, tree, len(gpus) if gpus is not None else None)
+    if inodes:
+        server["health"] = health(host, port, generate=bool(args.get("generate")))
+        if server["health"]["health"] == 200:
+            info = server_info(host, port, keys=args.get("info_keys") or INFO_KEYS)
+            server["server_info"] = redactor.deep(info)
+    else:
+        server["health"] = {"health": None, "health_error": "port %d not listening" % port,
+                            "health_generate": None, "health_generate_error": None}
+    workers = server["workers"] or {}
+    server["serving"] = bool(main and alive(main["pid"]) and (server["health"] or {}).get("health") == 200
+                             and workers.get("expected") is not None and workers.get("dead") == 0
+                             and not workers.get("zombies"))
+    server["shm_stale"] = sorted(name for name in _listdir("/dev/shm") if name.startswith(SHM_PREFIXES))
+    model_path = args.get("model_path")
+    server["model_path_exists"] = os.path.exists(model_path) if model_path and model_path.startswith("/") else None
+    tail = int(args.get("tail_lines") or 0)
+    server["log_tail"] = [redactor.text(line) for line in log_tail(_current_log(port), tail)] if tail else None
+    lock = lock_status()
+    server["lock"] = lock
+    server["transition"] = redactor.deep(transition_summary(lock=lock))
+    server["history"] = public_history(history)
+    server["sglang_version"] = sglang_version()
+    server["pid_file"] = read_pid_file(port)
+    if main is None:
+        server["gpus"] = args.get("gpus")
+    skip = tree_set | own
+    container = {"free_mib": {LOG_DIR: free_mib(LOG_DIR if os.path.isdir(LOG_DIR) else "/var/log"),
+                              STATE_DIR: free_mib(STATE_DIR if os.path.isdir(STATE_DIR) else "/var/lib")},
+                 "pid1": pid1_comm(), "memory_limit_bytes": memory_limit_bytes(),
+                 "port_holders": [{"pid": pid, "cmdline": redactor.text(" ".join(redact_argv(table.get(pid, {}).get("argv") or [])))[:300],
+                                   "server": pid in tree_set} for pid in server["listener_pids"]],
+                 "gpu_holders": gpu_holders(gpu_doc, skip, redactor)}
+    server["elapsed_ms"] = round((time.time() - began) * 1000, 1)
+    return {"sglang": server, "gpu": gpu_doc, "container": container,
+            "agent": {"sha256": _self_sha(), "schema": SCHEMA, "pid": os.getpid()}}
+
+
+def _listdir(path):
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _self_sha():
+    return globals().get("AGENT_SHA256")
+
+
+def _supervisor_of(pid, port):
+    cgroup = _read("/proc/%d/cgroup" % pid) or ""
+    return "systemd" if paths(port)["unit_name"] in cgroup else "process"
+
+
+def _current_log(port):
+    recorded = read_pid_file(port) or {}
+    return recorded.get("log") or paths(port)["log"]
+
+
+def log_tail(path, lines=40, offset=0):
+    data = _read(path, "rb") if path else None
+    if data is None:
+        return []
+    return data[offset or 0:][-65536:].decode("utf-8", "replace").splitlines()[-lines:]
+
+
+# ==================================================================================== env files
+def env_file_text(env):
+    """systemd EnvironmentFile syntax, double-quoted (read back by parse_env_file)."""
+    lines = ["# written by gpugate; secrets live only here (mode 0600)"]
+    for name, value in sorted(env.items()):
+        lines.append('%s="%s"' % (name, value.replace("\\", "\\\\").replace('"', '\\"')))
+    return "\n".join(lines) + "\n"
+
+
+def parse_env_file(text):
+    env = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        if len(value) >= 2 and value[0] == value[-1] == '"':
+            out, index, value = [], 0, value[1:-1]
+            while index < len(value):
+                char = value[index]
+                if char == "\\" and index + 1 < len(value):
+                    index += 1
+                    char = value[index]
+                out.append(char)
+                index += 1
+            value = "".join(out)
+        env[key.strip()] = value
+    return env
+
+
+# ==================================================================================== the transition
+def _budgets(doc):
+    budgets = dict(DEFAULT_BUDGETS)
+    for key, value in (doc.get("budgets") or {}).items():
+        if key in budgets and isinstance(value, (int, float)) and not isinstance(value, bool):
+            budgets[key] = float(value)
+    return budgets
+
+
+def validate_spec(spec, what):
+    """None or why a SpecDoc cannot be run."""
+    if not isinstance(spec, dict):
+        return "%s: not an object" % what
+    argv = spec.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
+        return "%s: argv must be a non-empty list of strings" % what
+    if not is_main_argv(argv):
+        return "%s: argv is not an SGLang server (python -m sglang.launch_server / sglang serve)" % what
+    port = spec.get("port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        return "%s: port must be an integer 1..65535" % what
+    if argv_port(argv) != port:
+        return "%s: the argv's --port %s differs from port %d" % (what, argv_port(argv), port)
+    env = spec.get("env") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        return "%s: env must map names to strings" % what
+    if spec.get("supervisor", "process") not in ("process", "systemd"):
+        return "%s: supervisor must be process or systemd" % what
+    if spec.get("supervisor") == "systemd" and not spec.get("unit_text"):
+        return "%s: supervisor systemd needs unit_text" % what
+    gpus = spec.get("gpus")
+    if gpus is not None and (not isinstance(gpus, list) or not all(isinstance(g, int) for g in gpus)):
+        return "%s: gpus must be a list of GPU indices or null" % what
+    return None
+
+
+def validate_start(doc):
+    if not isinstance(doc, dict):
+        return "the start document is not a JSON object"
+    if not RUN_ID.match(str(doc.get("run") or "")):
+        return "run must match %s" % RUN_ID.pattern
+    for key in ("desired", "replaces"):
+        if doc.get(key) is not None:
+            problem = validate_spec(doc[key], key)
+            if problem:
+                return problem
+    rollback = doc.get("rollback_to")
+    if isinstance(rollback, dict) and "argv" in rollback:
+        problem = validate_spec(rollback, "rollback_to")
+        if problem:
+            return problem
+    elif rollback not in (None, "auto") and not (isinstance(rollback, dict) and
+                                                 ("history" in rollback or rollback.get("running"))):
+        return "rollback_to must be a SpecDoc, {\"history\": key|index}, {\"running\": true}, \"auto\" or null"
+    if doc.get("desired") is None and doc.get("replaces") is not None:
+        return "replaces needs a desired server"
+    return None
+
+
+class Transition:
+    """One run of the state machine, to exactly one outcome (verified | rolled_back |
+    nothing_serves; ``refused`` only when nothing was touched)."""
+
+    def __init__(self, doc, journal, recovered=None):
+        self.doc = doc
+        self.run = doc["run"]
+        self.by = doc.get("operator")
+        self.journal = journal
+        self.budgets = _budgets(doc)
+        self.desired = doc.get("desired")
+        self.replaces = doc.get("replaces")
+        self.recovered = recovered
+        self.redactor = Redactor(spec_secrets(self.desired) + spec_secrets(self.replaces)
+                                 + (spec_secrets(doc.get("rollback_to")) if isinstance(doc.get("rollback_to"), dict) else []))
+        self.port = (self.desired or {}).get("port") or int(doc.get("port") or DEFAULT_PORT)
+        self.children = {}  # pid -> Popen of servers we started (reaped by us while we live)
+        self.touched = False
+        self.warnings = []
+        self.rollback = None
+        self.exit_codes = {}
+
+    # ------------------------------------------------------------------ journal helpers
+    def event(self, step, phase, **fields):
+        self.journal.write(self.redactor.deep(dict(step=step, phase=phase, **fields)))
+
+    def progress(self, step, **fields):
+        self.journal.progress(step, **self.redactor.deep(fields))
+
+    # ------------------------------------------------------------------ entry
+    def execute(self):
+        try:
+            result = self._execute()
+        except BaseException as error:  # noqa: BLE001 - every path must end in an outcome
+            reason = "agent error: %s: %s" % (type(error).__name__, error)
+            try:
+                if self.touched:
+                    result = self._cleanup_outcome(reason, None)
+                else:
+                    result = ("refused", {"desired": reason}, "nothing was touched: " + reason)
+            except BaseException as second:  # noqa: BLE001
+                result = ("nothing_serves", {"desired": reason, "rollback": "cleanup failed: %s" % second},
+                          "NOTHING SERVES")
+        outcome, reasons, message = result
+        self._record_last(outcome, reasons, message)
+        self.event("outcome", "end", outcome=outcome, reasons=reasons, message=message,
+                   warnings=self.warnings + ([("journal: " + self.journal.failed)] if self.journal.failed else []))
+        return outcome
+
+    def _execute(self):
+        desired = self.desired
+        capture = self._capture_running()
+        self.rollback = self._resolve_rollback(capture)
+        if self.rollback is not None:
+            self.redactor.add(spec_secrets(self.rollback))
+        self.event("plan", "end", rollback=make_record(self.rollback) if self.rollback else None)
+        refusal = self._precheck()
+        if refusal:
+            return "refused", {"desired": refusal}, "refused before anything was touched: %s" % refusal
+        # Converge: the desired server already runs (a recovered run left it loading, or a re-run).
+        if desired and not self.doc.get("restart") and not self.replaces:
+            running = self._running_exactly(desired)
+            if running is not None:
+                self.event("adopt", "end", pid=running, message="the desired server already runs; waiting for it")
+                try:
+                    self.touched = True
+                    self._wait_ready(desired, running, "desired", log_offset=None)
+                    info = self._verify(desired, running, "desired")
+                    self._commit(desired, info)
+                    return "verified", None, "the desired server serves (already running), verified"
+                except Failure as failure:
+                    return self._after_failure(str(failure))
+        try:
+            if self.replaces:
+                self._stop(self.replaces["port"], "replaces", self.budgets["drain_timeout_s"])
+            self._stop(self.port, "desired", self.budgets["drain_timeout_s"])
+            if desired is None:
+                return "verified", None, "no server on :%d, as desired" % self.port
+            self._start_verified(desired, "desired")
+            return "verified", None, "the desired server serves, verified"
+        except Failure as failure:
+            return self._after_failure(str(failure))
+
+    def _after_failure(self, reason):
+        self.event("failed", "end", target="desired", reason=reason)
+        self._record_failed(reason)
+        if self.rollback is None:
+            return self._cleanup_outcome(reason, "nothing to roll back to (no good server recorded)")
+        target = self.rollback
+        self.event("rollback", "begin", reason=reason, to=make_record(target))
+        try:
+            self._stop(self.port, "rollback", self.budgets["kill_grace_s"])
+            if target["port"] != self.port:
+                self._stop(target["port"], "rollback", self.budgets["kill_grace_s"])
+            self._start_verified(target, "rollback")
+            self.event("rollback", "end", ok=True)
+            return ("rolled_back", {"desired": reason},
+                    "the desired server failed (%s); the previous server serves again, verified" % reason)
+        except Failure as failure:
+            self.event("rollback", "end", ok=False, reason=str(failure))
+            return self._cleanup_outcome(reason, "rollback failed: %s" % failure)
+
+    def _cleanup_outcome(self, reason, rollback_reason):
+        notes = []
+        ports = sorted(set([self.port] + [s["port"] for s in (self.replaces, self.rollback) if s]))
+        for port in ports:
+            try:
+                self._stop(port, "cleanup", self.budgets["kill_grace_s"])
+            except Failure as failure:
+                notes.append(str(failure))
+            except Exception as error:  # noqa: BLE001
+                notes.append("cleanup of :%d: %s" % (port, error))
+        reasons = {"desired": reason, "rollback": rollback_reason or "no rollback"}
+        message = "NOTHING SERVES: the desired server failed (%s); %s" % (reason, reasons["rollback"])
+        if notes:
+            message += "; cleanup: " + "; ".join(notes)
+        return "nothing_serves", reasons, message
+
+    # ------------------------------------------------------------------ before the stop
+    def _precheck(self):
+        """What can be refused before anything is touched (the controller checked too; this
+        catches what changed in between)."""
+        desired = self.desired
+        if desired is None:
+            return None
+        if desired.get("supervisor") == "systemd" and pid1_comm() != "systemd":
+            return "supervisor systemd, but PID 1 is %s, not systemd" % pid1_comm()
+        model = _flag_value(desired["argv"], "--model-path", "--model")
+        if model and model.startswith("/") and not os.path.exists(model):
+            return "the model path %s does not exist" % model
+        table = proc_table()
+        inodes = listeners(desired["port"])
+        if inodes:
+            replaced = set()
+            for port in set([desired["port"]] + ([self.replaces["port"]] if self.replaces else [])):
+                main, tree = find_server(table, port)
+                replaced.update(tree)
+            others = [pid for pid in socket_owners(inodes) if pid not in replaced and not is_server_part(table.get(pid, {}).get("argv"))]
+            if others:
+                return "port %d is taken by %s" % (desired["port"], ", ".join(
+                    "%d (%s)" % (pid, self.redactor.text(" ".join(table.get(pid, {}).get("argv") or []))[:80]) for pid in others))
+        return None
+
+    def _running_exactly(self, spec):
+        """The pid of a main process that runs exactly ``spec`` (argv and env), else None."""
+        table = proc_table()
+        main, _ = find_server(table, spec["port"])
+        if main is None or main["argv"] != spec["argv"]:
+            return None
+        environ = proc_environ(main["pid"]) or {}
+        for name, value in (spec.get("env") or {}).items():
+            if environ.get(name) != value:
+                return None
+        return main["pid"]
+
+    def _capture_running(self):
+        """The exact spec of the server that runs now on the port being replaced (argv from /proc,
+        env from the history entry it matches, else from its environment), before we stop it."""
+        port = (self.replaces or {}).get("port") or self.port
+        table = proc_table()
+        main, tree = find_server(table, port)
+        if main is None:
+            return None
+        environ = proc_environ(main["pid"]) or {}
+        history = load_history(port)
+        for entry in history.get("good") or []:
+            spec = entry.get("spec") or {}
+            if spec.get("argv") == main["argv"] and all(environ.get(k) == v for k, v in (spec.get("env") or {}).items()):
+                return dict(spec, _history=True)
+        env = dict((k, v) for k, v in environ.items() if BASE_ENV.get(k) != v)
+        supervisor = _supervisor_of(main["pid"], port)
+        spec = {"argv": list(main["argv"]), "env": env, "port": port, "supervisor": supervisor,
+                "gpus": server_gpus(main["argv"], environ), "record": {"source": "captured from the running server"}}
+        if supervisor == "systemd":
+            spec["unit_text"] = _read(paths(port)["unit"]) or ""
+        # A server that serves when we find it was good: keep it as such (it may be all there is to
+        # roll back to, e.g. a server started by hand before gpugate).
+        gpus = spec["gpus"]
+        workers = workers_of(table, tree, len(gpus) if gpus is not None else None)
+        if health(argv_host(main["argv"]), port)["health"] == 200 and workers["dead"] == 0:
+            spec["_serving"] = True
+            self._add_good(spec, None, by="observed serving")
+        return spec
+
+    def _resolve_rollback(self, capture):
+        choice = self.doc.get("rollback_to")
+        if choice is None:
+            return None
+        if isinstance(choice, dict) and "argv" in choice:
+            return choice
+        if isinstance(choice, dict) and choice.get("running"):
+            return _clean_spec(capture)
+        port = (self.replaces or {}).get("port") or self.port
+        good = load_history(port).get("good") or []
+        if isinstance(choice, dict) and "history" in choice:
+            want = choice["history"]
+            for index, entry in enumerate(good):
+                if want == index or want == (entry.get("record") or {}).get("key") or want == entry.get("key"):
+                    return _clean_spec(entry.get("spec"))
+            return None
+        # "auto": the server that runs now if it served, else the newest good spec unlike the desired one
+        if capture is not None and capture.get("_serving"):
+            return _clean_spec(capture)
+        desired_key = spec_key(self.desired) if self.desired else None
+        for entry in good:
+            if entry.get("key") != desired_key:
+                return _clean_spec(entry.get("spec"))
+        if self.recovered and self.recovered.get("rollback"):
+            return _clean_spec(self.recovered["rollback"])
+        return None
+
+    # ------------------------------------------------------------------ stop
+    def _stop(self, port, target, drain_timeout_s):
+        """Drain (SIGTERM, up to ``drain_timeout_s``), SIGKILL what is left of the server's own
+        tree, sweep stray server parts of this port / holding this server's GPUs."""
+        table = proc_table()
+        own = _own_pids(table)
+        main, tree = find_server(table, port, own)
+        snapshot = dict((pid, table[pid]["start_ticks"]) for pid in tree if pid in table)
+        spec_gpus = self._gpus_for_port(port)
+        began = time.time()
+        self.event("stop", "begin", target=target, port=port,
+                   main=main["pid"] if main else None, tree=len(snapshot))
+        if main is not None:
+            self.touched = True
+            self._systemd_stop(port)
+            try:
+                os.kill(main["pid"], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            self.event("drain", "begin", target=target, port=port, pid=main["pid"], timeout_s=drain_timeout_s)
+            deadline = began + float(drain_timeout_s)
+            while alive(main["pid"], main["start_ticks"]) and time.time() < deadline:
+                self._reap()
+                self.progress("drain", target=target, port=port, elapsed_s=round(time.time() - began, 1),
+                              alive=sum(1 for pid, t in snapshot.items() if alive(pid, t)))
+                time.sleep(DRAIN_POLL_S)
+            drained = not alive(main["pid"], main["start_ticks"])
+            self.event("drain", "end", target=target, port=port, drained=drained,
+                       elapsed_s=round(time.time() - began, 2))
+        # Kill: what is left of the tree (children spawned since the snapshot included).
+        table = proc_table()
+        targets = dict((pid, ticks) for pid, ticks in snapshot.items() if alive(pid, ticks))
+        if main is not None and alive(main["pid"], main["start_ticks"]):
+            for pid in descendants(table, main["pid"]):
+                if pid in table and pid not in own:
+                    targets[pid] = table[pid]["start_ticks"]
+        if targets:
+            self.touched = True
+            self.event("kill", "begin", target=target, port=port, pids=sorted(targets))
+            for pid in targets:
+                _kill(pid, targets[pid])
+        # Sweep: stray server parts of this port or on this server's GPUs (never clients).
+        strays = self._strays(port, spec_gpus, set(targets) | own)
+        if strays:
+            self.touched = True
+            self.event("sweep", "begin", target=target, port=port,
+                       pids=[{"pid": pid, "why": why} for pid, (_, why) in sorted(strays.items())])
+            for pid, (ticks, _) in strays.items():
+                _kill(pid, ticks)
+        waiting = dict(targets)
+        waiting.update((pid, ticks) for pid, (ticks, _) in strays.items())
+        deadline = time.time() + float(self.budgets["kill_grace_s"])
+        while waiting and time.time() < deadline:
+            self._reap()
+            waiting = dict((pid, t) for pid, t in waiting.items() if alive(pid, t))
+            if waiting:
+                time.sleep(DRAIN_POLL_S)
+        if targets or strays:
+            self.event("kill", "end", target=target, port=port, killed=sorted(targets),
+                       swept=sorted(strays), survivors=sorted(waiting))
+        self._remove_pid_file(port)
+        self.event("stop", "end", target=target, port=port, elapsed_s=round(time.time() - began, 2),
+                   stopped=main is not None)
+        if waiting:
+            table = proc_table()
+            raise Failure("processes outlived SIGKILL on :%d: %s" % (port, ", ".join(
+                "%d (%s, state %s)" % (pid, " ".join(table.get(pid, {}).get("argv") or [])[:60],
+                                       table.get(pid, {}).get("state")) for pid in sorted(waiting))))
+
+    def _gpus_for_port(self, port):
+        for spec in (self.desired, self.replaces, self.rollback):
+            if spec and spec.get("port") == port and spec.get("gpus") is not None:
+                return set(spec["gpus"])
+        return None
+
+    def _strays(self, port, gpus, skip):
+        """pid -> (start ticks, why) of server parts outside any live tree we keep: a main of this
+        port, a part listening on it, or an orphaned part holding memory on this server's GPUs."""
+        table = proc_table()
+        own = _own_pids(table)
+        out = {}
+        inodes = listeners(port)
+        holders_on = {}
+        if gpus is None or gpus:
+            doc = read_gpus(exclude=own)
+            for holder in doc.get("holders") or []:
+                holders_on[holder["pid"]] = set(holder.get("gpus") or [])
+            on_devices = dict((h["pid"], set(int(d[len("/dev/nvidia"):]) for d in h.get("devices") or []
+                                             if d[len("/dev/nvidia"):].isdigit())) for h in doc.get("holders") or [])
+        else:
+            on_devices = {}
+        listening = set(socket_owners(inodes)) if inodes else set()
+        live_mains = dict((p["pid"], argv_port(p["argv"])) for p in table.values()
+                          if is_main_argv(p["argv"]) and p["state"] not in ("Z", "X") and p["pid"] not in skip)
+        for proc in table.values():
+            pid = proc["pid"]
+            if pid in skip or pid in own or pid == 1 or proc["state"] in ("Z", "X") or not is_server_part(proc["argv"]):
+                continue
+            why = None
+            if is_main_argv(proc["argv"]) and argv_port(proc["argv"]) == port:
+                why = "a server main configured for :%d" % port
+            elif pid in listening:
+                why = "listens on :%d" % port
+            else:
+                owner_ports = [live_mains[a] for a in ancestors(table, pid) if a in live_mains and a != pid]
+                if owner_ports and port in owner_ports:
+                    why = "a part of the :%d server" % port
+                elif not owner_ports and not is_main_argv(proc["argv"]):
+                    mem = holders_on.get(pid, set())
+                    dev = on_devices.get(pid, set())
+                    if gpus is None and (mem or dev):
+                        why = "an orphaned server part holding GPUs"
+                    elif gpus and (mem & gpus or dev & gpus):
+                        why = "an orphaned server part holding GPU(s) %s of this server" % sorted((mem | dev) & gpus)
+            if why:
+                out[pid] = (proc["start_ticks"], why)
+        return out
+
+    def _systemd_stop(self, port):
+        if pid1_comm() != "systemd" or not os.path.exists(paths(port)["unit"]):
+            return
+        import subprocess
+
+        subprocess.run(["systemctl", "stop", "--no-block", paths(port)["unit_name"]], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+
+    def _remove_pid_file(self, port):
+        try:
+            os.unlink(paths(port)["pid"])
+        except OSError:
+            pass
+
+    def _reap(self):
+        for pid, child in list(self.children.items()):
+            if child.poll() is not None:
+                self.children.pop(pid, None)
+                self.exit_codes[pid] = child.returncode
+
+    # ------------------------------------------------------------------ gate, prepare, start, load, verify
+    def _start_verified(self, spec, target):
+        self._gate(spec, target)
+        self._prepare(spec, target)
+        pid, offset = self._start(spec, target)
+        self._wait_ready(spec, pid, target, offset)
+        info = self._verify(spec, pid, target)
+        self._commit(spec, info, rollback=target == "rollback")
+
+    def _gate(self, spec, target):
+        gpus = spec.get("gpus")
+        max_used = int(self.budgets["max_used_mib"])
+        began = time.time()
+        deadline = began + self.budgets["gate_timeout_s"]
+        self.event("gate", "begin", target=target, gpus=gpus, max_used_mib=max_used)
+        polls = 0
+        while True:
+            doc = read_gpus(keep_open=True, exclude=_own_pids(proc_table()))
+            polls += 1
+            passed, problems, used, permanent = gate_decision(doc, gpus, max_used)
+            if passed:
+                self.event("gate", "end", target=target, passed=True, used_mib=used, polls=polls,
+                           elapsed_s=round(time.time() - began, 3),
+                           monitors=[h["pid"] for h in doc.get("holders") or [] if not h.get("gpus")])
+                return
+            if permanent or time.time() >= deadline:
+                self.event("gate", "end", target=target, passed=False, used_mib=used, problems=problems,
+                           elapsed_s=round(time.time() - began, 3))
+                raise Failure("GPU gate did not pass within %gs: %s" % (self.budgets["gate_timeout_s"], "; ".join(problems)))
+            self.progress("gate", target=target, elapsed_s=round(time.time() - began, 1), used_mib=used,
+                          problems=problems[:4])
+            time.sleep(GATE_POLL_S)
+
+    def _prepare(self, spec, target):
+        port = spec["port"]
+        self.event("prepare", "begin", target=target, port=port)
+        removed = remove_stale_shm()
+        inodes = listeners(port)
+        if inodes:
+            table = proc_table()
+            owners = socket_owners(inodes)
+            raise Failure("port %d is taken by %s" % (port, ", ".join(
+                "%d (%s)" % (pid, self.redactor.text(" ".join(table.get(pid, {}).get("argv") or []))[:80])
+                for pid in owners) or "a process outside this container's view"))
+        try:
+            _makedirs(ETC_DIR, 0o700)
+            write_private(paths(port)["env"], env_file_text(spec.get("env") or {}))
+        except OSError as error:
+            raise Failure("cannot write the env file %s: %s" % (paths(port)["env"], error.strerror or error))
+        if spec.get("supervisor") == "systemd":
+            if pid1_comm() != "systemd":
+                raise Failure("supervisor systemd, but PID 1 is %s, not systemd" % pid1_comm())
+            try:
+                write_private(paths(port)["unit"], spec["unit_text"], 0o600)
+            except OSError as error:
+                raise Failure("cannot write the unit %s: %s" % (paths(port)["unit"], error.strerror or error))
+        elif pid1_comm() == "systemd" and os.path.exists(paths(port)["unit"]):
+            _systemctl("disable", paths(port)["unit_name"])  # a unit of ours would restart an old server
+        self.event("prepare", "end", target=target, port=port, removed_shm=removed)
+
+    def _start(self, spec, target):
+        port = spec["port"]
+        self.touched = True
+        self.event("start", "begin", target=target, port=port, supervisor=spec.get("supervisor") or "process",
+                   argv=redact_argv(spec["argv"], tuple(SECRET_FLAGS) + tuple(spec.get("secret_flags") or ())))
+        if spec.get("supervisor") == "systemd":
+            pid = self._start_systemd(spec)
+            offset = None
+        else:
+            pid, offset = self._start_process(spec, target)
+        self.event("start", "end", target=target, port=port, pid=pid)
+        return pid, offset
+
+    def _open_log(self, port, target):
+        """The server's log (0600, rotated by size); on ENOSPC the rotated files go first, and a
+        rollback may fall back to /run so that a full /var/log cannot keep the old server down."""
+        log_path = paths(port)["log"]
+        header = None
+        try:
+            _makedirs(LOG_DIR, 0o750)
+            rotate_log(log_path)
+            handle = _open_private_append(log_path)
+            return handle, log_path
+        except OSError as error:
+            header = error
+            if error.errno == errno.ENOSPC:
+                for index in range(LOG_KEEP, 0, -1):
+                    try:
+                        os.unlink("%s.%d" % (log_path, index))
+                    except OSError:
+                        pass
+        if target == "rollback":
+            fallback = paths(port)["fallback_log"]
+            try:
+                _makedirs(RUN_DIR, 0o755)
+                self.warnings.append("server log on %s (%s: %s)" % (fallback, log_path, header))
+                return _open_private_append(fallback), fallback
+            except OSError:
+                pass
+        raise Failure("cannot write the server log %s: %s" % (log_path, getattr(header, "strerror", None) or header))
+
+    def _start_process(self, spec, target):
+        import subprocess
+
+        port = spec["port"]
+        handle, log_path = self._open_log(port, target)
+        flags = tuple(SECRET_FLAGS) + tuple(spec.get("secret_flags") or ())
+        try:
+            offset = handle.seek(0, 2)
+            line = "\n=== gpugate start %s run %s (%s): %s\n" % (_now_iso(), self.run, target,
+                                                               self.redactor.text(" ".join(redact_argv(spec["argv"], flags))))
+            handle.write(line.encode("utf-8"))
+            handle.flush()
+            os.fsync(handle.fileno())
+        except OSError as error:
+            handle.close()
+            if target == "rollback" and log_path != paths(port)["fallback_log"]:
+                handle = _open_private_append(paths(port)["fallback_log"])
+                log_path = paths(port)["fallback_log"]
+                offset = handle.seek(0, 2)
+                self.warnings.append("server log on %s (%s)" % (log_path, error))
+            else:
+                raise Failure("cannot write the server log %s: %s" % (log_path, error.strerror or error))
+        env = dict(BASE_ENV)
+        env.update(spec.get("env") or {})
+        try:
+            child = subprocess.Popen(spec["argv"], stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
+                                     env=env, cwd="/", start_new_session=True, close_fds=True)
+        except OSError as error:
+            handle.close()
+            raise Failure("cannot start %s: %s" % (spec["argv"][0], error))
+        handle.close()
+        self.children[child.pid] = child
+        stat = proc_stat(child.pid)
+        record = {"pid": child.pid, "start_ticks": stat[4] if stat else None, "port": port, "log": log_path,
+                  "supervisor": "process", "run": self.run, "started": time.time()}
+        try:
+            write_private(paths(port)["pid"], json.dumps(record), 0o644)
+        except OSError as error:
+            raise Failure("cannot write the pid file %s: %s" % (paths(port)["pid"], error))
+        return child.pid, offset
+
+    def _start_systemd(self, spec):
+        unit = paths(spec["port"])["unit_name"]
+        for command in (["daemon-reload"], ["reset-failed", unit], ["start", unit]):
+            ok, output = _systemctl(*command)
+            if not ok and command[0] != "reset-failed":
+                raise Failure("systemctl %s: %s" % (" ".join(command), self.redactor.text(output)[-300:]))
+        ok, output = _systemctl("show", "-p", "MainPID", "--value", unit)
+        pid = int(output.strip() or 0) if output.strip().isdigit() else 0
+        if pid <= 0:
+            raise Failure("%s has no main process after systemctl start" % unit)
+        stat = proc_stat(pid)
+        write_private(paths(spec["port"])["pid"], json.dumps({"pid": pid, "start_ticks": stat[4] if stat else None,
+                                                              "port": spec["port"], "supervisor": "systemd",
+                                                              "log": paths(spec["port"])["log"], "run": self.run}), 0o644)
+        return pid
+
+    def _wait_ready(self, spec, pid, target, log_offset):
+        """loading (port closed) -> starting (/health 503) -> ready (/health 200 and a real
+        generation through /health_generate). Fails when the main process exits, or at the
+        start timeout."""
+        port, host = spec["port"], argv_host(spec["argv"])
+        began = time.time()
+        deadline = began + self.budgets["start_timeout_s"]
+        ticks = (proc_stat(pid) or (None,) * 5)[4]
+        phase = "loading"
+        self.event("load", "begin", target=target, port=port, pid=pid, timeout_s=self.budgets["start_timeout_s"])
+        while True:
+            self._reap()
+            if not alive(pid, ticks):
+                code = self.exit_codes.get(pid)
+                tail = self._tail(port, log_offset)
+                self.event("load", "end", target=target, port=port, state="crashed", exit_code=code,
+                           elapsed_s=round(time.time() - began, 2), log_tail=tail)
+                raise Failure("the server exited during %s%s%s" % (
+                    phase, " with code %s" % code if code is not None else "",
+                    ": " + tail[-1] if tail else ""))
+            if listeners(port):
+                status, _ = http_get(host, port, "/health", 5.0)
+                phase = "starting" if status != 200 else "generating"
+                if status == 200:
+                    generated, error = http_get(host, port, "/health_generate", self.budgets["generate_timeout_s"])
+                    if generated == 200:
+                        self.event("load", "end", target=target, port=port, state="ready",
+                                   elapsed_s=round(time.time() - began, 2))
+                        return
+            else:
+                phase = "loading"
+            if time.time() >= deadline:
+                tail = self._tail(port, log_offset)
+                self.event("load", "end", target=target, port=port, state="timeout", last_state=phase,
+                           elapsed_s=round(time.time() - began, 2), log_tail=tail)
+                raise Failure("the server was not healthy within %gs (still %s)" % (self.budgets["start_timeout_s"], phase))
+            self.progress("load", target=target, port=port, state=phase, elapsed_s=round(time.time() - began, 1))
+            time.sleep(LOAD_POLL_S)
+
+    def _tail(self, port, offset, lines=20):
+        return [self.redactor.text(line) for line in log_tail(_current_log(port), lines, offset)]
+
+    def _verify(self, spec, pid, target):
+        self.event("verify", "begin", target=target, port=spec["port"])
+        problems = []
+        argv = proc_argv(pid)
+        if argv != spec["argv"]:
+            problems.append("the running argv differs from the desired argv")
+        table = proc_table()
+        tree = [pid] + descendants(table, pid)
+        gpus = spec.get("gpus")
+        if gpus is None:
+            gpus = server_gpus(spec["argv"], spec.get("env"))
+        workers = workers_of(table, tree, len(gpus) if gpus is not None else None)
+        if workers["expected"] is not None and (workers["alive"] < workers["expected"] or workers["zombies"]):
+            problems.append("%d of %d scheduler workers alive" % (workers["alive"], workers["expected"]))
+        info = server_info(argv_host(spec["argv"]), spec["port"], timeout=10.0)
+        args = info.get("args") or {}
+        if info.get("error"):
+            problems.append("server info: %s" % info["error"])
+        else:
+            expect = {"port": spec["port"]}
+            model = _flag_value(spec["argv"], "--model-path", "--model")
+            if model:
+                expect["model_path"] = model
+            expect.update(spec.get("expect_info") or {})
+            for key, value in sorted(expect.items()):
+                if key in args and args[key] != value:
+                    problems.append("%s: the server reports %r, expected %r" % (key, args[key], value))
+        capacity = dict((key, args[key]) for key in ("max_total_num_tokens", "max_running_requests", "context_length",
+                                                     "version") if key in args)
+        self.event("verify", "end", target=target, port=spec["port"], ok=not problems, problems=problems,
+                   workers=workers, capacity=capacity)
+        if problems:
+            raise Failure("verify: " + "; ".join(problems))
+        return capacity
+
+    # ------------------------------------------------------------------ history
+    def _commit(self, spec, capacity, rollback=False):
+        added = self._add_good(spec, capacity, by=self.by)
+        self.event("commit", "end", target="rollback" if rollback else "desired", port=spec["port"], added=added,
+                   key=spec_key(spec))
+
+    def _add_good(self, spec, capacity, by):
+        """Newest first, at most HISTORY_GOOD; the same spec again moves to the front without
+        adding (a same-spec restart adds nothing). Best-effort: a full disk is a warning."""
+        spec = _clean_spec(spec)
+        port = spec["port"]
+        try:
+            doc = load_history(port)
+            key = spec_key(spec)
+            good = doc.get("good") or []
+            same = [entry for entry in good if entry.get("key") == key]
+            if good and good[0].get("key") == key:
+                if capacity:
+                    good[0]["record"]["capacity"] = capacity
+                    save_history(port, doc)
+                return False
+            record = make_record(spec, by=by, capacity=capacity)
+            rest = [entry for entry in good if entry.get("key") != key]
+            doc["good"] = ([{"key": key, "spec": spec, "record": record}] + rest)[:HISTORY_GOOD]
+            save_history(port, doc)
+            return not same
+        except OSError as error:
+            self.warnings.append("history not written: %s" % error)
+            return False
+
+    def _record_failed(self, reason):
+        if not self.desired:
+            return
+        port = self.desired["port"]
+        try:
+            doc = load_history(port)
+            record = make_record(self.desired, by=self.by)
+            record.update({"reason": self.redactor.text(reason), "run": self.run})
+            doc["failed"] = ([record] + (doc.get("failed") or []))[:HISTORY_FAILED]
+            save_history(port, doc)
+        except OSError as error:
+            self.warnings.append("history not written: %s" % error)
+
+    def _record_last(self, outcome, reasons, message):
+        ports = sorted(set([self.port] + [s["port"] for s in (self.replaces, self.rollback) if s]))
+        for port in ports:
+            try:
+                doc = load_history(port)
+                doc["last"] = self.redactor.deep({"run": self.run, "outcome": outcome, "reasons": reasons,
+                                                  "message": message, "at": _now_iso(), "by": self.by})
+                save_history(port, doc)
+            except OSError as error:
+                self.warnings.append("history not written: %s" % error)
+
+
+def _clean_spec(spec):
+    if not spec:
+        return None
+    return dict((key, value) for key, value in spec.items() if not key.startswith("_"))
+
+
+def gate_decision(doc, gpus, max_used_mib):
+    """(passed, problems, used MiB per GPU, permanent) for this server's GPUs (None: every GPU).
+    A holder with memory on one of them blocks; one that only holds the device files (an NVML
+    monitor at 0 MiB) does not.
+
+    >>> gate_decision({"source": "nvml", "gpus": [{"index": 0, "used_mib": 0}], "holders": []}, [0], 64)[0]
+    True
+    """
+    problems, used = [], {}
+    errors = doc.get("errors") or []
+    permanent = any(error.get("kind") in PERMANENT_GPU_ERRORS for error in errors)
+    if doc.get("source") in (None, "none"):
+        kinds = set(error.get("kind") for error in errors)
+        permanent = permanent or ("ModuleNotFound" in kinds and any(e.get("source") == "nvidia-smi" for e in errors))
+        return False, ["no GPU reading: %s" % "; ".join(str(e.get("message"))[:120] for e in errors)], used, permanent
+    by_index = dict((gpu.get("index"), gpu) for gpu in doc.get("gpus") or [])
+    wanted = sorted(by_index) if gpus is None else sorted(gpus)
+    if not wanted:
+        return False, ["no GPU visible"], used, True
+    for index in wanted:
+        gpu = by_index.get(index)
+        if gpu is None:
+            problems.append("GPU %d is not visible" % index)
+            permanent = True
+            continue
+        used[str(index)] = gpu.get("used_mib")
+        if gpu.get("error"):
+            problems.append("GPU %d: %s" % (index, gpu["error"]))
+        elif gpu.get("used_mib") is None:
+            problems.append("GPU %d: memory use unknown (%s)" % (index, "v1 API: reserved memory counted in"
+                                                                 if doc.get("memory_api") == "v1" else "no reading"))
+            permanent = permanent or doc.get("memory_api") == "v1"
+        elif gpu["used_mib"] > max_used_mib:
+            problems.append("GPU %d: %d MiB used (> %d)" % (index, gpu["used_mib"], max_used_mib))
+    for holder in doc.get("holders") or []:
+        on = set(holder.get("gpus") or []) & set(wanted)
+        if on and holder.get("state") not in ("Z", "X") and (holder.get("used_mib") is None or holder["used_mib"] > 0):
+            problems.append("pid %d (%s) holds memory on GPU %s" % (holder["pid"], (holder.get("cmdline") or "")[:60],
+                                                                   ",".join(str(i) for i in sorted(on))))
+    return not problems, problems, used, permanent and bool(problems)
+
+
+def remove_stale_shm():
+    """SGLang's /dev/shm segments that no live process maps or holds open (a SIGKILLed server
+    leaves them; a live server of another port keeps its own)."""
+    names = [name for name in _listdir("/dev/shm") if name.startswith(SHM_PREFIXES)]
+    if not names:
+        return []
+    in_use = set()
+    for pid in _listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        for line in (_read("/proc/%s/maps" % pid) or "").splitlines():
+            if "/dev/shm/" in line:
+                in_use.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
+        try:
+            for fd in os.listdir("/proc/%s/fd" % pid):
+                target = os.readlink("/proc/%s/fd/%s" % (pid, fd))
+                if target.startswith("/dev/shm/"):
+                    in_use.add(target[len("/dev/shm/"):].split()[0])
+        except OSError:
+            continue
+    removed = []
+    for name in names:
+        if name not in in_use:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def rotate_log(path, max_bytes=LOG_MAX_BYTES, keep=LOG_KEEP):
+    """path -> path.1 -> ... path.<keep> when it is over max_bytes (checked at each start)."""
+    try:
+        if os.path.getsize(path) < max_bytes:
+            return False
+    except OSError:
+        return False
+    for index in range(keep - 1, 0, -1):
+        if os.path.exists("%s.%d" % (path, index)):
+            os.replace("%s.%d" % (path, index), "%s.%d" % (path, index + 1))
+    os.replace(path, path + ".1")
+    return True
+
+
+def _open_private_append(path):
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)  # an older log may be 0644, and it holds what the server prints
+    return os.fdopen(fd, "ab")
+
+
+def _systemctl(*args):
+    import subprocess
+
+    try:
+        done = subprocess.run(["systemctl"] + list(args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return False, str(error)
+    return done.returncode == 0, done.stdout.decode("utf-8", "replace")
+
+
+def _kill(pid, start_ticks):
+    if alive(pid, start_ticks):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+# ==================================================================================== start: lock, detach
+def _take_lock():
+    """The transition lock as an open file holding a kernel flock (None when another holds it)."""
+    import fcntl
+
+    _makedirs(RUN_DIR, 0o755)
+    fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _write_lock_info(fd, run):
+    stat = proc_stat(os.getpid())
+    info = json.dumps({"run": run, "pid": os.getpid(), "start_ticks": stat[4] if stat else None, "since": time.time()})
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, 0)
+    os.write(fd, info.encode())
+
+
+def _recover_previous(run):
+    """The latest run, if it has no outcome (its agent died: we now hold the lock): mark it
+    interrupted, recovered by ``run``; -> what we know of it."""
+    previous = latest_run()
+    if not previous or previous == run:
+        return None
+    first, last, outcome = journal_ends(previous)
+    if outcome is not None or first is None:
+        return None
+    info = {"run": previous, "last_step": (last or {}).get("step"), "last_phase": (last or {}).get("phase"),
+            "target": (last or {}).get("target")}
+    sidecar = _json_file("%s/%s.rollback.json" % (RUNS_DIR, previous))
+    if isinstance(sidecar, dict) and sidecar.get("argv"):
+        info["rollback"] = sidecar
+    Journal(previous).write({"step": "outcome", "phase": "end", "outcome": "interrupted", "recovered_by": run,
+                             "reasons": None, "message": "the agent ended during %s; recovered by run %s"
+                             % (info["last_step"], run)})
+    return info
+
+
+def command_start(doc):
+    """Validate, take the lock in a detached child, answer once it holds it."""
+    problem = validate_start(doc)
+    if problem:
+        return {"ok": False, "error": problem}
+    read_fd, write_fd = os.pipe()
+    first = os.fork()
+    if first == 0:  # the middle child: a new session, then the agent itself, then gone
+        try:
+            os.close(read_fd)
+            os.setsid()
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            if os.fork() != 0:
+                os._exit(0)
+            _agent_main(doc, write_fd)
+        except BaseException:  # noqa: BLE001
+            pass
+        os._exit(0)
+    os.close(write_fd)
+    os.waitpid(first, 0)
+    data = b""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        chunk = os.read(read_fd, 65536)
+        if not chunk:
+            break
+        data += chunk
+        if data.endswith(b"\n"):
+            break
+    os.close(read_fd)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except ValueError:
+        return {"ok": False, "error": "the agent did not start (no answer from the detached child)"}
+
+
+def _agent_main(doc, answer_fd):
+    """The detached agent: stdio on /dev/null, lock, journal, answer, run, exit."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    if null > 2:
+        os.close(null)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with open("/proc/self/comm", "w") as handle:
+            handle.write("gpugate-agent")
+    except OSError:
+        pass
+    run = doc["run"]
+
+    def answer(document):
+        try:
+            os.write(answer_fd, (json.dumps(document) + "\n").encode())
+            os.close(answer_fd)
+        except OSError:
+            pass
+
+    lock_fd = _take_lock()
+    if lock_fd is None:
+        answer({"ok": False, "busy": transition_summary(lock=lock_status()) or lock_status()})
+        return
+    _write_lock_info(lock_fd, run)
+    journal = Journal(run)
+    recovered = _recover_previous(run)
+    try:
+        write_private(RUNS_DIR + "/latest", run + "\n", 0o600)
+    except OSError:
+        pass
+    desired = doc.get("desired")
+    ports = sorted(set(s["port"] for s in (desired, doc.get("replaces")) if s) or [int(doc.get("port") or DEFAULT_PORT)])
+    transition = Transition(doc, journal, recovered)
+    rollback = doc.get("rollback_to")
+    if isinstance(rollback, dict) and rollback.get("argv"):
+        try:
+            write_private("%s/%s.rollback.json" % (RUNS_DIR, run), json.dumps(rollback))
+        except OSError:
+            pass
+    transition.event("run", "begin", run=run, ports=ports, by=doc.get("operator"), pid=os.getpid(),
+                     desired=make_record(desired) if desired else None,
+                     replaces=make_record(doc["replaces"]) if doc.get("replaces") else None,
+                     restart=bool(doc.get("restart")), budgets=transition.budgets, recovered=recovered and dict(
+                         (k, v) for k, v in recovered.items() if k != "rollback"))
+    answer({"ok": True, "run": run, "pid": os.getpid(), "journal": journal.path,
+            "recovered": recovered and recovered.get("run")})
+    try:
+        transition.execute()
+    finally:
+        try:
+            os.unlink("%s/%s.rollback.json" % (RUNS_DIR, run))
+        except OSError:
+            pass
+    os._exit(0)
+
+
+# ==================================================================================== follow, wait
+def command_follow(args):
+    """New journal events of a run from ``offset``, waiting up to ``wait_s`` for some or the end."""
+    run = str(args.get("run") or "")
+    if not RUN_ID.match(run):
+        return {"error": "bad run id", "events": [], "offset": 0, "active": False, "ended": False, "outcome": None}
+    offset = int(args.get("offset") or 0)
+    wait_s = min(float(args.get("wait_s") or 0), 600.0)
+    deadline = time.time() + wait_s
+    while True:
+        events, new_offset = read_journal(run, offset, limit=int(args.get("limit") or 2000))
+        lock = lock_status()
+        active = bool(lock.get("held") and lock.get("run") == run)
+        outcome = None
+        for event in events or []:
+            if event.get("step") == "outcome":
+                outcome = event
+        if outcome is None and not events:
+            _, _, outcome = journal_ends(run)
+        ended = outcome is not None
+        if events is None and not active:
+            return {"events": [], "offset": offset, "active": False, "ended": False, "outcome": None,
+                    "error": "no journal for run %s" % run}
+        if not ended and not active and not events:
+            # no outcome and no agent: it died (the next start recovers it)
+            return {"events": [], "offset": new_offset, "active": False, "ended": True, "outcome": "interrupted"}
+        if events or ended or time.time() >= deadline:
+            return {"events": events or [], "offset": new_offset, "active": active, "ended": ended,
+                    "outcome": outcome.get("outcome") if outcome else None,
+                    "reasons": outcome.get("reasons") if outcome else None,
+                    "message": outcome.get("message") if outcome else None}
+        time.sleep(0.05)
+
+
+def command_wait(args):
+    """Block until run ``run`` has ended (an outcome, or its agent gone), or it did not appear
+    within ``grace_s``. -> {run, appeared, ended, outcome}."""
+    run = str(args.get("run") or "")
+    if not RUN_ID.match(run):
+        return {"error": "bad run id", "run": run, "appeared": False, "ended": False, "outcome": None}
+    grace = float(args.get("grace_s", 30))
+    limit = args.get("timeout_s")
+    began = time.time()
+    appeared = False
+    while True:
+        lock = lock_status()
+        active = bool(lock.get("held") and lock.get("run") == run)
+        exists = os.path.exists(journal_path(run))
+        appeared = appeared or active or exists
+        if appeared:
+            _, _, outcome = journal_ends(run)
+            if outcome is not None:
+                return {"run": run, "appeared": True, "ended": True, "outcome": outcome.get("outcome")}
+            if not active and not lock_status().get("held"):
+                _, _, outcome = journal_ends(run)
+                return {"run": run, "appeared": True, "ended": True,
+                        "outcome": outcome.get("outcome") if outcome else "interrupted"}
+        elif time.time() - began >= grace:
+            return {"run": run, "appeared": False, "ended": False, "outcome": None}
+        if limit is not None and time.time() - began >= float(limit):
+            return {"run": run, "appeared": appeared, "ended": False, "outcome": None, "timed_out": True}
+        time.sleep(0.1)
+
+
+# ==================================================================================== entry
+def main(argv, stdin_doc=None):
+    """``argv``: [command, json args?, ...]; ``stdin_doc``: the start document (already read)."""
+    command = argv[0] if argv else ""
+    try:
+        args = {}
+        if len(argv) > 1 and argv[1] != PROBE_MARKER:
+            args = json.loads(argv[1])
+        if command == "observe":
+            result = observe(args)
+        elif command == "start":
+            if stdin_doc is None:
+                stdin_doc = json.loads(sys.stdin.read() or "null")
+            result = command_start(stdin_doc)
+        elif command == "follow":
+            result = command_follow(args)
+        elif command == "wait":
+            result = command_wait(args)
+        else:
+            result = {"error": "unknown command %r (observe, start, follow, wait)" % command}
+    except Exception as error:  # noqa: BLE001 - a field, never a traceback
+        result = {"error": "%s: %s" % (type(error).__name__, error)}
+    sys.stdout.write(json.dumps(result, separators=(",", ":"), default=str) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - by hand: python3 agent.py observe '{"port": 30000}'
+    sys.exit(main(sys.argv[1:]))
