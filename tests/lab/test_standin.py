@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 
@@ -119,3 +120,35 @@ def test_hf_repo_id_is_accepted(sim, start_standin):
     assert json.loads(json.dumps(http_json(s.port, "/get_server_info")))["model_path"] == "org/some-model"
     os.kill(s.proc.pid, signal.SIGTERM)
     assert s.proc.wait(timeout=30) == 0
+
+
+def test_a_dead_scheduler_takes_the_server_down_as_sglang_does(sim, start_standin, model_dir):
+    # SGLang's SubprocessWatchdog notices a child that exited non-zero within ~1 s and SIGQUITs the main
+    # process, whose handler kills the whole tree: /health does not keep answering 200 over dead workers.
+    s = start_standin("--model-path", str(model_dir), "--tp", "2", "--api-key", "sk-lab-canary",
+                      env={"SGLANG_STANDIN_LOAD_S": "0"})
+    s.wait_healthy()
+    workers = s.child_pids()
+    scheduler = next(p for p in workers if cmdline(p)[0] == "sglang::scheduler_TP1")
+    os.kill(scheduler, signal.SIGKILL)
+    assert s.proc.wait(timeout=10) == -signal.SIGKILL  # kill_process_tree(include_parent=True)
+    assert http_status(s.port) == "refused"
+    assert not any(pid_alive(p) for p in workers)  # the detokenizer and TP0 went with it
+    wait_until(lambda: sim.all_used() == [0] * GPU_COUNT, what="memory released")
+    log = s.log()
+    assert re.search(rf"Subprocess scheduler_1 \(pid={scheduler}\) crashed with exit code -9\. "
+                     r"Triggering SIGQUIT for cleanup\.\.\.", log)
+    assert "SIGQUIT received. signum=None, frame=None. It usually means one child failed." in log
+    assert f"kill_process_tree called: parent_pid={s.proc.pid}, include_parent=True" in log
+    # the start logs its arguments as SGLang does, api_key in the clear (what gpugate must redact)
+    assert re.search(r"^\[[0-9-]+ [0-9:]+\] server_args=ServerArgs\(model_path='[^']+', .*"
+                     r"api_key='sk-lab-canary'", log, re.M)
+
+
+def test_a_drain_ending_in_its_own_worker_kills_is_no_crash(sim, start_standin, model_dir):
+    # the drain SIGKILLs the workers itself: the watchdog must not read that as a dead child
+    s = start_standin("--model-path", str(model_dir), "--tp", "2", env={"SGLANG_STANDIN_LOAD_S": "0"})
+    s.wait_healthy()
+    os.kill(s.proc.pid, signal.SIGTERM)
+    assert s.proc.wait(timeout=30) == 0
+    assert "SIGQUIT received" not in s.log()

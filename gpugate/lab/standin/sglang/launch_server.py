@@ -14,6 +14,13 @@ What it copies from SGLang (shared/reference/sglang-lifecycle.md):
   /get_model_info; /v1/models; POST /generate, /v1/completions, /v1/chat/completions, /flush_cache.
 - SIGTERM during load: default action (dies). SIGTERM when serving: graceful drain (503, in-flight
   requests finish), then the workers are killed and it exits 0.
+- a dead child (a scheduler SIGKILLed, ``fuser -k`` of the GPU device files from the Proxmox host):
+  SGLang's SubprocessWatchdog notices within 1 s ("Subprocess scheduler_0 (pid=N) crashed with exit
+  code -9. Triggering SIGQUIT for cleanup..."), the SIGQUIT handler ("It usually means one child
+  failed.") runs kill_process_tree: every child and the main process are SIGKILLed, so /health
+  stops answering instead of saying 200 over dead workers.
+- the start logs ``server_args=ServerArgs(...)`` with every argument, ``api_key`` included, as SGLang
+  does (what gpugate's log redaction has to handle).
 
 Lab faults ($GPUGATE_LAB_CTL/faults.json): ignore-sigterm (drains forever), crash-on-start (exit 1 with
 a traceback during load), never-healthy (/health stays 503), slow-start=S, orphan-worker and
@@ -141,9 +148,32 @@ class Workers:
 
     def __init__(self):
         self.procs = []
+        self.names = []
+        self.stopping = False
+
+    def watch(self, interval: float = 1.0) -> None:
+        """SGLang's SubprocessWatchdog (srt/utils/watchdog.py): a daemon thread polls every child
+        once a second; one that exited non-zero (a scheduler SIGKILLed, `fuser -k` of the GPU
+        device files, an NCCL abort) makes it log the crash and SIGQUIT this process, whose
+        handler kills the whole tree (on_sigquit): the server dies instead of answering /health
+        200 with dead workers."""
+        def loop() -> None:
+            while not self.stopping:
+                time.sleep(interval)
+                for proc, name in zip(self.procs, self.names):
+                    code = proc.poll()  # reaps: no zombie
+                    if code is None or code == 0 or self.stopping:
+                        continue
+                    log("Subprocess %s (pid=%d) crashed with exit code %d. Triggering SIGQUIT for cleanup..."
+                        % (name, proc.pid, code))
+                    os.kill(os.getpid(), signal.SIGQUIT)
+                    return
+        threading.Thread(target=loop, daemon=True, name="subprocess-watchdog").start()
 
     def spawn(self, plan: list) -> None:
         for job in plan:
+            # the names SGLang's engine gives its children in the watchdog: scheduler_<rank>, detokenizer
+            self.names.append("scheduler_%d" % len(self.names) if job["kind"] == "scheduler" else job["kind"])
             env = dict(os.environ)
             env["SGLANG_STANDIN_WORKER"] = json.dumps(dict(job, parent_pid=os.getpid()))
             self.procs.append(subprocess.Popen(
@@ -159,6 +189,7 @@ class Workers:
         return ""
 
     def kill(self) -> None:
+        self.stopping = True  # our own SIGKILLs are no crash for the watchdog
         for proc in self.procs:
             try:
                 proc.kill()
@@ -169,6 +200,46 @@ class Workers:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def descendants(pid: int) -> list:
+    """Every descendant of ``pid`` (children first), read from /proc as psutil's children(recursive=True)."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(0), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def kill_process_tree(parent_pid: int, include_parent: bool = True) -> None:
+    """SGLang's kill_process_tree (srt/utils/common.py): SIGKILL every descendant, then the parent."""
+    log("kill_process_tree called: parent_pid=%d, include_parent=%s, pid=%d"
+        % (parent_pid, include_parent, os.getpid()))
+    for child in descendants(parent_pid):
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass
+    if include_parent:
+        os.kill(parent_pid, signal.SIGKILL)
+
+
+def on_sigquit(signum, frame) -> None:
+    """The main process's SIGQUIT handler (engine.py / tokenizer_manager.py): a child failed, so
+    the whole server goes (SGLang logs signum=None, frame=None: its handler is called directly)."""
+    log("SIGQUIT received. signum=None, frame=None. It usually means one child failed.")
+    kill_process_tree(os.getpid())
 
 
 class State:
@@ -365,6 +436,9 @@ def main(argv=None) -> int:
                           "crash-on-start)")
             workers.kill()
             return 1
+        # after wait_for_ready, as SGLang's engine starts its SubprocessWatchdog
+        signal.signal(signal.SIGQUIT, on_sigquit)
+        workers.watch()
         time.sleep(max(0.0, load_s - (time.monotonic() - started)))
     except KeyboardInterrupt:
         workers.kill()
