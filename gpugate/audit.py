@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,7 @@ def redact(value: Any, key: str = "") -> Any:
     return value
 
 
-def _redact_processor(_logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+def _redact_processor(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> dict[str, Any]:
     return {k: redact(v, k) for k, v in event_dict.items()}
 
 

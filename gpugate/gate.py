@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping  # typing's Mapping: this file also runs in containers with Python 3.8
 
 HOST_FACT = "gpugate.facts.gpu.HostGpuProcesses"
 WHO_HOLDS_RUNBOOK = "runbooks/who_holds_gpus.py"
@@ -92,7 +93,7 @@ def _error_text(error: dict) -> str:
     return "%s %s: %s" % (error.get("source"), error.get("kind"), error.get("message"))
 
 
-def reading_problems(state: dict) -> tuple:
+def reading_problems(state: Mapping[str, Any]) -> tuple:
     """-> (reasons the reading cannot be trusted, whether waiting cannot fix them)."""
     if not isinstance(state, dict):
         return ["no GPU reading (the probe gave no document)"], False
@@ -134,7 +135,7 @@ def foreign_memory(gpu: dict, holders: list, ignore_pids) -> int | None:
     return max(0, used - sum(p["used_mib"] for p in listed))
 
 
-def evaluate(state: dict, max_used_mib: int = 64, ignore_pids=()) -> GateDecision:
+def evaluate(state: Mapping[str, Any], max_used_mib: int = 64, ignore_pids=()) -> GateDecision:
     """Decide whether the container's GPUs are idle. Pure: no I/O.
 
     + state: a GpuState document (gpugate.remote.gpu_probe.collect())

@@ -25,8 +25,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; the annotation alone needs it
-    from importlib.resources.abc import Traversable
+if TYPE_CHECKING:  # the annotation alone needs it (importlib.abc's name is the one 3.10 has)
+    from importlib.abc import Traversable
 
 PACKAGE = "gpugate"
 # The operator-facing files, relative to the project directory; setup.py copies exactly these.

@@ -286,17 +286,14 @@ def _names(holders: Sequence[Mapping[str, Any]]) -> str:
 def _index_ranges(indices: Sequence[int]) -> str:
     """[0, 1, 2, 5] -> '0-2,5'."""
     parts: list[str] = []
-    start = previous = None
+    runs: list[list[int]] = []
     for index in indices:
-        if start is None:
-            start = previous = index
-        elif index == previous + 1:
-            previous = index
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
         else:
-            parts.append(f"{start}-{previous}" if previous != start else str(start))
-            start = previous = index
-    if start is not None:
-        parts.append(f"{start}-{previous}" if previous != start else str(start))
+            runs.append([index])
+    for run in runs:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ",".join(parts)
 
 

@@ -785,7 +785,7 @@ def parse_argv(argv: Sequence[str]) -> ParsedCommand:
                 value = True if not values else values[0] if len(values) == 1 else values
             else:
                 value = values
-        raw[name] = value  # the last occurrence wins, as with argparse
+        raw[name or bare] = value  # the last occurrence wins, as with argparse
 
     for field in ("model-path", "model"):
         if field in raw:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -48,6 +48,7 @@ from pyinfra.api.output import echo
 from pyinfra.connectors.base import BaseConnector, DataMeta
 from pyinfra.connectors.local import LocalConnector
 from pyinfra.connectors.ssh import SSHConnector
+from pyinfra.connectors.sshuserclient import SSHClient
 from pyinfra.connectors.util import (
     CommandOutput,
     OutputLine,
@@ -476,7 +477,7 @@ class SharedSSHClient:
     """One SSH connection to a Proxmox host and the container hosts that use it."""
 
     ready: Event = field(default_factory=Event)  # set when connected, or when connecting failed
-    client: object | None = None  # pyinfra's paramiko SSHClient
+    client: SSHClient | None = None  # pyinfra's paramiko SSHClient
     error: ConnectError | None = None
     users: int = 0
 
@@ -508,7 +509,7 @@ def ssh_settings_key(connector: SSHConnector) -> tuple:
     key, password, known_hosts, host key policy, ssh config, paramiko arguments, retries and
     the connect timeout): containers share a connection only when all of it is equal.
     """
-    data = connector.data
+    data: Mapping[str, object] = connector.data  # read by the names in data_meta: a plain mapping here
     settings = [("hostname", data["ssh_hostname"] or connector.host.name)]
     settings += [(name, repr(data[name])) for name in sorted(connector.data_meta) if name != "ssh_hostname"]
     settings.append(("connect_timeout", repr(connector.state.config.CONNECT_TIMEOUT)))

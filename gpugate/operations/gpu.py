@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pyinfra import host, logger, state
 from pyinfra.api import FunctionCommand, OperationError, operation
 
-from gpugate.facts.gpu import GpuState, unreadable_state
+from gpugate.facts.gpu import GpuState, GpuStateResult, unreadable_state
 from gpugate.gate import GateDecision, evaluate, format_failure
 from gpugate.remote import (
     build_end_holders_command,
@@ -80,7 +80,8 @@ def wait_for_idle(host, max_used_mib: int = 64, timeout: float = 120.0,
         document = {"error": str(exc) or "the wait command failed", "error_kind": type(exc).__name__}
     returned_at = time.time()
     decision = decision_from_wait(document, max_used_mib, ignore)
-    decision.timing.update(began_at=began_at, returned_at=returned_at, round_trip_s=round(returned_at - began_at, 4))
+    decision.timing = {**(decision.timing or {}), "began_at": began_at, "returned_at": returned_at,
+                       "round_trip_s": round(returned_at - began_at, 4)}
     return decision
 
 
@@ -257,7 +258,8 @@ def idle(
         )
     """
     ignore = tuple(int(pid) for pid in ignore_pids)
-    decision = evaluate(host.get_fact(GpuState), max_used_mib, ignore)
+    observed: GpuStateResult = host.get_fact(GpuState)
+    decision = evaluate(observed, max_used_mib, ignore)
     if decision.passed:
         host.noop(decision.summary)
         return

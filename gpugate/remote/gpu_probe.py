@@ -34,6 +34,7 @@ import signal
 import subprocess
 import threading
 import time
+from typing import Any, Dict, List  # py3.8 in the container: no builtin generics at run time
 
 SCHEMA = 1
 # argv[1] of every gpugate probe process: other probes running at the same time are not holders.
@@ -80,7 +81,7 @@ class ProbeTimeout(Exception):
 # Small helpers
 
 
-def error_entry(source: str, kind: str, message: str) -> dict:
+def error_entry(source: str, kind: str, message: object) -> dict:
     return {"source": source, "kind": kind, "message": str(message)[:500]}
 
 
@@ -249,7 +250,7 @@ class NvmlSession:
     def __init__(self, loader=None, keep_open: bool = False) -> None:
         self.loader = loader or load_pynvml
         self.keep_open = keep_open
-        self.module = None
+        self.module: Any = None
         self.initialised = False
         self.hung = False
 
@@ -326,7 +327,7 @@ def parse_smi_rows(text: str) -> list:
 
 def parse_smi_gpus(text: str) -> list:
     """``index, uuid, name, memory.used, memory.total`` rows (noheader, nounits) -> gpus."""
-    gpus = []
+    gpus: List[Dict[str, Any]] = []
     for row in parse_smi_rows(text):
         if len(row) < 5:
             continue
@@ -472,7 +473,7 @@ def scan_holders(proc_root: str = "/proc", exclude_pids=(), with_vmid: bool = Fa
     """Processes with an open /dev/nvidia* fd, sorted by pid, without ``exclude_pids``, probes and
     nvidia-smi."""
     exclude = set(int(pid) for pid in exclude_pids)
-    holders = []
+    holders: List[Dict[str, Any]] = []
     try:
         names = os.listdir(proc_root)
     except OSError:
@@ -610,7 +611,7 @@ def collect(exclude_pids=(), scope: str = "container", keep_nvml_open: bool = Fa
                 _default_session = session
         else:
             session = _default_session
-    doc = {
+    doc: Dict[str, Any] = {
         "schema": SCHEMA,
         "source": "none",
         "memory_api": None,
@@ -663,7 +664,7 @@ def end_holders(grace_s: float = 10.0, ignore_pids=(), proc_root: str = "/proc",
     started = time.monotonic()
     exclude = set(int(pid) for pid in ignore_pids) | ancestors(proc_root, os.getpid()) | {1}
     targets = [holder["pid"] for holder in scan_holders(proc_root, exclude)]
-    report = {"targets": targets, "terminated": [], "killed": [], "survivors": [], "errors": []}
+    report: Dict[str, Any] = {"targets": targets, "terminated": [], "killed": [], "survivors": [], "errors": []}
 
     def signal_all(pids, signum):
         for pid in pids:
