@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,21 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LAB_HOSTS = 2
 LAB_GPUS = 8
+
+
+@pytest.fixture(scope="session", autouse=True)
+def audit_log_in_a_temporary_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every audit event of the test session (this process, its pyinfra children, every xdist worker)
+    goes to a file under pytest's temporary directory, never to the repository's ./audit.jsonl nor to
+    an operator's $GPUGATE_AUDIT_LOG. Tests that check the audit log pass their own path."""
+    path = tmp_path_factory.mktemp("audit") / "audit.jsonl"
+    previous = os.environ.get("GPUGATE_AUDIT_LOG")
+    os.environ["GPUGATE_AUDIT_LOG"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("GPUGATE_AUDIT_LOG", None)
+    else:
+        os.environ["GPUGATE_AUDIT_LOG"] = previous
 
 
 def lab_unavailable_reason() -> str | None:
@@ -102,10 +118,10 @@ class Lab:
         return faults.apply_fault(self.dir, host, vmid, name, clear=clear)
 
 
-def start_lab(lab_dir: Path, hosts: int = LAB_HOSTS, gpus: int = LAB_GPUS) -> Lab:
+def start_lab(lab_dir: Path, hosts: int = LAB_HOSTS, gpus: int = LAB_GPUS, vmids: tuple[int, ...] = (129,)) -> Lab:
     from gpugate.lab import core
 
-    state = core.up(lab_dir, hosts=hosts, gpus=gpus)
+    state = core.up(lab_dir, hosts=hosts, gpus=gpus, vmids=vmids)
     return Lab(
         dir=Path(state["dir"]),
         hosts=[LabHost(h["name"], h["port"], h["key"], h["known_hosts"]) for h in state["hosts"]],
@@ -114,7 +130,7 @@ def start_lab(lab_dir: Path, hosts: int = LAB_HOSTS, gpus: int = LAB_GPUS) -> La
 
 
 def module_lab(tmp_path_factory: pytest.TempPathFactory, name: str, hosts: int = LAB_HOSTS,
-               gpus: int = LAB_GPUS):
+               gpus: int = LAB_GPUS, vmids: tuple[int, ...] = (129,)):
     """A lab in its own directory (own ports, own cgroups) for a fixture of any scope: yields it and
     takes it down. Skipped where this machine cannot have a lab (lab_unavailable_reason); a lab that
     fails to start on a machine that can have one is an error, not a skip.
@@ -124,6 +140,9 @@ def module_lab(tmp_path_factory: pytest.TempPathFactory, name: str, hosts: int =
         @pytest.fixture(scope="module")
         def lab(tmp_path_factory):
             yield from module_lab(tmp_path_factory, "lab-server", hosts=1, gpus=8)
+
+    ``vmids``: the containers of every host (``(129, 130)``: two containers, and a fleet file that
+    gives them disjoint GPUs). Processes a test starts in a container: tests/e2e/lab_processes.py.
     """
     reason = lab_unavailable_reason()
     if reason:
@@ -132,7 +151,7 @@ def module_lab(tmp_path_factory: pytest.TempPathFactory, name: str, hosts: int =
 
     lab_dir = tmp_path_factory.mktemp(name)
     try:
-        yield start_lab(lab_dir, hosts=hosts, gpus=gpus)
+        yield start_lab(lab_dir, hosts=hosts, gpus=gpus, vmids=vmids)
     finally:
         core.down(lab_dir)
 

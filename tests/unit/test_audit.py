@@ -41,3 +41,17 @@ def test_default_path_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUGATE_AUDIT_LOG", str(tmp_path / "custom.jsonl"))
     audit.emit("gate", outcome="passed")
     assert audit.read_events(tmp_path / "custom.jsonl")[0]["outcome"] == "passed"
+
+
+def test_the_test_session_never_writes_the_repository_audit_log():
+    """tests/conftest.py points $GPUGATE_AUDIT_LOG at a temporary file for the whole session, so the
+    events of every test (and of the pyinfra runs they start) stay out of ./audit.jsonl."""
+    import os
+    from pathlib import Path
+
+    from gpugate import audit
+
+    repo = Path(__file__).resolve().parents[2]
+    target = audit.audit_log_path(None).resolve()
+    assert os.environ.get("GPUGATE_AUDIT_LOG"), "conftest did not set GPUGATE_AUDIT_LOG"
+    assert repo not in target.parents, target
