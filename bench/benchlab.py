@@ -63,8 +63,10 @@ class BenchLab:
 
     @classmethod
     def up(cls, lab_dir: Path, hosts: int, vmids: tuple[int, ...], gpus: int = 8) -> "BenchLab":
+        # Only a lab this run made: a directory that holds hosts is someone's lab, never stopped here.
         if core.existing_hosts(lab_dir):
-            core.down(lab_dir)
+            raise core.LabError(f"{lab_dir} already holds a lab ({', '.join(core.existing_hosts(lab_dir))}); "
+                                "the benchmark builds its own in a new directory")
         state = core.up(lab_dir, hosts=hosts, gpus=gpus, vmids=vmids)
         for host in state["hosts"]:
             if not host["running"] or any(c["status"] == "stopped" for c in host["containers"]):

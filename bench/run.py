@@ -3,7 +3,8 @@
     python3 bench/run.py            # the full run (~10 min on 2 cores): docs/benchmarks.md, bench/results/latest.json
     python3 bench/run.py --quick    # a ~2 min smoke version (fewer trials, a smaller fleet)
 
-It starts its own lab (``$GPUGATE_LAB_DIR``, default /tmp/gpugate-bench-lab), measures, and takes it down:
+It builds its own lab in a fresh temporary directory (never the lab of ``$GPUGATE_LAB_DIR``, the one
+you may be working with), measures, takes that lab down and removes the directory (``--keep`` keeps it):
 
 1. gate latency: memory back (the simulated driver's ``freed_at``) -> the gate passes, for gpugate's
    ``wait_for_idle``, the hand-run ``sleep 3; nvidia-smi`` loop, and the Ansible until-loop (5 s and 1 s);
@@ -16,16 +17,19 @@ It starts its own lab (``$GPUGATE_LAB_DIR``, default /tmp/gpugate-bench-lab), me
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -34,6 +38,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench import report  # noqa: E402
 from bench.benchlab import BenchLab, Container, machine, server_argv  # noqa: E402
+from gpugate.lab import core  # noqa: E402
 from bench.tools import (  # noqa: E402
     gpugate_host,
     read_events,
@@ -359,30 +364,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the table goes (default docs/benchmarks.md; --quick: bench/results/quick.md)")
     parser.add_argument("--json", type=Path, default=None,
                         help="raw results (default bench/results/latest.json; --quick: bench/results/quick.json)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the run's directory (its lab's state, fleet files, logs) instead of removing it")
     args = parser.parse_args(argv)
     mode = "quick" if args.quick else "full"
     profile = PROFILES[mode]
     markdown = args.markdown or (REPO_ROOT / ("bench/results/quick.md" if args.quick else "docs/benchmarks.md"))
     raw = args.json or (REPO_ROOT / ("bench/results/quick.json" if args.quick else "bench/results/latest.json"))
-    lab_dir = Path(os.environ.get("GPUGATE_LAB_DIR") or "/tmp/gpugate-bench-lab")
-    os.environ["GPUGATE_LAB_DIR"] = str(lab_dir)
     rng = random.Random(args.seed)
-    workdir = Path(tempfile.mkdtemp(prefix="gpugate-bench-"))
     started = time.time()
-    log(f"{mode} run; lab {lab_dir}; {profile['hosts']} hosts x {len(profile['vmids'])} containers")
-    lab = BenchLab.up(lab_dir, hosts=profile["hosts"], vmids=profile["vmids"])
     results: dict = {"mode": mode, "profile": {k: list(v) if isinstance(v, tuple) else v for k, v in profile.items()},
                      "machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "seed": args.seed,
                      "load_s": LOAD_S}
+    log(f"{mode} run; {profile['hosts']} hosts x {len(profile['vmids'])} containers")
     try:
-        results["gate"] = phase_gate(lab, profile, rng, workdir)
-        results["floor"] = phase_floor(lab, lab.spread(3)[2], profile["floor_n"])
-        log(f"floor (drain + release + load): {results['floor']['median']}")
-        results["restart"] = phase_restart(lab, profile, results["floor"], workdir)
-        results["rolling"] = phase_rolling(lab, profile, results["restart"], workdir)
-        results["converged"] = phase_converged(lab, profile, workdir)
+        with own_lab(profile["hosts"], profile["vmids"], keep=args.keep) as (lab, workdir):
+            log(f"lab {lab.dir}")
+            results["gate"] = phase_gate(lab, profile, rng, workdir)
+            results["floor"] = phase_floor(lab, lab.spread(3)[2], profile["floor_n"])
+            log(f"floor (drain + release + load): {results['floor']['median']}")
+            results["restart"] = phase_restart(lab, profile, results["floor"], workdir)
+            results["rolling"] = phase_rolling(lab, profile, results["restart"], workdir)
+            results["converged"] = phase_converged(lab, profile, workdir)
     finally:
-        lab.down()
         results["duration_s"] = time.time() - started
         raw.parent.mkdir(parents=True, exist_ok=True)
         raw.write_text(json.dumps(results, indent=1, default=str) + "\n")
@@ -390,6 +394,32 @@ def main(argv: list[str] | None = None) -> int:
     markdown.write_text(report.render(results))
     log(f"done in {results['duration_s']:.0f}s: {markdown} and {raw}")
     return 0
+
+
+@contextlib.contextmanager
+def own_lab(hosts: int, vmids: tuple[int, ...], keep: bool = False) -> Iterator[tuple[BenchLab, Path]]:
+    """A lab made for this run in a new temporary directory, with a work directory around it (fleet
+    files, logs, audit): yields ``(lab, workdir)``, then takes the lab down and removes the directory
+    (``keep``: left for a look). The user's lab (``$GPUGATE_LAB_DIR``) is never read, stopped or
+    written: while the run lasts, that variable names this run's lab, for its child processes.
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="gpugate-bench-"))
+    lab_dir = workdir / "lab"
+    previous = os.environ.get("GPUGATE_LAB_DIR")
+    os.environ["GPUGATE_LAB_DIR"] = str(lab_dir)
+    try:
+        lab = BenchLab.up(lab_dir, hosts=hosts, vmids=vmids)
+        yield lab, workdir
+    finally:
+        core.down(lab_dir)  # also when BenchLab.up failed half-way
+        if previous is None:
+            os.environ.pop("GPUGATE_LAB_DIR", None)
+        else:
+            os.environ["GPUGATE_LAB_DIR"] = previous
+        if keep:
+            log(f"kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
