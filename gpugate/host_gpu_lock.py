@@ -8,9 +8,10 @@ Sent inline by ``PctConnector.hold_gpu_locks`` as ``python3 -c <packed source> '
    ``{"ok": false, "gpu": i, "owner": <that holder's record>}`` and exits (after ``wait_s``);
 3. all held: forks a detached child (new session, stdio on /dev/null) that keeps the locks, writes
    its record ``{"vmid", "run", "gpus", "pid", "since"}`` into each lock file, and runs
-   ``pct exec <vmid> -- <python> <agent> wait '{"run": ..., "grace_s": ...}'`` (the container's
-   agent: returns when that run has ended, or when it did not begin within grace_s); when that
-   returns the locks go, and a line is appended to /run/gpugate/holders.log;
+   ``pct exec <vmid> -- sh -c '<command>'``, the container agent's ``wait`` for the run
+   (gpugate.agentcmd.wait_command: returns when that run has ended, or when it did not begin within
+   grace_s); when that returns the locks go, and a line (with the wait's answer) is appended to
+   /run/gpugate/holders.log;
 4. the parent prints ``{"ok": true, "pid": <holder>}`` once the records are written, and exits,
    so the SSH command returns at once while the holder lives on.
 """
@@ -61,11 +62,11 @@ def _record(held, record):
 
 
 def _wait_argv(args):
+    """pct exec of the container agent's wait (``command``: gpugate.agentcmd.wait_command's shell text)."""
     argv = list(args["pct"]) + ["exec", str(args["vmid"]), "--"]
     if args.get("clear_env", True):
         argv += ["env", "-i", "PATH=" + args["path"], "HOME=/root", "container=lxc"]
-    argv += [args["python"], args["agent"], "wait", json.dumps({"run": args["run"], "grace_s": args["grace_s"]})]
-    return argv
+    return argv + ["sh", "-c", args["command"]]
 
 
 def _hold(args, held, ready_w):
@@ -80,13 +81,21 @@ def _hold(args, held, ready_w):
     os.write(ready_w, b"1")
     os.close(ready_w)
     started = time.monotonic()
-    try:
-        rc = subprocess.run(_wait_argv(args), stdin=null, stdout=null, stderr=null).returncode
-    except OSError as exc:  # no pct: the run cannot be followed; release at once
-        rc = "%s: %s" % (type(exc).__name__, exc)
+    while True:
+        try:
+            done = subprocess.run(_wait_argv(args), stdin=null, stdout=subprocess.PIPE, stderr=null)
+            rc, answer = done.returncode, done.stdout.decode("utf-8", "replace").strip()[-500:]
+        except OSError as exc:  # no pct: the run cannot be followed; release at once
+            rc, answer = "%s: %s" % (type(exc).__name__, exc), ""
+        # The locks are taken before the hand-off, and the hand-off installs the agent: until it is
+        # there (agent_missing), ask again, for as long as the run may take to appear.
+        if '"agent_missing"' not in answer or time.monotonic() - started > float(args.get("grace_s", 30)):
+            break
+        time.sleep(0.25)
     for fd in held:
         os.close(fd)  # the locks go here (the parent closed its copies already)
-    line = dict(record, released=time.time(), held_s=round(time.monotonic() - started, 3), wait_rc=rc)
+    line = dict(record, released=time.time(), held_s=round(time.monotonic() - started, 3), wait_rc=rc,
+                wait_answer=answer)
     try:
         with open(os.path.join(args["lock_dir"], "holders.log"), "a") as log:
             log.write(json.dumps(line, sort_keys=True) + "\n")

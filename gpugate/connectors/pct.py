@@ -820,8 +820,7 @@ class PctConnector(BaseConnector):
         self,
         gpus: Sequence[int],
         run: str,
-        python: str,
-        agent: str,
+        python: str = "/usr/bin/python3",
         grace_s: float = 30,
         wait_s: float = 0,
         lock_dir: str = LOCK_DIR,
@@ -829,26 +828,27 @@ class PctConnector(BaseConnector):
         """
         Take this transition's GPU locks on the Proxmox host (``/run/gpugate/gpu-<i>.lock``, one
         exclusive flock per GPU, in index order) and hold them, in a detached process on the
-        host, until ``pct exec <vmid> -- <python> <agent> wait '{"run": run, "grace_s": ...}'``
-        returns (the agent's wait: the run has ended, or it did not begin within ``grace_s``).
-        Call it right before the hand-off: ``(True, what)`` -> hand off; ``(False, why)`` ->
-        refuse, nothing was touched (``why`` names the container whose run holds a GPU, after
-        waiting up to ``wait_s`` for it).
+        host (gpugate/host_gpu_lock.py), until the container agent's ``wait`` for ``run``
+        returns (``pct exec <vmid> -- sh -c '<gpugate.agentcmd.wait_command(python, run,
+        grace_s)>'``: the run has ended, or it did not begin within ``grace_s``). Call it right
+        before the hand-off: ``(True, what)`` -> hand off; ``(False, why)`` -> refuse, nothing was
+        touched (``why`` names the container whose run holds a GPU, after waiting up to
+        ``wait_s`` for it to end).
 
         .. code:: python
 
-            ok, message = host.connector.hold_gpu_locks([0, 1, 2, 3], run_id, "/usr/bin/python3",
-                                                        "/var/lib/gpugate/agent-<sha>.py")
+            ok, message = host.connector.hold_gpu_locks(spec_gpus, run_id, python="/usr/bin/python3")
         """
         from gpugate import host_gpu_lock  # noqa: PLC0415 -- its source travels, not the module
+        from gpugate.agentcmd import wait_command  # noqa: PLC0415
         from gpugate.remote import pack  # noqa: PLC0415
 
         gpu_list = sorted({int(gpu) for gpu in gpus})
         if not gpu_list:
             return True, "no GPU to claim"
         args = {
-            "vmid": self.vmid, "gpus": gpu_list, "run": str(run), "python": python, "agent": agent,
-            "grace_s": grace_s, "wait_s": wait_s, "lock_dir": lock_dir, "path": CONTAINER_PATH,
+            "vmid": self.vmid, "gpus": gpu_list, "run": str(run), "wait_s": wait_s, "lock_dir": lock_dir,
+            "command": wait_command(python, str(run), grace_s=grace_s), "path": CONTAINER_PATH,
             "pct": [str(bit) for bit in pct_prefix(self.binary, self.use_sudo)],
             "clear_env": bool(self.data["pct_clear_env"]),
         }

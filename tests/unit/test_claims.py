@@ -1,0 +1,140 @@
+"""GPU claims per Proxmox host: the plan-time overlap check, and the host-side lock holder run as the
+real program (its own process, real flocks, a real child it waits for) with a local lock directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpugate import host_gpu_lock
+from gpugate.claims import gpu_ranges, overlapping_claims, servers_of_inventory
+from gpugate.remote import pack
+
+# ---------------------------------------------------------------- plan time
+
+
+def test_two_servers_of_one_host_on_shared_gpus_are_both_named():
+    lines = overlapping_claims([("pve1", 129, 30000, tuple(range(8))), ("pve1", 130, 30000, tuple(range(8))),
+                                ("pve2", 129, 30000, tuple(range(8)))])
+    assert lines == ["pve1: ct 129 :30000 (GPU 0-7) and ct 130 :30000 (GPU 0-7) claim the same GPU 0-7"]
+
+
+def test_disjoint_halves_and_other_hosts_do_not_overlap():
+    assert overlapping_claims([("pve1", 129, 30000, (0, 1, 2, 3)), ("pve1", 130, 30000, (4, 5, 6, 7)),
+                               ("pve2", 131, 30000, (0, 1, 2, 3))]) == []
+
+
+claims = st.lists(st.tuples(st.sampled_from(["pve1", "pve2"]), st.integers(100, 105), st.sampled_from([30000, 30001]),
+                            st.lists(st.integers(0, 7), max_size=8).map(tuple)), max_size=6)
+
+
+@given(claims)
+def test_one_line_per_overlapping_pair_naming_both(servers):
+    lines = overlapping_claims(servers)
+    pairs = [(a, b) for i, a in enumerate(servers) for b in servers[i + 1:]
+             if a[0] == b[0] and set(a[3]) & set(b[3])]
+    assert len(lines) == len(pairs)
+    for line, (a, b) in zip(lines, pairs):
+        assert line.startswith(f"{a[0]}: ct {a[1]} :{a[2]} ") and f" and ct {b[1]} :{b[2]} " in line
+        assert line.endswith(f"claim the same GPU {gpu_ranges(set(a[3]) & set(b[3]))}")
+
+
+def test_servers_of_inventory_reads_host_data_and_skips_absent_servers():
+    def gpu_set(flags, env):  # what gpugate.spec.gpu_set does for tp and base-gpu-id
+        return range(flags.get("base-gpu-id", 0), flags.get("base-gpu-id", 0) + flags.get("tp-size", 1))
+
+    hosts = [("@pct/pve1:129", {"pve_host": "pve1", "pct_vmid": 129, "sglang_flags": {"tp-size": 4}}),
+             ("@pct/pve1:130", {"pve_host": "pve1", "pct_vmid": 130, "sglang_port": 30001,
+                                "sglang_flags": {"tp-size": 4, "base-gpu-id": 4}}),
+             ("@pct/pve1:131", {"pve_host": "pve1", "pct_vmid": 131, "sglang_present": "no"}),
+             ("@pct/@local:132", {"pct_vmid": 132, "pct_local": True, "sglang_flags": {"tp-size": 2}})]
+    assert servers_of_inventory(hosts, gpu_set) == [("pve1", 129, 30000, (0, 1, 2, 3)),
+                                                    ("pve1", 130, 30001, (4, 5, 6, 7)), ("@local", 132, 30000, (0, 1))]
+
+
+# ---------------------------------------------------------------- the holder on the Proxmox host
+
+
+class Holders:
+    """Run the real holder program (packed, as the connector sends it) with `pct` standing for a
+    command that returns when its run's file appears: `sh -c 'until [ -e FILE ]...' FILE exec ...`."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.lock_dir = tmp / "locks"
+        self.program = pack(Path(host_gpu_lock.__file__).read_text())
+
+    def take(self, vmid: int, gpus, run: str, wait_s: float = 0) -> dict:
+        done = self.tmp / f"{run}.done"
+        args = {"vmid": vmid, "gpus": list(gpus), "run": run, "wait_s": wait_s, "lock_dir": str(self.lock_dir),
+                "command": "true", "path": "/usr/bin:/bin", "clear_env": False, "grace_s": 30,
+                "pct": ["sh", "-c", 'until [ -e "$0" ]; do sleep 0.02; done', str(done)]}
+        started = time.monotonic()
+        out = subprocess.run([sys.executable, "-c", self.program, json.dumps(args)], capture_output=True,
+                             text=True, timeout=30, check=True)
+        answer = json.loads(out.stdout.strip().splitlines()[-1])
+        answer["took_s"] = time.monotonic() - started
+        return answer
+
+    def end(self, run: str) -> None:
+        (self.tmp / f"{run}.done").touch()
+
+    def released(self) -> list[dict]:
+        log = self.lock_dir / "holders.log"
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.fixture
+def holders(tmp_path):
+    h = Holders(tmp_path)
+    yield h
+    for run in ("r1", "r2", "r3"):  # end every holder a test left (its wait returns)
+        h.end(run)
+
+
+def wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_second_transition_on_shared_gpus_is_refused_naming_the_first(holders):
+    first = holders.take(129, [3, 0, 1, 2], "r1")
+    assert first["ok"] and first["took_s"] < 5  # the command returns; the holder lives on
+    os.kill(first["pid"], 0)
+    record = json.loads((holders.lock_dir / "gpu-2.lock").read_text())
+    assert record["vmid"] == 129 and record["run"] == "r1" and record["gpus"] == [0, 1, 2, 3]
+    assert record["pid"] == first["pid"]
+
+    second = holders.take(130, [2, 3, 4, 5], "r2")
+    assert second["ok"] is False and second["gpu"] == 2 and second["owner"]["vmid"] == 129
+    # what it had taken before meeting the busy GPU is free again: a disjoint transition goes ahead
+    third = holders.take(131, [4, 5, 6, 7], "r3")
+    assert third["ok"]
+
+    holders.end("r1")  # the first run ended: its agent's wait returned
+    wait_for(lambda: [line["run"] for line in holders.released()] == ["r1"])
+    assert holders.take(130, [0, 1, 2, 3], "r2")["ok"]
+
+
+def test_a_waiting_transition_gets_the_gpus_when_the_first_ends(holders):
+    assert holders.take(129, [0, 1], "r1")["ok"]
+    subprocess.Popen([sys.executable, "-c", "import time,pathlib,sys; time.sleep(0.5); pathlib.Path(sys.argv[1]).touch()",
+                      str(holders.tmp / "r1.done")])
+    second = holders.take(130, [1], "r2", wait_s=10)
+    assert second["ok"] and 0.3 < second["took_s"] < 9
+
+
+def test_a_dead_holder_frees_its_gpus(holders):
+    first = holders.take(129, [0], "r1")
+    os.kill(first["pid"], 9)
+    wait_for(lambda: holders.take(130, [0], "r2")["ok"])
