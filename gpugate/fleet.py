@@ -781,8 +781,9 @@ def container_host_data(host: PveHost, container: Container) -> dict[str, Any]:
 
 
 def fleet_to_inventory(fleet: Fleet) -> dict[str, tuple[list, dict]]:
-    """pyinfra groups: ``pve_<host>`` per Proxmox host (hosts with their data), and each user
-    group (``groups: [canary]``) with its data from the fleet's ``groups:`` section.
+    """pyinfra groups: ``pve_<host>`` per Proxmox host (hosts with their data), the same members
+    as a group named like the host (``--limit pve1``; unless a user group has that name), and each
+    user group (``groups: [canary]``) with its data from the fleet's ``groups:`` section.
 
     Example::
 
@@ -804,5 +805,9 @@ def fleet_to_inventory(fleet: Fleet) -> dict[str, tuple[list, dict]]:
             for group in container.groups:
                 groups.setdefault(group, ([], {}))[0].append(host_name)
         groups[pve_group_name(host.name)] = (members, {})
+        # `--limit pve1` names the Proxmox host as the fleet does (pve_pve1 stays, for files named after
+        # it); a user group of that name keeps its meaning.
+        if host.name not in fleet.groups:
+            groups.setdefault(host.name, ([], {}))[0].extend(name for name, _data in members)
     return groups
 

@@ -104,3 +104,30 @@ def test_the_run_says_first_which_fleet_file_it_read(tmp_path):
         said = [line for line in result.stderr.splitlines() if line.startswith("gpugate: fleet")]
         assert said == [f"gpugate: fleet {fleet} ({why})"], result.stderr
         assert "gpugate: fleet" not in result.stdout
+
+
+LIMIT_PROBE = """
+import json, sys
+from pyinfra.api import State
+from pyinfra.context import ctx_state
+from pyinfra_cli.cli import _get_inventory_pattern_matches
+from pyinfra_cli.inventory import make_inventory
+with ctx_state.use(State()):
+    inventory = make_inventory(sys.argv[1], cwd=sys.argv[2])
+print(json.dumps({p: sorted(h.name for h in _get_inventory_pattern_matches(inventory, [p], "--limit"))
+                  for p in sys.argv[3:]}))
+"""
+
+
+def test_limit_takes_the_proxmox_host_name_beside_the_pve_group(tmp_path):
+    """`--limit pve1` selects pve1's containers, as `--limit pve_pve1` does (pyinfra's own matching)."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(textwrap.dedent(FLEET) + "  pve2:\n    ssh: {hostname: 127.0.0.2}\n    containers:\n"
+                     "      129: {sglang: {model_path: /m}}\n      130: {sglang: {model_path: /m}}\n")
+    env = {**os.environ, "GPUGATE_FLEET": str(fleet)}
+    result = subprocess.run([sys.executable, "-c", LIMIT_PROBE, str(REPO / "inventory.py"), str(tmp_path),
+                             "pve1", "pve_pve1", "pve2"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    matches = __import__("json").loads(result.stdout)
+    assert matches["pve1"] == matches["pve_pve1"] == ["@pct/pve1:129"]
+    assert matches["pve2"] == ["@pct/pve2:129", "@pct/pve2:130"]
