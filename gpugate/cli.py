@@ -52,6 +52,11 @@ def _positive(text: str) -> int:
     return value
 
 
+def _gpus(text: str) -> int | str:
+    """``--gpus``: a number of simulated GPUs, or ``real`` (this machine's NVIDIA GPUs)."""
+    return "real" if text.strip().lower() == "real" else _positive(text)
+
+
 def _version() -> str:
     try:
         from importlib.metadata import version  # noqa: PLC0415
@@ -95,8 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--hosts", type=_positive, default=None, metavar="N",
                     help="number of Proxmox hosts pve1..pveN (default: the hosts the lab has, else 1); "
                          "more than the lab has adds hosts, fewer is refused")
-    up.add_argument("--gpus", type=_positive, default=core.DEFAULT_GPUS, metavar="G",
-                    help=f"simulated GPUs per host (default {core.DEFAULT_GPUS})")
+    up.add_argument("--gpus", type=_gpus, default=core.DEFAULT_GPUS, metavar="G|real",
+                    help=f"simulated GPUs per host (default {core.DEFAULT_GPUS}), or `real`: containers see this "
+                         "machine's NVIDIA GPUs (device nodes, driver, nvidia-smi, NVML, the torch env; "
+                         "$GPUGATE_TORCH_ENV names it when `python3` is not the one with torch)")
     up.add_argument("--gpu-mib", type=_positive, default=core.DEFAULT_GPU_MIB, metavar="MIB",
                     help=f"memory of each simulated GPU in MiB (default {core.DEFAULT_GPU_MIB}, an H200)")
     up.add_argument("--containers", type=_vmids, default=core.DEFAULT_VMIDS, metavar="VMIDS",
@@ -155,7 +162,17 @@ def _lab(args: argparse.Namespace) -> int:
     lab_dir = (args.dir or core.default_lab_dir()).resolve()
     if args.action == "up":
         started = time.monotonic()
-        state = core.up(lab_dir, hosts=args.hosts, gpus=args.gpus, gpu_mib=args.gpu_mib, vmids=args.containers)
+        binding = None
+        if args.gpus == "real":
+            from gpugate.lab import realgpu  # noqa: PLC0415
+
+            try:
+                binding = realgpu.discover()
+            except realgpu.NoDriver as exc:
+                raise core.LabError(f"--gpus real: {exc}") from None
+        gpus = core.DEFAULT_GPUS if binding else args.gpus
+        state = core.up(lab_dir, hosts=args.hosts, gpus=gpus, gpu_mib=args.gpu_mib, vmids=args.containers,
+                        gpu_binding=binding)
         sys.stdout.write(core.format_status(state))
         for note in state.get("notes") or []:
             print(note)

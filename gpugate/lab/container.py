@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpugate.lab import nsutil
+from gpugate.lab import nsutil, realgpu
 
 CONTAINER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 OVERLAID = ("etc", "var", "usr")
@@ -199,6 +199,7 @@ def _setup_container_fs(host_dir: Path, vmid: int) -> None:
     cdir = ct_dir(host_dir, vmid)
     gdir = gpu_dir(host_dir)
     init_code = Path(INIT_SCRIPT).read_bytes()  # read now: the mounts below may hide the package
+    real_gpus = realgpu.read_binding(host_dir)  # `lab up --gpus real`: the machine's GPUs, not the sim's
     nsutil.make_private("/")
     try:
         nsutil.umount("/usr/sbin")  # the host's own /usr/sbin overlay (its pct) is not the container's
@@ -232,7 +233,9 @@ def _setup_container_fs(host_dir: Path, vmid: int) -> None:
         open(f"{staging}/{name}", "w").close()
         nsutil.bind(f"/dev/{name}", f"{staging}/{name}")
     sim_dev = "/run/gpugate-sim/dev"
-    if os.path.isdir(sim_dev):
+    if real_gpus:
+        realgpu.bind_devices(real_gpus, staging, nsutil.bind)
+    elif os.path.isdir(sim_dev):
         for entry in sorted(os.listdir(sim_dev)):
             src = os.path.join(sim_dev, entry)
             if os.path.isdir(src):
@@ -257,6 +260,9 @@ def _setup_container_fs(host_dir: Path, vmid: int) -> None:
             nsutil.mount("cgroup2", cg_mount, "cgroup2", nsutil.MS_NOSUID | nsutil.MS_NODEV | nsutil.MS_NOEXEC)
         except OSError:
             pass  # the container then sees the host's cgroup tree; only cosmetic
+    if real_gpus:  # after the overlays (placeholders land in their upper dirs), before /tmp hides cdir
+        realgpu.bind_driver(real_gpus, cdir, nsutil.bind, nsutil.mount,
+                            log=lambda msg: sys.stderr.write(msg + "\n"))
     # /tmp last: the lab's state dir may live under /tmp and every source above comes from it.
     nsutil.mount("tmpfs", "/tmp", "tmpfs", nsutil.MS_NOSUID | nsutil.MS_NODEV, "mode=1777")
     # Everything not overlaid or mounted above is the machine's: keep the container from writing it.

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpugate.lab import container, nsutil
+from gpugate.lab import container, nsutil, realgpu
 
 DEFAULT_LAB_DIR = "/tmp/gpugate-lab"
 DEFAULT_GPUS = 8
@@ -61,6 +61,7 @@ class HostInfo:
     init_pid: int | None = None
     containers: list[dict] = field(default_factory=list)
     gpus: list[dict] = field(default_factory=list)
+    gpu_mode: str = "simulated"  # "real": `lab up --gpus real` (gpugate.lab.realgpu)
 
 
 # ---------------------------------------------------------------- paths and small pure helpers
@@ -125,9 +126,12 @@ def sshd_config_text(hdir: Path, port: int, authorized_keys: Path) -> str:
     ])
 
 
-def fleet_document(lab_dir: Path, hosts: list[tuple[str, int]], vmids: dict[str, list[int]]) -> dict:
-    """The fleet.yaml content for the lab (the shape inventory.py reads)."""
+def fleet_document(lab_dir: Path, hosts: list[tuple[str, int]], vmids: dict[str, list[int]],
+                   server: dict | None = None) -> dict:
+    """The fleet.yaml content for the lab (the shape inventory.py reads). ``server`` replaces the
+    default sglang section (a real-GPU lab: tp over the real GPUs, the torch env's python)."""
     doc: dict = {"hosts": {}}
+    server = server or {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 8}}
     for name, port in hosts:
         doc["hosts"][name] = {
             "ssh": {
@@ -138,11 +142,51 @@ def fleet_document(lab_dir: Path, hosts: list[tuple[str, int]], vmids: dict[str,
                 "known_hosts_file": str(Path(lab_dir) / "known_hosts"),
             },
             "containers": {
-                vmid: {"sglang": {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 8}}}
-                for vmid in vmids.get(name, [])
+                vmid: {"sglang": _server_on(server, share)}
+                for vmid, share in split_gpus(vmids.get(name, []), _host_gpu_count(lab_dir, name, server)).items()
             },
         }
     return doc
+
+
+def split_gpus(vmids: list[int], gpu_count: int) -> dict[int, tuple[int, int] | None]:
+    """Disjoint GPUs for the containers of one lab host: vmid -> (tp, base GPU id), or None when no
+    GPU is left for it. One container keeps the server as given; several share the host's GPUs in
+    equal power-of-two blocks (a TP size real models accept), in vmid order, so no two servers of
+    the lab's own fleet claim the same GPU (gpugate.claims would refuse them).
+
+    >>> split_gpus([129, 130], 8)
+    {129: (4, 0), 130: (4, 4)}
+    >>> split_gpus([129, 130, 131], 8), split_gpus([129, 130], 1)
+    ({129: (2, 0), 130: (2, 2), 131: (2, 4)}, {129: (1, 0), 130: None})
+    """
+    if len(vmids) <= 1:
+        return {vmid: (0, 0) for vmid in vmids}  # (0, 0): the server as given
+    per = gpu_count // len(vmids)
+    if per == 0:
+        return {vmid: ((1, i) if i < gpu_count else None) for i, vmid in enumerate(sorted(vmids))}
+    tp = 1 << (per.bit_length() - 1)
+    return {vmid: (tp, i * tp) for i, vmid in enumerate(sorted(vmids))}
+
+
+def _host_gpu_count(lab_dir: Path, host: str, server: dict) -> int:
+    """The lab host's GPU count (its simulated driver's config), else the server's TP size."""
+    try:
+        return int(json.loads((host_dir(lab_dir, host) / "gpu" / "config.json").read_text())["count"])
+    except (OSError, ValueError, KeyError, TypeError):
+        flags = server.get("flags") or {}
+        return int(flags.get("tp") or flags.get("tp-size") or DEFAULT_GPUS)
+
+
+def _server_on(server: dict, share: tuple[int, int] | None) -> dict:
+    """The server for one container with its share of the GPUs (see split_gpus)."""
+    spec = json.loads(json.dumps(server))
+    if share is None:
+        spec["present"] = False  # no GPU left for a server here
+    elif share != (0, 0):
+        flags = {k: v for k, v in spec.get("flags", {}).items() if k not in ("tp", "tp-size", "base-gpu-id")}
+        spec["flags"] = {"tp": share[0], **({"base-gpu-id": share[1]} if share[1] else {}), **flags}
+    return spec
 
 
 def render_fleet_yaml(doc: dict) -> str:
@@ -163,7 +207,9 @@ def render_fleet_yaml(doc: dict) -> str:
             sg = spec["sglang"]
             flags = ", ".join(f"{k}: {json.dumps(v)}" for k, v in sg["flags"].items())
             lines.append(f"      {vmid}:")
-            lines.append(f"        sglang: {{model_path: {sg['model_path']}, port: {sg['port']}, flags: {{{flags}}}}}")
+            python = f", python: {json.dumps(sg['python'])}" if sg.get("python") else ""
+            python += ", present: false" if sg.get("present") is False else ""
+            lines.append(f"        sglang: {{model_path: {sg['model_path']}, port: {sg['port']}, flags: {{{flags}}}{python}}}")
     return "\n".join(lines) + "\n"
 
 
@@ -269,7 +315,35 @@ def _install_extras(cdir: Path) -> None:
     container_files.install_container_extras(cdir / "usr-upper")
 
 
-def _prepare_host(lab_dir: Path, name: str, gpus: int, gpu_mib: int, vmids: list[int]) -> int:
+def real_gpu_server(binding: dict) -> dict:
+    """The lab fleet's sglang section in a real-GPU lab: tp over every real GPU (1 on one H200), run
+    by the interpreter of the torch environment (the stand-in is installed there).
+
+    >>> real_gpu_server({"gpus": [{"index": 0}, {"index": 1}], "torch_env": {"python": "/v/bin/python3"}})
+    {'model_path': '/opt/models/lab-model', 'port': 30000, 'flags': {'tp': 2}, 'python': '/v/bin/python3'}
+    """
+    return {"model_path": "/opt/models/lab-model", "port": 30000,
+            "flags": {"tp": max(1, len(binding.get("gpus") or []))},
+            "python": (binding.get("torch_env") or {}).get("python") or "/usr/bin/python3"}
+
+
+def _apply_gpu_mode(hdir: Path, binding: dict | None, vmids: list[int]) -> None:
+    """Record the host's GPU mode and bring its containers' files in line with it."""
+    realgpu.write_binding(hdir, binding)
+    if binding:
+        realgpu.write_host_tools(hdir, binding, "")
+    standin = Path(container.__file__).resolve().parent / "standin" / "sglang"
+    server_args = Path(PACKAGE_ROOT) / "gpugate" / "sglang_args.py"
+    for vmid in vmids:
+        cdir = container.ct_dir(hdir, vmid)
+        if binding:
+            realgpu.install_real_extras(cdir, binding, standin, server_args)
+        else:
+            realgpu.remove_real_extras(cdir)
+
+
+def _prepare_host(lab_dir: Path, name: str, gpus: int, gpu_mib: int, vmids: list[int],
+                  gpu_binding: dict | None = None) -> int:
     hdir = host_dir(lab_dir, name)
     (hdir / "bin").mkdir(parents=True, exist_ok=True)
     _keygen(hdir / "ssh_host_ed25519_key", f"root@{name}")
@@ -294,6 +368,7 @@ def _prepare_host(lab_dir: Path, name: str, gpus: int, gpu_mib: int, vmids: list
     for vmid in container.list_vmids(hdir):
         if vmid not in vmids:
             _install_extras(container.ct_dir(hdir, vmid))
+    _apply_gpu_mode(hdir, gpu_binding, container.list_vmids(hdir))
     return port
 
 
@@ -392,7 +467,7 @@ def write_fleet_file(lab_dir: Path, text: str) -> str | None:
 
 
 def up(lab_dir: Path, hosts: int | None = None, gpus: int = DEFAULT_GPUS, gpu_mib: int = DEFAULT_GPU_MIB,
-       vmids: tuple[int, ...] = DEFAULT_VMIDS) -> dict:
+       vmids: tuple[int, ...] = DEFAULT_VMIDS, gpu_binding: dict | None = None) -> dict:
     """Bring the lab up with ``hosts`` hosts (None: the hosts it has; see planned_hosts). Hosts that
     run are left exactly as they are, stopped ones are started, new ones made. Returns the status,
     with ``notes`` (what the operator must know: the fleet file kept, ...)."""
@@ -405,8 +480,15 @@ def up(lab_dir: Path, hosts: int | None = None, gpus: int = DEFAULT_GPUS, gpu_mi
     _keygen(lab_dir / "id_ed25519", "gpugate-lab-client")
     (lab_dir / "authorized_keys").write_text((lab_dir / "id_ed25519.pub").read_text())
     to_start = [n for n in names if host_init_pid(lab_dir, n) is None]
+    for name in names:
+        if name not in to_start and (realgpu.read_binding(host_dir(lab_dir, name)) is None) != (gpu_binding is None):
+            running = "real" if gpu_binding is None else "simulated"
+            raise LabError(f"lab host {name} runs with {running} GPUs; `gpugate lab down` first to change the GPU mode")
+    if gpu_binding:  # the simulated ledger mirrors the real GPUs' count and size (lab status, add_container)
+        gpus = max(1, len(gpu_binding.get("gpus") or [])) if gpu_binding.get("gpus") else gpus
+        gpu_mib = int(gpu_binding["gpus"][0]["total_mib"]) if gpu_binding.get("gpus") else gpu_mib
     for name in to_start:
-        _prepare_host(lab_dir, name, gpus, gpu_mib, list(vmids))
+        _prepare_host(lab_dir, name, gpus, gpu_mib, list(vmids), gpu_binding)
     _write_known_hosts(lab_dir)
     if to_start:
         with ThreadPoolExecutor(max_workers=min(16, len(to_start))) as pool:
@@ -414,7 +496,8 @@ def up(lab_dir: Path, hosts: int | None = None, gpus: int = DEFAULT_GPUS, gpu_mi
                 future.result()
     state = status(lab_dir)
     vmid_map = {h["name"]: [c["vmid"] for c in h["containers"]] for h in state["hosts"]}
-    doc = fleet_document(lab_dir, [(h["name"], h["port"]) for h in state["hosts"]], vmid_map)
+    doc = fleet_document(lab_dir, [(h["name"], h["port"]) for h in state["hosts"]], vmid_map,
+                         real_gpu_server(gpu_binding) if gpu_binding else None)
     note = write_fleet_file(lab_dir, render_fleet_yaml(doc))
     (lab_dir / "lab.json").write_text(json.dumps(state, indent=2) + "\n")
     state["notes"] = [note] if note else []
@@ -507,7 +590,12 @@ def host_status(lab_dir: Path, name: str) -> HostInfo:
         else:
             state = "unknown"
         info.containers.append({"vmid": vmid, "status": state, "name": container.container_hostname(hdir, vmid)})
-    info.gpus = gpu_usage(hdir / "gpu") if pid else []  # a host that is down has no GPU memory in use
+    binding = realgpu.read_binding(hdir)
+    info.gpu_mode = "real" if binding else "simulated"
+    if binding:
+        info.gpus = realgpu.gpu_usage(binding) if pid else []
+    else:
+        info.gpus = gpu_usage(hdir / "gpu") if pid else []  # a host that is down has no GPU memory in use
     return info
 
 
@@ -552,6 +640,9 @@ def add_container(lab_dir: Path, host: str, vmid: int, start: bool = True) -> No
         gpus = DEFAULT_GPUS
     cdir = container.create_container(hdir, vmid, gpus)
     _install_extras(cdir)
+    binding = realgpu.read_binding(hdir)
+    if binding:
+        _apply_gpu_mode(hdir, binding, [vmid])
     if start:
         result = subprocess.run(host_exec_argv(lab_dir, host) + ["pct", "start", str(vmid)],
                                 capture_output=True, text=True, stdin=subprocess.DEVNULL)

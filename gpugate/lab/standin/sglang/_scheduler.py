@@ -36,6 +36,12 @@ def _log(prefix: str, message: str) -> None:
     sys.stderr.flush()
 
 
+def _say(line: str) -> None:
+    """One line to the parent (READY, ERROR ..., or a generation's answer in real mode)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _on_parent_death(signum, frame) -> None:
     if gpusim.read_faults().get("orphan-worker"):
         # fault: survive the parent, keep the memory
@@ -61,7 +67,19 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and kills the tree
     holdings = []
-    if job["kind"] == "scheduler":
+    if job["kind"] == "scheduler" and job.get("real"):
+        # `lab up --gpus real`: real memory and a real model (sglang/_real.py)
+        try:
+            from sglang._real import run_scheduler
+
+            holdings.append(run_scheduler(job, _log, _say))
+        except Exception as exc:
+            _log(job["log_prefix"], "Scheduler hit an exception: %s" % traceback.format_exc().rstrip())
+            _say("ERROR %s: %s" % (type(exc).__name__, exc))
+            return 1
+        while True:  # it said READY and served until its parent closed the pipe; it holds on to the pool
+            signal.pause()
+    elif job["kind"] == "scheduler":
         gpu, prefix = int(job["gpu"]), job["log_prefix"]
         stuck = bool(gpusim.read_faults().get("stuck-memory"))
         try:

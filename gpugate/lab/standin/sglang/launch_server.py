@@ -43,6 +43,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import sglang
+from sglang import _real
 from sglang._sim import gpusim
 
 DEFAULT_MEM_FRACTION_STATIC = 0.88
@@ -176,9 +177,14 @@ class Workers:
             self.names.append("scheduler_%d" % len(self.names) if job["kind"] == "scheduler" else job["kind"])
             env = dict(os.environ)
             env["SGLANG_STANDIN_WORKER"] = json.dumps(dict(job, parent_pid=os.getpid()))
+            if job.get("real"):
+                # argv[0] is the process title, so a venv interpreter cannot find its pyvenv.cfg from it
+                # and would start without the venv's packages (torch): hand the worker our sys.path.
+                env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
             self.procs.append(subprocess.Popen(
                 [job["title"], "-m", "sglang._scheduler"], executable=sys.executable, env=env,
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE))
+                # real mode: generation requests go to the scheduler on its stdin (sglang/_real.py)
+                stdin=subprocess.PIPE if job.get("real") else subprocess.DEVNULL, stdout=subprocess.PIPE))
 
     def wait_ready(self) -> str:
         """'' when all reported READY, else the first error."""
@@ -251,6 +257,7 @@ class State:
         self.lock = threading.Lock()
         self.token_s = float(os.environ.get("SGLANG_STANDIN_TOKEN_S", "0.002"))
         self.rid = 0
+        self.real = None  # _real.RealWorkers in a real-GPU lab: generation is a real forward pass
 
     def healthy(self) -> bool:
         if self.draining or not self.up:
@@ -263,6 +270,14 @@ class State:
             self.rid += 1
             rid = "%032x" % self.rid
         try:
+            if self.real is not None:
+                out = self.real.generate(text, max_new_tokens)
+                return {"text": out["text"],
+                        "meta_info": {"id": rid, "prompt_tokens": len(_real.encode(text)),
+                                      "completion_tokens": len(out["ids"]), "cached_tokens": 0,
+                                      "finish_reason": {"type": "length", "length": len(out["ids"])},
+                                      "e2e_latency": out["e2e_latency"], "forward_s": out["forward_s"],
+                                      "device": out["device"]}}
             time.sleep(max(0, max_new_tokens) * self.token_s)
             words = ["lab"] * max(0, min(max_new_tokens, 64))
             return {"text": " " + " ".join(words) if words else "",
@@ -412,15 +427,23 @@ def main(argv=None) -> int:
     server_args = resolve_server_args(args)
     log("server_args=ServerArgs(%s)" % ", ".join("%s=%r" % kv for kv in server_args.items()))
     faults = gpusim.read_faults()
+    real = _real.lab_mode()  # None: the simulated GPUs; else real memory and a real model per rank
     try:
         config = gpusim.load_config()
     except gpusim.DriverUnavailable:
-        log_traceback("_launch_subprocesses", "RuntimeError: No CUDA GPUs are available")
-        return 1
+        if not real:
+            log_traceback("_launch_subprocesses", "RuntimeError: No CUDA GPUs are available")
+            return 1
+        config = {"total_mib": 0}  # the workers size their pools from the real device
 
     workers = Workers()
     try:
-        workers.spawn(worker_plan(server_args, int(config["total_mib"])))
+        plan = worker_plan(server_args, int(config["total_mib"]))
+        if real:
+            for job in plan:
+                if job["kind"] == "scheduler":
+                    job["real"] = _real.real_job(real, server_args)
+        workers.spawn(plan)
         error = workers.wait_ready()
         if error:
             log("Rank 0 scheduler is dead. Please check if there are relevant logs.")
@@ -428,7 +451,8 @@ def main(argv=None) -> int:
                           "RuntimeError: Initialization failed. Please see the error messages above.")
             workers.kill()
             return 1
-        load_s = float(faults.get("slow-start") or os.environ.get("SGLANG_STANDIN_LOAD_S", "1.0"))
+        # real mode: the load is the real one (CUDA context, allocation, model, warm-up); no sleep added
+        load_s = float(faults.get("slow-start") or os.environ.get("SGLANG_STANDIN_LOAD_S", "0" if real else "1.0"))
         if faults.get("crash-on-start"):
             time.sleep(max(0.0, load_s / 2 - (time.monotonic() - started)))
             log_traceback("_launch_subprocesses",
@@ -445,6 +469,8 @@ def main(argv=None) -> int:
         return 1
 
     state = State(server_args)
+    if real:
+        state.real = _real.RealWorkers([p for p, job in zip(workers.procs, plan) if job.get("real")])
     host, port = server_args["host"], int(server_args["port"])
     try:
         httpd = Server((host, port), make_handler(state))

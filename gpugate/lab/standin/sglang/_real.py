@@ -1,0 +1,272 @@
+"""The stand-in on real hardware: TP workers that hold real memory and run a real model (torch).
+
+A lab started with ``gpugate lab up --gpus real`` writes ``/run/gpugate-lab/gpu.json`` =
+``{"mode": "real", "device": "cuda"}`` in each container (``$SGLANG_STANDIN_GPU=real|cpu|sim`` overrides
+it). Then, per TP rank, ``sglang::scheduler_TP<i>``:
+
+1. creates its CUDA context on GPU ``base_gpu_id + rank * gpu_id_step`` (SGLang's numbering, through
+   ``CUDA_VISIBLE_DEVICES``) and reads the free memory before loading (``pre_model_load_memory``);
+2. builds a small randomly initialised transformer (transformers' ``LlamaForCausalLM`` from a config
+   made in code, no weights downloaded; a few ``torch.nn`` layers when transformers is missing);
+3. sizes its KV pool as SGLang does (``model_runner_kv_cache_mixin.profile_max_num_token``):
+   ``rest = free after loading - pre_model_load_memory * (1 - mem_fraction_static)``; ``rest <= 0``
+   fails with SGLang's "Not enough memory. Please try to increase --mem-fraction-static.";
+   else holds ``rest`` bytes with ``torch.empty`` (real device memory, as the pool is);
+4. warms up with a forward pass, reports READY, then serves generation requests from the main process
+   (one JSON line each way on its stdin/stdout): greedy decoding with the model, on its device.
+
+On a machine without a GPU the same code runs with ``device: cpu`` (tests): the "device" is this
+machine's memory, its size ``$SGLANG_STANDIN_CPU_TOTAL_MIB`` (default 512 MiB).
+
+Example (in the main process)::
+
+    mode = lab_mode()                    # None in a simulated lab
+    if mode: job["real"] = real_job(mode, server_args)
+"""
+
+import json
+import os
+import sys
+import threading
+import time
+
+MARKER = "gpu.json"
+VOCAB = 32000
+MAX_CONTEXT = 512
+MAX_NEW_TOKENS = 256
+MODEL = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2}
+NOT_ENOUGH = "Not enough memory. Please try to increase --mem-fraction-static."
+
+
+# ---------------------------------------------------------------- main process side
+
+
+def lab_mode(ctl_dir=None):
+    """``{"device": "cuda"|"cpu"}`` when the workers run for real, None for the simulation.
+
+    ``$SGLANG_STANDIN_GPU``: ``real`` (cuda), ``cpu``, ``sim``; else the lab's marker file.
+    """
+    forced = os.environ.get("SGLANG_STANDIN_GPU", "").strip().lower()
+    if forced in ("sim", "simulated"):
+        return None
+    if forced in ("real", "cuda"):
+        return {"device": "cuda"}
+    if forced == "cpu":
+        return {"device": "cpu"}
+    base = ctl_dir or os.environ.get("GPUGATE_LAB_CTL") or "/run/gpugate-lab"
+    try:
+        with open(os.path.join(base, MARKER)) as handle:
+            doc = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    if isinstance(doc, dict) and doc.get("mode") == "real":
+        return {"device": doc.get("device") or "cuda"}
+    return None
+
+
+def real_job(mode, server_args):
+    """What a scheduler needs to run for real (merged into its job)."""
+    return {"device": mode["device"], "mem_fraction_static": float(server_args["mem_fraction_static"]),
+            "seed": int(server_args.get("random_seed") or 0) % (1 << 31),
+            "dtype": "bfloat16" if mode["device"] == "cuda" else "float32"}
+
+
+def encode(text):
+    """Bytes as token ids (3 + byte), the last MAX_CONTEXT of them; at least one token.
+
+    >>> encode("ab")
+    [100, 101]
+    """
+    ids = [3 + b for b in text.encode("utf-8", "replace")][-MAX_CONTEXT:]
+    return ids or [1]
+
+
+def decode(ids):
+    """Token ids as text: bytes where they are printable ASCII, else ``<id>``.
+
+    >>> decode([3 + 104, 3 + 105, 5000])
+    'hi<5000>'
+    """
+    out = []
+    for token in ids:
+        byte = token - 3
+        out.append(chr(byte) if 32 <= byte < 127 else "<%d>" % token)
+    return "".join(out)
+
+
+class RealWorkers:
+    """Talks to the schedulers' request loops. Every rank decodes the same request (a TP group works
+    on every request together); rank 0's tokens are the answer. One request at a time."""
+
+    def __init__(self, procs):
+        self.procs = procs
+        self.lock = threading.Lock()
+
+    def generate(self, text, max_new_tokens):
+        request = json.dumps({"op": "generate", "ids": encode(text),
+                              "max_new_tokens": max(0, min(int(max_new_tokens), MAX_NEW_TOKENS))}) + "\n"
+        with self.lock:
+            started = time.monotonic()
+            for proc in self.procs:
+                proc.stdin.write(request.encode())
+                proc.stdin.flush()
+            replies = []
+            for proc in self.procs:
+                line = proc.stdout.readline().decode(errors="replace")
+                if not line:
+                    raise RuntimeError("a scheduler died (no answer to a generation request)")
+                replies.append(json.loads(line))
+        first = replies[0]
+        if not first.get("ok"):
+            raise RuntimeError(first.get("error") or "generation failed")
+        ids = first["ids"]
+        return {"text": decode(ids), "ids": ids, "forward_s": first.get("forward_s"),
+                "device": first.get("device"), "e2e_latency": time.monotonic() - started}
+
+
+# ---------------------------------------------------------------- scheduler side (imports torch)
+
+
+def kv_pool_bytes(free_after_load, pre_model_load_memory, mem_fraction_static):
+    """SGLang's KV pool budget: what is free after loading, minus the part of the memory free before
+    loading that --mem-fraction-static leaves to activations and graphs.
+
+    >>> kv_pool_bytes(120, 140, 0.88)   # GiB in, GiB out
+    103.2
+    >>> kv_pool_bytes(10, 140, 0.88) <= 0
+    True
+    """
+    return round(free_after_load - pre_model_load_memory * (1 - mem_fraction_static), 6)
+
+
+def _import_torch():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a config; nothing is fetched
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch  # noqa: PLC0415 -- only the real mode needs it
+
+    return torch
+
+
+def build_model(torch, device, dtype, seed):
+    """(model, description): transformers' Llama from a small config, else a few torch.nn layers."""
+    torch.manual_seed(seed)
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+        config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=MAX_CONTEXT + MAX_NEW_TOKENS, **MODEL)
+        model = LlamaForCausalLM(config)
+        kind = "LlamaForCausalLM (transformers, random init)"
+
+        def logits_of(ids):
+            return model(input_ids=ids).logits[:, -1, :]
+    except ImportError:
+        nn = torch.nn
+        hidden = MODEL["hidden_size"]
+
+        class TinyLM(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(VOCAB, hidden)
+                layer = nn.TransformerEncoderLayer(hidden, MODEL["num_attention_heads"], MODEL["intermediate_size"],
+                                                   batch_first=True)
+                self.layers = nn.TransformerEncoder(layer, MODEL["num_hidden_layers"])
+                self.head = nn.Linear(hidden, VOCAB, bias=False)
+
+            def forward(self, ids):
+                return self.head(self.layers(self.embed(ids)))
+
+        model = TinyLM()
+        kind = "TinyLM (torch.nn, random init; transformers not installed)"
+
+        def logits_of(ids):
+            return model(ids)[:, -1, :]
+    model = model.to(device=device, dtype=dtype).eval()
+    return model, logits_of, kind
+
+
+def greedy(torch, logits_of, ids, max_new_tokens, device):
+    """Greedy decoding: ``max_new_tokens`` forward passes; the new token ids."""
+    tokens = torch.tensor([ids], dtype=torch.long, device=device)
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            nxt = logits_of(tokens[:, -MAX_CONTEXT:]).argmax(dim=-1, keepdim=True)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            out.append(int(nxt[0, 0]))
+    return out
+
+
+def run_scheduler(job, log, say):
+    """The scheduler's life in real mode: load, size and hold the pool, warm up, READY, serve.
+
+    ``log(prefix, message)`` writes the server log; ``say(line)`` writes one line to the parent.
+    Raises on a failed start (the caller reports ERROR).
+    """
+    real, gpu, prefix = job["real"], int(job["gpu"]), job["log_prefix"]
+    # The pipe to the parent carries only our lines: whatever torch or transformers print goes to the log.
+    sys.stdout.flush()
+    sys.stdout = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    torch = _import_torch()
+    dtype = getattr(torch, real.get("dtype") or "float32")
+    gib = float(1 << 30)
+    if real["device"] == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("No CUDA GPUs are available")
+        if not 0 <= gpu < torch.cuda.device_count():
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        torch.cuda.set_device(gpu)
+        device = torch.device("cuda", gpu)
+        torch.zeros(1, device=device)  # the CUDA context
+        pre_free, total = torch.cuda.mem_get_info(device)
+
+        def free_now():
+            return torch.cuda.mem_get_info(device)[0]
+    else:
+        device = torch.device("cpu")
+        total = int(float(os.environ.get("SGLANG_STANDIN_CPU_TOTAL_MIB", "512")) * (1 << 20))
+        pre_free = total
+        held = []
+
+        def free_now():
+            return total - sum(t.numel() * t.element_size() for t in held)
+    log(prefix, "Load weight begin. avail mem=%.2f GB" % (pre_free / gib))
+    began = time.monotonic()
+    model, logits_of, kind = build_model(torch, device, dtype, int(real.get("seed") or 0))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if real["device"] != "cuda":
+        held.extend(model.parameters())
+    log(prefix, "Load weight end. type=%s, dtype=%s, avail mem=%.2f GB, mem usage=%.2f GB." % (
+        kind, dtype, free_now() / gib, weights / gib))
+    rest = kv_pool_bytes(free_now(), pre_free, float(real["mem_fraction_static"]))
+    if rest <= 0:
+        raise RuntimeError(NOT_ENOUGH)
+    pool = torch.empty(int(rest), dtype=torch.uint8, device=device)
+    if real["device"] != "cuda":
+        held.append(pool)
+    cell = MODEL["num_key_value_heads"] * (MODEL["hidden_size"] // MODEL["num_attention_heads"]) \
+        * MODEL["num_hidden_layers"] * 2 * pool.element_size() * 2
+    log(prefix, "KV Cache is allocated. #tokens: %d, K size: %.2f GB, V size: %.2f GB" % (
+        int(rest) // cell, rest / 2 / gib, rest / 2 / gib))
+    warm = greedy(torch, logits_of, encode("The capital city of France is"), 4, device)
+    if real["device"] == "cuda":
+        torch.cuda.synchronize(device)
+    log(prefix, "Memory pool end. avail mem=%.2f GB (warm-up %d tokens, load %.2f s)" % (
+        free_now() / gib, len(warm), time.monotonic() - began))
+    say("READY")
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+            started = time.monotonic()
+            ids = greedy(torch, logits_of, list(request["ids"]), int(request["max_new_tokens"]), device)
+            if real["device"] == "cuda":
+                torch.cuda.synchronize(device)
+            say(json.dumps({"ok": True, "ids": ids, "forward_s": round(time.monotonic() - started, 6),
+                            "device": str(device)}))
+        except Exception as exc:  # noqa: BLE001 -- answer, keep serving
+            say(json.dumps({"ok": False, "error": "%s: %s" % (type(exc).__name__, exc)}))
+    # stdin closed: the parent is gone. Its death signal decides (orphan-worker keeps the memory).
+    return pool
