@@ -820,8 +820,11 @@ class Journal:
         self.pending.append(json.dumps(event, separators=(",", ":"), default=str) + "\n")
         try:
             _makedirs(RUNS_DIR, 0o700)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
             try:
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":
+                    os.write(fd, b"\n")  # a line torn by a killed writer: ours start on a line of their own
                 while self.pending:
                     data = self.pending[0].encode("utf-8")
                     written = os.write(fd, data)
@@ -1331,6 +1334,11 @@ class Transition:
         for name, value in (spec.get("env") or {}).items():
             if environ.get(name) != value:
                 return None
+        gpus = spec.get("gpus") if spec.get("gpus") is not None else server_gpus(spec["argv"], spec.get("env"))
+        tree = [main["pid"]] + descendants(table, main["pid"])
+        workers = workers_of(table, tree, len(gpus) if gpus is not None else None)
+        if workers["zombies"] or (workers["alive"] and workers["dead"]):
+            return None  # it loaded once and lost a worker: restart it, do not wait for it
         return main["pid"]
 
     def _capture_running(self):
@@ -2083,22 +2091,25 @@ def command_follow(args):
     wait_s = min(float(args.get("wait_s") or 0), 600.0)
     deadline = time.time() + wait_s
     while True:
-        events, new_offset = read_journal(run, offset, limit=int(args.get("limit") or 2000))
+        # The lock first: an agent that ends after this look wrote its outcome before it let go.
         lock = lock_status()
         active = bool(lock.get("held") and lock.get("run") == run)
+        events, new_offset = read_journal(run, offset, limit=int(args.get("limit") or 2000))
+        if events is None and not active:
+            return {"events": [], "offset": offset, "active": False, "ended": False, "outcome": None,
+                    "error": "no journal for run %s" % run}
         outcome = None
         for event in events or []:
             if event.get("step") == "outcome":
                 outcome = event
-        if outcome is None and not events:
+        if outcome is None and not active:
             _, _, outcome = journal_ends(run)
-        ended = outcome is not None
-        if events is None and not active:
-            return {"events": [], "offset": offset, "active": False, "ended": False, "outcome": None,
-                    "error": "no journal for run %s" % run}
-        if not ended and not active and not events:
+        if outcome is None and not active:
             # no outcome and no agent: it died (the next start recovers it)
-            return {"events": [], "offset": new_offset, "active": False, "ended": True, "outcome": "interrupted"}
+            return {"events": events or [], "offset": new_offset, "active": False, "ended": True,
+                    "outcome": "interrupted", "reasons": None,
+                    "message": "the agent of run %s ended without an outcome" % run}
+        ended = outcome is not None
         if events or ended or time.time() >= deadline:
             return {"events": events or [], "offset": new_offset, "active": active, "ended": ended,
                     "outcome": outcome.get("outcome") if outcome else None,

@@ -1,0 +1,355 @@
+"""The container agent driven directly (no pyinfra): its commands through `pct exec` in a lab container
+with the SGLang stand-in, real signals and processes, faults at the awkward moments.
+
+Every transition must end in exactly one of verified / rolled_back / nothing_serves, say which in the
+journal, the history and observe, and never signal what the server does not own. One lab for the
+module (one host, container 129, 8 GPUs); the tests run in order, each from the state the previous left.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import time
+
+import pytest
+
+from gpugate import agentcmd
+from tests.conftest import module_lab
+
+pytestmark = [pytest.mark.lab]
+
+PY = "/usr/bin/python3"
+PORT = 30000
+MODEL = "/opt/models/lab-model"
+FAST = {"SGLANG_STANDIN_LOAD_S": "0.3"}
+SHORT = {"drain_timeout_s": 5, "kill_grace_s": 2, "gate_timeout_s": 5, "start_timeout_s": 15}
+API_KEY = "sk-canary-7f3a9b"
+TOKEN = "hf-canary-c0ffee"
+OUTCOMES = ("verified", "rolled_back", "nothing_serves")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    yield from module_lab(tmp_path_factory, "lab-agent", hosts=1, gpus=8)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def ct(lab, script: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """A shell script in container 129 (lab host's namespaces + pct exec, no SSH)."""
+    from gpugate.lab import core
+
+    argv = core.host_exec_argv(lab.dir, "pve1") + ["pct", "exec", "129", "--", "sh", "-c", script]
+    return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout,
+                          stdin=None if stdin is not None else subprocess.DEVNULL)
+
+
+def run_agent(lab, command: str, stdin: str | None = None) -> dict:
+    out = ct(lab, command, stdin)
+    return agentcmd.parse_output(out.stdout.splitlines())
+
+
+def argv(*flags: str, port: int = PORT, model: str = MODEL) -> list[str]:
+    return [PY, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port), "--tp-size", "8", *flags]
+
+
+def spec(*flags: str, env=None, port: int = PORT, model: str = MODEL, gpus=tuple(range(8))) -> dict:
+    return {"argv": argv(*flags, port=port, model=model), "env": dict(FAST if env is None else env), "port": port,
+            "gpus": list(gpus), "supervisor": "process", "record": {"flags": {"tp-size": 8, "extra": list(flags)}}}
+
+
+RUNS = iter(range(1, 10_000))
+
+
+def start(lab, desired, rollback_to="auto", budgets=None, **extra) -> dict:
+    doc = {"run": f"t{next(RUNS)}-{int(time.time())}", "operator": "test@lab", "desired": desired,
+           "rollback_to": rollback_to, "budgets": {**SHORT, **(budgets or {})}, **extra}
+    answer = run_agent(lab, agentcmd.start_command(PY), agentcmd.start_stdin(doc, include_source=True))
+    assert answer.get("ok"), answer
+    return answer
+
+
+def follow(lab, run: str, timeout: float = 60) -> tuple[dict, list[dict]]:
+    """Follow a run to its end: (the last follow answer, every event)."""
+    offset, events = 0, []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        answer = run_agent(lab, agentcmd.follow_command(PY, run, offset, 3))
+        assert "error" not in answer, answer
+        events += answer["events"]
+        offset = answer["offset"]
+        if answer["ended"]:
+            return answer, events
+    raise AssertionError(f"run {run} did not end within {timeout}s: {events[-3:]}")
+
+
+def transition(lab, desired, **kwargs) -> tuple[dict, list[dict]]:
+    return follow(lab, start(lab, desired, **kwargs)["run"])
+
+
+def observe(lab, **args) -> dict:
+    doc = run_agent(lab, agentcmd.observe_command(PY, {"port": PORT, **args}))
+    assert "sglang" in doc, doc
+    return doc
+
+
+def server(lab, **args) -> dict:
+    return observe(lab, **args)["sglang"]
+
+
+def step_events(events, step, phase=None):
+    return [e for e in events if e.get("step") == step and (phase is None or e.get("phase") == phase)]
+
+
+def ensure_serving(lab, desired) -> None:
+    doc = server(lab)
+    if not doc["serving"] or doc["main"]["argv_hash"] != agentcmd.argv_hash(desired["argv"]):
+        answer, _ = transition(lab, desired)
+        assert answer["outcome"] == "verified", answer
+    assert server(lab)["serving"]
+
+
+def pids_alive(lab, pids) -> list[int]:
+    out = ct(lab, " ".join(f"[ -d /proc/{pid} ] && echo {pid};" for pid in pids))
+    return sorted(int(x) for x in out.stdout.split())
+
+
+def pid_of(lab, pattern: str) -> list[int]:
+    out = ct(lab, f"pgrep -f {shlex.quote(pattern)}")
+    return sorted(int(x) for x in out.stdout.split())
+
+
+def wait_for_event(lab, run, step, phase="begin", timeout=20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    offset = 0
+    while time.monotonic() < deadline:
+        answer = run_agent(lab, agentcmd.follow_command(PY, run, offset, 1))
+        offset = answer.get("offset", offset)
+        for event in answer.get("events") or []:
+            if event.get("step") == step and event.get("phase") == phase:
+                return event
+        if answer.get("ended"):
+            break
+    raise AssertionError(f"no {step} {phase} event in run {run}")
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_first_start_is_verified_and_observe_reports_it(lab):
+    missing = run_agent(lab, agentcmd.observe_command(PY, {"port": PORT}))
+    assert missing.get("agent_missing") is True
+    inline = run_agent(lab, agentcmd.inline_observe_command(PY, {"port": PORT}))
+    assert inline["sglang"]["running"] is False and inline["agent"]["sha256"] == agentcmd.agent_sha()
+    assert ct(lab, "ls /var/lib/gpugate 2>/dev/null").stdout == ""  # the inline observe wrote nothing
+
+    answer, events = transition(lab, spec(), rollback_to=None)
+    assert answer["outcome"] == "verified", events[-3:]
+    assert [e["step"] for e in events if e["phase"] == "begin"][:2] == ["run", "stop"]
+    for step in ("gate", "prepare", "start", "load", "verify", "commit"):
+        assert step_events(events, step), step
+    doc = server(lab)
+    assert doc["serving"] and doc["workers"] == {"expected": 8, "alive": 8, "dead": 0, "zombies": []}
+    assert doc["transition"]["outcome"] == "verified" and doc["transition"]["active"] is False
+    assert [r["argv_hash"] for r in doc["history"]["good"]] == [agentcmd.argv_hash(argv())]
+    assert doc["sglang_version"]
+    mode = ct(lab, f"stat -c %a /var/log/gpugate/sglang-{PORT}.log /etc/gpugate/sglang-{PORT}.env "
+                   f"/var/lib/gpugate/sglang-{PORT}.json /var/lib/gpugate/agent-{agentcmd.agent_sha()}.py").stdout
+    assert mode.split() == ["600"] * 4
+
+
+def test_change_with_secrets_then_same_spec_adds_nothing(lab):
+    secret = spec("--api-key", API_KEY, env={**FAST, "HF_TOKEN": TOKEN})
+    answer, events = transition(lab, secret)
+    assert answer["outcome"] == "verified", events[-3:]
+    doc = observe(lab, env_names=["HF_TOKEN"], tail_lines=60)
+    text = json.dumps(doc) + json.dumps(events)
+    assert API_KEY not in text and TOKEN not in text
+    assert any("api_key=" in line for line in doc["sglang"]["log_tail"])  # SGLang's ServerArgs line, redacted
+    assert doc["sglang"]["env_hashes"]["HF_TOKEN"] == agentcmd.env_hash(TOKEN)
+    good = doc["sglang"]["history"]["good"]
+    assert [r["argv_hash"] for r in good] == [agentcmd.argv_hash(secret["argv"]), agentcmd.argv_hash(argv())]
+    journal = ct(lab, "cat /var/lib/gpugate/runs/*.jsonl").stdout
+    assert journal and API_KEY not in journal and TOKEN not in journal
+    answer, _ = transition(lab, secret, restart=True)
+    assert answer["outcome"] == "verified"
+    assert len(server(lab)["history"]["good"]) == 2  # a same-spec restart adds nothing
+
+
+def test_crash_at_start_rolls_back_to_the_previous_server(lab):
+    ensure_serving(lab, spec())
+    ct(lab, "mkdir -p /opt/models/broken")  # no config.json: the stand-in exits 1 with SGLang's traceback
+    answer, events = transition(lab, spec(model="/opt/models/broken"))
+    assert answer["outcome"] == "rolled_back", events[-4:]
+    assert "config.json" in answer["reasons"]["desired"]
+    doc = server(lab)
+    assert doc["serving"] and doc["main"]["argv_hash"] == agentcmd.argv_hash(argv())
+    assert doc["history"]["good"][0]["argv_hash"] == agentcmd.argv_hash(argv())  # never recorded as good
+    assert "config.json" in doc["history"]["failed"][0]["reason"]
+    assert doc["history"]["last"]["outcome"] == "rolled_back"
+
+
+def test_never_healthy_rolls_back(lab):
+    ensure_serving(lab, spec())
+    answer, events = transition(lab, spec(env={"SGLANG_STANDIN_LOAD_S": "60"}), budgets={"start_timeout_s": 2})
+    assert answer["outcome"] == "rolled_back", events[-4:]
+    assert "not healthy within 2s" in answer["reasons"]["desired"]
+    assert server(lab)["serving"]
+
+
+def test_rollback_failing_too_ends_in_nothing_serves_with_both_reasons(lab):
+    ensure_serving(lab, spec())
+    lab.fault("pve1", 129, "crash-on-start")
+    try:
+        answer, events = transition(lab, spec("--kv-cache-dtype", "fp8_e4m3"))
+    finally:
+        lab.fault("pve1", 129, "crash-on-start", clear=True)
+    assert answer["outcome"] == "nothing_serves", events[-4:]
+    assert "crash-on-start" in answer["reasons"]["desired"] and "crash-on-start" in answer["reasons"]["rollback"]
+    assert "NOTHING SERVES" in answer["message"]
+    doc = server(lab)
+    assert not doc["running"] and not doc["strays"] and doc["transition"]["outcome"] == "nothing_serves"
+    assert doc["history"]["last"]["outcome"] == "nothing_serves"
+
+
+def test_port_taken_after_the_stop_rolls_back_to_the_replaced_server(lab):
+    ensure_serving(lab, spec())
+    # Waits until :30000 is free (our stop), then takes :30001 at once: the new port is taken only
+    # after the stop, as by a process that raced us.
+    racer = ("import socket, time\n"
+             "def free(p):\n"
+             "    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+             "    try: s.bind(('127.0.0.1', p)); s.close(); return True\n"
+             "    except OSError: return False\n"
+             "while not free(30000): time.sleep(0.002)\n"
+             "t = socket.socket(); t.bind(('127.0.0.1', 30001)); t.listen(); time.sleep(120)\n")
+    ct(lab, f"setsid python3 -c {shlex.quote(racer)} gpugate-test-racer >/dev/null 2>&1 < /dev/null &")
+    try:
+        answer, events = transition(lab, spec(port=30001), replaces=spec())
+    finally:
+        ct(lab, "pkill -f gpugate-test-racer")
+    assert answer["outcome"] == "rolled_back", events[-4:]
+    assert "port 30001 is taken" in answer["reasons"]["desired"]
+    assert step_events(events, "stop", "begin")[0]["port"] == PORT  # the replaced server was drained first
+    assert server(lab)["serving"]
+
+
+def test_enospc_in_the_log_dir_never_hangs(lab):
+    ensure_serving(lab, spec())
+    ct(lab, "mount -t tmpfs -o size=256k tmpfs /var/log/gpugate && "
+            "dd if=/dev/zero of=/var/log/gpugate/fill bs=4k count=1000 2>/dev/null; true")
+    try:
+        began = time.monotonic()
+        answer, events = transition(lab, spec("--kv-cache-dtype", "fp8_e4m3"))
+        assert time.monotonic() - began < 40
+    finally:
+        ct(lab, "umount /var/log/gpugate")
+    assert answer["outcome"] in ("rolled_back", "nothing_serves"), events[-4:]
+    assert "No space left" in answer["reasons"]["desired"]
+    if answer["outcome"] == "rolled_back":
+        assert server(lab)["serving"]
+
+
+@pytest.mark.parametrize("moment", ["drain", "load"])
+def test_agent_killed_mid_step_is_reported_interrupted_and_recovered(lab, moment):
+    ensure_serving(lab, spec())
+    if moment == "drain":
+        lab.fault("pve1", 129, "ignore-sigterm")  # the drain lasts until our deadline
+        desired, budgets = spec("--kv-cache-dtype", "fp8_e4m3"), {"drain_timeout_s": 60}
+    else:
+        desired, budgets = spec("--kv-cache-dtype", "fp8_e4m3", env={"SGLANG_STANDIN_LOAD_S": "3"}), {}
+    try:
+        first = start(lab, desired, budgets=budgets)
+        wait_for_event(lab, first["run"], moment)
+        ct(lab, f"kill -9 {first['pid']}")
+        time.sleep(0.2)
+        doc = server(lab)
+        assert doc["transition"]["run"] == first["run"]
+        assert doc["transition"]["outcome"] == "interrupted" and doc["transition"]["step"] == moment
+        assert doc["lock"]["held"] is False
+        answer = run_agent(lab, agentcmd.follow_command(PY, first["run"], 0, 0))
+        assert answer["ended"] and answer["outcome"] == "interrupted" and not answer["active"]
+        second = start(lab, desired, budgets={"drain_timeout_s": 1})
+        assert second["recovered"] == first["run"]
+        answer, events = follow(lab, second["run"])
+    finally:
+        lab.fault("pve1", 129, "ignore-sigterm", clear=True)
+    assert answer["outcome"] in OUTCOMES, events[-4:]
+    assert step_events(events, "run")[0]["recovered"]["run"] == first["run"]
+    doc = server(lab)
+    assert doc["serving"] if answer["outcome"] != "nothing_serves" else not doc["running"]
+
+
+def test_ssh_channel_closed_right_after_start_the_run_completes(lab):
+    ensure_serving(lab, spec())
+    doc = {"run": f"ssh-{int(time.time())}", "operator": "test@lab", "desired": spec("--kv-cache-dtype", "fp8_e4m3"),
+           "rollback_to": "auto", "budgets": SHORT}
+    remote = "pct exec 129 -- sh -c " + shlex.quote(agentcmd.start_command(PY))
+    ssh = subprocess.Popen(lab.ssh_argv("pve1") + [remote], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+    ssh.stdin.write(agentcmd.start_stdin(doc, include_source=False))
+    ssh.stdin.close()
+    answer = json.loads(ssh.stdout.readline())
+    ssh.kill()  # the channel goes away at once
+    ssh.wait()
+    assert answer["ok"], answer
+    final, _ = follow(lab, doc["run"])
+    assert final["outcome"] == "verified"
+    assert server(lab)["main"]["argv_hash"] == agentcmd.argv_hash(spec("--kv-cache-dtype", "fp8_e4m3")["argv"])
+
+
+BENCH = '''"""Lab copy of a long-running SGLang benchmark client (sglang.bench_serving)."""
+import json, sys, time, urllib.request
+port = int(sys.argv[sys.argv.index("--port") + 1]) if "--port" in sys.argv else 30000
+while True:
+    try:
+        request = urllib.request.Request("http://127.0.0.1:%d/generate" % port, data=json.dumps(
+            {"text": "hi", "sampling_params": {"max_new_tokens": 4}}).encode(), headers={"content-type": "application/json"})
+        urllib.request.urlopen(request, timeout=5).read()
+    except Exception:
+        pass
+    time.sleep(0.2)
+'''
+
+
+def test_bench_client_and_a_process_group_neighbour_survive_a_restart(lab):
+    # A server started by hand that shares its process group with another daemon.
+    answer, _ = transition(lab, None, rollback_to=None, port=PORT)
+    assert answer["outcome"] == "verified"
+    ct(lab, "[ -e /usr/lib/python3/dist-packages/sglang/bench_serving.py ] || cat > "
+            "/usr/lib/python3/dist-packages/sglang/bench_serving.py", stdin=BENCH)
+    hand = " ".join(shlex.quote(a) for a in argv())
+    ct(lab, f"cd / && SGLANG_STANDIN_LOAD_S=0.3 setsid sh -c {shlex.quote(hand + ' & python3 -m http.server 18080 & wait')}"
+            " >/dev/null 2>&1 < /dev/null &")
+    ct(lab, "setsid python3 -m sglang.bench_serving --backend sglang --port 30000 >/dev/null 2>&1 < /dev/null &")
+    deadline = time.monotonic() + 20
+    while not server(lab)["serving"] and time.monotonic() < deadline:
+        time.sleep(0.3)
+    doc = server(lab)
+    assert doc["serving"] and [c for c in doc["clients"] if "bench_serving" in c["cmdline"]]
+    neighbour, bench = pid_of(lab, "^python3 -m http.server 18080"), pid_of(lab, "^python3 -m sglang.bench_serving")
+    assert neighbour and bench
+    main_pgid = doc["main"]["pgid"]
+    assert int(ct(lab, f"ps -o pgid= -p {neighbour[0]}").stdout) == main_pgid  # the same process group
+    answer, events = transition(lab, spec(), restart=True)
+    assert answer["outcome"] == "verified", events[-4:]
+    assert pids_alive(lab, neighbour + bench) == sorted(neighbour + bench)
+    swept = [p["pid"] for e in step_events(events, "sweep") for p in e["pids"]]
+    assert not set(swept) & set(neighbour + bench)
+    ct(lab, "pkill -f 'http.server 18080'; pkill -f sglang.bench_serving")
+
+
+def test_dead_workers_are_not_serving(lab):
+    ensure_serving(lab, spec())
+    worker = pid_of(lab, "^sglang::scheduler_TP3")
+    assert worker
+    ct(lab, f"kill -9 {worker[0]}")
+    deadline = time.monotonic() + 5
+    doc = server(lab)
+    while doc["serving"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+        doc = server(lab)
+    assert not doc["serving"]
+    if doc["running"]:  # a main that does not react (yet) to its dead scheduler
+        assert doc["workers"]["alive"] == 7 and doc["workers"]["dead"] == 1
+    answer, _ = transition(lab, spec())  # the same spec: not serving, so it is restarted
+    assert answer["outcome"] == "verified" and server(lab)["serving"]

@@ -1,0 +1,214 @@
+"""The container agent's pure parts (argv recognition, GPUs of a server, secrets, the gate's decision,
+journal and history files) and gpugate.agentcmd's commands run through a real shell."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from gpugate import agentcmd
+from gpugate.remote import agent
+
+MAIN = ["/usr/bin/python3", "-m", "sglang.launch_server", "--model-path", "/m", "--port", "30001", "--tp-size", "8"]
+
+
+# ------------------------------------------------------------------------------- what is a server
+@pytest.mark.parametrize("argv, main, part, client", [
+    (MAIN, True, True, False),
+    (["sglang", "serve", "--model-path", "/m"], True, True, False),
+    (["/usr/bin/python3", "-m", "sglang.bench_serving", "--port", "30001"], False, False, True),
+    (["python3", "-m", "sglang.bench_one_batch_server"], False, False, True),
+    (["sglang::scheduler_TP3"], False, True, False),
+    (["sglang::detokenizer"], False, True, False),
+    (["sh", "-c", "python3 -m sglang.launch_server --port 30001 & python3 -m http.server"], False, False, False),
+    (["jupyter-lab"], False, False, False),
+])
+def test_server_parts_and_clients_are_told_apart(argv, main, part, client):
+    assert agent.is_main_argv(argv) is main
+    assert agent.is_server_part(argv) is part
+    assert agent.is_client_argv(argv) is client
+
+
+def test_port_and_host_of_an_argv():
+    assert agent.argv_port(MAIN) == 30001
+    assert agent.argv_port(MAIN[:3]) == 30000  # SGLang's default
+    assert agent.argv_port(MAIN[:3] + ["--port=31000"]) == 31000
+    assert agent.connect_host(agent.argv_host(MAIN + ["--host", "0.0.0.0"])) == "127.0.0.1"
+    assert agent.connect_host(agent.argv_host(MAIN + ["--host", "10.0.0.5"])) == "10.0.0.5"
+
+
+@pytest.mark.parametrize("flags, env, gpus", [
+    (["--tp", "8"], {}, list(range(8))),
+    (["--tp-size", "4", "--base-gpu-id", "4"], {}, [4, 5, 6, 7]),
+    (["--tp", "2", "--dp", "2"], {}, [0, 1, 2, 3]),
+    (["--tp", "4", "--dp", "4", "--enable-dp-attention"], {}, [0, 1, 2, 3]),
+    (["--tp", "2", "--pp-size", "2", "--gpu-id-step", "2"], {}, [0, 2, 4, 6]),
+    (["--tp", "2"], {"CUDA_VISIBLE_DEVICES": "6,7"}, [6, 7]),
+    (["--tp", "4"], {"CUDA_VISIBLE_DEVICES": "6,7"}, None),  # cannot tell: fewer devices than ranks
+    (["--tp", "1"], {"CUDA_VISIBLE_DEVICES": "GPU-b"}, [1]),
+])
+def test_the_gpus_of_a_server_come_from_its_flags_and_environment(flags, env, gpus):
+    assert agent.server_gpus(["python3", "-m", "sglang.launch_server", *flags], env, ["GPU-a", "GPU-b"]) == gpus
+
+
+# ------------------------------------------------------------------------------- secrets
+def test_secret_flag_values_are_masked_in_argv_and_text():
+    argv = MAIN + ["--api-key", "sk-1234", "--admin-api-key=adm-9876"]
+    assert agent.redact_argv(argv)[-3:] == ["--api-key", "***", "--admin-api-key=***"]
+    assert agent.secret_flag_values(argv) == ["sk-1234", "adm-9876"]
+    redactor = agent.Redactor(["hf-token-value", "abc"])  # "abc": too short to search for in text
+    line = ("[2026] server_args=ServerArgs(model_path='/m', api_key='sk-live-1', admin_api_key=None, "
+            "tokenizer_path='/m', hf_token=hf-token-value) abc --api-key sk-2222")
+    out = redactor.text(line)
+    assert "sk-live-1" not in out and "hf-token-value" not in out and "sk-2222" not in out
+    assert "api_key='***'" in out and "admin_api_key=None" in out and "tokenizer_path='/m'" in out and "abc" in out
+    assert redactor.deep({"a": ["x hf-token-value"], "n": 3}) == {"a": ["x ***"], "n": 3}
+
+
+def test_a_record_holds_no_secret_but_fingerprints():
+    spec = {"argv": MAIN + ["--api-key", "sk-rec-1"], "env": {"HF_TOKEN": "hf-rec-2"}, "port": 30001,
+            "gpus": [0], "record": {"note": "made with sk-rec-1"}}
+    record = agent.make_record(spec, by="alice")
+    text = json.dumps(record)
+    assert "sk-rec-1" not in text and "hf-rec-2" not in text
+    assert record["argv_hash"] == agent.argv_hash(spec["argv"]) == agentcmd.argv_hash(spec["argv"])
+    assert record["env_hashes"] == {"HF_TOKEN": agentcmd.env_hash("hf-rec-2")}
+    assert record["key"] == agent.spec_key(spec) != agent.spec_key(dict(spec, env={"HF_TOKEN": "other"}))
+
+
+# ------------------------------------------------------------------------------- the gate's decision
+def reading(gpus, holders=(), api="v2"):
+    return {"source": "nvml", "memory_api": api, "errors": [],
+            "gpus": [{"index": i, "used_mib": used, "error": None} for i, used in enumerate(gpus)],
+            "holders": list(holders)}
+
+
+def test_the_gate_looks_at_this_servers_gpus_only():
+    other = {"pid": 7, "cmdline": "python3 other.py", "state": "S", "gpus": [5], "used_mib": 40000}
+    doc = reading([0, 0, 0, 0, 0, 40000, 0, 0], [other])
+    assert agent.gate_decision(doc, [0, 1, 2, 3], 64)[0] is True
+    passed, problems, _, permanent = agent.gate_decision(doc, [4, 5], 64)
+    assert not passed and not permanent and any("GPU 5: 40000 MiB" in p for p in problems)
+    assert any("pid 7" in p for p in problems)
+
+
+def test_a_monitor_holding_only_the_device_files_never_blocks_the_gate():
+    monitor = {"pid": 9, "cmdline": "nvitop", "state": "S", "gpus": [], "used_mib": None}
+    assert agent.gate_decision(reading([0, 0], [monitor]), None, 64)[0] is True
+
+
+def test_a_reading_that_waiting_will_not_cure_is_permanent():
+    v1 = reading([None, None], api="v1")
+    assert agent.gate_decision(v1, [0], 64)[3] is True
+    assert agent.gate_decision(reading([0, 0]), [0, 5], 64)[3] is True  # GPU 5 not visible
+    none = {"source": "none", "errors": [{"source": "nvml", "kind": "DriverNotLoaded", "message": "x"}]}
+    assert agent.gate_decision(none, [0], 64)[3] is True
+
+
+# ------------------------------------------------------------------------------- files
+@pytest.fixture
+def state_dirs(tmp_path, monkeypatch):
+    monkeypatch.setattr(agent, "STATE_DIR", str(tmp_path / "lib"))
+    monkeypatch.setattr(agent, "RUNS_DIR", str(tmp_path / "lib" / "runs"))
+    monkeypatch.setattr(agent, "RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setattr(agent, "LOCK_PATH", str(tmp_path / "run" / "transition.lock"))
+    return tmp_path
+
+
+def test_the_journal_reads_whole_lines_and_reports_an_interrupted_run(state_dirs):
+    journal = agent.Journal("r1")
+    journal.write({"step": "run", "phase": "begin", "ports": [30000]})
+    journal.write({"step": "drain", "phase": "progress"})
+    with open(journal.path, "ab") as handle:
+        handle.write(b'{"step": "gate", "pha')  # a line torn by a crash: never read
+    events, offset = agent.read_journal("r1")
+    assert [e["step"] for e in events] == ["run", "drain"] and offset < os.path.getsize(journal.path)
+    assert oct(os.stat(journal.path).st_mode & 0o777) == "0o600"
+    summary = agent.transition_summary("r1", lock={"held": False})
+    assert summary["outcome"] == "interrupted" and summary["step"] == "drain" and summary["active"] is False
+    journal.write({"step": "outcome", "phase": "end", "outcome": "verified"})
+    assert agent.transition_summary("r1", lock={"held": False})["outcome"] == "verified"
+
+
+def test_history_keeps_five_good_specs_and_a_same_spec_adds_nothing(state_dirs):
+    def spec(n):
+        return {"argv": MAIN + ["--max-running-requests", str(n)], "env": {}, "port": 30001, "gpus": None}
+
+    transition = agent.Transition({"run": "h", "operator": "bob", "desired": spec(0)}, agent.Journal("h"))
+    for n in range(7):
+        transition._add_good(spec(n), None, by="bob")
+    assert transition._add_good(spec(6), {"max_total_num_tokens": 5}, by="bob") is False
+    doc = agent.load_history(30001)
+    assert [e["spec"]["argv"][-1] for e in doc["good"]] == ["6", "5", "4", "3", "2"]
+    assert doc["good"][0]["record"]["capacity"] == {"max_total_num_tokens": 5}
+    assert transition._add_good(spec(3), None, by="bob") is False  # known: moved to the front, not added
+    assert [e["spec"]["argv"][-1] for e in agent.load_history(30001)["good"]][:2] == ["3", "6"]
+    transition._record_failed("the server exited during loading with code 1")
+    public = agent.public_history(agent.load_history(30001))
+    assert public["failed"][0]["reason"].startswith("the server exited") and len(public["good"]) == 5
+    assert "spec" not in json.dumps(public["good"])
+    assert oct(os.stat(agent.paths(30001)["history"]).st_mode & 0o777) == "0o600"
+
+
+def test_a_start_document_is_validated_before_anything_is_touched():
+    good = {"argv": MAIN, "env": {}, "port": 30001}
+    assert agent.validate_start({"run": "r1", "desired": good, "rollback_to": "auto"}) is None
+    assert "run must match" in agent.validate_start({"run": "../x", "desired": good})
+    assert "differs from port" in agent.validate_start({"run": "r", "desired": dict(good, port=30000)})
+    assert "not an SGLang server" in agent.validate_start({"run": "r", "desired": dict(good, argv=["sleep", "9"])})
+    assert "rollback_to" in agent.validate_start({"run": "r", "desired": good, "rollback_to": "yes"})
+    assert "unit_text" in agent.validate_start({"run": "r", "desired": dict(good, supervisor="systemd")})
+
+
+# ------------------------------------------------------------------------------- agentcmd
+def test_the_agent_is_one_content_addressed_file_with_the_gpu_probe_in_it():
+    source = agentcmd.agent_source()
+    assert agentcmd.agent_sha() == hashlib.sha256(source.encode()).hexdigest()
+    assert agentcmd.agent_path() == f"/var/lib/gpugate/agent-{agentcmd.agent_sha()}.py"
+    namespace: dict = {}
+    exec(compile(source, "<agent>", "exec"), namespace)
+    assert "def collect(" in namespace["_BUNDLE"]["gpu_probe"]
+    assert len(agentcmd.observe_command("/usr/bin/python3", {"port": 30000})) < 2000
+    assert "agent_source" not in agentcmd.start_stdin({"run": "r"}, include_source=False)
+    assert json.loads(agentcmd.start_stdin({"run": "r"}, include_source=True))["agent_source"] == source
+
+
+def test_parse_output_never_raises():
+    assert agentcmd.parse_output(["login banner", '{"ok": true}\r']) == {"ok": True}
+    assert "error" in agentcmd.parse_output(["Traceback (most recent call last):", "{broken"])
+    assert "error" in agentcmd.parse_output(None) and "error" in agentcmd.parse_output("")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_commands_run_through_a_real_shell():
+    port = free_port()
+    inline = subprocess.run(["sh", "-c", agentcmd.inline_observe_command(sys.executable, {"port": port})],
+                            capture_output=True, text=True, timeout=60)
+    doc = agentcmd.parse_output(inline.stdout.splitlines())
+    assert doc["sglang"]["running"] is False and doc["sglang"]["listening"] is False, inline.stderr
+    assert doc["agent"]["sha256"] == agentcmd.agent_sha() and doc["container"]["pid1"]
+    with socket.socket() as sock:  # a listener that is not a server: reported as a port holder
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+        inline = subprocess.run(["sh", "-c", agentcmd.inline_observe_command(sys.executable, {"port": port})],
+                                capture_output=True, text=True, timeout=60)
+        holders = agentcmd.parse_output(inline.stdout.splitlines())["container"]["port_holders"]
+        assert [h["pid"] for h in holders] == [os.getpid()]
+    if not os.path.exists(agentcmd.agent_path()):  # the bootstrap checks the installed file by hash
+        missing = subprocess.run(["sh", "-c", agentcmd.follow_command(sys.executable, "r1", 0, 0)],
+                                 capture_output=True, text=True, timeout=60)
+        assert agentcmd.parse_output(missing.stdout.splitlines())["agent_missing"] is True
+    no_python = subprocess.run(["sh", "-c", agentcmd.observe_command("/nonexistent/python3", {"port": port})],
+                               capture_output=True, text=True, timeout=60)
+    assert agentcmd.parse_output(no_python.stdout.splitlines())["no_python"] is True
