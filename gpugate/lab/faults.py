@@ -33,6 +33,28 @@ from gpugate.lab import gpusim
 FAULT_NAMES = ("ignore-sigterm", "orphan-worker", "stuck-memory", "foreign-holder", "crash-on-start",
                "never-healthy", "slow-start=SECONDS")
 FOREIGN_HOLDER_MIB = 4096
+NEIGHBOUR_VMID = 990  # real-GPU lab: the container of "another tenant" that holds memory (foreign-holder)
+REAL_HOLDER = r'''
+import signal, sys, torch
+mib, device = int(sys.argv[1]), sys.argv[2]
+devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if device == "cuda" else [torch.device("cpu")]
+held = [torch.empty(mib << 20, dtype=torch.uint8, device=d) for d in devices]
+if device == "cuda":
+    torch.cuda.synchronize()
+print("holding %d MiB on %d GPU(s) from another container, pid %d" % (mib, len(held), __import__("os").getpid()), flush=True)
+while True:
+    signal.pause()
+'''
+
+
+class FaultUnavailable(ValueError):
+    """A fault this lab cannot show (e.g. stuck-memory on real GPUs); str() says why."""
+
+
+def _real_binding(lab_dir: Path, host: str) -> Optional[dict]:
+    from gpugate.lab import realgpu  # noqa: PLC0415
+
+    return realgpu.read_binding(Path(lab_dir) / "hosts" / host)
 
 
 def ct_dir(lab_dir: Path, host: str, vmid: int) -> Path:
@@ -116,6 +138,37 @@ def _start_foreign_holder(lab_dir: Path, host: str, vmid: int, mib: int) -> str:
     return line
 
 
+def _start_real_foreign_holder(lab_dir: Path, host: str, vmid: int, binding: dict,
+                               mib: int = FOREIGN_HOLDER_MIB, timeout_s: float = 180.0) -> str:
+    """Real-GPU lab: a torch process in the neighbour container (vmid 990, made on demand) holds
+    ``mib`` MiB of real device memory on every GPU until the fault is cleared. Seen from ``vmid`` it is
+    memory without a holder, exactly as another tenant's would be."""
+    import select  # noqa: PLC0415
+
+    from gpugate.lab import core  # noqa: PLC0415
+
+    pgid_file = ct_dir(lab_dir, host, vmid) / "foreign-holder.pgid"
+    if _foreign_holder_alive(pgid_file):
+        return "already running"
+    neighbour = NEIGHBOUR_VMID if vmid != NEIGHBOUR_VMID else NEIGHBOUR_VMID + 1
+    if not ct_dir(lab_dir, host, neighbour).is_dir():
+        core.add_container(lab_dir, host, neighbour)
+    python = (binding.get("torch_env") or {}).get("python") or "/usr/bin/python3"
+    argv = _host_exec_argv(lab_dir, host) + [
+        "pct", "exec", str(neighbour), "--", python, "-c", REAL_HOLDER, str(mib), binding.get("device", "cuda")]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    line = ""
+    if proc.stdout and select.select([proc.stdout], [], [], timeout_s)[0]:
+        line = proc.stdout.readline().decode(errors="replace").strip()
+    if not line.startswith("holding"):
+        os.killpg(proc.pid, signal.SIGKILL)
+        err = proc.stderr.read().decode(errors="replace").strip()[-2000:] if proc.stderr else ""
+        raise RuntimeError(f"foreign holder did not start in container {neighbour}: {err or line or 'no output'}")
+    pgid_file.write_text(f"{proc.pid}\n")
+    return f"{line}: container {neighbour}"
+
+
 def _foreign_holder_alive(pgid_file: Path) -> Optional[int]:
     try:
         pgid = int(pgid_file.read_text())
@@ -172,9 +225,17 @@ def apply_fault(lab_dir: Path, host: str, vmid: int, name: str, clear: bool = Fa
         what = "all faults" if key == "all" else f"fault {key}"
         return f"{where}: {what} cleared" + (f" ({'; '.join(notes)})" if notes else "")
 
+    real = _real_binding(lab_dir, host)
+    if real and key == "stuck-memory":
+        raise FaultUnavailable(
+            "stuck-memory is unavailable in a real-GPU lab (lab up --gpus real): it needs the lab's simulated "
+            "driver, and the NVIDIA driver frees a dead process's memory; orphan-worker shows memory that "
+            "outlives the server")
     faults[key] = value
     _write_faults(lab_dir, host, vmid, faults)
     note = ""
+    if key == "foreign-holder" and real:
+        return f"{where}: fault foreign-holder set ({_start_real_foreign_holder(lab_dir, host, vmid, real)})"
     if key == "stuck-memory" and ctl and gpu_dir.is_dir():
         n = len(gpusim.set_stuck(gpu_dir, True, ctl=ctl))
         note = f" ({n} current allocation(s) now stuck)"

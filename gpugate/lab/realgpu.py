@@ -335,10 +335,18 @@ def remove_real_extras(cdir: Path) -> None:
     shutil.rmtree(env_upper(cdir), ignore_errors=True)
 
 
+def machine_path(binding: dict, target: Optional[str]) -> Optional[str]:
+    """Where a container path of the binding lies on this machine (its bind's source)."""
+    for entry in binding.get("binds") or []:
+        if entry["target"] == target:
+            return entry["source"]
+    return target
+
+
 def write_host_tools(host_dir: Path, binding: Optional[dict], sim_wrapper: str) -> None:
     """The lab host's nvidia-smi on its PATH: the real one in a real-GPU lab, else the simulation."""
     smi = Path(host_dir) / "bin" / "nvidia-smi"
-    real = (binding or {}).get("nvidia_smi")
+    real = machine_path(binding, binding.get("nvidia_smi")) if binding else None
     smi.write_text(f"#!/bin/sh\nexec {real} \"$@\"\n" if real else sim_wrapper)
     smi.chmod(0o755)
 
@@ -429,4 +437,4 @@ def bind_driver(binding: dict, cdir: Path, bind, mount, log=lambda msg: None) ->
 def gpu_usage(binding: dict) -> list[dict]:
     """Per-GPU used MiB as the real nvidia-smi reads it (for `gpugate lab status`)."""
     return [{"index": g["index"], "used_mib": g["used_mib"], "total_mib": g["total_mib"]}
-            for g in query_gpus(binding.get("nvidia_smi"))]
+            for g in query_gpus(machine_path(binding, binding.get("nvidia_smi")))]
