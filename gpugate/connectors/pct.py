@@ -849,7 +849,7 @@ class PctConnector(BaseConnector):
         args = {
             "vmid": self.vmid, "gpus": gpu_list, "run": str(run), "wait_s": wait_s, "lock_dir": lock_dir,
             "command": wait_command(python, str(run), grace_s=grace_s), "path": CONTAINER_PATH,
-            "pct": [str(bit) for bit in pct_prefix(self.binary, self.use_sudo)],
+            "pct": ["sudo", "-n", self.binary] if self.use_sudo else [self.binary],  # argv: no shell quoting
             "clear_env": bool(self.data["pct_clear_env"]),
         }
         source = Path(host_gpu_lock.__file__).read_text()

@@ -6,8 +6,10 @@ Everything installed is stdlib-only Python run by the container's /usr/bin/pytho
     usr/lib/python3/dist-packages/pynvml.py              (gpugate/lab/pynvml_sim/pynvml.py)
     usr/lib/python3/dist-packages/gpugate_gpusim.py      (gpugate/lab/gpusim.py)
     usr/lib/python3/dist-packages/gpugate_nvidia_smi.py  (gpugate/lab/nvidia_smi.py)
+    usr/lib/python3/dist-packages/gpustat.py             (gpugate/lab/standin/gpustat.py: a GPU monitor)
     usr/lib/python3/dist-packages/sglang/...             (gpugate/lab/standin/sglang + _server_args.py
-                                                          = gpugate/sglang_args.py)
+                                                          = gpugate/sglang_args.py; bench_serving.py
+                                                          is the benchmark client)
 
 Example: ``install_container_extras(Path("/tmp/lab/hosts/pve1/ct/129/usr-upper"))``
 """
@@ -51,6 +53,7 @@ def install_container_extras(usr_upper: Path) -> None:
     _copy(LAB_DIR / "gpusim.py", dist / "gpugate_gpusim.py")
     _copy(LAB_DIR / "nvidia_smi.py", dist / "gpugate_nvidia_smi.py")
     _copy(LAB_DIR / "pynvml_sim" / "pynvml.py", dist / "pynvml.py")
+    _copy(LAB_DIR / "standin" / "gpustat.py", dist / "gpustat.py")  # a GPU monitor: python3 -m gpustat -i 1
     sglang_dst = dist / "sglang"
     if sglang_dst.exists():
         shutil.rmtree(sglang_dst)

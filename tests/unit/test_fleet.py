@@ -205,4 +205,8 @@ def test_the_fleet_file_the_lab_writes_loads(tmp_path):
     groups = fleet_to_inventory(load_fleet(path))
     names = [name for name, _ in groups["pve_pve1"][0] + groups["pve_pve2"][0]]
     assert names == ["@pct/pve1:129", "@pct/pve1:130", "@pct/pve2:131"]
-    assert dict(groups["pve_pve1"][0])["@pct/pve1:129"]["sglang_flags"] == {"tp-size": 8}
+    # two containers of one host share its 8 GPUs: disjoint halves; one container alone has all 8
+    pve1 = dict(groups["pve_pve1"][0])
+    assert pve1["@pct/pve1:129"]["sglang_flags"] == {"tp-size": 4}
+    assert pve1["@pct/pve1:130"]["sglang_flags"] == {"tp-size": 4, "base-gpu-id": 4}
+    assert dict(groups["pve_pve2"][0])["@pct/pve2:131"]["sglang_flags"] == {"tp-size": 8}
