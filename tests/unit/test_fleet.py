@@ -44,7 +44,8 @@ def write(tmp_path, text: str, name: str = "fleet.yaml"):
 def test_a_valid_fleet_becomes_pyinfra_groups(tmp_path):
     path = write(tmp_path, GOOD)
     groups = fleet_to_inventory(load_fleet(path))
-    assert set(groups) == {"canary", "pve_pve1", "pve_pve2"}
+    # pve_<host> per Proxmox host, and the host's own name too (`--limit pve1`)
+    assert set(groups) == {"canary", "pve_pve1", "pve_pve2", "pve1", "pve2"}
     assert groups["canary"] == (["@pct/pve1:129"], {"drain_timeout_s": 30})
     hosts = dict(groups["pve_pve1"][0])
     assert list(hosts) == ["@pct/pve1:129", "@pct/pve1:130"]
