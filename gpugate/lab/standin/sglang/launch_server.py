@@ -43,7 +43,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import sglang
-from sglang import _real
+from sglang import _capacity, _real
 from sglang._sim import gpusim
 
 DEFAULT_MEM_FRACTION_STATIC = 0.88
@@ -290,6 +290,21 @@ class State:
                 self.inflight -= 1
 
 
+_CAPACITY = {}
+
+
+def _server_capacity(server_args: dict) -> dict:
+    """The scheduler's capacity figures (sglang._capacity), computed once per server."""
+    if "figures" not in _CAPACITY:
+        try:
+            config = gpusim.load_config()
+        except gpusim.DriverUnavailable:
+            config = {}
+        _CAPACITY["figures"] = _capacity.figures(server_args, _capacity.model_config(server_args["model_path"]),
+                                                 int(config.get("total_mib") or 0), int(config.get("reserved_mib") or 0))
+    return _CAPACITY["figures"]
+
+
 def make_handler(state: State):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -330,9 +345,16 @@ def make_handler(state: State):
                 return self._send(200, b"", "text/plain")
             if path in ("/get_server_info", "/server_info"):
                 info = dict(sa)
-                info.update({"max_total_num_tokens": 1048576, "max_req_input_len": 262136,
-                             "internal_states": [{"last_gen_throughput": 0.0, "load": state.inflight}],
-                             "version": sglang.__version__})
+                # SGLang: {**server_args, **scheduler_info, "internal_states": [...], "version"}; the figures
+                # from the memory fraction, the KV dtype, the GPU and config.json as SGLang computes them
+                capacity = _server_capacity(sa)
+                internal = {"last_gen_throughput": 0.0, "load": state.inflight}
+                internal.update({k: capacity[k] for k in ("effective_max_running_requests_per_dp", "memory_usage")
+                                 if k in capacity})
+                info.update({"status": "ready",
+                             "max_total_num_tokens": capacity.get("max_total_num_tokens", 1048576),
+                             "max_req_input_len": capacity.get("max_req_input_len", 262136),
+                             "internal_states": [internal], "version": sglang.__version__})
                 return self._send(200, info)
             if path in ("/get_model_info", "/model_info"):
                 return self._send(200, {"model_path": sa["model_path"], "tokenizer_path": sa["tokenizer_path"],
