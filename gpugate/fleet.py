@@ -38,7 +38,8 @@ the wrong type (``validated_settings``: the same rules for ``--data``), env valu
 read as strings (``0755`` is 493, ``1.10`` is 1.1: quote them), integers YAML reads unlike a
 person (``0201`` is octal 129, ``1:30`` is 90), a ``python:`` that is not a Python 3
 interpreter, and files over ``MAX_FLEET_BYTES``. YAML merge keys work, and a key written beside
-``<<: *anchor`` overrides the merged one.
+``<<: *anchor`` overrides the merged one; top-level ``x-<name>:`` keys may hold anchors (ignored
+otherwise).
 
 Example::
 
@@ -53,6 +54,7 @@ import dataclasses
 import difflib
 import os
 import re
+import reprlib
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -102,7 +104,7 @@ class SettingsError(PyinfraError, ValueError):
     def __init__(self, key: str, value: Any, problem: str):
         self.key = key
         self.problem = problem
-        shown = "(not shown: a secret)" if key == "sglang_env" else repr(value)
+        shown = "(not shown: a secret)" if key == "sglang_env" else _SHORT.repr(value)
         super().__init__(f"setting {key}={shown}: {problem}")
 
 
@@ -550,10 +552,15 @@ class _Checker:
         return checked
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 4, 4, 80, 80
+
+
 def _describe(value: Any) -> str:
+    """A value for an error message, bounded (a YAML alias bomb is a small file and a huge repr)."""
     if value is None:
         return "nothing (null)"
-    return f"{value!r} ({type(value).__name__})"
+    return f"{_SHORT.repr(value)} ({type(value).__name__})"
 
 
 def _suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
@@ -649,7 +656,10 @@ def parse_fleet(document: Any, path: str | os.PathLike[str] = "fleet.yaml") -> F
     path = str(path)
     check = _Checker(path)
     base_dir = Path(path).resolve().parent
-    top = check.mapping(document, "", ("hosts", "groups"))
+    # x-* top-level keys hold YAML anchors for the rest of the file (as in docker compose), and are
+    # otherwise ignored
+    top = check.mapping({key: value for key, value in document.items() if not str(key).startswith("x-")}
+                        if isinstance(document, dict) else document, "", ("hosts", "groups"))
     _refuse_ambiguous_ints(check, top)
     if not top.get("hosts"):
         raise check.fail("hosts", "missing: list at least one Proxmox host with its containers")
