@@ -138,3 +138,18 @@ def test_a_dead_holder_frees_its_gpus(holders):
     first = holders.take(129, [0], "r1")
     os.kill(first["pid"], 9)
     wait_for(lambda: holders.take(130, [0], "r2")["ok"])
+
+
+def test_the_lab_fleet_claims_no_gpu_twice_and_the_old_one_did(tmp_path):
+    from gpugate.fleet import fleet_to_inventory, load_fleet
+    from gpugate.lab.core import fleet_document, render_fleet_yaml
+
+    path = tmp_path / "fleet.yaml"
+    path.write_text(render_fleet_yaml(fleet_document(tmp_path, [("pve1", 2201)], {"pve1": [129, 130, 131]})))
+    members = fleet_to_inventory(load_fleet(path))["pve_pve1"][0]
+    servers = servers_of_inventory(members)  # gpugate.spec.gpu_set
+    assert [(vmid, gpus) for _host, vmid, _port, gpus in servers] == [(129, (0, 1)), (130, (2, 3)), (131, (4, 5))]
+    assert overlapping_claims(servers) == []
+    old = [(name, dict(data, sglang_flags={"tp": 8})) for name, data in members[:2]]  # before: tp 8 everywhere
+    assert overlapping_claims(servers_of_inventory(old)) == [
+        "pve1: ct 129 :30000 (GPU 0-7) and ct 130 :30000 (GPU 0-7) claim the same GPU 0-7"]
