@@ -907,6 +907,19 @@ def latest_run():
     return text if RUN_ID.match(text or "") else None
 
 
+def outcome_from_history(run):
+    """The outcome of ``run`` as the history files record it (``last``): the journal may have lost
+    it (ENOSPC in runs/), the history is written separately. None when no history names it."""
+    for name in _listdir(STATE_DIR):
+        if name.startswith("sglang-") and name.endswith(".json"):
+            doc = _json_file(os.path.join(STATE_DIR, name))
+            last = doc.get("last") if isinstance(doc, dict) else None
+            if isinstance(last, dict) and last.get("run") == run and last.get("outcome"):
+                return {"step": "outcome", "phase": "end", "outcome": last["outcome"], "reasons": last.get("reasons"),
+                        "message": last.get("message"), "from_history": True}
+    return None
+
+
 def transition_summary(run=None, lock=None):
     """The run's state for observe: active (a live agent holds the lock for it), step, outcome
     (``interrupted`` when it has none and no agent holds it)."""
@@ -917,6 +930,10 @@ def transition_summary(run=None, lock=None):
     lock = lock if lock is not None else lock_status()
     active = bool(lock.get("held") and lock.get("run") == run)
     if first is None and not active:
+        recorded = outcome_from_history(run)
+        if recorded:
+            return {"run": run, "active": False, "step": None, "outcome": recorded["outcome"],
+                    "reasons": recorded["reasons"], "message": recorded["message"], "journal_incomplete": True}
         return {"run": run, "active": False, "step": None, "outcome": "interrupted" if os.path.exists(journal_path(run)) else None,
                 "reasons": None, "message": "no journal" if not os.path.exists(journal_path(run)) else "journal unreadable"}
     first = first or {}
@@ -929,8 +946,13 @@ def transition_summary(run=None, lock=None):
         doc.update(outcome=outcome.get("outcome"), reasons=outcome.get("reasons"), message=outcome.get("message"),
                    updated=outcome.get("t"), recovered_by=outcome.get("recovered_by"))
     elif not active:
-        doc.update(outcome="interrupted", message="the agent ended during %s without an outcome"
-                   % (doc["step"] or "its start"))
+        recorded = outcome_from_history(run)
+        if recorded:
+            doc.update(outcome=recorded["outcome"], reasons=recorded["reasons"], message=recorded["message"],
+                       journal_incomplete=True)
+        else:
+            doc.update(outcome="interrupted", message="the agent ended during %s without an outcome"
+                       % (doc["step"] or "its start"))
     return doc
 
 
@@ -1254,6 +1276,7 @@ class Transition:
                 except Failure as failure:
                     return self._after_failure(str(failure))
         try:
+            self._end_holders()
             if self.replaces:
                 self._stop(self.replaces["port"], "replaces", self.budgets["drain_timeout_s"])
             self._stop(self.port, "desired", self.budgets["drain_timeout_s"])
@@ -1263,6 +1286,31 @@ class Transition:
             return "verified", None, "the desired server serves, verified"
         except Failure as failure:
             return self._after_failure(str(failure))
+
+    def _end_holders(self):
+        """``end_gpu_holders``: processes with memory on this server's GPUs that the operator let
+        us end (``--data end_other_gpu_holders=true``; the controller names them). SIGTERM, then
+        SIGKILL after ``kill_grace_s``; pid 1 and the agent's own are never among them."""
+        table = proc_table()
+        own = _own_pids(table)
+        targets = dict((pid, table[pid]["start_ticks"]) for pid in (self.doc.get("end_gpu_holders") or [])
+                       if isinstance(pid, int) and pid in table and pid > 1 and pid not in own)
+        if not targets:
+            return
+        self.touched = True
+        self.event("end_holders", "begin", pids=sorted(targets))
+        for pid, ticks in targets.items():
+            if alive(pid, ticks):
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.time() + float(self.budgets["kill_grace_s"])
+        while time.time() < deadline and any(alive(pid, ticks) for pid, ticks in targets.items()):
+            time.sleep(DRAIN_POLL_S)
+        for pid, ticks in targets.items():
+            _kill(pid, ticks)
+        self.event("end_holders", "end", pids=sorted(targets))
 
     def _after_failure(self, reason):
         self.event("failed", "end", target="desired", reason=reason)
@@ -1986,9 +2034,46 @@ def _recover_previous(run):
     return info
 
 
+def prune_agents(keep=3):
+    """Installed agents beyond the ``keep`` newest (this one always kept), with their bytecode:
+    each controller version installs its own, content-addressed."""
+    mine = globals().get("AGENT_SHA256")
+    found = []
+    for name in _listdir(STATE_DIR):
+        if name.startswith("agent-") and name.endswith(".py"):
+            try:
+                found.append((os.stat(os.path.join(STATE_DIR, name)).st_mtime, name))
+            except OSError:
+                continue
+    for _, name in sorted(found, reverse=True)[keep:]:
+        if mine and name == "agent-%s.py" % mine:
+            continue
+        for path in [os.path.join(STATE_DIR, name)] + [os.path.join(STATE_DIR, "__pycache__", cached) for cached in
+                                                        _listdir(STATE_DIR + "/__pycache__") if cached.startswith(name[:-3] + ".")]:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def resolve_history_desired(doc):
+    """``desired: {"history": key | index, "port": n}`` (the rollback runbook): the exact spec of
+    that good entry of the port's history, which never left the container -> (doc, problem)."""
+    desired = doc.get("desired") if isinstance(doc, dict) else None
+    if not (isinstance(desired, dict) and "history" in desired and "argv" not in desired):
+        return doc, None
+    port = int(desired.get("port") or doc.get("port") or DEFAULT_PORT)
+    want = desired["history"]
+    for index, entry in enumerate(load_history(port).get("good") or []):
+        if want == index or (want and want in (entry.get("key"), (entry.get("record") or {}).get("key"))):
+            return dict(doc, desired=_clean_spec(entry.get("spec"))), None
+    return doc, "desired: no good spec %r in the history of :%d" % (want, port)
+
+
 def command_start(doc):
     """Validate, take the lock in a detached child, answer once it holds it."""
-    problem = validate_start(doc)
+    doc, problem = resolve_history_desired(doc)
+    problem = problem or validate_start(doc)
     if problem:
         return {"ok": False, "error": problem}
     read_fd, write_fd = os.pipe()
@@ -2071,6 +2156,7 @@ def _agent_main(doc, answer_fd):
                          (k, v) for k, v in recovered.items() if k != "rollback"))
     answer({"ok": True, "run": run, "pid": os.getpid(), "journal": journal.path,
             "recovered": recovered and recovered.get("run")})
+    prune_agents()
     try:
         transition.execute()
     finally:
@@ -2095,15 +2181,16 @@ def command_follow(args):
         lock = lock_status()
         active = bool(lock.get("held") and lock.get("run") == run)
         events, new_offset = read_journal(run, offset, limit=int(args.get("limit") or 2000))
-        if events is None and not active:
-            return {"events": [], "offset": offset, "active": False, "ended": False, "outcome": None,
-                    "error": "no journal for run %s" % run}
         outcome = None
         for event in events or []:
             if event.get("step") == "outcome":
                 outcome = event
         if outcome is None and not active:
             _, _, outcome = journal_ends(run)
+            outcome = outcome or outcome_from_history(run)
+        if events is None and not active and outcome is None:
+            return {"events": [], "offset": offset, "active": False, "ended": False, "outcome": None,
+                    "error": "no journal for run %s" % run}
         if outcome is None and not active:
             # no outcome and no agent: it died (the next start recovers it)
             return {"events": events or [], "offset": new_offset, "active": False, "ended": True,
@@ -2139,6 +2226,7 @@ def command_wait(args):
                 return {"run": run, "appeared": True, "ended": True, "outcome": outcome.get("outcome")}
             if not active and not lock_status().get("held"):
                 _, _, outcome = journal_ends(run)
+                outcome = outcome or outcome_from_history(run)
                 return {"run": run, "appeared": True, "ended": True,
                         "outcome": outcome.get("outcome") if outcome else "interrupted"}
         elif time.time() - began >= grace:

@@ -297,6 +297,30 @@ def test_ssh_channel_closed_right_after_start_the_run_completes(lab):
     assert server(lab)["main"]["argv_hash"] == agentcmd.argv_hash(spec("--kv-cache-dtype", "fp8_e4m3")["argv"])
 
 
+def test_what_cannot_run_is_refused_before_anything_is_touched(lab):
+    ensure_serving(lab, spec())
+    before = server(lab)["main"]["pid"]
+    systemd = dict(spec("--kv-cache-dtype", "fp8_e4m3"), supervisor="systemd", unit_text="[Service]\n")
+    answer, events = transition(lab, systemd)
+    assert answer["outcome"] == "refused" and "not systemd" in answer["reasons"]["desired"]
+    assert not step_events(events, "stop") and server(lab)["main"]["pid"] == before
+
+
+def test_a_full_journal_dir_does_not_stop_the_transition(lab):
+    ensure_serving(lab, spec())
+    ct(lab, "mount -t tmpfs -o size=64k,nr_inodes=64 tmpfs /var/lib/gpugate/runs && "
+            "dd if=/dev/zero of=/var/lib/gpugate/runs/fill bs=4k count=100 2>/dev/null; true")
+    try:
+        first = start(lab, spec("--kv-cache-dtype", "fp8_e4m3"))
+        answer, _ = follow(lab, first["run"])
+    finally:
+        ct(lab, "umount /var/lib/gpugate/runs")
+    assert answer["outcome"] == "verified"  # read from the history's last outcome: the journal lost it
+    doc = server(lab)
+    assert doc["serving"] and doc["main"]["argv_hash"] == agentcmd.argv_hash(spec("--kv-cache-dtype", "fp8_e4m3")["argv"])
+    assert doc["history"]["last"]["run"] == first["run"]
+
+
 BENCH = '''"""Lab copy of a long-running SGLang benchmark client (sglang.bench_serving)."""
 import json, sys, time, urllib.request
 port = int(sys.argv[sys.argv.index("--port") + 1]) if "--port" in sys.argv else 30000
