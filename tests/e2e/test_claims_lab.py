@@ -208,3 +208,29 @@ def test_an_unknown_host_key_is_refused_unless_relaxed_explicitly(lab, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ct129" in run.stdout + run.stderr
     assert f"[127.0.0.1]:{port}" in empty.read_text()  # explicitly relaxed: the key is learnt
+
+
+# ---------------------------------------------------------------- input: --data through the real CLI
+
+
+@pytest.mark.parametrize(("data", "said"), [
+    ("drain_timeout_s=abc", "setting drain_timeout_s='abc': expected a number, got 'abc' (str)"),
+    ("rolling=maybe", "setting rolling='maybe': expected true or false (or yes/no, 1/0)"),
+    ("drain_timout_s=5", "setting drain_timout_s=5: unknown setting (did you mean drain_timeout_s?)"),
+])
+def test_bad_data_on_the_command_line_is_refused_in_one_line(lab, data, said):
+    def runs() -> str:
+        return ct_sh(lab, "pve1", 129, "ls /var/lib/gpugate/runs 2>/dev/null || true").stdout
+
+    before = runs()
+    run = lab.pyinfra("inventory.py", "deploy.py", "--data", data, timeout=120)
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output
+    assert said in output and "Traceback" not in output
+    assert runs() == before  # no transition began
+
+
+def test_the_lab_inventory_passes_the_settings_check(lab):
+    run = lab.pyinfra("inventory.py", "deploy.py", "--dry", "--data", "rolling=no", timeout=120)
+    output = run.stdout + run.stderr
+    assert "unknown setting" not in output and "setting rolling" not in output, output
