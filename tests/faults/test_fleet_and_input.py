@@ -152,13 +152,16 @@ def test_injection_in_flag_env_and_model_path_is_passed_literally(lab, fleet_ser
 
 
 @pytest.mark.parametrize("data, expected", [
-    ({"sglang_port": f"30000{injection('port')}"}, "port must be an integer"),
-    ({"sglang_python": f"/usr/bin/python3{injection('python')}"}, "the server probe failed"),
-    ({"sglang_env": {"X": "a\ntouch " + CANARY + "-envnl"}}, "value must be one line"),
-    ({"sglang_env": {"X; touch " + CANARY + "-envname": "1"}}, "is not a valid variable name"),
+    # refused by gpugate.fleet.validated_settings before any operation (issue 12: --data checked like fleet.yaml)
+    ({"sglang_port": f"30000{injection('port')}"}, "setting sglang_port='30000; touch"),
+    ({"sglang_python": f"/usr/bin/python3{injection('python')}"},
+     "expected the absolute path of a Python 3 interpreter in the container"),
+    ({"sglang_env": {"X": "a\ntouch " + CANARY + "-envnl"}}, "X: values cannot contain NUL or line breaks"),
+    ({"sglang_env": {"X; touch " + CANARY + "-envname": "1"}}, "environment variable names are letters"),
     ({"sglang_flags": {"tp": 2, "served-model-name": "a\ntouch " + CANARY + "-flagnl"}},
      "--served-model-name: value must be one line"),
-    ({"sglang_model_path": "/opt/models/lab-model\ntouch " + CANARY + "-modelnl"}, "model_path must be one line"),
+    ({"sglang_model_path": "/opt/models/lab-model\ntouch " + CANARY + "-modelnl"},
+     "expected a path or Hugging Face repo id on one line"),
     ({"sglang_flags": {"tp": 2, "log-level; touch " + CANARY + "-flagname": "x"}}, "log-level; touch"),
 ])
 def test_injection_rejected_before_anything_runs(lab, fleet_serving, data, expected):
