@@ -254,6 +254,18 @@ def _to_extra_args(value: Any) -> list[str]:
     return list(value)
 
 
+def _to_rank(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"expected 1 (the newest), 2, ..., got {_describe(value)}")
+    return value
+
+
+def _to_format(value: Any) -> str:
+    if value not in ("table", "json"):
+        raise ValueError(f"expected table or json, got {_describe(value)}")
+    return value
+
+
 def _to_text(value: Any) -> str:
     return _one_line(value, "a string")
 
@@ -285,17 +297,24 @@ SETTINGS: dict[str, Callable[[Any], Any]] = {
     "rolling": _to_bool,
     "max_failures": _to_count,
     "end_other_gpu_holders": _to_bool,
+    "rollback_to": _to_count,       # the rollback runbook: the k-th newest good spec (1 = newest)
+    "min_free_mib": _to_count,      # free space the log and state dirs need before a transition
     "audit_log": _to_optional_path,
     "pve_host": _to_text,
     "pct_sudo": _to_bool,
     "pct_clear_env": _to_bool,
     "pct_binary": _to_text,
     "pct_ssh_share": _to_count,
+    # the runbooks' own (--data on their command line)
+    "rollback_to": _to_rank,
+    "format": _to_format,
+    "prom": _to_optional_path,
 }
 # Keys that are no setting of gpugate's but are fine in host data: the @pct connector's (set from
 # the host name) and pyinfra's own (ssh_*, global arguments as _sudo, ...).
 _PASSTHROUGH = ("pct_vmid", "pct_local")
-_DATA_KEYS = tuple(key for key in SETTINGS if not key.startswith("sglang_") and key != "pve_host")
+_RUNBOOK_KEYS = ("rollback_to", "format", "prom")
+_DATA_KEYS = tuple(key for key in SETTINGS if not key.startswith("sglang_") and key not in ("pve_host",) + _RUNBOOK_KEYS)
 
 
 def _ssh_data_keys() -> tuple[str, ...]:

@@ -15,10 +15,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import shlex
+import tempfile
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime, timezone
 from typing import Any, Optional, TypedDict
 
 from pyinfra import host, logger, state
@@ -26,8 +31,9 @@ from pyinfra.api import FunctionCommand, operation
 from pyinfra.api.state import BaseStateCallback
 
 from gpugate.fleet import validated_settings
+from gpugate.spec import DEFAULTS
 from gpugate.sglang_args import SECRET_MASK, SPECS, FlagError, diff_flags, validate_flags
-from gpugate.transition import foreign_memory
+from gpugate.plan import foreign_memory
 
 # ---------------------------------------------------------------- tables
 
@@ -97,14 +103,21 @@ class FleetReport(BaseStateCallback):
     disconnected from the last host: the report is the last thing the run prints, and
     ``2>/dev/null`` leaves nothing else (pyinfra logs to stderr).
 
+    ``missing(host, reason)``, when given, makes the item of a host of the run that never got
+    one: pyinfra drops a host that fails to connect before the deploy file runs, and a report
+    that leaves it out hides exactly the host that needs a look (``reason``: what
+    ConnectErrors recorded).
+
     .. code:: python
 
         fleet_report(state, "status", render_status).add(host.name, row)
     """
 
-    def __init__(self, render: Callable[[list[Any]], str], out: Callable[[str], None] | None = None) -> None:
+    def __init__(self, render: Callable[[list[Any]], str | None], out: Callable[[str], None] | None = None,
+                 missing: Callable[[Any, str], Any] | None = None) -> None:
         self.render = render
         self.out = out or (lambda text: print(text, flush=True))
+        self.missing = missing
         self.items: dict[str, Any] = {}
         self.disconnected: set[str] = set()
         self.printed = False
@@ -112,7 +125,16 @@ class FleetReport(BaseStateCallback):
     def add(self, host_name: str, item: Any) -> None:
         self.items[host_name] = item
 
-    def text(self) -> str:
+    def add_missing(self, state: Any) -> None:
+        """An item for every host of the run (``--limit`` applied) that has none: an unreachable one."""
+        if self.missing is None or getattr(state, "inventory", None) is None:
+            return
+        errors = connect_errors(state)
+        for host in state.inventory:
+            if host.name not in self.items and state.is_host_in_limit(host):
+                self.items[host.name] = self.missing(host, errors.get(host.name) or "could not connect")
+
+    def text(self) -> str | None:
         return self.render([self.items[name] for name in sorted(self.items, key=natural_key)])
 
     def host_disconnect(self, state: Any, host: Any) -> None:  # type: ignore[override]
@@ -120,17 +142,113 @@ class FleetReport(BaseStateCallback):
         if self.printed or not self.disconnected >= {h.name for h in state.activated_hosts}:
             return
         self.printed = True
+        self.add_missing(state)
         if self.items:
-            self.out(self.text())
+            text = self.text()
+            if text is not None:  # a render that printed (or wrote) itself returns None
+                self.out(text)
 
 
-def fleet_report(state: Any, key: str, render: Callable[[list[Any]], str]) -> FleetReport:
+def fleet_report(state: Any, key: str, render: Callable[[list[Any]], str | None],
+                 missing: Callable[[Any, str], Any] | None = None) -> FleetReport:
     """The run's ``FleetReport`` named ``key`` (made and registered with pyinfra's state on first use)."""
     reports = state.__dict__.setdefault("_gpugate_reports", {})
     if key not in reports:
-        reports[key] = FleetReport(render)
+        reports[key] = FleetReport(render, missing=missing)
         state.add_callback_handler(reports[key])
     return reports[key]
+
+
+class ConnectErrors(BaseStateCallback):
+    """Why each host failed to connect (pyinfra logs it, then drops the host). Installed by
+    inventory.py while pyinfra loads the inventory, before it connects: a deploy file runs only
+    after connecting, too late to hear of a failure.
+
+    When every host of the run failed, pyinfra stops before any deploy file runs ("No hosts
+    remaining"); ``on_all_failed`` is then called once (the status runbook prints its rows
+    from it: a fleet that is entirely unreachable is the report most worth reading).
+    """
+
+    def __init__(self) -> None:
+        self.errors: dict[str, str] = {}
+        self.on_all_failed: Callable[[Any], None] | None = None
+
+    def host_connect_error(self, state: Any, host: Any, error: Any) -> None:  # type: ignore[override]
+        text = (str(error.args[0]) if getattr(error, "args", None) else str(error)) or type(error).__name__
+        self.errors[host.name] = " ".join(text.split())[:200]
+        wanted = [h.name for h in state.inventory if state.is_host_in_limit(h)]
+        if self.on_all_failed is not None and wanted and set(wanted) <= set(self.errors):
+            hook, self.on_all_failed = self.on_all_failed, None
+            hook(state)
+
+
+def watch_connections(state: Any, argv: Sequence[str] = ()) -> ConnectErrors:
+    """Install (once) and return the run's ConnectErrors; inventory.py calls it at load time with
+    pyinfra's command line, so that a status run whose every host is unreachable still prints
+    its rows (the runbook itself never runs then)."""
+    recorder = state.__dict__.get("_gpugate_connect_errors")
+    if recorder is None:
+        recorder = state.__dict__["_gpugate_connect_errors"] = ConnectErrors()
+        if getattr(state, "initialised", False):
+            state.add_callback_handler(recorder)
+        else:
+            # The CLI loads the inventory before State.init(), which starts the callback list afresh:
+            # register right after it, still before pyinfra connects.
+            init = state.init
+
+            def init_then_watch(*args: Any, **kwargs: Any) -> Any:
+                result = init(*args, **kwargs)
+                state.add_callback_handler(recorder)
+                return result
+
+            state.init = init_then_watch
+    if any(os.path.basename(arg) == "status.py" and os.path.basename(os.path.dirname(os.path.abspath(arg))) == "runbooks"
+           for arg in argv):
+        recorder.on_all_failed = status_when_unreachable
+    return recorder
+
+
+def status_when_unreachable(state: Any) -> None:
+    """The status runbook's output when no host of the run could be reached (one unreachable row each)."""
+    errors = connect_errors(state)
+    hosts = [h for h in state.inventory if state.is_host_in_limit(h)]
+    rows = [unreachable_row(h.data.get("pve_host") or h.name, h.data.get("pct_vmid"),
+                            errors.get(h.name) or "could not connect", present=h.data.get("sglang_present", True),
+                            desired_model=h.data.get("sglang_model_path"), port=h.data.get("sglang_port", 30000))
+            for h in hosts]
+    first = hosts[0].data if hosts else {}
+    publish_status(rows, output_format=first.get("format", "table"), prom_path=first.get("prom"))
+
+
+def connect_errors(state: Any) -> dict[str, str]:
+    """host name -> why it could not connect (empty when inventory.py installed no recorder)."""
+    recorder = state.__dict__.get("_gpugate_connect_errors")
+    return dict(recorder.errors) if recorder is not None else {}
+
+
+def prefetch(state: Any, key: str, fetch: Callable[[Any], Any], host: Any) -> Any:
+    """``fetch(host)``, fetched for EVERY active host of the run at once on the first call (in
+    pyinfra's greenlet pool), then handed out per host: pyinfra runs a deploy file host after
+    host, so one remote command each would cost the sum of their latencies instead of the
+    longest. An exception becomes ``{"error": ...}`` for that host alone.
+    """
+    cache = state.__dict__.setdefault("_gpugate_prefetch", {})
+    if key not in cache:
+        import gevent  # noqa: PLC0415 -- pyinfra's own concurrency
+
+        def one(target: Any) -> Any:
+            try:
+                return fetch(target)
+            except Exception as exc:  # noqa: BLE001 -- one host's failure is its row, not the run's end
+                return {"error": f"{type(exc).__name__}: {exc}"}
+
+        hosts = list(state.active_hosts) or [host]
+        greenlets = {h.name: state.pool.spawn(one, h) for h in hosts}
+        gevent.joinall(list(greenlets.values()))
+        cache[key] = {name: greenlet.value for name, greenlet in greenlets.items()}
+    if host.name not in cache[key]:
+        cache[key][host.name] = fetch(host)
+    return cache[key][host.name]
 
 
 # ---------------------------------------------------------------- status
@@ -138,19 +256,40 @@ def fleet_report(state: Any, key: str, render: Callable[[list[Any]], str]) -> Fl
 
 class StatusRow(TypedDict, total=False):
     host: str          # the Proxmox host (fleet.yaml name)
-    vmid: int
-    server: str        # serving | starting | loading | unhealthy | stopped | probe failed (+ lock)
+    vmid: Any
+    port: int
+    kind: str          # serving | drifted | down | stopped | transition_running | transition_failed | gpu_held
+                       # | unreachable | unknown (see VERDICT_KINDS)
+    ok: bool           # as desired: nothing to page about
+    verdict: str       # the kind in words, with why: "drifted: --kv-cache-dtype auto->fp8_e4m3"
+    desired: bool      # a server should run here (sglang_present)
+    up: bool           # it serves: main alive, /health 200, every scheduler alive
+    drifted: bool      # it runs with other flags or another model than desired (or should not run)
+    server: str        # serving | starting | loading | unhealthy | stopped | probe failed (+ pid, age)
     health: str        # what /health said, or why it could not answer
     model: str
     flags: str         # the flags that differ from the desired ones ("=" none, "-" not running)
     gpu_mib: str       # per-GPU used MiB (NVML v2), compacted
+    gpu_used: list[Any]  # per-GPU used MiB in GPU order (None: unreadable); [] when unknown
     holders: str       # GPU processes in the container, and memory held from outside it
+    transition: dict[str, Any]   # the latest transition: run, active, step, outcome, began, updated, duration_s
+    last_change: str   # the latest transition in a few words
+    history: list[str]  # newest entries of the history, one line each
     problems: list[str]
 
 
+VERDICT_KINDS = {
+    "serving": "serving as desired", "drifted": "drifted", "down": "down but desired",
+    "stopped": "stopped as desired", "transition_running": "transition running",
+    "transition_failed": "transition failed", "gpu_held": "GPU memory held with no holder in the container",
+    "unreachable": "unreachable", "unknown": "unknown",
+}
+OK_KINDS = ("serving", "stopped")
+FAILED_OUTCOMES = ("rolled_back", "nothing_serves", "interrupted")
+
 STATUS_COLUMNS = [
-    ("host", "HOST"), ("vmid", "VMID"), ("server", "SERVER"), ("health", "HEALTH"), ("model", "MODEL"),
-    ("flags", "FLAGS != DESIRED"), ("gpu_mib", "GPU MiB"), ("holders", "GPU HOLDERS"),
+    ("host", "HOST"), ("vmid", "VMID"), ("port", "PORT"), ("verdict", "VERDICT"), ("server", "SERVER"),
+    ("model", "MODEL"), ("gpu_mib", "GPU MiB"), ("holders", "GPU HOLDERS"), ("last_change", "LAST CHANGE"),
 ]
 
 
@@ -193,7 +332,7 @@ def _flag_item(name: str, value: Any) -> str:
 
 
 def server_state(server: Mapping[str, Any]) -> tuple[str, str]:
-    """(state, health) of the server from the server probe document."""
+    """(state, health) of the server from the server document (the agent's observe ``sglang``)."""
     if "error" in server:
         return "probe failed", str(server["error"])[:80]
     health = server.get("health") or {}
@@ -204,7 +343,10 @@ def server_state(server: Mapping[str, Any]) -> tuple[str, str]:
         return state, "-"
     main = server.get("main") or {}
     age = _age(main.get("age_s"))
-    if code == 200:
+    workers = server.get("workers") or {}
+    if workers.get("dead"):
+        state = f"unhealthy ({workers['dead']} of {workers.get('expected', '?')} schedulers dead)"
+    elif code == 200:
         state = "serving"
     elif code == 503:
         state = "starting"
@@ -297,25 +439,110 @@ def _index_ranges(indices: Sequence[int]) -> str:
     return ",".join(parts)
 
 
-def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired_flags: Mapping[str, Any] | None,
-               desired_model: str | None, present: bool = True) -> StatusRow:
-    """One line of the status table from a ``SglangObservation`` document and the desired state
-    (``host.data.sglang_flags``, ``sglang_model_path``, ``sglang_present``).
+def _seconds(value: Any) -> float | None:
+    """An epoch from a number or an ISO 8601 text (the journal has both)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and value:
+        try:
+            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None
 
-    ``flags`` is ``=`` when the running flags are the desired ones, the differences otherwise,
-    ``-`` when no server runs (``should not run`` when one runs and ``present`` is false).
+
+def _when(value: Any) -> str:
+    """``2026-11-30 21:58Z`` from an epoch or ISO text; ``?`` when unreadable."""
+    seconds = _seconds(value)
+    if seconds is None:
+        return "?"
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%Y-%m-%d %H:%MZ")
+
+
+def transition_summary(server: Mapping[str, Any]) -> dict[str, Any]:
+    """The latest transition from the agent's ``transition`` (or the history's ``last``):
+    run, active, step, outcome, reasons, began, updated, duration_s (ended runs), by. {} when none."""
+    transition = server.get("transition")
+    last = (server.get("history") or {}).get("last") if isinstance(server.get("history"), Mapping) else None
+    source = transition if isinstance(transition, Mapping) else last if isinstance(last, Mapping) else None
+    if not source:
+        return {}
+    summary = {key: source.get(key) for key in ("run", "active", "step", "phase", "outcome", "reasons", "message",
+                                                  "began", "updated", "by", "at") if source.get(key) is not None}
+    began, updated = _seconds(source.get("began")), _seconds(source.get("updated"))
+    if began is not None and updated is not None and not source.get("active"):
+        summary["duration_s"] = round(max(0.0, updated - began), 3)
+    return summary
+
+
+def _record_flags(record: Mapping[str, Any]) -> dict[str, Any]:
+    argv = record.get("argv")
+    if not isinstance(argv, list):
+        return {}
+    from gpugate.sglang_args import parse_argv  # noqa: PLC0415 -- only the history needs the parser
+
+    return dict(parse_argv(argv).flags)
+
+
+def history_lines(server: Mapping[str, Any], limit: int = 3) -> list[str]:
+    """The newest entries of the container's history (good and failed, newest first), one line
+    each, a good entry with what changed against the one before it and its KV capacity:
+    ``2026-11-30 21:58Z good by ana@ops: --kv-cache-dtype auto->fp8_e4m3 (KV cache 319,488 tokens)``."""
+    history = server.get("history")
+    if not isinstance(history, Mapping):
+        return []
+    good = [r for r in history.get("good") or [] if isinstance(r, Mapping)]
+    entries: list[tuple[float, str]] = []
+    for index, record in enumerate(good):
+        older = good[index + 1] if index + 1 < len(good) else None
+        what = ", ".join(flag_differences(_record_flags(older), _record_flags(record))) if older else "first good spec"
+        capacity = record.get("capacity")
+        tokens = capacity.get("max_total_num_tokens") if isinstance(capacity, Mapping) else None
+        extra = f" (KV cache {tokens:,} tokens)" if isinstance(tokens, int) else ""
+        entries.append((_seconds(record.get("at")) or 0.0,
+                        f"{_when(record.get('at'))} good by {record.get('by') or '?'}: {what or 'same flags'}{extra}"))
+    for record in history.get("failed") or []:
+        if isinstance(record, Mapping):
+            entries.append((_seconds(record.get("at")) or 0.0, f"{_when(record.get('at'))} FAILED by "
+                            f"{record.get('by') or '?'}: {str(record.get('reason') or '?')[:120]}"))
+    entries.sort(key=lambda entry: entry[0], reverse=True)
+    return [text for _at, text in entries[:limit]]
+
+
+def _verdict(kind: str, why: str = "") -> str:
+    return VERDICT_KINDS[kind] + (f": {why}" if why else "")
+
+
+def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired_flags: Mapping[str, Any] | None,
+               desired_model: str | None, present: bool = True, port: int = 30000,
+               max_used_mib: int = 64) -> StatusRow:
+    """One row of the status from the agent's observation and the desired state
+    (``host.data.sglang_flags``, ``sglang_model_path``, ``sglang_present``), with a verdict; the
+    first that applies:
+
+    - transition running (the agent holds the lock): ``transition running: stop since ...``;
+    - the latest transition failed (rolled_back, nothing_serves, interrupted): ``transition failed: ...``
+      (a later verified run clears it);
+    - a server runs: serving as desired / drifted (which flags, another model, should not run) /
+      down but desired (not serving: loading, /health 503, dead schedulers);
+    - no server runs: GPU memory held with no holder in the container (the stuck memory of a
+      killed server, or another container's), else down but desired / stopped as desired.
+
+    ``ok`` is true for serving as desired and stopped as desired only.
     """
-    server = observation.get("sglang") or {"error": "no server section"}
+    server = observation.get("sglang") or {"error": observation.get("error") or "no server section"}
     gpu_doc = observation.get("gpu") or {}
     state, health = server_state(server)
     lock = server.get("lock")
-    if lock:
-        state += f" (locked: {lock.get('owner', '?')}, {lock.get('step', '?')})"
+    if isinstance(lock, Mapping) and (lock.get("owner") or lock.get("held")):
+        state += f" (locked: {lock.get('owner') or lock.get('run') or '?'}, {lock.get('step') or 'pid %s' % lock.get('pid')})"
     command = server.get("command") or {}
     running_model = command.get("model_path")
     model = running_model or desired_model
+    running = bool(server.get("running"))
+    items: list[str] = []
     flags_text = "-"
-    if server.get("running"):
+    if running:
         if not present:
             flags_text = "should not run"
         else:
@@ -329,21 +556,168 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired_fla
                 items.append("unknown args: " + " ".join(command["unknown"]))
             flags_text = ", ".join(items) or "="
     gpus = gpu_doc.get("gpus") or []
-    gpu_mib = compact_mib([gpu.get("used_mib") for gpu in gpus]) if "source" in gpu_doc else "?"
+    readable = "source" in gpu_doc
+    gpu_mib = compact_mib([gpu.get("used_mib") for gpu in gpus]) if readable else "?"
     problems = []
     if gpu_doc.get("source") in (None, "none"):  # errors of a fallback that answered are not problems
-        problems = [f"{error.get('source')}: {error.get('message')}" for error in gpu_doc.get("errors") or []]
+        problems = [f"{error.get('source')}: {error.get('message')}" for error in gpu_doc.get("errors") or []
+                    if isinstance(error, Mapping)]
     problems += [f"GPU {gpu.get('index')}: {gpu['error']}" for gpu in gpus if gpu.get("error")]
-    return StatusRow(host=host, vmid=vmid, server=state, health=health,
-                     model=os.path.basename(model.rstrip("/")) if model and model.startswith("/") else model,
-                     flags=flags_text, gpu_mib=gpu_mib, holders=holders_text(gpu_doc), problems=problems)
+    serving = bool(server.get("serving")) if "serving" in server else state.startswith("serving")
+    transition = transition_summary(server)
+    held = {index: mib for index, mib in foreign_mib(gpu_doc).items() if mib > max_used_mib} if readable else {}
+
+    if "error" in server:
+        kind, why = "unknown", f"probe failed: {str(server['error'])[:100]}"
+    elif transition.get("active"):
+        kind, why = "transition_running", (f"{transition.get('step') or '?'} (run {transition.get('run')}"
+                                          f"{', since ' + _when(transition.get('began')) if transition.get('began') else ''})")
+    elif transition.get("outcome") in FAILED_OUTCOMES:
+        reasons = transition.get("reasons")
+        detail = ("; ".join(f"{k}: {v}" for k, v in reasons.items()) if isinstance(reasons, Mapping)
+                  else str(reasons or transition.get("message") or ""))
+        kind, why = "transition_failed", f"{transition['outcome']} (run {transition.get('run')}): {detail}"[:160]
+    elif running and not present:
+        kind, why = "drifted", "runs but should not"
+    elif running and items:
+        kind, why = "drifted", ", ".join(items)
+    elif running and not serving:
+        kind, why = "down", state.split(" pid")[0] + (f", {health}" if health not in ("-", "") else "")
+    elif running:
+        kind, why = "serving", ""
+    elif held:
+        kind, why = "gpu_held", f"{sum(held.values())} MiB on GPU {_index_ranges(sorted(held))}"
+    elif present:
+        kind, why = "down", "no server runs" + (f" (last: {transition['outcome']})" if transition.get("outcome") else "")
+    else:
+        kind, why = "stopped", ""
+    last_change = ""
+    if transition:
+        last_change = (f"{transition.get('outcome') or transition.get('step') or '?'} "
+                       f"{_when(transition.get('updated') or transition.get('at'))}")
+        if transition.get("by"):
+            last_change += f" by {transition['by']}"
+    return StatusRow(
+        host=host, vmid=vmid, port=int(server.get("port") or port), kind=kind, ok=kind in OK_KINDS,
+        verdict=_verdict(kind, why), desired=bool(present), up=running and serving,
+        drifted=kind == "drifted", server=state, health=health,
+        model=os.path.basename(model.rstrip("/")) if model and model.startswith("/") else model or "-",
+        flags=flags_text, gpu_mib=gpu_mib, gpu_used=[gpu.get("used_mib") for gpu in gpus] if readable else [],
+        holders=holders_text(gpu_doc), transition=transition, last_change=last_change,
+        history=history_lines(server), problems=problems)
+
+
+def unreachable_row(host: str, vmid: Any, reason: str, present: bool = True, desired_model: str | None = None,
+                    port: int = 30000) -> StatusRow:
+    """The row of a container whose Proxmox host could not be reached: no figures, only why."""
+    model = desired_model or "-"
+    return StatusRow(host=host, vmid=vmid, port=port, kind="unreachable", ok=False,
+                     verdict=_verdict("unreachable", reason), desired=bool(present), up=False, drifted=False,
+                     server="-", health="-", model=os.path.basename(model.rstrip("/")) if model.startswith("/") else model,
+                     flags="-", gpu_mib="-", gpu_used=[], holders="-", transition={}, last_change="",
+                     history=[], problems=[])
 
 
 def render_status(rows: Sequence[StatusRow]) -> str:
-    """The status table, then one line per problem (GPU probe errors)."""
+    """The status table, a summary line, the newest history entries per container, then one
+    line per problem (GPU probe errors)."""
     text = format_table(STATUS_COLUMNS, rows)
+    bad = [row for row in rows if not row.get("ok")]
+    counts: dict[str, int] = {}
+    for row in bad:
+        counts[row.get("kind", "unknown")] = counts.get(row.get("kind", "unknown"), 0) + 1
+    summary = f"{len(rows)} server(s): {len(rows) - len(bad)} as desired"
+    if bad:
+        summary += f", {len(bad)} NOT (" + ", ".join(f"{VERDICT_KINDS[k]} {n}" for k, n in sorted(counts.items())) + ")"
+    text += "\n" + summary
+    history = [f"  {row['host']}:{row['vmid']}  {line}" for row in rows for line in row.get("history") or []]
+    if history:
+        text += "\nhistory (newest first):\n" + "\n".join(history)
     notes = [f"  {row['host']}:{row['vmid']}: {problem}" for row in rows for problem in row.get("problems") or []]
     return text + ("\nproblems:\n" + "\n".join(notes) if notes else "")
+
+
+def status_document(rows: Sequence[StatusRow]) -> dict[str, Any]:
+    """What ``--data format=json`` prints: ONE document, ``ok`` false when any row is not as desired."""
+    return {"ok": all(row.get("ok") for row in rows), "generated_at": time.time(),
+            "summary": {kind: sum(1 for row in rows if row.get("kind") == kind) for kind in VERDICT_KINDS
+                        if any(row.get("kind") == kind for row in rows)},
+            "servers": [dict(row) for row in rows]}
+
+
+def _label(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def status_prometheus(rows: Sequence[StatusRow]) -> str:
+    """The node_exporter textfile collector's format: per server up, desired, drifted, as desired,
+    reachable, the last transition's outcome and duration; per GPU used MiB."""
+    metrics: dict[str, tuple[str, list[str]]] = {
+        "gpugate_sglang_up": ("1 when the server serves (main alive, /health 200, every scheduler alive)", []),
+        "gpugate_sglang_desired": ("1 when a server should run here (sglang_present)", []),
+        "gpugate_sglang_drifted": ("1 when it runs with other flags or model than desired, or should not run", []),
+        "gpugate_sglang_as_desired": ("1 when the status verdict is serving or stopped as desired", []),
+        "gpugate_sglang_reachable": ("0 when the Proxmox host could not be reached", []),
+        "gpugate_sglang_last_transition": ("1 for the outcome of the latest transition (label outcome)", []),
+        "gpugate_sglang_last_transition_duration_seconds": ("wall time of the latest ended transition", []),
+        "gpugate_gpu_used_mib": ("GPU memory in use (NVML v2), per GPU seen from the container", []),
+    }
+    for row in rows:
+        labels = f'host="{_label(row.get("host"))}",vmid="{_label(row.get("vmid"))}",port="{_label(row.get("port"))}"'
+        reachable = row.get("kind") != "unreachable"
+        metrics["gpugate_sglang_up"][1].append(f"{{{labels}}} {int(bool(row.get('up')))}")
+        metrics["gpugate_sglang_desired"][1].append(f"{{{labels}}} {int(bool(row.get('desired')))}")
+        metrics["gpugate_sglang_drifted"][1].append(f"{{{labels}}} {int(bool(row.get('drifted')))}")
+        metrics["gpugate_sglang_as_desired"][1].append(f"{{{labels}}} {int(bool(row.get('ok')))}")
+        metrics["gpugate_sglang_reachable"][1].append(f"{{{labels}}} {int(reachable)}")
+        transition = row.get("transition") or {}
+        outcome = transition.get("outcome") or ("running" if transition.get("active") else None)
+        if outcome:
+            metrics["gpugate_sglang_last_transition"][1].append(f'{{{labels},outcome="{_label(outcome)}"}} 1')
+        if isinstance(transition.get("duration_s"), (int, float)):
+            metrics["gpugate_sglang_last_transition_duration_seconds"][1].append(
+                f"{{{labels}}} {transition['duration_s']}")
+        for index, used in enumerate(row.get("gpu_used") or []):
+            if isinstance(used, (int, float)):
+                metrics["gpugate_gpu_used_mib"][1].append(f'{{{labels},gpu="{index}"}} {used}')
+    lines = []
+    for name, (help_text, samples) in metrics.items():
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"] + [name + sample for sample in samples]
+    return "\n".join(lines) + "\n"
+
+
+def write_atomically(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> None:
+    """Write ``text`` to ``path`` so that a reader (the textfile collector) sees the old file or the
+    new one, never half: a temporary file in the same directory, fsync'd, then renamed over it."""
+    target = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(target))
+    handle, temporary = tempfile.mkstemp(prefix=".gpugate-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(temporary, mode)
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def publish_status(rows: Sequence[StatusRow], output_format: str = "table", prom_path: str | None = None,
+                   out: Callable[[str], None] | None = None) -> bool:
+    """Print the status (``table`` or ``json``) and write the Prometheus file when asked; returns
+    True when every row is as desired."""
+    rows = sorted(rows, key=lambda row: (natural_key(str(row.get("host"))), natural_key(str(row.get("vmid")))))
+    emit = out or (lambda text: print(text, flush=True))
+    if prom_path:
+        write_atomically(prom_path, status_prometheus(rows))
+    if output_format == "json":
+        emit(json.dumps(status_document(rows), default=str))
+    else:
+        emit(render_status(rows))
+    return all(row.get("ok") for row in rows)
 
 
 # ---------------------------------------------------------------- who holds the GPUs (Proxmox host)
@@ -455,20 +829,27 @@ def server_arguments(data: Any) -> dict[str, Any]:
     gpugate.fleet.SettingsError: setting drain_timeout_s='abc': expected a number, got 'abc' (str)
     """
     data = validated_settings(data)
+    d = DEFAULTS
     return dict(
-        port=data.get("sglang_port", 30000),
+        port=data.get("sglang_port", d["port"]),
         model_path=data.get("sglang_model_path"),
         flags=data.get("sglang_flags") or {},
         env=data.get("sglang_env") or {},
-        present=data.get("sglang_present", True),
-        supervisor=data.get("sglang_supervisor", "process"),
-        max_used_mib=data.get("gpu_max_used_mib", 64),
-        gate_timeout=data.get("gpu_gate_timeout_s", 120),
-        drain_timeout=data.get("drain_timeout_s", 60),
-        kill_grace=data.get("kill_grace_s", 10),
-        start_timeout=data.get("start_timeout_s", 2700),
-        python=data.get("sglang_python", "/usr/bin/python3"),
-        lock_wait=data.get("lock_wait_s", 0),
+        present=data.get("sglang_present", d["present"]),
+        supervisor=data.get("sglang_supervisor", d["supervisor"]),
+        listen_host=data.get("sglang_host", d["host"]),
+        python=data.get("sglang_python", d["python"]),
+        extra_args=list(data.get("sglang_extra_args") or []),
+        sglang_version=data.get("sglang_version"),
+        max_used_mib=data.get("gpu_max_used_mib", d["max_used_mib"]),
+        gate_timeout=data.get("gpu_gate_timeout_s", d["gate_timeout_s"]),
+        drain_timeout=data.get("drain_timeout_s", d["drain_timeout_s"]),
+        kill_grace=data.get("kill_grace_s", d["kill_grace_s"]),
+        start_timeout=data.get("start_timeout_s", d["start_timeout_s"]),
+        min_free_mib=data.get("min_free_mib", d["min_free_mib"]),
+        end_other_gpu_holders=data.get("end_other_gpu_holders", False),
+        rolling=data.get("rolling", False),
+        max_failures=data.get("max_failures", d["max_failures"]),
         audit_log=data.get("audit_log"),
     )
 

@@ -6,9 +6,10 @@
     pyinfra -y inventory.py runbooks/restart.py --limit '@pct/pve1:129' \
         --data 'sglang_flags={"tp": 8, "disable-radix-cache": true}'
 
-sglang.server(restarted=True) with the desired state from the inventory (as deploy.py): lock,
-record the running spec as "previous", drain/kill/sweep, gate on every GPU, start, wait healthy,
-verify, unlock; a start that fails rolls back to the previous flags. See docs/runbooks.md.
+sglang.server(restarted=True) with the desired state from the inventory (as deploy.py): the agent
+stops the server (drain, SIGKILL of its tree, sweep), gates its GPUs, starts it, waits until it
+generates, verifies it; a failure rolls back to the server that ran. The same spec again adds
+nothing to the history of good specs. See docs/runbooks.md.
 """
 
 from pyinfra import host
@@ -20,5 +21,6 @@ arguments = server_arguments(host.data)
 sglang.server(
     name=f"Restart SGLang on :{arguments['port']}",
     restarted=True,
+    _serial=arguments["rolling"],
     **arguments,
 )

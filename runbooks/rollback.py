@@ -1,23 +1,26 @@
-"""Return an SGLang server to the flags it ran with before the last change.
+"""Return an SGLang server to a spec that served before: the newest good spec in the container's
+history that differs from the running one (``--data rollback_to=K``: the K-th newest, 1 = newest).
 
     pyinfra inventory.py runbooks/rollback.py --limit '@pct/pve1:129' --dry   # the diff back
     pyinfra -y inventory.py runbooks/rollback.py --limit '@pct/pve1:129'
+    pyinfra -y inventory.py runbooks/rollback.py --limit '@pct/pve1:129' --data rollback_to=2
 
-sglang.server(restore_previous=True): the server recorded as "previous" in the container
-(/var/lib/gpugate/sglang-<port>.json, redacted) is started again from its exact argv and env file,
-which sglang.server keeps in 0600 files in the container before every stop; no secret crosses to
-this machine. The same lock, drain, gate, start, health check and verification as a deploy; a
-second run is a no-op. The next deploy.py applies fleet.yaml again: change fleet.yaml if the
-rollback is meant to stay. See docs/runbooks.md.
+The history (/var/lib/gpugate/sglang-<port>.json, 0600 in the container) keeps the last 5 specs that
+were verified serving, exact argv and env included; this machine sees them redacted, and the exact
+spec never leaves the container. The same stop, gate, start, health check and verification as a
+deploy; a failure returns to the server that runs now. The next deploy.py applies fleet.yaml again:
+change fleet.yaml if the rollback is meant to stay. See docs/runbooks.md.
 """
 
 from pyinfra import host
 
+from gpugate.fleet import validated_settings
 from gpugate.operations import sglang
 from gpugate.runbooks import server_arguments
 
 arguments = server_arguments(host.data)
+settings = validated_settings(host.data)
 sglang.server(
-    name=f"Roll back SGLang on :{arguments['port']} to the server before the last change",
-    **dict(arguments, present=True, restore_previous=True),
+    name=f"Roll back SGLang on :{arguments['port']} to a good spec from its history",
+    **dict(arguments, present=True, restore_previous=True, rollback_to=settings.get("rollback_to") or 1),
 )

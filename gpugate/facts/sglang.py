@@ -1,113 +1,69 @@
-"""Facts about the SGLang server in a container.
+"""Facts about the SGLang server in a container, read by the container's agent (docs/agent-protocol.md).
 
-``SglangServer``: the server on a port (running or not, main pid, process tree, argv and parsed
-flags actually running, health, /get_server_info subset, recorded state, lock, stray SGLang
-processes, stale /dev/shm segments, the container's memory).
-``SglangObservation``: the same plus the GPU probe, in ONE remote command (the operation's
-observe step).
+``SglangObservation``: everything sglang.server plans from, in ONE command: the server on a port
+(main process, tree, strays, clients, health, /get_server_info, live workers, ``serving``), the
+running transition and the history of good specs, the GPU probe, and the container (free space,
+PID 1, port and GPU holders). The command is a short invocation of the installed agent
+(``/var/lib/gpugate/agent-<sha256>.py``); when this controller's agent is not installed it answers
+``{"agent_missing": true}`` and ``SglangObservationInline`` observes once with the agent sent
+inline (read-only: installs nothing; the hand-off installs it). :func:`observe` does both.
 
-Both are read-only and exit 0; the probe is sent inline (gpugate/remote/*.py), nothing is installed.
+``SglangServer``: the ``sglang`` part alone, with the running argv parsed (``command``).
+
+Read-only, always exit 0; secret values never leave the container (argv and log tails redacted
+there, env values as hashes).
 
 **Example:**
 
 .. code:: python
 
-    from gpugate.facts.sglang import SglangServer
+    from gpugate.facts.sglang import SglangServer, observe
     server = host.get_fact(SglangServer, port=30000)
     if server["running"]:
-        print(server["main"]["pid"], server["command"]["flags"])
+        print(server["main"]["pid"], server["command"]["flags"], server["serving"])
+    observation = observe(host, port=30000)   # with the inline fallback
 
 or from the CLI: ``pyinfra inventory.py fact gpugate.facts.sglang.SglangServer port=30000``
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, TypedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-from pyinfra.api import FactBase
+from pyinfra.api import FactBase, StringCommand
 
-from gpugate import remote
-from gpugate.remote import build_probe_command
+from gpugate import agentcmd
 from gpugate.sglang_args import parse_argv
-from gpugate.transition import paths
+
+DEFAULT_PYTHON = "/usr/bin/python3"
 
 
-class ProcessInfo(TypedDict):
-    pid: int
-    ppid: int
-    pgid: int
-    state: str
-    cmdline: str
+def observe_args(port: int = 30000, env_names: Iterable[str] = (), model_path: str | None = None,
+                 gpus: Sequence[int] | None = None, tail_lines: int = 0, generate: bool = False,
+                 secret_flags: Iterable[str] = (), host: str | None = None) -> dict[str, Any]:
+    """The agent's ``observe`` arguments.
 
-
-class MainProcess(TypedDict):
-    pid: int
-    pgid: int
-    argv: list[str]
-    state: str
-    age_s: float
-
-
-class RunningCommand(TypedDict):
-    model_path: Optional[str]
-    host: str
-    port: int
-    flags: dict[str, Any]
-    unknown: list[str]
-
-
-class SglangServerDoc(TypedDict, total=False):
-    port: int
-    running: bool
-    main: Optional[MainProcess]
-    command: Optional[RunningCommand]  # argv parsed with gpugate.sglang_args.parse_argv
-    tree: list[ProcessInfo]           # main process first, then every descendant
-    strays: list[ProcessInfo]         # SGLang processes outside the tree (orphaned workers...)
-    pid_file_pid: Optional[int]
-    listening: bool
-    listener_pids: list[int]
-    health: dict[str, Any]            # health, health_error, health_generate, health_generate_error
-    server_info: Optional[dict[str, Any]]
-    env_hashes: dict[str, Optional[str]]
-    state: Optional[dict[str, Any]]   # /var/lib/gpugate/sglang-<port>.json (no secrets)
-    previous_argv_saved: bool         # the previous server's exact argv is kept (0600) for a rollback
-    lock: Optional[dict[str, Any]]    # /run/gpugate/sglang-<port>.lock
-    shm_stale: list[str]
-    memory_limit_bytes: Optional[int]
-    model_path_exists: Optional[bool]
-    log_tail: Optional[list[str]]
-    error: str
-
-
-def probe_kwargs(port: int, env_names=(), model_path: str | None = None, tail_lines: int = 0,
-                 generate: bool = False) -> dict[str, Any]:
-    """The server probe's keyword arguments (``sglang_probe.collect``) for ``port``; the facts and
-    the transition's in-command looks (``transition_actions.observe``) use the same ones."""
-    files = paths(port)
-    return {"port": int(port), "pid_file": files["pid"], "state_file": files["state"], "lock_file": files["lock"],
-            "log_file": files["log"], "env_names": sorted(env_names or ()), "model_path": model_path,
-            "tail_lines": int(tail_lines), "generate": bool(generate), "previous_argv_file": files["previous_argv"]}
-
-
-def probe_command(sections: dict[str, dict[str, Any]], python: str = "/usr/bin/python3") -> str:
-    """One command printing one JSON document ``{section: <section>_probe.collect(**kwargs)}``
-    (``sglang``, ``gpu``), run by ``python`` in the container (gpugate.remote.build_probe_command:
-    the same loader as every inline command). Always exits 0."""
-    return build_probe_command(sections, python=python)
-
-
-def parse_probe_output(output: list[str]) -> dict[str, Any]:
-    """The probe's JSON document, or ``{"error": ...}`` naming what it printed instead."""
-    try:
-        return remote.parse_probe_output(output)
-    except ValueError:
-        return {"error": "the probe printed no JSON: " + " | ".join(output[-5:])[:500]}
+    >>> observe_args(30001, ["HF_TOKEN"])["port"]
+    30001
+    """
+    args: dict[str, Any] = {"port": int(port), "env_names": sorted(env_names or ()), "tail_lines": int(tail_lines),
+                            "generate": bool(generate)}
+    if model_path:
+        args["model_path"] = model_path
+    if gpus is not None:
+        args["gpus"] = [int(gpu) for gpu in gpus]
+    if secret_flags:
+        args["secret_flags"] = sorted(secret_flags)
+    if host:
+        args["host"] = host
+    return args
 
 
 def with_command(server: dict[str, Any]) -> dict[str, Any]:
-    """Add ``command``: the running argv parsed into model path, host, port and flags."""
+    """Add ``command``: the running (redacted) argv parsed into model path, host, port and flags."""
     main = server.get("main")
-    if main:
+    if main and main.get("argv"):
         parsed = parse_argv(main["argv"])
         server["command"] = {"model_path": parsed.model_path, "host": parsed.host, "port": parsed.port,
                              "flags": parsed.flags, "unknown": parsed.unknown}
@@ -116,40 +72,86 @@ def with_command(server: dict[str, Any]) -> dict[str, Any]:
     return server
 
 
-class SglangServer(FactBase):
-    """The SGLang server on ``port`` in the container (see the module docstring)."""
+def process_observation(lines: Iterable[str]) -> dict[str, Any]:
+    """The observe document from the agent's output (``{"error": ...}`` sections when it printed
+    none; ``{"agent_missing": true, ...}`` passed through)."""
+    return observation_from(agentcmd.parse_output(list(lines)))
 
-    def command(self, port: int = 30000, env_names=(), model_path: str | None = None, tail_lines: int = 0,
-                generate: bool = False, python: str = "/usr/bin/python3"):
-        return probe_command({"sglang": probe_kwargs(port, env_names, model_path, tail_lines, generate)}, python)
 
-    @staticmethod
-    def default() -> SglangServerDoc:
-        return {"running": False, "error": "no probe output"}
-
-    def process(self, output) -> SglangServerDoc:
-        doc = parse_probe_output(list(output))
-        if "sglang" not in doc:
-            return {"running": False, "error": doc.get("error", "no sglang section")}
-        return with_command(doc["sglang"])
+def observation_from(doc: dict[str, Any]) -> dict[str, Any]:
+    """:func:`process_observation` for an answer already parsed (``agentcmd.parse_output``)."""
+    if doc.get("agent_missing") or doc.get("no_python"):
+        return doc
+    if "sglang" not in doc:
+        error = doc.get("error") or "no sglang section in the agent's answer"
+        return {"error": error, "sglang": {"running": False, "error": error}, "gpu": {"error": error}, "container": {}}
+    if isinstance(doc["sglang"], dict) and "error" not in doc["sglang"]:
+        with_command(doc["sglang"])
+    return doc
 
 
 class SglangObservation(FactBase):
-    """``{"sglang": SglangServerDoc, "gpu": <GPU probe document>}`` in one round trip."""
+    """``{"sglang", "gpu", "container", "agent"}`` in one round trip (the installed agent's
+    observe), or ``{"agent_missing": true}`` (then: ``SglangObservationInline``)."""
 
-    def command(self, port: int = 30000, env_names=(), model_path: str | None = None, tail_lines: int = 0,
-                python: str = "/usr/bin/python3"):
-        return probe_command({"sglang": probe_kwargs(port, env_names, model_path, tail_lines),
-                              "gpu": {}}, python)
+    def command(self, port: int = 30000, env_names=(), model_path: str | None = None, gpus=None,
+                tail_lines: int = 0, generate: bool = False, python: str = DEFAULT_PYTHON, secret_flags=(),
+                host: str | None = None):
+        return StringCommand(agentcmd.observe_command(python, observe_args(
+            port, env_names, model_path, gpus, tail_lines, generate, secret_flags, host)))
 
     @staticmethod
     def default() -> dict[str, Any]:
-        return {"sglang": {"running": False, "error": "no probe output"}, "gpu": {"error": "no probe output"}}
+        return {"error": "no answer", "sglang": {"running": False, "error": "no answer"}, "gpu": {"error": "no answer"},
+                "container": {}}
 
     def process(self, output) -> dict[str, Any]:
-        doc = parse_probe_output(list(output))
-        if "error" in doc and "sglang" not in doc:
-            return {"sglang": {"running": False, "error": doc["error"]}, "gpu": {"error": doc["error"]}}
-        if "sglang" in doc and "error" not in doc["sglang"]:
-            with_command(doc["sglang"])
-        return doc
+        return process_observation(output)
+
+
+class SglangObservationInline(SglangObservation):
+    """The same observation with the agent sent inline (~45 KB argv): for a container where this
+    controller's agent is not installed yet. Installs and writes nothing (``--dry`` stays read-only)."""
+
+    def command(self, port: int = 30000, env_names=(), model_path: str | None = None, gpus=None,
+                tail_lines: int = 0, generate: bool = False, python: str = DEFAULT_PYTHON, secret_flags=(),
+                host: str | None = None):
+        return StringCommand(agentcmd.inline_observe_command(python, observe_args(
+            port, env_names, model_path, gpus, tail_lines, generate, secret_flags, host)))
+
+
+class SglangServer(FactBase):
+    """The SGLang server on ``port`` (the observation's ``sglang`` part, ``command`` parsed)."""
+
+    def command(self, port: int = 30000, env_names=(), model_path: str | None = None, tail_lines: int = 0,
+                generate: bool = False, python: str = DEFAULT_PYTHON):
+        # The inline agent: a fact read on its own (the CLI, a runbook) must answer without an install.
+        return StringCommand(agentcmd.inline_observe_command(python, observe_args(
+            port, env_names, model_path, None, tail_lines, generate)))
+
+    @staticmethod
+    def default() -> dict[str, Any]:
+        return {"running": False, "error": "no answer"}
+
+    def process(self, output) -> dict[str, Any]:
+        doc = process_observation(output)
+        server = doc.get("sglang")
+        if not isinstance(server, dict):
+            return {"running": False, "error": doc.get("error") or "no sglang section"}
+        return server
+
+
+def observe(host: Any, python: str = DEFAULT_PYTHON, **kwargs: Any) -> dict[str, Any]:
+    """The observation of ``host``'s container: the installed agent, else once inline. Adds
+    ``agent_installed`` (False: the hand-off must carry the agent's source).
+
+    .. code:: python
+
+        observation = observe(host, port=30000, env_names=["HF_TOKEN"])
+    """
+    doc = host.get_fact(SglangObservation, python=python, **kwargs)
+    installed = not doc.get("agent_missing")
+    if not installed:
+        doc = host.get_fact(SglangObservationInline, python=python, **kwargs)
+    doc["agent_installed"] = installed
+    return doc

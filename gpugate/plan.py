@@ -1,0 +1,715 @@
+"""sglang.server's plan as pure functions: from the agent's observation and the desired
+:class:`gpugate.spec.Spec` to what will happen (nothing, a start, a restart, a stop, attaching to a
+transition that runs), the checks that must pass before anything stops, and the lines the operator
+reads while the container's agent runs the transition (progress and outcome, from its journal).
+
+Nothing here talks to a host: ``gpugate.operations.sglang`` feeds it documents (the agent's
+``observe`` and ``follow`` answers, docs/agent-protocol.md), so every decision is unit-tested with
+recorded documents.
+
+Example::
+
+    plan = make_plan(observation, spec, port=30000)
+    plan.action            # "noop" | "start" | "restart" | "stop" | "attach"
+    plan.problems          # non-empty: refuse, nothing is touched
+    for line in plan_lines(plan): print(line)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from gpugate.sglang_args import diff_flags, parse_argv
+from gpugate.spec import Spec, SpecError, gpu_set, redact_flags
+
+OUTCOMES_OK = ("verified",)
+PROGRESS_EVERY_S = 3.0  # at most one progress line per step this often (the agent journals every 1.5 s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What sglang.server will do on one container, and why."""
+
+    action: str                                   # noop | start | restart | stop | attach
+    reasons: tuple[str, ...]
+    lines: tuple[str, ...] = ()                   # the diff: flags, model, host, env (secrets ***)
+    problems: tuple[str, ...] = ()                # checks that failed: refuse, nothing touched
+    notes: tuple[str, ...] = ()                   # what the checks saw that does not block
+    steps: tuple[str, ...] = ()
+    replaces: Mapping[str, Any] | None = None     # SpecDoc of the server on another port (port change)
+    rollback_to: Any = "auto"
+    restart: bool = False
+    attach_run: str | None = None
+    last: str | None = None                       # the previous run's outcome, when worth saying
+    gpus: tuple[int, ...] | None = None           # the GPUs the new server takes (locks)
+    target: Mapping[str, Any] | None = None       # rollback runbook: the history record to run
+
+    @property
+    def touches(self) -> bool:
+        return self.action in ("start", "restart", "stop")
+
+
+# ---------------------------------------------------------------- small readers
+def gpu_text(gpus: Iterable[int] | None) -> str:
+    """``GPU 0-3,6`` / ``every GPU``."""
+    if gpus is None:
+        return "every GPU"
+    from gpugate.claims import gpu_ranges
+
+    return "GPU " + gpu_ranges(gpus)
+
+
+def _compact(used: Mapping[str, Any] | Sequence[Any] | None) -> str:
+    from gpugate.runbooks import compact_mib
+
+    if isinstance(used, Mapping):
+        values = [used[key] for key in sorted(used, key=lambda k: int(k))]
+    else:
+        values = list(used or [])
+    return compact_mib(values)
+
+
+def _seconds(value: Any) -> str:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return "?"
+    return f"{number:.2f} s" if number < 10 else f"{number:.0f} s"
+
+
+def foreign_memory(gpu_doc: Mapping[str, Any], gpus: Iterable[int] | None = None) -> list[dict[str, Any]]:
+    """GPUs (of ``gpus``; None: all) whose used memory no process of this container accounts for:
+    the host's or another container's (NVML in a container lists only its own processes).
+    Never ours to end; the gate could not pass over it.
+
+    >>> foreign_memory({"gpus": [{"index": 0, "used_mib": 900, "processes": []}]})
+    [{'index': 0, 'foreign_mib': 900, 'used_mib': 900}]
+    """
+    wanted = None if gpus is None else set(gpus)
+    holders = gpu_doc.get("holders") or []
+    out = []
+    for gpu in gpu_doc.get("gpus") or []:
+        if wanted is not None and gpu.get("index") not in wanted:
+            continue
+        used = gpu.get("used_mib")
+        if not used:
+            continue
+        procs = gpu.get("processes") or []
+        known = [p.get("used_mib") for p in procs]
+        if procs and all(isinstance(mib, (int, float)) for mib in known):
+            foreign = used - sum(known)
+        elif procs or holders:
+            foreign = 0  # a process in the container holds it: the stop or the holder check deals with it
+        else:
+            foreign = used
+        if foreign > 0:
+            out.append({"index": gpu.get("index"), "foreign_mib": foreign, "used_mib": used})
+    return out
+
+
+def _running_command(server: Mapping[str, Any]) -> dict[str, Any] | None:
+    main = server.get("main")
+    if not server.get("running") or not main:
+        return None
+    parsed = parse_argv(main.get("argv") or [])
+    return {"model_path": parsed.model_path, "host": parsed.host, "port": parsed.port, "flags": parsed.flags,
+            "unknown": list(parsed.unknown), "python": (main.get("argv") or ["?"])[0]}
+
+
+def env_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
+    """Env differences, values never shown: against the running process's environment, by hash
+    (names the desired spec sets, and names a good spec had that the desired one drops)."""
+    from gpugate.agentcmd import env_hash
+
+    have = server.get("env_hashes") or {}
+    lines = []
+    for name, value in sorted(spec.env.items()):
+        if have.get(name) is None:
+            lines.append(f"+ env {name}=***")
+        elif have[name] != env_hash(value):
+            lines.append(f"~ env {name}=*** (value changed)")
+    for name in sorted(set(have) - set(spec.env)):
+        if have[name] is not None:
+            lines.append(f"- env {name}")
+    return lines
+
+
+def diff_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
+    """What changes from the running command to the desired one, one line per argv change
+    (secrets ``***``), model path, host and interpreter included."""
+    running = _running_command(server)
+    if running is None:
+        return [f"+ {arg}" for arg in spec.display_args()]
+    lines: list[str] = []
+    if running["python"] != spec.python:
+        lines += [f"- {running['python']}", f"+ {spec.python}"]
+    if running["model_path"] != spec.model_path:
+        lines += [f"- --model-path {running['model_path']}", f"+ --model-path {spec.model_path}"]
+    if (running["host"] or "127.0.0.1") != spec.host:
+        lines += [f"- --host {running['host'] or '127.0.0.1'}", f"+ --host {spec.host}"]
+    lines += diff_flags(redact_flags(running["flags"]), redact_flags(spec.flags)).lines(redact=True)
+    have_extra = running["unknown"]
+    if list(have_extra) != list(spec.extra_args):
+        if have_extra:
+            lines.append("- " + shlex.join(have_extra))
+        if spec.extra_args:
+            lines.append("+ " + shlex.join(spec.extra_args) + "  (extra_args, unchecked)")
+    return lines
+
+
+def runs_exactly(server: Mapping[str, Any], spec: Spec) -> bool:
+    """The running main's exact argv (by hash: secret values included) and environment (by value
+    hashes) are the desired spec's."""
+    from gpugate.agentcmd import argv_hash, env_hash
+
+    main = server.get("main") or {}
+    if not server.get("running") or main.get("argv_hash") != argv_hash(list(spec.argv)):
+        return False
+    have = server.get("env_hashes") or {}
+    if any(have.get(name) != env_hash(value) for name, value in spec.env.items()):
+        return False
+    if any(value is not None for name, value in have.items() if name not in spec.env):
+        return False
+    return (main.get("supervisor") or "process") == spec.supervisor
+
+
+def health_text(server: Mapping[str, Any]) -> str:
+    health = server.get("health") or {}
+    workers = server.get("workers") or {}
+    parts = []
+    if health.get("health") is not None:
+        parts.append(f"/health {health['health']}")
+    else:
+        parts.append(str(health.get("health_error") or "no answer"))
+    if workers.get("expected") is not None and (workers.get("dead") or workers.get("zombies")):
+        parts.append(f"{workers.get('alive')} of {workers.get('expected')} scheduler workers alive")
+    return ", ".join(parts)
+
+
+def _record_same_as_running(record: Mapping[str, Any], server: Mapping[str, Any]) -> bool:
+    main = server.get("main") or {}
+    if not server.get("running") or record.get("argv_hash") != main.get("argv_hash"):
+        return False
+    have = server.get("env_hashes") or {}
+    wanted = record.get("env_hashes") or {}
+    return all(have.get(name) == value for name, value in wanted.items())
+
+
+def rollback_choice(server: Mapping[str, Any], k: int = 1) -> tuple[dict[str, Any] | None, str]:
+    """The rollback runbook's target: the ``k``-th newest good spec (1 = newest) among those that
+    differ from the running server -> (record, why) or (None, why not).
+
+    >>> good = [{"key": "b", "argv_hash": "B"}, {"key": "a", "argv_hash": "A"}]
+    >>> server = {"running": True, "main": {"argv_hash": "B"}, "history": {"good": good}}
+    >>> rollback_choice(server)[0]["key"], rollback_choice(server, 2)[0]
+    ('a', None)
+    """
+    good = [dict(record) for record in ((server.get("history") or {}).get("good") or []) if record]
+    others = [record for record in good if not _record_same_as_running(record, server)]
+    port = server.get("port")
+    if k < 1:
+        return None, f"rollback_to must be 1 (the newest good spec) or more, got {k}"
+    if not others:
+        what = "holds no good server" if not good else "holds no good server other than the one running"
+        return None, f"nothing to roll back to: the history of :{port} {what}"
+    if k > len(others):
+        return None, (f"rollback_to={k}, but the history of :{port} holds {len(others)} good spec(s) other "
+                      f"than the one running")
+    return others[k - 1], f"the good spec #{k} of :{port} ({others[k - 1].get('at') or '?'}, by {others[k - 1].get('by') or '?'})"
+
+
+def record_lines(server: Mapping[str, Any], record: Mapping[str, Any]) -> list[str]:
+    """The diff from what runs to a recorded spec (redacted on both sides)."""
+    running = _running_command(server)
+    target = parse_argv(list(record.get("argv") or []))
+    if running is None:
+        return [f"+ {arg}" for arg in _pairs(list(record.get("argv") or [])[3:])]
+    lines = []
+    if running["model_path"] != target.model_path:
+        lines += [f"- --model-path {running['model_path']}", f"+ --model-path {target.model_path}"]
+    lines += diff_flags(redact_flags(running["flags"]), redact_flags(target.flags)).lines(redact=True)
+    if not lines:
+        lines.append("~ the same flags; a secret flag value, the interpreter or the environment differs")
+    return lines
+
+
+def _pairs(args: list[str]) -> list[str]:
+    out: list[str] = []
+    for token in args:
+        if token.startswith("--") or not out:
+            out.append(token)
+        else:
+            out[-1] += " " + token
+    return out
+
+
+# ---------------------------------------------------------------- port change
+def _main_gpus(cmdline: str) -> tuple[int, ...] | None:
+    try:
+        return gpu_set(parse_argv(cmdline.split()).flags)
+    except (SpecError, ValueError):
+        return None
+
+
+def replaced_servers(observation: Mapping[str, Any], spec: Spec) -> list[dict[str, Any]]:
+    """Servers of this container on OTHER ports whose GPUs overlap the desired server's: they must
+    stop first (a port change: 30000 -> 30001). Each as ``{"port", "pid", "cmdline", "gpus"}``.
+    Servers on other GPUs are left alone (two servers on disjoint halves)."""
+    server = observation.get("sglang") or {}
+    wanted = None if spec.gpus is None else set(spec.gpus)
+    out = []
+    for stray in server.get("strays") or []:
+        port = stray.get("port")
+        if not port or port == spec.port:
+            continue
+        gpus = _main_gpus(stray.get("cmdline") or "")
+        if wanted is None or gpus is None or wanted & set(gpus):
+            out.append({"port": port, "pid": stray.get("pid"), "cmdline": stray.get("cmdline") or "", "gpus": gpus})
+    return out
+
+
+def replaces_doc(replaced: Mapping[str, Any]) -> dict[str, Any]:
+    """A SpecDoc naming the server to drain first. Its exact argv and env stay in the container:
+    the agent captures them from /proc (and its history) before the stop, for the rollback."""
+    argv = replaced["cmdline"].split()
+    return {"argv": argv, "env": {}, "port": int(replaced["port"]), "supervisor": "process",
+            "gpus": list(replaced["gpus"]) if replaced.get("gpus") is not None else None,
+            "record": {"source": "the server on :%d that the new port replaces" % int(replaced["port"])}}
+
+
+# ---------------------------------------------------------------- checks before the stop
+def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: int = 64, min_free_mib: int = 64,
+           end_other_gpu_holders: bool = False, replacing: Sequence[int] = ()) -> tuple[list[str], list[str]]:
+    """Everything that can be checked before anything stops -> (problems, notes). A problem means:
+    do not begin (a transition that cannot pass its gate, or cannot start, must not stop the
+    server that serves). Notes are shown with the plan."""
+    server = observation.get("sglang") or {}
+    gpu_doc = observation.get("gpu") or {}
+    container = observation.get("container") or {}
+    problems: list[str] = []
+    notes: list[str] = []
+    if spec is None:
+        return problems, notes
+    gpus = spec.gpus
+    where = gpu_text(gpus)
+    # Other processes with memory on this server's GPUs (not parts of an SGLang server: those the
+    # agent sweeps or stops; monitors at 0 MiB are no obstacle)
+    blockers, monitors = [], []
+    for holder in container.get("gpu_holders") or []:
+        on = set(holder.get("gpus") or [])
+        mine = on if gpus is None else on & set(gpus)
+        if holder.get("server_part"):
+            continue
+        if holder.get("memory") and mine:
+            blockers.append((holder, sorted(mine)))
+        elif not holder.get("memory"):
+            monitors.append(holder)
+    for holder, mine in blockers:
+        what = (f"pid {holder.get('pid')} ({(holder.get('cmdline') or '?')[:80]}) holds "
+                f"{holder.get('used_mib') if holder.get('used_mib') is not None else '?'} MiB on {gpu_text(mine)}, "
+                f"which this server needs")
+        if end_other_gpu_holders:
+            notes.append(what + ": the agent ends it (end_other_gpu_holders=true)")
+        else:
+            problems.append(what + "; it is not part of the server, so a deploy never ends it: stop it, or "
+                            "re-run with --data end_other_gpu_holders=true to let the agent end it")
+    for holder in monitors:
+        notes.append(f"pid {holder.get('pid')} ({(holder.get('cmdline') or '?')[:60]}) holds the GPU device files "
+                     f"without memory (a monitor): not waited for, never signalled")
+    # Memory held from outside the container
+    if "source" in gpu_doc or gpu_doc.get("gpus"):
+        visible = [gpu.get("index") for gpu in gpu_doc.get("gpus") or []]
+        if gpus is not None and visible and gpu_doc.get("source") not in (None, "none"):
+            missing = sorted(set(gpus) - set(visible))
+            if missing:
+                problems.append(f"the server needs {where}; the container sees GPU(s) "
+                                f"{', '.join(str(i) for i in visible)} only (missing {', '.join(str(i) for i in missing)})")
+        for gpu in foreign_memory(gpu_doc, gpus):
+            if gpu["foreign_mib"] > max_used_mib:
+                problems.append(f"GPU {gpu['index']}: {gpu['foreign_mib']} MiB held from outside the container "
+                                f"(not this container's to free; see runbooks/who_holds_gpus.py): the gate "
+                                f"(<= {max_used_mib} MiB) could not pass after a stop")
+    # The supervisor
+    if spec.supervisor == "systemd" and container.get("pid1") not in (None, "systemd"):
+        problems.append(f"supervisor systemd, but PID 1 of the container is {container.get('pid1')}, not systemd")
+    # Free space
+    for path, free in sorted((container.get("free_mib") or {}).items()):
+        if isinstance(free, (int, float)) and free < min_free_mib:
+            problems.append(f"{path} has {free} MiB free, under the minimum of {min_free_mib} MiB "
+                            f"(min_free_mib) for the server log, the journal and the history")
+    # The port
+    for holder in container.get("port_holders") or []:
+        cmdline = holder.get("cmdline") or ""
+        if holder.get("server") or "sglang.launch_server" in cmdline or cmdline.startswith("sglang::"):
+            continue
+        problems.append(f"port {spec.port} is taken by pid {holder.get('pid')} ({cmdline[:80]}), which is not "
+                        f"the server being replaced")
+    # The model
+    if server.get("model_path_exists") is False:
+        problems.append(f"the model path {spec.model_path} does not exist in the container")
+    # The SGLang version
+    have = server.get("sglang_version")
+    if spec.sglang_version and have and have != spec.sglang_version:
+        problems.append(f"the container has SGLang {have}; sglang_version pins {spec.sglang_version}")
+    # Host memory for the hierarchical cache (--hicache-size is GB per TP rank)
+    hicache = spec.flags.get("hicache-size")
+    limit = container.get("memory_limit_bytes")
+    ranks = len(gpus) if gpus is not None else 1
+    if hicache and limit and float(hicache) * 1e9 * ranks > 0.9 * limit:
+        problems.append(f"--hicache-size {hicache} GB x {ranks} ranks = {float(hicache) * ranks:.0f} GB of host memory; "
+                        f"the container has {limit / 1e9:.0f} GB (limit at 90%)")
+    for warning in spec.warnings:
+        notes.append(warning)
+    if replacing:
+        notes.append("port change: the server on :" + ", :".join(str(p) for p in replacing)
+                     + " drains and stops first (the rollback returns to it)")
+    return problems, notes
+
+
+# ---------------------------------------------------------------- the plan
+def steps_for(action: str, spec: Spec | None, max_used_mib: int, budgets: Mapping[str, float],
+              replacing: Sequence[int] = ()) -> tuple[str, ...]:
+    """The steps the agent will take (printed by --dry)."""
+    if action in ("noop", "attach"):
+        return ()
+    stop = f"stop (SIGTERM drain <= {budgets.get('drain_timeout_s', 60):g} s, SIGKILL of the tree, sweep)"
+    steps = ["hand off to the container's agent (one command)"]
+    if replacing:
+        steps.append(f"stop :{', :'.join(str(p) for p in replacing)} first")
+    steps.append(stop)
+    if action == "stop" or spec is None and action != "start":
+        return tuple(steps)
+    steps += [f"gate ({gpu_text(spec.gpus if spec else None)} <= {max_used_mib} MiB, no holder)",
+              "prepare (/dev/shm, port, env file)",
+              "start (" + ("systemd unit" if spec and spec.supervisor == "systemd" else "own session, pid file, log") + ")",
+              "healthy + a generation", "verify argv and /get_server_info", "commit to the history",
+              "on any failure from the stop on: roll back to the last good spec"]
+    return tuple(steps)
+
+
+def last_run_line(server: Mapping[str, Any]) -> str | None:
+    """The latest transition of this container, when it ended otherwise than verified or while
+    nobody watched (a controller killed mid-run): what the operator should know first."""
+    run = server.get("transition") or {}
+    if not run or run.get("active") or not run.get("outcome"):
+        return None
+    by = f" by {run['by']}" if run.get("by") else ""
+    message = run.get("message") or ""
+    return f"the last transition (run {run.get('run')}{by}) ended: {run.get('outcome')}" + (f": {message}" if message else "")
+
+
+def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, restart: bool = False,
+              rollback_k: int | None = None, max_used_mib: int = 64, min_free_mib: int = 64,
+              end_other_gpu_holders: bool = False, budgets: Mapping[str, float] | None = None) -> Plan:
+    """Decide from the observation. ``spec`` None with ``rollback_k`` None: no server on ``port``;
+    ``rollback_k``: the rollback runbook (the k-th newest good spec unlike the running one)."""
+    server = observation.get("sglang") or {}
+    budgets = dict(budgets or {})
+    last = last_run_line(server)
+    running = bool(server.get("running"))
+    transition = server.get("transition") or {}
+    if transition.get("active"):
+        step = transition.get("step") or "its start"
+        return Plan("attach", (f"a transition runs in the container (run {transition.get('run')}"
+                               f"{' by ' + transition['by'] if transition.get('by') else ''}, at {step}): "
+                               f"following it instead of starting another",), attach_run=transition.get("run"))
+    if rollback_k is not None:
+        record, why = rollback_choice(server, rollback_k)
+        if record is None:
+            return Plan("refuse", (why,), problems=(f"cannot roll back: {why}",), last=last)
+        lines = record_lines(server, record)
+        action = "restart" if running else "start"
+        steps = steps_for(action, None, max_used_mib, budgets)
+        steps = steps + (f"gate ({gpu_text(record.get('gpus'))} <= {max_used_mib} MiB, no holder)",
+                         "prepare", "start the recorded spec (exact argv and env, kept in the container)",
+                         "healthy + a generation", "verify", "commit",
+                         "on any failure: roll back to the server that runs now")
+        return Plan(action, (f"roll back to {why}",), lines=tuple(lines), steps=steps,
+                    rollback_to={"running": True} if running else None, restart=True, last=last,
+                    gpus=tuple(record["gpus"]) if record.get("gpus") is not None else None, target=record)
+    if spec is None:
+        strays = server.get("strays") or []
+        mine = [s for s in strays if s.get("port") in (None, port)]
+        if running:
+            main = server.get("main") or {}
+            return Plan("stop", (f"sglang runs on :{port} (pid {main.get('pid')}) and should not",),
+                        steps=steps_for("stop", None, max_used_mib, budgets), rollback_to=None, last=last)
+        if mine:
+            return Plan("stop", (f"{len(mine)} stray sglang server part(s) of :{port} left in the container",),
+                        steps=steps_for("stop", None, max_used_mib, budgets), rollback_to=None, last=last)
+        return Plan("noop", (f"sglang on :{port} is absent, as desired",), last=last)
+
+    replaced = replaced_servers(observation, spec)
+    replacing = tuple(int(r["port"]) for r in replaced)
+    problems, notes = checks(observation, spec, max_used_mib=max_used_mib, min_free_mib=min_free_mib,
+                             end_other_gpu_holders=end_other_gpu_holders, replacing=replacing)
+    if len(replaced) > 1:
+        problems.append("servers on :" + ", :".join(str(r["port"]) for r in replaced) + " use GPUs the desired server "
+                        "needs; a deploy replaces at most one of them (stop the others first)")
+    exact = runs_exactly(server, spec)
+    serving = bool(server.get("serving"))
+    if exact and serving and not restart and not replaced:
+        return Plan("noop", (f"sglang on :{spec.port} already serves the desired spec ({spec_summary(server)})",),
+                    last=last)
+    lines = diff_lines(server, spec) + env_lines(server, spec)
+    reasons = []
+    if not running:
+        reasons.append(f"sglang is not running on :{spec.port}")
+        action = "start"
+    elif exact and not restart:
+        reasons.append(f"sglang on :{spec.port} runs the desired spec but does not serve ({health_text(server)}): "
+                       f"the agent waits for it, or restarts it when a worker is dead")
+        action = "restart"
+    elif exact:
+        reasons.append("restart requested (same spec)")
+        action = "restart"
+    else:
+        action = "restart"
+        reasons.append("the running flags differ from the desired flags" if lines else
+                       "the running command differs from the desired one (a secret flag value)")
+    if replaced:
+        reasons.append("port change: :" + ", :".join(str(p) for p in replacing) + f" -> :{spec.port}")
+    strays = [s for s in server.get("strays") or [] if s.get("port") in (None, spec.port)]
+    if strays:
+        reasons.append(f"{len(strays)} stray sglang server part(s) will be swept")
+    return Plan(action, tuple(reasons), lines=tuple(lines), problems=tuple(problems), notes=tuple(notes),
+                steps=steps_for(action, spec, max_used_mib, budgets, replacing),
+                replaces=replaces_doc(replaced[0]) if len(replaced) == 1 else None, rollback_to="auto",
+                restart=restart, last=last, gpus=spec.gpus)
+
+
+def spec_summary(server: Mapping[str, Any]) -> str:
+    main = server.get("main") or {}
+    workers = server.get("workers") or {}
+    parts = [f"pid {main.get('pid')}"]
+    if workers.get("expected") is not None:
+        parts.append(f"{workers.get('alive')}/{workers.get('expected')} workers")
+    return ", ".join(parts)
+
+
+def plan_lines(plan: Plan, port: int) -> list[str]:
+    """The plan as printed once per container (``--dry`` stops after it)."""
+    lines = []
+    if plan.last:
+        lines.append(plan.last)
+    if plan.problems:
+        lines.append(f"sglang :{port} REFUSED, nothing touched" + (": " if len(plan.problems) == 1 else ":")
+                     + (plan.problems[0] if len(plan.problems) == 1 else ""))
+        if len(plan.problems) > 1:
+            lines += [f"    - {problem}" for problem in plan.problems]
+        lines += [f"    note: {note}" for note in plan.notes]
+        return lines
+    lines.append(f"sglang :{port} will {plan.action}: {'; '.join(plan.reasons)}")
+    lines += ["    " + line for line in plan.lines]
+    lines += [f"    note: {note}" for note in plan.notes]
+    if plan.steps:
+        lines.append("    steps: " + " -> ".join(plan.steps))
+    return lines
+
+
+# ---------------------------------------------------------------- following the journal
+class Narrator:
+    """Turns the agent's journal events into the lines the operator reads (docs/transition.md,
+    "Progress while waiting"): one per step begin/end, at most one progress line per step every
+    PROGRESS_EVERY_S, and the timings of the run.
+
+    >>> n = Narrator()
+    >>> n.lines({"step": "gate", "phase": "end", "passed": True, "elapsed_s": 0.19, "used_mib": {"0": 0, "1": 0}})
+    ['gate passed in 0.19 s: GPU MiB 0 0, no holder']
+    """
+
+    def __init__(self) -> None:
+        self.last_progress: dict[str, float] = {}
+        self.timings: dict[str, float] = {}
+        self.began: float | None = None
+        self.ended: float | None = None
+        self.step: str | None = None           # the step the agent is in (last event)
+        self.step_began: float | None = None
+        self.capacity: dict[str, Any] | None = None
+        self.tails: dict[str, list[str]] = {}  # target -> the log tail of a crashed load
+        self.outcome: dict[str, Any] | None = None
+        self.gpus: Any = None
+
+    def lines(self, event: Mapping[str, Any]) -> list[str]:
+        step, phase = event.get("step"), event.get("phase")
+        t = event.get("t")
+        if isinstance(t, (int, float)):
+            if self.began is None:
+                self.began = float(t)
+            self.ended = float(t)
+            if step != self.step and phase != "progress":
+                self.step, self.step_began = step, float(t)
+            elif self.step_began is None:
+                self.step, self.step_began = step, float(t)
+        target = event.get("target")
+        prefix = "rollback: " if target == "rollback" else ("cleanup: " if target == "cleanup" else "")
+        if target == "replaces":
+            prefix = f"old server :{event.get('port')}: "
+        if phase == "progress":
+            key = f"{target}:{step}"
+            elapsed = event.get("elapsed_s")
+            if isinstance(elapsed, (int, float)) and elapsed < PROGRESS_EVERY_S:
+                return []  # a wait that ends within its first seconds prints only its end
+            if isinstance(t, (int, float)) and t - self.last_progress.get(key, -1e9) < PROGRESS_EVERY_S:
+                return []
+            if isinstance(t, (int, float)):
+                self.last_progress[key] = float(t)
+            text = self._progress(event)
+            return [prefix + text] if text else []
+        text = self._event(event)
+        if isinstance(text, list):
+            return [prefix + line for line in text]
+        return [prefix + text] if text else []
+
+    def _progress(self, event: Mapping[str, Any]) -> str | None:
+        step = event.get("step")
+        elapsed = event.get("elapsed_s")
+        if step == "drain":
+            return (f"draining: {elapsed:.0f} s, {event.get('alive')} process(es) left" if isinstance(elapsed, (int, float))
+                    else "draining")
+        if step == "gate":
+            problems = "; ".join(event.get("problems") or [])
+            return (f"gate: {elapsed:.0f} s: GPU MiB {_compact(event.get('used_mib'))}" + (f"; {problems}" if problems else ""))
+        if step == "load":
+            state = event.get("state") or "loading"
+            what = {"loading": "loading (port closed)", "starting": "starting (/health 503)",
+                    "generating": "healthy, waiting for the first generation"}.get(state, state)
+            return f"{what}, {elapsed:.0f} s since the start" if isinstance(elapsed, (int, float)) else what
+        return None
+
+    def _event(self, event: Mapping[str, Any]) -> str | list[str] | None:
+        step, phase = event.get("step"), event.get("phase")
+        target = event.get("target")
+        if step == "run" and phase == "begin":
+            recovered = event.get("recovered")
+            if recovered:
+                return (f"recovering run {recovered.get('run')}, whose agent ended during "
+                        f"{recovered.get('last_step') or 'its start'}")
+            return None
+        if step == "adopt":
+            return f"the desired server already runs (pid {event.get('pid')}): waiting for it"
+        if step == "stop" and phase == "begin":
+            if event.get("main"):
+                return f"stopping :{event.get('port')} pid {event.get('main')} ({event.get('tree')} processes): SIGTERM, SGLang's drain"
+            return None
+        if step == "drain" and phase == "end":
+            self.timings.setdefault(f"{target}:drain", float(event.get("elapsed_s") or 0))
+            if event.get("drained"):
+                return f"drained and exited in {_seconds(event.get('elapsed_s'))}"
+            return f"drain deadline passed after {_seconds(event.get('elapsed_s'))}: SIGKILL of the tree"
+        if step == "kill" and phase == "end":
+            parts = []
+            if event.get("killed"):
+                parts.append(f"SIGKILLed {len(event['killed'])} process(es)")
+            if event.get("swept"):
+                parts.append(f"swept {len(event['swept'])} stray server part(s)")
+            if event.get("survivors"):
+                parts.append(f"{len(event['survivors'])} survived SIGKILL: {event['survivors']}")
+            return ", ".join(parts) or None
+        if step == "sweep" and phase == "begin":
+            pids = event.get("pids") or []
+            return "sweeping " + ", ".join(f"{p.get('pid')} ({p.get('why')})" for p in pids[:6]) if pids else None
+        if step == "gate" and phase == "begin":
+            self.gpus = event.get("gpus")
+            return None
+        if step == "gate" and phase == "end":
+            self.timings.setdefault(f"{target}:gate", float(event.get("elapsed_s") or 0))
+            used = _compact(event.get("used_mib"))
+            if event.get("passed"):
+                monitors = event.get("monitors") or []
+                extra = f"; monitor(s) {monitors} not waited for" if monitors else ""
+                return f"gate passed in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}, no holder{extra}"
+            return f"gate did NOT pass in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}; " + "; ".join(event.get("problems") or [])
+        if step == "start" and phase == "end":
+            return f"started pid {event.get('pid')}"
+        if step == "load" and phase == "end":
+            self.timings.setdefault(f"{target}:load", float(event.get("elapsed_s") or 0))
+            state = event.get("state")
+            if state == "ready":
+                return f"healthy and generating after {_seconds(event.get('elapsed_s'))}"
+            tail = [str(line) for line in event.get("log_tail") or []]
+            if tail:
+                self.tails[str(target)] = tail
+            code = event.get("exit_code")
+            what = "crashed" + (f" (exit code {code})" if code is not None else "") if state == "crashed" else f"load {state}"
+            return f"the server {what} after {_seconds(event.get('elapsed_s'))}"
+        if step == "verify" and phase == "end":
+            if event.get("capacity"):
+                self.capacity = dict(event["capacity"])
+            if event.get("ok"):
+                return "verified: the running argv and /get_server_info match the desired flags"
+            return "verify FAILED: " + "; ".join(event.get("problems") or [])
+        if step == "failed":
+            return f"the desired server failed: {event.get('reason')}"
+        if step == "rollback" and phase == "begin":
+            to = event.get("to") or {}
+            argv = " ".join(list(to.get("argv") or [])[3:])
+            return f"rolling back to the last good spec: {argv[:200]}"
+        if step == "rollback" and phase == "end" and not event.get("ok"):
+            return f"the rollback failed too: {event.get('reason')}"
+        if step == "outcome":
+            self.outcome = dict(event)
+            return None
+        return None
+
+    def timing_text(self) -> str:
+        parts = []
+        for key, label in (("desired:drain", "drain"), ("replaces:drain", "old drain"), ("desired:gate", "gate"),
+                           ("desired:load", "load")):
+            if key in self.timings:
+                parts.append(f"{label} {self.timings[key]:.2f} s")
+        return ", ".join(parts)
+
+    def total_s(self) -> float | None:
+        if self.began is None or self.ended is None:
+            return None
+        return round(self.ended - self.began, 2)
+
+    def doing(self, now: float) -> str:
+        """What the container is doing, for an interrupt: ``loading, 12 s``."""
+        step = self.step or "starting"
+        if self.step_began is None:
+            return step
+        return f"{step}, {max(0.0, now - self.step_began):.0f} s"
+
+
+def outcome_lines(outcome: str | None, reasons: Mapping[str, Any] | None, message: str | None, port: int,
+                  narrator: Narrator | None = None) -> tuple[bool, list[str]]:
+    """(succeeded, lines) for a run's outcome. Only ``verified`` succeeds; NOTHING SERVES is loud
+    and gives both reasons; a rollback shows the failed start's log tail."""
+    reasons = dict(reasons or {})
+    tails = narrator.tails if narrator else {}
+    if outcome == "verified":
+        total = narrator.total_s() if narrator else None
+        timing = narrator.timing_text() if narrator else ""
+        text = "done" + (f" in {total:.1f} s" if total is not None else "") + (f" ({timing})" if timing else "")
+        return True, [text]
+    if outcome == "rolled_back":
+        lines = [f"ROLLED BACK: {message or 'the previous server serves again'}"]
+        lines += _tail_lines("log tail of the failed start", tails.get("desired"))
+        return False, lines
+    if outcome == "nothing_serves":
+        lines = ["!" * 78,
+                 f"!! NOTHING SERVES on :{port}",
+                 f"!!   the desired server failed: {reasons.get('desired') or '?'}",
+                 f"!!   the rollback: {reasons.get('rollback') or '?'}",
+                 "!! every port involved was stopped and its GPUs swept; fix the cause and re-run",
+                 "!" * 78]
+        lines += _tail_lines("log tail of the failed start", tails.get("desired"))
+        lines += _tail_lines("log tail of the rollback", tails.get("rollback"))
+        return False, lines
+    if outcome == "refused":
+        return False, [f"refused by the agent, nothing touched: {reasons.get('desired') or message}"]
+    if outcome == "interrupted":
+        return False, [f"the agent ended without an outcome ({message or 'killed?'}); "
+                       f"a re-run recovers the run"]
+    return False, [f"ended with {outcome!r}: {message or ''}"]
+
+
+def _tail_lines(title: str, tail: Sequence[str] | None, keep: int = 15) -> list[str]:
+    if not tail:
+        return []
+    return [f"    {title}:"] + ["    | " + line for line in list(tail)[-keep:]]
