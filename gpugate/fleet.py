@@ -297,7 +297,6 @@ SETTINGS: dict[str, Callable[[Any], Any]] = {
     "rolling": _to_bool,
     "max_failures": _to_count,
     "end_other_gpu_holders": _to_bool,
-    "rollback_to": _to_count,       # the rollback runbook: the k-th newest good spec (1 = newest)
     "min_free_mib": _to_count,      # free space the log and state dirs need before a transition
     "audit_log": _to_optional_path,
     "pve_host": _to_text,
@@ -306,7 +305,7 @@ SETTINGS: dict[str, Callable[[Any], Any]] = {
     "pct_binary": _to_text,
     "pct_ssh_share": _to_count,
     # the runbooks' own (--data on their command line)
-    "rollback_to": _to_rank,
+    "rollback_to": _to_rank,        # the rollback runbook: the k-th newest good spec (1 = newest)
     "format": _to_format,
     "prom": _to_optional_path,
 }
