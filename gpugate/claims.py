@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["ServerClaim", "overlapping_claims", "servers_of_inventory", "gpu_ranges", "LOCK_DIR",
+__all__ = ["ServerClaim", "overlapping_claims", "overlaps_of", "servers_of_inventory", "gpu_ranges", "LOCK_DIR",
            "lock_path", "busy_message"]
 
 # (Proxmox host, vmid, port, the server's GPUs as host GPU indexes)
@@ -87,6 +87,20 @@ def overlapping_claims(servers: Iterable[ServerClaim]) -> list[str]:
                              f":{other_port} (GPU {gpu_ranges(other_gpus)}) claim the same GPU "
                              f"{gpu_ranges(shared)}")
     return lines
+
+
+def overlaps_of(server: ServerClaim, servers: Iterable[ServerClaim]) -> list[str]:
+    """The lines of overlapping_claims that involve ``server`` (one container's refusal at plan
+    time: each container of an overlapping pair is refused, naming the other).
+
+    >>> fleet = [("pve1", 129, 30000, (0, 1)), ("pve1", 130, 30000, (1, 2)), ("pve1", 131, 30000, (3,))]
+    >>> overlaps_of(("pve1", 131, 30000, (3,)), fleet), len(overlaps_of(fleet[0], fleet))
+    ([], 1)
+    """
+    host, vmid, port, _gpus = server
+    me = f"ct {int(vmid)} :{int(port)} "
+    return [line for line in overlapping_claims(servers)
+            if line.startswith(f"{host}: ") and (f": {me}" in line or f" and {me}" in line)]
 
 
 def servers_of_inventory(hosts: Iterable[tuple[str, Mapping[str, Any]]],
