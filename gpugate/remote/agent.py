@@ -756,7 +756,8 @@ def gpu_holders(gpu_doc, skip_pids, redactor):
         gpus = sorted(set(holder.get("gpus") or []))
         memory = bool(gpus) and (holder.get("used_mib") is None or holder.get("used_mib") > 0)
         argv = proc_argv(holder["pid"])
-        out.append({"pid": holder["pid"], "cmdline": redactor.text(" ".join(redact_argv(argv)) or holder.get("cmdline", ""))[:300],
+        stat = proc_stat(holder["pid"])
+        out.append({"pid": holder["pid"], "start_ticks": stat[4] if stat else None, "cmdline": redactor.text(" ".join(redact_argv(argv)) or holder.get("cmdline", ""))[:300],
                     "state": holder.get("state"), "gpus": gpus, "used_mib": holder.get("used_mib"),
                     "memory": memory, "server_part": is_server_part(argv), "client": is_client_argv(argv)})
     return out
@@ -1200,6 +1201,10 @@ def validate_start(doc):
         return "rollback_to must be a SpecDoc, {\"history\": key|index}, {\"running\": true}, \"auto\" or null"
     if doc.get("desired") is None and doc.get("replaces") is not None:
         return "replaces needs a desired server"
+    holders = doc.get("end_gpu_holders") or []
+    if not isinstance(holders, list) or not all(isinstance(h, dict) and isinstance(h.get("pid"), int)
+                                                 and not isinstance(h.get("pid"), bool) for h in holders):
+        return "end_gpu_holders must be a list of {\"pid\": n, \"start_ticks\": n}"
     return None
 
 
@@ -1280,6 +1285,7 @@ class Transition:
             if self.replaces:
                 self._stop(self.replaces["port"], "replaces", self.budgets["drain_timeout_s"])
             self._stop(self.port, "desired", self.budgets["drain_timeout_s"])
+            self._end_gpu_holders()
             if desired is None:
                 return "verified", None, "no server on :%d, as desired" % self.port
             self._start_verified(desired, "desired")
@@ -1513,6 +1519,31 @@ class Transition:
             raise Failure("processes outlived SIGKILL on :%d: %s" % (port, ", ".join(
                 "%d (%s, state %s)" % (pid, " ".join(table.get(pid, {}).get("argv") or [])[:60],
                                        table.get(pid, {}).get("state")) for pid in sorted(waiting))))
+
+    def _end_gpu_holders(self):
+        """``end_gpu_holders``: the GPU holders the operator was shown and agreed to end
+        ([{pid, start_ticks}] from observe's container.gpu_holders): SIGTERM, ``kill_grace_s``,
+        SIGKILL. A pid that is now another process (start time differs) is left alone."""
+        wanted = self.doc.get("end_gpu_holders") or []
+        if not wanted:
+            return
+        own = _own_pids(proc_table())
+        targets = dict((int(item["pid"]), item.get("start_ticks")) for item in wanted
+                       if int(item["pid"]) not in own and int(item["pid"]) > 1 and alive(int(item["pid"]), item.get("start_ticks")))
+        self.event("end_holders", "begin", pids=sorted(targets))
+        for pid, ticks in targets.items():
+            if alive(pid, ticks):
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.time() + float(self.budgets["kill_grace_s"])
+        while time.time() < deadline and any(alive(pid, t) for pid, t in targets.items()):
+            time.sleep(DRAIN_POLL_S)
+        killed = [pid for pid, t in targets.items() if alive(pid, t)]
+        for pid in killed:
+            _kill(pid, targets[pid])
+        self.event("end_holders", "end", terminated=sorted(set(targets) - set(killed)), killed=sorted(killed))
 
     def _gpus_for_port(self, port):
         for spec in (self.desired, self.replaces, self.rollback):

@@ -321,45 +321,54 @@ def test_a_full_journal_dir_does_not_stop_the_transition(lab):
     assert doc["history"]["last"]["run"] == first["run"]
 
 
-BENCH = '''"""Lab copy of a long-running SGLang benchmark client (sglang.bench_serving)."""
-import json, sys, time, urllib.request
-port = int(sys.argv[sys.argv.index("--port") + 1]) if "--port" in sys.argv else 30000
-while True:
-    try:
-        request = urllib.request.Request("http://127.0.0.1:%d/generate" % port, data=json.dumps(
-            {"text": "hi", "sampling_params": {"max_new_tokens": 4}}).encode(), headers={"content-type": "application/json"})
-        urllib.request.urlopen(request, timeout=5).read()
-    except Exception:
-        pass
-    time.sleep(0.2)
-'''
+def test_bench_client_monitor_and_a_process_group_neighbour_survive_a_restart(lab):
+    from tests.e2e.lab_processes import start_bench_client, start_gpu_monitor, start_shared_group_server
 
-
-def test_bench_client_and_a_process_group_neighbour_survive_a_restart(lab):
-    # A server started by hand that shares its process group with another daemon.
-    answer, _ = transition(lab, None, rollback_to=None, port=PORT)
+    answer, _ = transition(lab, None, rollback_to=None, port=PORT)  # nothing on the port
     assert answer["outcome"] == "verified"
-    ct(lab, "[ -e /usr/lib/python3/dist-packages/sglang/bench_serving.py ] || cat > "
-            "/usr/lib/python3/dist-packages/sglang/bench_serving.py", stdin=BENCH)
-    hand = " ".join(shlex.quote(a) for a in argv())
-    ct(lab, f"cd / && SGLANG_STANDIN_LOAD_S=0.3 setsid sh -c {shlex.quote(hand + ' & python3 -m http.server 18080 & wait')}"
-            " >/dev/null 2>&1 < /dev/null &")
-    ct(lab, "setsid python3 -m sglang.bench_serving --backend sglang --port 30000 >/dev/null 2>&1 < /dev/null &")
+    shared = start_shared_group_server(lab, "pve1", 129, port=PORT, http_port=18080)  # by hand, one group
     deadline = time.monotonic() + 20
     while not server(lab)["serving"] and time.monotonic() < deadline:
         time.sleep(0.3)
-    doc = server(lab)
-    assert doc["serving"] and [c for c in doc["clients"] if "bench_serving" in c["cmdline"]]
-    neighbour, bench = pid_of(lab, "^python3 -m http.server 18080"), pid_of(lab, "^python3 -m sglang.bench_serving")
-    assert neighbour and bench
-    main_pgid = doc["main"]["pgid"]
-    assert int(ct(lab, f"ps -o pgid= -p {neighbour[0]}").stdout) == main_pgid  # the same process group
+    bench = start_bench_client(lab, "pve1", 129, port=PORT)
+    monitor = start_gpu_monitor(lab, "pve1", 129)
+    doc = observe(lab)
+    assert doc["sglang"]["serving"] and doc["sglang"]["main"]["pid"] == shared.server_pid
+    assert shared.daemon.pgid() == doc["sglang"]["main"]["pgid"]  # the trap: one process group
+    assert [c["pid"] for c in doc["sglang"]["clients"]] == [bench.pid]
+    holder = [h for h in doc["container"]["gpu_holders"] if h["pid"] == monitor.pid]
+    assert holder and holder[0]["memory"] is False  # holds the device files at 0 MiB: reported only
     answer, events = transition(lab, spec(), restart=True)
     assert answer["outcome"] == "verified", events[-4:]
-    assert pids_alive(lab, neighbour + bench) == sorted(neighbour + bench)
+    assert shared.daemon.alive() and bench.alive() and monitor.alive()
+    assert monitor.pid in step_events(events, "gate", "end")[0]["monitors"]
     swept = [p["pid"] for e in step_events(events, "sweep") for p in e["pids"]]
-    assert not set(swept) & set(neighbour + bench)
-    ct(lab, "pkill -f 'http.server 18080'; pkill -f sglang.bench_serving")
+    assert not set(swept) & {shared.daemon.pid, bench.pid, monitor.pid}
+    for process in (shared.daemon, bench, monitor):
+        process.kill()
+
+
+def test_the_gate_waits_for_this_servers_gpus_only_and_ends_the_holders_it_was_given(lab):
+    from tests.e2e.lab_processes import start_in_container
+
+    ensure_serving(lab, spec())
+    notebook = start_in_container(lab, "pve1", 129, "python3 -m gpugate_gpusim hold --gpu 2 --mib 1000", "notebook")
+    other = start_in_container(lab, "pve1", 129, "python3 -m gpugate_gpusim hold --gpu 6 --mib 1000", "other")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        holders = dict((h["pid"], h) for h in observe(lab)["container"]["gpu_holders"])
+        if notebook.pid in holders and other.pid in holders and holders[other.pid]["gpus"]:
+            break
+        time.sleep(0.2)
+    assert holders[notebook.pid]["gpus"] == [2] and holders[notebook.pid]["memory"] is True
+    assert holders[other.pid]["gpus"] == [6]
+    half = spec("--tp-size", "4", gpus=range(4))  # GPUs 0-3: the holder on GPU 6 is not this server's
+    answer, events = transition(lab, half, end_gpu_holders=[
+        {"pid": notebook.pid, "start_ticks": holders[notebook.pid]["start_ticks"]}])
+    assert answer["outcome"] == "verified", events[-4:]
+    assert not notebook.alive() and other.alive()
+    assert step_events(events, "end_holders", "end")[0]["terminated"] == [notebook.pid]
+    other.kill()
 
 
 def test_dead_workers_are_not_serving(lab):
