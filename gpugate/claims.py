@@ -120,7 +120,9 @@ def servers_of_inventory(hosts: Iterable[tuple[str, Mapping[str, Any]]],
             (h.name, h.data) for h in state.inventory))
     """
     if gpu_set is None:
-        from gpugate.spec import gpu_set  # noqa: PLC0415 -- the controller's spec module
+        from gpugate.spec import gpu_set as spec_gpu_set  # noqa: PLC0415 -- the controller's spec module
+
+        gpu_set = spec_gpu_set
     claims: list[ServerClaim] = []
     for name, data in hosts:
         if not _is_true(data.get("sglang_present", True)):

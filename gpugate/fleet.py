@@ -441,7 +441,7 @@ class _StrictLoader(yaml.SafeLoader):
         # Count the keys written in this mapping before PyYAML prepends the merged ones (it calls
         # this method again for nested merges, so each node is counted before it is flattened).
         if not hasattr(node, "gpugate_written"):
-            node.gpugate_written = sum(1 for key, _value in node.value if key.tag != _MERGE_TAG)
+            setattr(node, "gpugate_written", sum(1 for key, _value in node.value if key.tag != _MERGE_TAG))
         super().flatten_mapping(node)
 
 
