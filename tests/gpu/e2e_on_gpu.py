@@ -1,0 +1,636 @@
+"""The whole transition on a real GPU: every step of issue 15 through the real pyinfra CLI, one JSON.
+
+Run by tests/gpu/run_e2e_on_gpu.sh (which installs the carried wheels and sshd first):
+
+    python3 tests/gpu/e2e_on_gpu.py --results DIR [--simulated] [--budget-s 480]
+
+It starts a lab (``gpugate lab up --gpus real``; ``--simulated``: the simulated GPUs, for rehearsing
+here), starts a side process that polls the GPUs' used memory (NVML v2; the simulated ledger) every
+few ms and records every change, and then runs, each step recorded and none stopping the next:
+
+1. deploy (first start);  2. a flag change shown with --dry, then applied;  3. a converged re-run;
+4. the seeds' kill chain on the lab's Proxmox host, as they typed it over SSH, with what it reached and
+   what the GPU read after; then the same chain with patterns that do not match the shell (what the
+   seeds meant); a deploy brings the desired state back after each;
+5. memory held in another container (fault foreign-holder) -> the deploy refuses before the stop;
+6. a start that crashes (the new environment hides the GPU) -> rollback;
+7. the rollback runbook;  8. the status runbook.
+
+Figures (from the journal's events, the audit log and the poller's samples, all on the machine's
+clock): the physical release time after the server's exit, the gate's overhead over the moment NVML v2
+showed the memory back, each restart split into drain, kill, gate, load and verify, and the tool's
+overhead beyond drain and load. Everything goes to DIR/e2e_results.json, rewritten after every step
+(a run cut short still leaves what it had); the commands' output to DIR/e2e.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+VMID = 129
+HOST = "pve1"
+PORT = 30000
+MAX_USED_MIB = 64
+LAB_DIR = Path(os.environ.get("GPUGATE_E2E_LAB_DIR", "/tmp/gpugate-e2e-lab"))  # no "sglang" in it: pkill -f
+SEEDS_CHAIN = "pkill -f sglang.launch_server; pkill -9 -f sglang; fuser -k /dev/nvidia*"
+MEANT_CHAIN = "pkill -f '[s]glang.launch_server'; pkill -9 -f '[s]glang'; fuser -k /dev/nvidia*"
+PHASES = ("drain", "kill", "sweep", "stop", "gate", "prepare", "start", "load", "verify", "commit", "rollback")
+
+# Runs in the container (its /usr/bin/python3, stdlib): the server as /proc and /health show it.
+CT_PROBE = r"""
+import json, os, urllib.request
+procs = []
+for pid in os.listdir("/proc"):
+    if not pid.isdigit():
+        continue
+    try:
+        argv = open("/proc/%s/cmdline" % pid, "rb").read().split(b"\0")
+    except OSError:
+        continue
+    argv = [a.decode(errors="replace") for a in argv if a]
+    if argv and any("sglang" in a for a in argv[:3]) and int(pid) != os.getpid():
+        procs.append({"pid": int(pid), "argv": argv})
+main = [p for p in procs if "sglang.launch_server" in " ".join(p["argv"][:3]) and "--port" in p["argv"]
+        and p["argv"][p["argv"].index("--port") + 1] == "@PORT@"]
+try:
+    health = urllib.request.urlopen("http://127.0.0.1:@PORT@/health", timeout=5).status
+except Exception as exc:
+    health = getattr(exc, "code", None) or type(exc).__name__
+print(json.dumps({"main": main[0] if main else None, "sglang_procs": procs, "health": health}))
+"""
+
+# Runs on the lab host (its /usr/bin/python3): every process with its cgroup (the container) and cmdline.
+HOST_PS = r"""
+import json, os
+out = []
+for pid in os.listdir("/proc"):
+    if not pid.isdigit():
+        continue
+    try:
+        argv = [a.decode(errors="replace") for a in open("/proc/%s/cmdline" % pid, "rb").read().split(b"\0") if a]
+        cg = open("/proc/%s/cgroup" % pid).read().strip().split("::")[-1]
+        comm = open("/proc/%s/comm" % pid).read().strip()
+    except OSError:
+        continue
+    vmid = None
+    if "/lxc/" in cg:
+        vmid = cg.split("/lxc/")[1].split("/")[0]
+    out.append({"pid": int(pid), "vmid": vmid, "comm": comm, "cmd": " ".join(argv)[:300]})
+print(json.dumps(out))
+"""
+
+# The side process: GPU memory used (v2: reserved memory not counted), sampled every few ms.
+POLLER = r"""
+import json, sys, time
+out_path, mode, arg = sys.argv[1], sys.argv[2], sys.argv[3]
+interval = float(sys.argv[4])
+if mode == "nvml":
+    import pynvml
+    pynvml.nvmlInit()
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    def read():
+        return [pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2).used >> 20 for h in handles]
+else:
+    sys.path.insert(0, arg.split("::")[0])
+    from gpugate.lab.core import gpu_usage
+    from pathlib import Path
+    gdir = Path(arg.split("::")[1])
+    def read():
+        return [g["used_mib"] for g in gpu_usage(gdir)]
+last, beat = None, 0.0
+with open(out_path, "a", buffering=1) as out:
+    while True:
+        now = time.time()
+        try:
+            used = read()
+        except Exception as exc:
+            used = "error: %s" % exc
+        if used != last or now - beat >= 1.0:
+            out.write(json.dumps({"t": round(now, 4), "used": used}) + "\n")
+            last, beat = used, now
+        time.sleep(interval)
+"""
+
+
+class Run:
+    """The results document and the helpers every step uses."""
+
+    def __init__(self, results: Path, simulated: bool, budget_s: float):
+        self.results = results
+        self.simulated = simulated
+        self.deadline = time.monotonic() + budget_s
+        self.log_path = results / "e2e.log"
+        self.doc: dict = {"schema": 1, "mode": "simulated" if simulated else "real",
+                          "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                          "steps": {}, "figures": {}, "transitions": {}, "errors": []}
+        self.env = dict(os.environ)
+        self.env.update({"GPUGATE_LAB_DIR": str(LAB_DIR), "GPUGATE_FLEET": str(LAB_DIR / "fleet.yaml"),
+                         "GPUGATE_AUDIT_LOG": str(results / "audit.jsonl"), "GPUGATE_OPERATOR": "e2e@gpu"})
+        self.poller: subprocess.Popen | None = None
+        self.samples_path = results / "gpu_samples.jsonl"
+        self.flags_base: dict = {}
+        self.server_env: dict = {}
+
+    # ------------------------------------------------------------ bookkeeping
+    def log(self, text: str) -> None:
+        with open(self.log_path, "a") as handle:
+            handle.write(text if text.endswith("\n") else text + "\n")
+
+    def save(self) -> None:
+        self.doc["saved_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        tmp = self.results / ".e2e_results.json.tmp"
+        tmp.write_text(json.dumps(self.doc, indent=1, default=str) + "\n")
+        os.replace(tmp, self.results / "e2e_results.json")
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def step(self, name: str, fn, *args, min_left_s: float = 20.0) -> dict:
+        """Run one step; whatever happens, its record is saved and the run goes on."""
+        record: dict = {"began_at": round(time.time(), 3)}
+        self.doc["steps"][name] = record
+        if self.left_s() < min_left_s:
+            record.update(outcome="skipped", reason=f"budget: {self.left_s():.0f} s left, needs {min_left_s:.0f} s")
+            self.save()
+            return record
+        self.log(f"\n======== step {name} ({self.left_s():.0f} s of budget left)")
+        started = time.monotonic()
+        try:
+            record.update(fn(*args) or {})
+            record.setdefault("outcome", "done")
+        except Exception as exc:  # noqa: BLE001 -- record and go on to the next step
+            record.update(outcome="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+            self.doc["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+            self.log(traceback.format_exc())
+        record["duration_s"] = round(time.monotonic() - started, 3)
+        self.log(f"-------- step {name}: {record.get('outcome')} in {record['duration_s']} s")
+        self.save()
+        return record
+
+    def sh(self, argv: list[str], timeout: float = 120, input: str | None = None, env: dict | None = None) -> dict:
+        """Run a command, log all of it, return rc/out/err/wall (never raises for a failing command)."""
+        timeout = max(5.0, min(timeout, self.left_s() - 5))
+        self.log("$ " + " ".join(shlex.quote(a if len(a) < 300 else a[:120] + "...") for a in argv))
+        began = time.time()
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                                  env=env or self.env, input=input, stdin=None if input is not None else subprocess.DEVNULL)
+            rc, out, err = proc.returncode, proc.stdout, proc.stderr
+        except OSError as exc:  # a missing tool is an outcome too
+            rc, out, err = "not run", "", f"{type(exc).__name__}: {exc}"
+        except subprocess.TimeoutExpired as exc:
+            rc = "timeout"
+            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        ended = time.time()
+        self.log(out + ("\n[stderr]\n" + err if err.strip() else "") + f"[rc={rc} in {ended - began:.2f} s]")
+        return {"rc": rc, "out": out, "err": err, "began": round(began, 4), "ended": round(ended, 4),
+                "wall_s": round(ended - began, 3)}
+
+    # ------------------------------------------------------------ the lab, the container, the GPUs
+    def host_exec(self) -> list[str]:
+        from gpugate.lab import core
+
+        return core.host_exec_argv(LAB_DIR, HOST)
+
+    def ct_state(self) -> dict:
+        res = self.sh(self.host_exec() + ["pct", "exec", str(VMID), "--", "/usr/bin/python3", "-c",
+                                          CT_PROBE.replace("@PORT@", str(PORT))], timeout=30)
+        try:
+            return json.loads(res["out"].strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return {"error": (res["err"] or res["out"])[-500:], "rc": res["rc"]}
+
+    def host_ps(self) -> list[dict]:
+        res = self.sh(self.host_exec() + ["/usr/bin/python3", "-c", HOST_PS], timeout=30)
+        try:
+            return json.loads(res["out"])
+        except ValueError:
+            return []
+
+    def gpu_now(self) -> list:
+        """The GPUs' used MiB now, as the poller reads them (its last sample)."""
+        samples = self.samples()
+        return samples[-1]["used"] if samples else []
+
+    def samples(self) -> list[dict]:
+        try:
+            return [json.loads(line) for line in self.samples_path.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError):
+            return []
+
+    def journal_since(self, since: float) -> list[dict]:
+        """The container's transition journal events (every run file touched since ``since``)."""
+        code = ("import glob, json, os, sys\nout = []\n"
+                "for f in sorted(glob.glob('/var/lib/gpugate/runs/*.jsonl')):\n"
+                "    if os.path.getmtime(f) + 1 < %f: continue\n"
+                "    for line in open(f, errors='replace'):\n"
+                "        try: e = json.loads(line)\n"
+                "        except ValueError: continue\n"
+                "        e['_run'] = os.path.basename(f)[:-6]; out.append(e)\n"
+                "print(json.dumps(out))\n") % since
+        res = self.sh(self.host_exec() + ["pct", "exec", str(VMID), "--", "/usr/bin/python3", "-c", code], timeout=30)
+        try:
+            return [e for e in json.loads(res["out"].strip().splitlines()[-1]) if float(e.get("t", 0)) >= since - 1]
+        except (ValueError, IndexError):
+            return []
+
+    def audit_since(self, since: float) -> list[dict]:
+        path = self.results / "audit.jsonl"
+        events = []
+        try:
+            for line in path.read_text().splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if float(event.get("t", 0)) >= since - 1:
+                    events.append(event)
+        except OSError:
+            pass
+        return events
+
+    # ------------------------------------------------------------ pyinfra
+    def pyinfra(self, target: str, flags: dict | None = None, env: dict | None = None, dry: bool = False,
+                extra: tuple = (), timeout: float = 180) -> dict:
+        argv = [sys.executable, "-m", "pyinfra"] + ([] if dry else ["-y"]) + ["inventory.py", target]
+        argv += ["--data", f"sglang_flags={json.dumps(flags if flags is not None else self.flags_base)}",
+                 "--data", f"sglang_env={json.dumps(self.server_env if env is None else env)}",
+                 "--data", "start_timeout_s=240", "--data", "gpu_gate_timeout_s=60", "--data", "drain_timeout_s=30"]
+        argv += list(extra) + (["--dry"] if dry else [])
+        res = self.sh(argv, timeout=timeout)
+        return res
+
+    def transition(self, name: str, res: dict) -> dict:
+        """The events of one pyinfra call, its phase split and figures; kept under transitions[name]."""
+        journal = self.journal_since(res["began"])
+        audit = self.audit_since(res["began"])
+        figures = transition_figures(journal, audit, self.samples(), res)
+        self.doc["transitions"][name] = {"figures": figures, "journal": compact(journal), "audit": compact(audit)}
+        return figures
+
+
+# ---------------------------------------------------------------- figures (pure)
+
+
+def compact(events: list[dict]) -> list[dict]:
+    """Events without bulky fields (kept: step, phase, t, target, outcome-ish and timing fields)."""
+    keep = ("step", "phase", "t", "target", "outcome", "passed", "drained", "state", "ok", "duration_s",
+            "elapsed_s", "used_mib", "polls", "killed", "pid", "exit_code", "reason", "message", "gpu_used_mib",
+            "timings", "_run")
+    return [{k: e[k] for k in keep if k in e} for e in events]
+
+
+def phase_spans(events: list[dict]) -> list[dict]:
+    """begin/end pairs per (step, target), in order: [{"step", "target", "begin", "end", "s"}].
+
+    >>> phase_spans([{"step": "gate", "phase": "begin", "t": 1.0}, {"step": "gate", "phase": "end", "t": 1.25}])
+    [{'step': 'gate', 'target': None, 'begin': 1.0, 'end': 1.25, 's': 0.25}]
+    """
+    open_: dict = {}
+    spans = []
+    for event in sorted(events, key=lambda e: float(e.get("t", 0))):
+        key = (event.get("step"), event.get("target"), event.get("_run"))
+        if event.get("phase") == "begin":
+            open_[key] = float(event["t"])
+        elif event.get("phase") == "end":
+            begin = open_.pop(key, None)
+            duration = event.get("duration_s")
+            if begin is None and isinstance(duration, (int, float)):
+                begin = float(event["t"]) - float(duration)
+            if begin is not None:
+                spans.append({"step": event.get("step"), "target": event.get("target"), "begin": round(begin, 4),
+                              "end": round(float(event["t"]), 4), "s": round(float(event["t"]) - begin, 4)})
+    return spans
+
+
+def first_free_after(samples: list[dict], t0: float, max_used: int = MAX_USED_MIB) -> float | None:
+    """The first poller sample at or after t0 in which every GPU reads <= max_used MiB.
+
+    >>> first_free_after([{"t": 1, "used": [900]}, {"t": 2, "used": [10]}, {"t": 3, "used": [0]}], 1.5)
+    2
+    """
+    for sample in samples:
+        used = sample.get("used")
+        if sample["t"] >= t0 and isinstance(used, list) and used and all(u <= max_used for u in used):
+            return sample["t"]
+    return None
+
+
+def last_held_before(samples: list[dict], t1: float, max_used: int = MAX_USED_MIB) -> float | None:
+    """The last sample before t1 in which some GPU still read above max_used (the poller's bracket)."""
+    held = None
+    for sample in samples:
+        used = sample.get("used")
+        if sample["t"] < t1 and isinstance(used, list) and any(u > max_used for u in used):
+            held = sample["t"]
+    return held
+
+
+def transition_figures(journal: list[dict], audit: list[dict], samples: list[dict], res: dict) -> dict:
+    """Phase split (desired target first), release and gate figures, overhead beyond drain and load."""
+    spans = phase_spans(journal) or phase_spans(audit)
+    source = "journal" if phase_spans(journal) else ("audit" if spans else None)
+    first: dict = {}
+    for span in spans:
+        first.setdefault(span["step"], span)  # the first of each step: the desired server's transition
+    figures: dict = {"source": source, "pyinfra_wall_s": res.get("wall_s"), "rc": res.get("rc"),
+                     "phases_s": {k: first[k]["s"] for k in PHASES if k in first},
+                     "spans": spans}
+    drain = first.get("drain") or first.get("stop")
+    kill = first.get("kill")
+    exit_t = max([s["end"] for s in (drain, kill) if s] or [0]) or None
+    gate = first.get("gate")
+    if exit_t:
+        freed = first_free_after(samples, exit_t - 5.0) if samples else None
+        if freed is not None and freed < exit_t:
+            freed = first_free_after(samples, exit_t)
+        figures["server_exit_t"] = exit_t
+        figures["memory_back_t"] = freed
+        if freed is not None:
+            figures["release_after_exit_s"] = round(freed - exit_t, 4)
+            held = last_held_before(samples, freed)
+            figures["release_bracket_s"] = [round(held - exit_t, 4) if held else None, round(freed - exit_t, 4)]
+        if gate and freed is not None:
+            figures["gate_pass_t"] = gate["end"]
+            figures["gate_overhead_s"] = round(gate["end"] - freed, 4)
+    load = first.get("load")
+    drain_s = drain["s"] if drain else 0.0
+    load_s = load["s"] if load else 0.0
+    if isinstance(res.get("wall_s"), (int, float)) and (drain or load):
+        figures["tool_overhead_beyond_drain_and_load_s"] = round(res["wall_s"] - drain_s - load_s, 3)
+    if drain and first.get("verify"):
+        figures["restart_in_container_s"] = round(first["verify"]["end"] - drain["begin"], 3)
+    return figures
+
+
+def summary_of(res: dict, n: int = 4000) -> dict:
+    return {"rc": res["rc"], "wall_s": res["wall_s"], "out_tail": (res["out"] + res["err"])[-n:]}
+
+
+# ---------------------------------------------------------------- the steps
+
+
+def step_lab_up(run: Run) -> dict:
+    from gpugate.lab import core
+
+    if LAB_DIR.exists():  # a fresh lab: no history of an earlier run in the containers
+        core.down(LAB_DIR)
+        shutil.rmtree(LAB_DIR)
+    argv = [sys.executable, "-m", "gpugate.cli", "lab", "--dir", str(LAB_DIR), "up", "--hosts", "1"]
+    argv += ["--gpus", "1", "--gpu-mib", "143771"] if run.simulated else ["--gpus", "real"]
+    res = run.sh(argv, timeout=120)
+    if res["rc"] != 0:
+        raise RuntimeError("lab up failed: " + (res["err"] or res["out"])[-1000:])
+    state = core.status(LAB_DIR)
+    host = state["hosts"][0]
+    gpus = len(host.get("gpus") or []) or 1
+    fleet = (LAB_DIR / "fleet.yaml").read_text()
+    run.flags_base = {"tp": gpus, "mem-fraction-static": 0.88}
+    run.server_env = {"SGLANG_STANDIN_LOAD_S": "0.5"} if run.simulated else {}
+    nvidia = run.sh(run.host_exec() + ["pct", "exec", str(VMID), "--", "nvidia-smi"], timeout=60)
+    return {"lab_up": summary_of(res, 2000), "gpu_mode": host.get("gpu_mode"), "gpus": host.get("gpus"),
+            "fleet": fleet, "container_nvidia_smi": summary_of(nvidia, 3000)}
+
+
+def start_poller(run: Run) -> dict:
+    if run.simulated:
+        mode, arg, interval = "sim", f"{REPO}::{LAB_DIR / 'hosts' / HOST / 'gpu'}", 0.005
+    else:
+        mode, arg, interval = "nvml", "-", 0.002
+    run.poller = subprocess.Popen([sys.executable, "-c", POLLER, str(run.samples_path), mode, arg, str(interval)],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=open(run.results / "poller.err", "a"), start_new_session=True, env=run.env)
+    time.sleep(1.5)
+    samples = run.samples()
+    if not samples:
+        raise RuntimeError("the GPU poller wrote nothing: " + (run.results / "poller.err").read_text()[-500:])
+    return {"poller": {"mode": mode, "interval_s": interval, "pid": run.poller.pid}, "first_sample": samples[0]}
+
+
+def step_deploy(run: Run) -> dict:
+    res = run.pyinfra("deploy.py")
+    figures = run.transition("1_deploy", res)
+    state = run.ct_state()
+    return {"pyinfra": summary_of(res), "figures": figures, "server": state, "gpu_used_mib_after": run.gpu_now(),
+            "outcome": "served" if res["rc"] == 0 and state.get("health") == 200 else "failed"}
+
+
+def step_flag_change(run: Run) -> dict:
+    changed = dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"})
+    before = run.ct_state()
+    dry = run.pyinfra("deploy.py", flags=changed, dry=True, timeout=90)
+    after_dry = run.ct_state()
+    applied = run.pyinfra("deploy.py", flags=changed)
+    figures = run.transition("2_flag_change", applied)
+    after = run.ct_state()
+    argv = (after.get("main") or {}).get("argv") or []
+    text = dry["out"] + dry["err"]
+    return {"dry": summary_of(dry), "dry_shows_the_diff": "--kv-cache-dtype" in text and "fp8_e4m3" in text,
+            "dry_touched_nothing": (before.get("main") or {}).get("pid") == (after_dry.get("main") or {}).get("pid"),
+            "applied": summary_of(applied), "figures": figures, "server": after,
+            "running_has_new_flag": "fp8_e4m3" in argv,
+            "outcome": "changed" if applied["rc"] == 0 and "fp8_e4m3" in argv and after.get("health") == 200 else "failed"}
+
+
+def step_converged(run: Run) -> dict:
+    changed = dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"})
+    before = run.ct_state()
+    res = run.pyinfra("deploy.py", flags=changed)
+    after = run.ct_state()
+    same = (before.get("main") or {}).get("pid") is not None and \
+        (before.get("main") or {}).get("pid") == (after.get("main") or {}).get("pid")
+    return {"pyinfra": summary_of(res), "server_pid_unchanged": same,
+            "no_changes_said": bool(re.search(r"no changes", res["out"] + res["err"], re.I)),
+            "outcome": "converged" if res["rc"] == 0 and same else "failed"}
+
+
+def kill_chain(run: Run, chain: str) -> dict:
+    """The chain over SSH on the lab host, as typed; what it reached and what the GPU read after."""
+    from gpugate.lab import core
+
+    before_ps = run.host_ps()
+    state_before = run.ct_state()
+    gpu_before = run.gpu_now()
+    res = run.sh(core.ssh_argv(LAB_DIR, HOST) + [chain], timeout=60)
+    time.sleep(2.0)
+    after_ps = run.host_ps()
+    alive_after = {p["pid"] for p in after_ps}
+    reached = [p for p in before_ps if p["pid"] not in alive_after]
+    survivors = [p for p in after_ps if "sglang" in p["cmd"] or p["comm"].startswith("sglang")]
+    samples = run.samples()
+    freed = first_free_after(samples, res["began"])
+    smi = run.sh(run.host_exec() + ["nvidia-smi", "--query-gpu=index,memory.used,memory.total",
+                                    "--format=csv,noheader,nounits"], timeout=30)
+    state_after = run.ct_state()
+    return {
+        "chain": chain, "ssh": summary_of(res, 2000),
+        "shell_killed_by_its_own_pattern": res["rc"] in (255, 143, 137, -9, -15),
+        "reached": reached, "sglang_survivors": survivors,
+        "server_before": state_before, "server_after": state_after,
+        "gpu_used_mib_before": gpu_before, "gpu_used_mib_2s_after": run.gpu_now(),
+        "nvidia_smi_after": smi["out"].strip(),
+        "memory_back_after_chain_start_s": round(freed - res["began"], 4) if freed else None,
+    }
+
+
+def step_kill_chain(run: Run, chain: str, label: str) -> dict:
+    result = kill_chain(run, chain)
+    restore = run.pyinfra("deploy.py", flags=dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"}))
+    result["restore_deploy"] = summary_of(restore)
+    result["restore_figures"] = run.transition(f"4_{label}_restore", restore)
+    state = run.ct_state()
+    result["server_restored"] = state
+    result["outcome"] = "restored" if restore["rc"] == 0 and state.get("health") == 200 else "not restored"
+    return result
+
+
+def step_foreign(run: Run) -> dict:
+    fault = run.sh([sys.executable, "-m", "gpugate.cli", "lab", "--dir", str(LAB_DIR), "fault", "--host", HOST,
+                    "--vmid", str(VMID), "foreign-holder"], timeout=200)
+    held = run.gpu_now()
+    before = run.ct_state()
+    desired = dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True})
+    res = run.pyinfra("deploy.py", flags=desired, timeout=120)
+    after = run.ct_state()
+    same = (before.get("main") or {}).get("pid") is not None and \
+        (before.get("main") or {}).get("pid") == (after.get("main") or {}).get("pid")
+    clear = run.sh([sys.executable, "-m", "gpugate.cli", "lab", "--dir", str(LAB_DIR), "fault", "--host", HOST,
+                    "--vmid", str(VMID), "--clear", "foreign-holder"], timeout=60)
+    time.sleep(1.0)
+    text = res["out"] + res["err"]
+    return {"fault": summary_of(fault, 1500), "gpu_used_mib_with_holder": held, "pyinfra": summary_of(res),
+            "refused": res["rc"] != 0, "server_pid_unchanged": same, "server_after": after,
+            "message_names_outside_memory": bool(re.search(r"outside|another container|foreign|not this container",
+                                                           text, re.I)),
+            "clear": summary_of(clear, 1000), "gpu_used_mib_after_clear": run.gpu_now(),
+            "outcome": "refused before the stop" if res["rc"] != 0 and same and after.get("health") == 200 else "unexpected"}
+
+
+def step_crash_rollback(run: Run) -> dict:
+    changed = dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"})
+    # real GPUs: the new environment hides the GPU, so the new server's CUDA init fails for real;
+    # simulated: the stand-in cannot parse its load time (the lab's crash at start)
+    crash_env = dict(run.server_env, **({"SGLANG_STANDIN_LOAD_S": "not-a-number"} if run.simulated
+                                        else {"CUDA_VISIBLE_DEVICES": "99"}))
+    before = run.ct_state()
+    res = run.pyinfra("deploy.py", flags=changed, env=crash_env)
+    figures = run.transition("6_crash_rollback", res)
+    after = run.ct_state()
+    text = res["out"] + res["err"]
+    argv_before = (before.get("main") or {}).get("argv")
+    argv_after = (after.get("main") or {}).get("argv")
+    return {"crash_env": {k: v for k, v in crash_env.items()}, "pyinfra": summary_of(res, 6000), "figures": figures,
+            "server_before": before, "server_after": after, "same_argv_after": argv_before == argv_after,
+            "rolled_back_said": bool(re.search(r"roll(ed)?[ _-]?back|previous server", text, re.I)),
+            "outcome": "rolled back" if res["rc"] != 0 and after.get("health") == 200 and argv_before
+            and argv_before == argv_after else "unexpected"}
+
+
+def step_rollback_runbook(run: Run) -> dict:
+    before = run.ct_state()
+    res = run.pyinfra("runbooks/rollback.py", flags=dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"}),
+                      extra=("--limit", f"@pct/{HOST}:{VMID}"))
+    figures = run.transition("7_rollback_runbook", res)
+    after = run.ct_state()
+    argv = (after.get("main") or {}).get("argv") or []
+    return {"pyinfra": summary_of(res), "figures": figures, "server_before": before, "server_after": after,
+            "kv_cache_dtype_after": argv[argv.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in argv else None,
+            "outcome": "rolled back" if res["rc"] == 0 and after.get("health") == 200 else "failed"}
+
+
+def step_status(run: Run) -> dict:
+    res = run.pyinfra("runbooks/status.py", flags=dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"}), timeout=90)
+    return {"pyinfra": summary_of(res, 6000), "table": res["out"][-4000:],
+            "outcome": "shown" if res["rc"] == 0 else "failed"}
+
+
+def machine_info(run: Run) -> dict:
+    info: dict = {"python": sys.version.split()[0], "kernel": platform.release(), "repo_head": None}
+    head = run.sh(["git", "log", "-1", "--format=%h %s"], timeout=10)
+    info["repo_head"] = head["out"].strip()[:200]
+    smi = run.sh(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total,memory.used",
+                  "--format=csv,noheader"], timeout=30)
+    info["nvidia_smi"] = smi["out"].strip() or smi["err"].strip()[:300]
+    torch = run.sh([sys.executable, "-c", "import torch; print(torch.__version__, torch.version.cuda, "
+                                          "torch.cuda.is_available())"], timeout=60)
+    info["torch"] = (torch["out"] or torch["err"]).strip()[-300:]
+    return info
+
+
+def summarize(run: Run) -> None:
+    """The figures the issue asks for, from the flag change (a full drain -> verify restart) and the others."""
+    figures: dict = {}
+    for name, transition in run.doc["transitions"].items():
+        f = transition["figures"]
+        figures[name] = {k: f.get(k) for k in ("pyinfra_wall_s", "rc", "phases_s", "release_after_exit_s",
+                                               "release_bracket_s", "gate_overhead_s", "restart_in_container_s",
+                                               "tool_overhead_beyond_drain_and_load_s")}
+    run.doc["figures"] = figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--results", type=Path, required=True)
+    parser.add_argument("--simulated", action="store_true", help="rehearse on the simulated lab (no GPU)")
+    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPUGATE_E2E_BUDGET_S", "480")))
+    parser.add_argument("--no-meant-chain", action="store_true", help="skip the second kill chain")
+    args = parser.parse_args(argv)
+    args.results.mkdir(parents=True, exist_ok=True)
+    run = Run(args.results, args.simulated, args.budget_s)
+    run.save()
+    try:
+        try:
+            run.doc["machine"] = machine_info(run)
+        except Exception as exc:  # noqa: BLE001
+            run.doc["machine"] = {"error": repr(exc)}
+        lab = run.step("0_lab_up", step_lab_up, run, min_left_s=0)
+        if lab.get("outcome") != "done":
+            return 1
+        run.step("0_poller", start_poller, run, min_left_s=0)
+        run.step("1_deploy", step_deploy, run)
+        run.step("2_flag_change", step_flag_change, run)
+        run.step("3_converged", step_converged, run)
+        run.step("4_seeds_kill_chain", step_kill_chain, run, SEEDS_CHAIN, "seeds", min_left_s=90)
+        if not args.no_meant_chain:
+            run.step("4b_meant_kill_chain", step_kill_chain, run, MEANT_CHAIN, "meant", min_left_s=150)
+        run.step("5_foreign_memory", step_foreign, run, min_left_s=60)
+        run.step("6_crash_rollback", step_crash_rollback, run, min_left_s=60)
+        run.step("7_rollback_runbook", step_rollback_runbook, run, min_left_s=45)
+        run.step("8_status_runbook", step_status, run, min_left_s=10)
+    finally:
+        summarize(run)
+        if run.poller:
+            os.killpg(run.poller.pid, signal.SIGKILL)
+        run.doc["samples"] = len(run.samples())
+        run.doc["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        run.save()
+        if os.environ.get("GPUGATE_E2E_KEEP_LAB") != "1":
+            from gpugate.lab import core
+
+            try:
+                core.down(LAB_DIR)
+            except Exception as exc:  # noqa: BLE001
+                run.log(f"lab down: {exc}")
+    outcomes = {name: step.get("outcome") for name, step in run.doc["steps"].items()}
+    print(json.dumps({"outcomes": outcomes, "figures": run.doc["figures"], "errors": run.doc["errors"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
