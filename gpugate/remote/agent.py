@@ -60,7 +60,8 @@ DRAIN_POLL_S = 0.02
 GATE_POLL_S = 0.05
 LOAD_POLL_S = 0.1
 DEFAULT_BUDGETS = {"drain_timeout_s": 60.0, "kill_grace_s": 10.0, "gate_timeout_s": 120.0,
-                   "start_timeout_s": 2700.0, "max_used_mib": 64, "generate_timeout_s": 30.0}
+                   "start_timeout_s": 2700.0, "max_used_mib": 64, "generate_timeout_s": 30.0,
+                   "rollback_start_timeout_s": None}  # None: start_timeout_s
 SHM_PREFIXES = ("psm_", "sgl_shm_", "multi_tokenizer_args_")
 TITLE_PREFIXES = ("sglang::scheduler", "sglang::detokenizer", "sglang::data_parallel_controller",
                   "sglang::tokenizer_worker")
@@ -375,6 +376,13 @@ def argv_port(argv):
     return _flag_int(argv, DEFAULT_PORT, "--port")
 
 
+def argv_token(argv, admin=False):
+    """The key a request to this server needs: --admin-api-key first for admin endpoints."""
+    if admin:
+        return _flag_value(argv, "--admin-api-key") or _flag_value(argv, "--api-key")
+    return _flag_value(argv, "--api-key")
+
+
 def argv_host(argv):
     return _flag_value(argv, "--host") or "127.0.0.1"
 
@@ -561,8 +569,9 @@ def sglang_version():
 
 
 # ==================================================================================== HTTP (raw socket: no urllib import)
-def http_get(host, port, path, timeout=3.0):
-    """(status, body) or (None, error text). 503 is an answer, not an error."""
+def http_get(host, port, path, timeout=3.0, token=None):
+    """(status, body) or (None, error text). 503 is an answer, not an error. ``token``: the
+    server's --api-key / --admin-api-key, sent as a bearer token (never printed)."""
     import socket
 
     deadline = time.time() + timeout
@@ -571,7 +580,9 @@ def http_get(host, port, path, timeout=3.0):
     except OSError as error:
         return None, "%s: %s" % (type(error).__name__, error)
     try:
-        conn.sendall(("GET %s HTTP/1.0\r\nHost: 127.0.0.1:%d\r\nConnection: close\r\n\r\n" % (path, int(port))).encode())
+        auth = "Authorization: Bearer %s\r\n" % token if token else ""
+        conn.sendall(("GET %s HTTP/1.0\r\nHost: 127.0.0.1:%d\r\n%sConnection: close\r\n\r\n"
+                      % (path, int(port), auth)).encode())
         chunks, size = [], 0
         while size < 4 * 1024 * 1024:
             conn.settimeout(max(0.05, deadline - time.time()))
@@ -598,21 +609,24 @@ def http_get(host, port, path, timeout=3.0):
     return int(parts[1]), body.decode("utf-8", "replace")
 
 
-def health(host, port, generate=False, timeout=3.0, generate_timeout=30.0):
-    status, error = http_get(host, port, "/health", timeout)
+def health(host, port, generate=False, timeout=3.0, generate_timeout=30.0, token=None):
+    status, error = http_get(host, port, "/health", timeout, token)
     doc = {"health": status, "health_error": error if status is None else None,
            "health_generate": None, "health_generate_error": None}
     if generate and status == 200:
-        code, error = http_get(host, port, "/health_generate", generate_timeout)
+        code, error = http_get(host, port, "/health_generate", generate_timeout, token)
         doc["health_generate"] = code
         doc["health_generate_error"] = error if code is None else None
     return doc
 
 
-def server_info(host, port, timeout=3.0, keys=None):
-    """/get_server_info (newer: /server_info): the resolved args, or an error."""
+def server_info(host, port, timeout=3.0, keys=None, token=None):
+    """/get_server_info (newer: /server_info): the resolved args, or an error (``status`` 401/403:
+    the admin key is needed and we do not have it)."""
     for path in ("/get_server_info", "/server_info"):
-        status, body = http_get(host, port, path, timeout)
+        status, body = http_get(host, port, path, timeout, token)
+        if status in (401, 403):
+            return {"path": path, "error": "unauthorized (%d)" % status, "status": status, "args": None}
         if status == 200:
             try:
                 info = json.loads(body)
@@ -1051,9 +1065,10 @@ def observe(args):
         server["gpus"] = gpus
         server["workers"] = workers_of(table, tree, len(gpus) if gpus is not None else None)
     if inodes:
-        server["health"] = health(host, port, generate=bool(args.get("generate")))
+        main_argv = main["argv"] if main else []
+        server["health"] = health(host, port, generate=bool(args.get("generate")), token=argv_token(main_argv))
         if server["health"]["health"] == 200:
-            info = server_info(host, port, keys=args.get("info_keys") or INFO_KEYS)
+            info = server_info(host, port, keys=args.get("info_keys") or INFO_KEYS, token=argv_token(main_argv, True))
             server["server_info"] = redactor.deep(info)
     else:
         server["health"] = {"health": None, "health_error": "port %d not listening" % port,
@@ -1202,9 +1217,10 @@ def validate_start(doc):
     if doc.get("desired") is None and doc.get("replaces") is not None:
         return "replaces needs a desired server"
     holders = doc.get("end_gpu_holders") or []
-    if not isinstance(holders, list) or not all(isinstance(h, dict) and isinstance(h.get("pid"), int)
-                                                 and not isinstance(h.get("pid"), bool) for h in holders):
-        return "end_gpu_holders must be a list of {\"pid\": n, \"start_ticks\": n}"
+    if not isinstance(holders, list) or not all(
+            isinstance(h.get("pid") if isinstance(h, dict) else h, int)
+            and not isinstance(h.get("pid") if isinstance(h, dict) else h, bool) for h in holders):
+        return "end_gpu_holders must be a list of pids or {\"pid\": n, \"start_ticks\": n}"
     return None
 
 
@@ -1278,10 +1294,9 @@ class Transition:
                     info = self._verify(desired, running, "desired")
                     self._commit(desired, info)
                     return "verified", None, "the desired server serves (already running), verified"
-                except Failure as failure:
-                    return self._after_failure(str(failure))
+                except Exception as error:  # noqa: BLE001 - ours too: every path after the stop ends in an outcome
+                    return self._after_failure(_reason(error))
         try:
-            self._end_holders()
             if self.replaces:
                 self._stop(self.replaces["port"], "replaces", self.budgets["drain_timeout_s"])
             self._stop(self.port, "desired", self.budgets["drain_timeout_s"])
@@ -1290,33 +1305,10 @@ class Transition:
                 return "verified", None, "no server on :%d, as desired" % self.port
             self._start_verified(desired, "desired")
             return "verified", None, "the desired server serves, verified"
-        except Failure as failure:
-            return self._after_failure(str(failure))
-
-    def _end_holders(self):
-        """``end_gpu_holders``: processes with memory on this server's GPUs that the operator let
-        us end (``--data end_other_gpu_holders=true``; the controller names them). SIGTERM, then
-        SIGKILL after ``kill_grace_s``; pid 1 and the agent's own are never among them."""
-        table = proc_table()
-        own = _own_pids(table)
-        targets = dict((pid, table[pid]["start_ticks"]) for pid in (self.doc.get("end_gpu_holders") or [])
-                       if isinstance(pid, int) and pid in table and pid > 1 and pid not in own)
-        if not targets:
-            return
-        self.touched = True
-        self.event("end_holders", "begin", pids=sorted(targets))
-        for pid, ticks in targets.items():
-            if alive(pid, ticks):
-                try:
-                    os.kill(pid, signal.SIGTERM)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        deadline = time.time() + float(self.budgets["kill_grace_s"])
-        while time.time() < deadline and any(alive(pid, ticks) for pid, ticks in targets.items()):
-            time.sleep(DRAIN_POLL_S)
-        for pid, ticks in targets.items():
-            _kill(pid, ticks)
-        self.event("end_holders", "end", pids=sorted(targets))
+        except Exception as error:  # noqa: BLE001 - a Failure, or an exception of our own: both roll back
+            if not self.touched:
+                raise
+            return self._after_failure(_reason(error))
 
     def _after_failure(self, reason):
         self.event("failed", "end", target="desired", reason=reason)
@@ -1333,9 +1325,9 @@ class Transition:
             self.event("rollback", "end", ok=True)
             return ("rolled_back", {"desired": reason},
                     "the desired server failed (%s); the previous server serves again, verified" % reason)
-        except Failure as failure:
-            self.event("rollback", "end", ok=False, reason=str(failure))
-            return self._cleanup_outcome(reason, "rollback failed: %s" % failure)
+        except Exception as error:  # noqa: BLE001
+            self.event("rollback", "end", ok=False, reason=_reason(error))
+            return self._cleanup_outcome(reason, "rollback failed: %s" % _reason(error))
 
     def _cleanup_outcome(self, reason, rollback_reason):
         notes = []
@@ -1419,7 +1411,7 @@ class Transition:
         # roll back to, e.g. a server started by hand before gpugate).
         gpus = spec["gpus"]
         workers = workers_of(table, tree, len(gpus) if gpus is not None else None)
-        if health(argv_host(main["argv"]), port)["health"] == 200 and workers["dead"] == 0:
+        if health(argv_host(main["argv"]), port, token=argv_token(main["argv"]))["health"] == 200 and workers["dead"] == 0:
             spec["_serving"] = True
             self._add_good(spec, None, by="observed serving")
         return spec
@@ -1524,12 +1516,14 @@ class Transition:
         """``end_gpu_holders``: the GPU holders the operator was shown and agreed to end
         ([{pid, start_ticks}] from observe's container.gpu_holders): SIGTERM, ``kill_grace_s``,
         SIGKILL. A pid that is now another process (start time differs) is left alone."""
-        wanted = self.doc.get("end_gpu_holders") or []
+        wanted = [item if isinstance(item, dict) else {"pid": item} for item in self.doc.get("end_gpu_holders") or []]
         if not wanted:
             return
         own = _own_pids(proc_table())
         targets = dict((int(item["pid"]), item.get("start_ticks")) for item in wanted
                        if int(item["pid"]) not in own and int(item["pid"]) > 1 and alive(int(item["pid"]), item.get("start_ticks")))
+        targets = dict((pid, ticks if ticks is not None else (proc_stat(pid) or (None,) * 5)[4])
+                       for pid, ticks in targets.items())
         self.event("end_holders", "begin", pids=sorted(targets))
         for pid, ticks in targets.items():
             if alive(pid, ticks):
@@ -1680,7 +1674,7 @@ class Transition:
         self.event("start", "begin", target=target, port=port, supervisor=spec.get("supervisor") or "process",
                    argv=redact_argv(spec["argv"], tuple(SECRET_FLAGS) + tuple(spec.get("secret_flags") or ())))
         if spec.get("supervisor") == "systemd":
-            pid = self._start_systemd(spec)
+            pid = self._start_systemd(spec, target)
             offset = None
         else:
             pid, offset = self._start_process(spec, target)
@@ -1756,8 +1750,10 @@ class Transition:
             raise Failure("cannot write the pid file %s: %s" % (paths(port)["pid"], error))
         return child.pid, offset
 
-    def _start_systemd(self, spec):
+    def _start_systemd(self, spec, target):
         unit = paths(spec["port"])["unit_name"]
+        handle, _ = self._open_log(spec["port"], target)  # 0600 before systemd appends to it
+        handle.close()
         for command in (["daemon-reload"], ["reset-failed", unit], ["start", unit]):
             ok, output = _systemctl(*command)
             if not ok and command[0] != "reset-failed":
@@ -1778,10 +1774,13 @@ class Transition:
         start timeout."""
         port, host = spec["port"], argv_host(spec["argv"])
         began = time.time()
-        deadline = began + self.budgets["start_timeout_s"]
+        timeout = self.budgets["start_timeout_s"]
+        if target == "rollback" and self.budgets.get("rollback_start_timeout_s"):
+            timeout = self.budgets["rollback_start_timeout_s"]
+        deadline = began + timeout
         ticks = (proc_stat(pid) or (None,) * 5)[4]
         phase = "loading"
-        self.event("load", "begin", target=target, port=port, pid=pid, timeout_s=self.budgets["start_timeout_s"])
+        self.event("load", "begin", target=target, port=port, pid=pid, timeout_s=timeout)
         while True:
             self._reap()
             if not alive(pid, ticks):
@@ -1793,10 +1792,11 @@ class Transition:
                     phase, " with code %s" % code if code is not None else "",
                     ": " + tail[-1] if tail else ""))
             if listeners(port):
-                status, _ = http_get(host, port, "/health", 5.0)
+                status, _ = http_get(host, port, "/health", 5.0, argv_token(spec["argv"]))
                 phase = "starting" if status != 200 else "generating"
                 if status == 200:
-                    generated, error = http_get(host, port, "/health_generate", self.budgets["generate_timeout_s"])
+                    generated, error = http_get(host, port, "/health_generate", self.budgets["generate_timeout_s"],
+                                                argv_token(spec["argv"]))
                     if generated == 200:
                         self.event("load", "end", target=target, port=port, state="ready",
                                    elapsed_s=round(time.time() - began, 2))
@@ -1807,7 +1807,7 @@ class Transition:
                 tail = self._tail(port, log_offset)
                 self.event("load", "end", target=target, port=port, state="timeout", last_state=phase,
                            elapsed_s=round(time.time() - began, 2), log_tail=tail)
-                raise Failure("the server was not healthy within %gs (still %s)" % (self.budgets["start_timeout_s"], phase))
+                raise Failure("the server was not healthy within %gs (still %s)" % (timeout, phase))
             self.progress("load", target=target, port=port, state=phase, elapsed_s=round(time.time() - began, 1))
             time.sleep(LOAD_POLL_S)
 
@@ -1828,9 +1828,11 @@ class Transition:
         workers = workers_of(table, tree, len(gpus) if gpus is not None else None)
         if workers["expected"] is not None and (workers["alive"] < workers["expected"] or workers["zombies"]):
             problems.append("%d of %d scheduler workers alive" % (workers["alive"], workers["expected"]))
-        info = server_info(argv_host(spec["argv"]), spec["port"], timeout=10.0)
+        info = server_info(argv_host(spec["argv"]), spec["port"], timeout=10.0, token=argv_token(spec["argv"], True))
         args = info.get("args") or {}
-        if info.get("error"):
+        if info.get("status") in (401, 403):
+            self.warnings.append("verify: /get_server_info %s; the argv was verified from /proc" % info["error"])
+        elif info.get("error"):
             problems.append("server info: %s" % info["error"])
         else:
             expect = {"port": spec["port"]}
@@ -1902,6 +1904,15 @@ class Transition:
                 save_history(port, doc)
             except OSError as error:
                 self.warnings.append("history not written: %s" % error)
+
+
+def _reason(error):
+    """What the operator reads for a failure: a Failure's own text, else the exception named."""
+    if isinstance(error, Failure):
+        return str(error)
+    if isinstance(error, OSError) and error.strerror:
+        return "agent error: %s (%s)" % (error.strerror, error.filename or type(error).__name__)
+    return "agent error: %s: %s" % (type(error).__name__, error)
 
 
 def _clean_spec(spec):

@@ -190,7 +190,7 @@ def test_crash_at_start_rolls_back_to_the_previous_server(lab):
 
 def test_never_healthy_rolls_back(lab):
     ensure_serving(lab, spec())
-    answer, events = transition(lab, spec(env={"SGLANG_STANDIN_LOAD_S": "60"}), budgets={"start_timeout_s": 2})
+    answer, events = transition(lab, spec(env={"SGLANG_STANDIN_LOAD_S": "60"}), budgets={"start_timeout_s": 2, "rollback_start_timeout_s": 30})
     assert answer["outcome"] == "rolled_back", events[-4:]
     assert "not healthy within 2s" in answer["reasons"]["desired"]
     assert server(lab)["serving"]
