@@ -454,7 +454,8 @@ def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, r
     if exact and serving and not restart and not replaced:
         return Plan("noop", (f"sglang on :{spec.port} already serves the desired spec ({spec_summary(server)})",),
                     last=last)
-    lines = diff_lines(server, spec) + env_lines(server, spec)
+    flag_lines, changed_env = diff_lines(server, spec), env_lines(server, spec)
+    lines = flag_lines + changed_env
     reasons = []
     if not running:
         reasons.append(f"sglang is not running on :{spec.port}")
@@ -468,8 +469,12 @@ def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, r
         action = "restart"
     else:
         action = "restart"
-        reasons.append("the running flags differ from the desired flags" if lines else
-                       "the running command differs from the desired one (a secret flag value)")
+        if flag_lines:
+            reasons.append("the running flags differ from the desired flags")
+        if changed_env:
+            reasons.append("the server's environment differs")
+        if not lines:
+            reasons.append("the running command differs from the desired one (a secret value or the supervisor)")
     if replaced:
         reasons.append("port change: :" + ", :".join(str(p) for p in replacing) + f" -> :{spec.port}")
     strays = [s for s in server.get("strays") or [] if s.get("port") in (None, spec.port)]
@@ -534,16 +539,18 @@ class Narrator:
         self.gpus: Any = None
 
     def lines(self, event: Mapping[str, Any]) -> list[str]:
-        step, phase = event.get("step"), event.get("phase")
+        phase = event.get("phase")
+        step = event.get("step")
         t = event.get("t")
         if isinstance(t, (int, float)):
             if self.began is None:
                 self.began = float(t)
             self.ended = float(t)
-            if step != self.step and phase != "progress":
-                self.step, self.step_began = step, float(t)
+            current = "load" if step == "start" and phase == "end" else step  # started: it loads from now on
+            if current != self.step and phase != "progress":
+                self.step, self.step_began = current, float(t)
             elif self.step_began is None:
-                self.step, self.step_began = step, float(t)
+                self.step, self.step_began = current, float(t)
         target = event.get("target")
         prefix = "rollback: " if target == "rollback" else ("cleanup: " if target == "cleanup" else "")
         if target == "replaces":
@@ -640,7 +647,8 @@ class Narrator:
             if event.get("capacity"):
                 self.capacity = dict(event["capacity"])
             if event.get("ok"):
-                return "verified: the running argv and /get_server_info match the desired flags"
+                what = "the desired flags" if event.get("target") in (None, "desired") else "the recorded spec"
+                return f"verified: the running argv and /get_server_info match {what}"
             return "verify FAILED: " + "; ".join(event.get("problems") or [])
         if step == "failed":
             return f"the desired server failed: {event.get('reason')}"
@@ -670,7 +678,11 @@ class Narrator:
 
     def doing(self, now: float) -> str:
         """What the container is doing, for an interrupt: ``loading, 12 s``."""
-        step = self.step or "starting"
+        step = {"run": "beginning", "plan": "beginning", "stop": "stopping", "drain": "draining",
+                "kill": "killing the old tree", "sweep": "sweeping", "gate": "waiting for the GPU gate",
+                "prepare": "preparing", "start": "starting", "load": "loading", "verify": "verifying",
+                "commit": "committing", "failed": "rolling back", "rollback": "rolling back",
+                "adopt": "loading"}.get(self.step or "", self.step or "beginning")
         if self.step_began is None:
             return step
         return f"{step}, {max(0.0, now - self.step_began):.0f} s"
