@@ -201,6 +201,7 @@ def _setup_container_fs(host_dir: Path, vmid: int) -> None:
     init_code = Path(INIT_SCRIPT).read_bytes()  # read now: the mounts below may hide the package
     real_gpus = realgpu.read_binding(host_dir)  # `lab up --gpus real`: the machine's GPUs, not the sim's
     nsutil.make_private("/")
+    staged = realgpu.stage_sources(real_gpus, cdir, nsutil.bind) if real_gpus else {}
     try:
         nsutil.umount("/usr/sbin")  # the host's own /usr/sbin overlay (its pct) is not the container's
     except OSError:
@@ -262,7 +263,7 @@ def _setup_container_fs(host_dir: Path, vmid: int) -> None:
             pass  # the container then sees the host's cgroup tree; only cosmetic
     if real_gpus:  # after the overlays (placeholders land in their upper dirs), before /tmp hides cdir
         realgpu.bind_driver(real_gpus, cdir, nsutil.bind, nsutil.mount,
-                            log=lambda msg: sys.stderr.write(msg + "\n"))
+                            log=lambda msg: sys.stderr.write(msg + "\n"), staged=staged)
     # /tmp last: the lab's state dir may live under /tmp and every source above comes from it.
     nsutil.mount("tmpfs", "/tmp", "tmpfs", nsutil.MS_NOSUID | nsutil.MS_NODEV, "mode=1777")
     # Everything not overlaid or mounted above is the machine's: keep the container from writing it.

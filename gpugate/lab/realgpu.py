@@ -388,17 +388,50 @@ def bind_devices(binding: dict, staging: str, bind) -> list[str]:
     return done
 
 
-def bind_driver(binding: dict, cdir: Path, bind, mount, log=lambda msg: None) -> None:
+def stage_sources(binding: dict, cdir: Path, bind, log=lambda msg: None) -> dict:
+    """Before the container's overlays and own dirs hide them: bind every source the binding needs
+    (driver files, nvidia-smi, the torch env, the venv's base interpreter) to a staging place under the
+    container's dir, and return {source: staged path}. Without this a source under /usr would be read
+    through the /usr overlay (which shows what lies under a runtime's bind mount, not the library) and
+    /opt/torch/.venv through the container's own /opt (empty)."""
+    stage = Path(cdir) / "realgpu-stage"
+    stage.mkdir(exist_ok=True)
+    env = binding.get("torch_env") or {}
+    sources = [e["source"] for e in binding.get("binds") or []]
+    if env.get("venv"):
+        sources.append(env.get("source") or env["dir"])
+    if env.get("home"):
+        sources.append(os.path.dirname(env["home"].rstrip("/")))
+    staged: dict = {}
+    for index, source in enumerate(sources):
+        if source in staged or not os.path.exists(source):
+            continue
+        dst = stage / str(index)
+        try:
+            if os.path.isdir(source):
+                dst.mkdir(exist_ok=True)
+            else:
+                dst.touch()
+            bind(source, str(dst))
+            staged[source] = str(dst)
+        except OSError as exc:
+            log(f"real GPU: could not stage {source}: {exc}")
+    return staged
+
+
+def bind_driver(binding: dict, cdir: Path, bind, mount, log=lambda msg: None, staged: Optional[dict] = None) -> None:
     """After the container's overlays: driver libraries and tools, their symlinks, the torch env
     (overlaid with the container's upper dir holding the stand-in), and an ld.so.conf for library
-    dirs the machine's ld cache does not name."""
+    dirs the machine's ld cache does not name. ``staged``: stage_sources()'s answer."""
+    staged = staged or {}
     for entry in binding.get("binds") or []:
-        if not os.path.exists(entry["source"]):
+        source = staged.get(entry["source"], entry["source"])
+        if not os.path.exists(source):
             log(f"real GPU: {entry['source']} is missing on this machine; not bound")
             continue
-        is_dir = os.path.isdir(entry["source"])
+        is_dir = os.path.isdir(source)
         if _ensure_target(entry["target"], is_dir):
-            bind(entry["source"], entry["target"], True)
+            bind(source, entry["target"], True)
         else:
             log(f"real GPU: no place for {entry['target']} in the container; not bound")
     for link in binding.get("links") or []:
@@ -412,11 +445,13 @@ def bind_driver(binding: dict, cdir: Path, bind, mount, log=lambda msg: None) ->
     home = env.get("home")
     if home:  # the venv's base interpreter, where the container's own dirs would hide it
         prefix = os.path.dirname(home.rstrip("/"))
-        if prefix.startswith(("/root/", "/opt/", "/home/", "/srv/")) and os.path.isdir(prefix) \
+        source = staged.get(prefix, prefix)
+        if prefix.startswith(("/root/", "/opt/", "/home/", "/srv/")) and os.path.isdir(source) \
                 and _ensure_target(prefix, True):
-            bind(prefix, prefix, True)
+            bind(source, prefix, True)
     if env.get("venv"):
         source = env.get("source") or env["dir"]
+        source = staged.get(source, source)
         target = env["dir"]
         upper, work = env_upper(cdir), Path(cdir) / "torchenv-work"
         upper.mkdir(exist_ok=True)

@@ -79,7 +79,7 @@ HOST_PS = r"""
 import json, os
 out = []
 for pid in os.listdir("/proc"):
-    if not pid.isdigit():
+    if not pid.isdigit() or int(pid) == os.getpid():
         continue
     try:
         argv = [a.decode(errors="replace") for a in open("/proc/%s/cmdline" % pid, "rb").read().split(b"\0") if a]
@@ -352,20 +352,18 @@ def transition_figures(journal: list[dict], audit: list[dict], samples: list[dic
     figures: dict = {"source": source, "pyinfra_wall_s": res.get("wall_s"), "rc": res.get("rc"),
                      "phases_s": {k: first[k]["s"] for k in PHASES if k in first},
                      "spans": spans}
-    drain = first.get("drain") or first.get("stop")
+    drain = first.get("drain")
     kill = first.get("kill")
+    # Only a transition that stopped a server has a release to measure (a first start has no drain).
     exit_t = max([s["end"] for s in (drain, kill) if s] or [0]) or None
     gate = first.get("gate")
     if exit_t:
-        freed = first_free_after(samples, exit_t - 5.0) if samples else None
-        if freed is not None and freed < exit_t:
-            freed = first_free_after(samples, exit_t)
+        freed = first_free_after(samples, exit_t) if samples else None
         figures["server_exit_t"] = exit_t
         figures["memory_back_t"] = freed
         if freed is not None:
+            # the poller writes a sample when the reading changes: freed is within one interval of it
             figures["release_after_exit_s"] = round(freed - exit_t, 4)
-            held = last_held_before(samples, freed)
-            figures["release_bracket_s"] = [round(held - exit_t, 4) if held else None, round(freed - exit_t, 4)]
         if gate and freed is not None:
             figures["gate_pass_t"] = gate["end"]
             figures["gate_overhead_s"] = round(gate["end"] - freed, 4)
@@ -579,7 +577,7 @@ def summarize(run: Run) -> None:
     for name, transition in run.doc["transitions"].items():
         f = transition["figures"]
         figures[name] = {k: f.get(k) for k in ("pyinfra_wall_s", "rc", "phases_s", "release_after_exit_s",
-                                               "release_bracket_s", "gate_overhead_s", "restart_in_container_s",
+                                               "gate_overhead_s", "restart_in_container_s",
                                                "tool_overhead_beyond_drain_and_load_s")}
     run.doc["figures"] = figures
 

@@ -142,12 +142,18 @@ def real_lab(tmp_path_factory):
     machine = make_fake_machine(tmp_path_factory.mktemp("fake-nvidia"))
     cpu_torch = torch_venv()
     binding = in_container_paths(realgpu.discover(**machine), cpu_torch)
+    # The env's source under /srv, a directory every container has its own of (as /opt/torch/.venv on
+    # the H200 machine lies under /opt): the container must take it before its own /srv hides it.
+    hidden = Path(f"/srv/gpugate-test-{os.getpid()}-venv")
+    hidden.symlink_to(binding["torch_env"]["source"])
+    binding["torch_env"]["source"] = str(hidden)
     lab_dir = tmp_path_factory.mktemp("lab-real")
-    state = core.up(lab_dir, hosts=1, gpu_binding=binding)
     try:
+        state = core.up(lab_dir, hosts=1, gpu_binding=binding)
         yield {"dir": Path(state["dir"]), "state": state, "cpu_torch": cpu_torch}
     finally:
         core.down(lab_dir)
+        hidden.unlink()
 
 
 def ct(lab: dict, script: str, vmid: int = 129, timeout: float = 120) -> subprocess.CompletedProcess:
