@@ -330,7 +330,7 @@ def real_gpu_server(binding: dict) -> dict:
 def _apply_gpu_mode(hdir: Path, binding: dict | None, vmids: list[int]) -> None:
     """Record the host's GPU mode and bring its containers' files in line with it."""
     realgpu.write_binding(hdir, binding)
-    if binding:
+    if binding and binding.get("nvidia_smi"):
         realgpu.write_host_tools(hdir, binding, "")
     standin = Path(container.__file__).resolve().parent / "standin" / "sglang"
     server_args = Path(PACKAGE_ROOT) / "gpugate" / "sglang_args.py"
@@ -592,7 +592,7 @@ def host_status(lab_dir: Path, name: str) -> HostInfo:
         info.containers.append({"vmid": vmid, "status": state, "name": container.container_hostname(hdir, vmid)})
     binding = realgpu.read_binding(hdir)
     info.gpu_mode = "real" if binding else "simulated"
-    if binding:
+    if binding and binding.get("nvidia_smi"):
         info.gpus = realgpu.gpu_usage(binding) if pid else []
     else:
         info.gpus = gpu_usage(hdir / "gpu") if pid else []  # a host that is down has no GPU memory in use

@@ -299,16 +299,17 @@ def install_real_extras(cdir: Path, binding: dict, standin_dir: Path, server_arg
     usr = cdir / "usr-upper"
     dist = usr / "lib" / "python3" / "dist-packages"
     dist.mkdir(parents=True, exist_ok=True)
-    pynvml_src = (binding.get("torch_env") or {}).get("pynvml") or binding.get("pynvml")
-    if pynvml_src and os.path.isfile(pynvml_src):
-        shutil.copyfile(pynvml_src, dist / "pynvml.py")  # the real nvidia-ml-py in place of the lab's
-    smi_link = usr / "bin" / "nvidia-smi"
-    smi_link.parent.mkdir(parents=True, exist_ok=True)
-    if smi_link.exists() or smi_link.is_symlink():
-        smi_link.unlink()
     smi = binding.get("nvidia_smi")
-    if smi and smi != "/usr/bin/nvidia-smi":
-        smi_link.symlink_to(smi)
+    if smi:  # a binding without nvidia-smi (a CPU rehearsal) keeps the lab's simulated NVML and nvidia-smi
+        pynvml_src = (binding.get("torch_env") or {}).get("pynvml") or binding.get("pynvml")
+        if pynvml_src and os.path.isfile(pynvml_src):
+            shutil.copyfile(pynvml_src, dist / "pynvml.py")  # the real nvidia-ml-py in place of the lab's
+        smi_link = usr / "bin" / "nvidia-smi"
+        smi_link.parent.mkdir(parents=True, exist_ok=True)
+        if smi_link.exists() or smi_link.is_symlink():
+            smi_link.unlink()
+        if smi != "/usr/bin/nvidia-smi":
+            smi_link.symlink_to(smi)
     env = binding.get("torch_env") or {}
     if env.get("venv") and env.get("site_packages"):
         target = env_upper(cdir) / env["site_packages"]

@@ -130,12 +130,14 @@ with open(out_path, "a", buffering=1) as out:
 class Run:
     """The results document and the helpers every step uses."""
 
-    def __init__(self, results: Path, simulated: bool, budget_s: float):
+    def __init__(self, results: Path, simulated: bool, budget_s: float, cpu_real: str | None = None):
         self.results = results
         self.simulated = simulated
+        self.cpu_real = cpu_real  # a venv with CPU torch: the stand-in's real mode on the CPU, sim GPUs
         self.deadline = time.monotonic() + budget_s
         self.log_path = results / "e2e.log"
-        self.doc: dict = {"schema": 1, "mode": "simulated" if simulated else "real",
+        mode = "cpu-real" if cpu_real else ("simulated" if simulated else "real")
+        self.doc: dict = {"schema": 1, "mode": mode,
                           "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                           "steps": {}, "figures": {}, "transitions": {}, "errors": []}
         self.env = dict(os.environ)
@@ -392,7 +394,16 @@ def step_lab_up(run: Run) -> dict:
         shutil.rmtree(LAB_DIR)
     argv = [sys.executable, "-m", "gpugate.cli", "lab", "--dir", str(LAB_DIR), "up", "--hosts", "1"]
     argv += ["--gpus", "1", "--gpu-mib", "143771"] if run.simulated else ["--gpus", "real"]
-    res = run.sh(argv, timeout=120)
+    if run.cpu_real:  # the real-mode stand-in (torch env, model, forward pass) on this CPU; GPUs simulated
+        from gpugate.lab import realgpu
+
+        binding = {"mode": "real", "device": "cpu", "devices": [], "binds": [], "links": [], "ld_dirs": [],
+                   "nvidia_smi": None, "gpus": [], "torch_env": realgpu.find_torch_env(run.cpu_real)}
+        began = time.time()
+        core.up(LAB_DIR, hosts=1, gpus=1, gpu_mib=143771, gpu_binding=binding)
+        res = {"rc": 0, "out": json.dumps(binding), "err": "", "wall_s": round(time.time() - began, 3)}
+    else:
+        res = run.sh(argv, timeout=120)
     if res["rc"] != 0:
         raise RuntimeError("lab up failed: " + (res["err"] or res["out"])[-1000:])
     state = core.status(LAB_DIR)
@@ -400,14 +411,14 @@ def step_lab_up(run: Run) -> dict:
     gpus = len(host.get("gpus") or []) or 1
     fleet = (LAB_DIR / "fleet.yaml").read_text()
     run.flags_base = {"tp": gpus, "mem-fraction-static": 0.88}
-    run.server_env = {"SGLANG_STANDIN_LOAD_S": "0.5"} if run.simulated else {}
+    run.server_env = {"SGLANG_STANDIN_LOAD_S": "0.5"} if run.simulated and not run.cpu_real else {}
     nvidia = run.sh(run.host_exec() + ["pct", "exec", str(VMID), "--", "nvidia-smi"], timeout=60)
     return {"lab_up": summary_of(res, 2000), "gpu_mode": host.get("gpu_mode"), "gpus": host.get("gpus"),
             "fleet": fleet, "container_nvidia_smi": summary_of(nvidia, 3000)}
 
 
 def start_poller(run: Run) -> dict:
-    if run.simulated:
+    if run.simulated or run.cpu_real:
         mode, arg, interval = "sim", f"{REPO}::{LAB_DIR / 'hosts' / HOST / 'gpu'}", 0.005
     else:
         mode, arg, interval = "nvml", "-", 0.002
@@ -524,7 +535,7 @@ def step_crash_rollback(run: Run) -> dict:
     changed = dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"})
     # real GPUs: the new environment hides the GPU, so the new server's CUDA init fails for real;
     # simulated: the stand-in cannot parse its load time (the lab's crash at start)
-    crash_env = dict(run.server_env, **({"SGLANG_STANDIN_LOAD_S": "not-a-number"} if run.simulated
+    crash_env = dict(run.server_env, **({"SGLANG_STANDIN_LOAD_S": "not-a-number"} if run.simulated or run.cpu_real
                                         else {"CUDA_VISIBLE_DEVICES": "99"}))
     before = run.ct_state()
     res = run.pyinfra("deploy.py", flags=changed, env=crash_env)
@@ -588,9 +599,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--simulated", action="store_true", help="rehearse on the simulated lab (no GPU)")
     parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPUGATE_E2E_BUDGET_S", "480")))
     parser.add_argument("--no-meant-chain", action="store_true", help="skip the second kill chain")
+    parser.add_argument("--cpu-real", metavar="VENV", help="rehearse the stand-in's real mode on the CPU "
+                                                          "(VENV has torch); the GPUs stay simulated")
     args = parser.parse_args(argv)
     args.results.mkdir(parents=True, exist_ok=True)
-    run = Run(args.results, args.simulated, args.budget_s)
+    run = Run(args.results, args.simulated or bool(args.cpu_real), args.budget_s, args.cpu_real)
     run.save()
     try:
         try:
