@@ -230,6 +230,8 @@ def record_lines(server: Mapping[str, Any], record: Mapping[str, Any]) -> list[s
     lines = []
     if running["model_path"] != target.model_path:
         lines += [f"- --model-path {running['model_path']}", f"+ --model-path {target.model_path}"]
+    if (running["host"] or "127.0.0.1") != (target.host or "127.0.0.1"):
+        lines += [f"- --host {running['host'] or '127.0.0.1'}", f"+ --host {target.host or '127.0.0.1'}"]
     lines += diff_flags(redact_flags(running["flags"]), redact_flags(target.flags)).lines(redact=True)
     if not lines:
         lines.append("~ the same flags; a secret flag value, the interpreter or the environment differs")

@@ -380,7 +380,7 @@ def _age(seconds: Any) -> str:
 def foreign_mib(gpu_doc: Mapping[str, Any]) -> dict[int, int]:
     """GPU index -> MiB in use that no process of the container accounts for (the host's or
     another container's: NVML in a container lists only its own processes); the same reading as
-    sglang.server's pre-stop check (gpugate.transition.foreign_memory)."""
+    sglang.server's pre-stop check (gpugate.plan.foreign_memory)."""
     return {int(gpu["index"]): int(gpu["foreign_mib"]) for gpu in foreign_memory(gpu_doc)}
 
 
