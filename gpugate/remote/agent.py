@@ -1245,6 +1245,7 @@ class Transition:
         self.warnings = []
         self.rollback = None
         self.exit_codes = {}
+        self.pumps = {}  # port -> the log pump of the server we started there
 
     # ------------------------------------------------------------------ journal helpers
     def event(self, step, phase, **fields):
@@ -1733,13 +1734,16 @@ class Transition:
                 raise Failure("cannot write the server log %s: %s" % (log_path, error.strerror or error))
         env = dict(BASE_ENV)
         env.update(spec.get("env") or {})
+        output = self._log_pump(log_path, spec) or handle
         try:
-            child = subprocess.Popen(spec["argv"], stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
+            child = subprocess.Popen(spec["argv"], stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                                      env=env, cwd="/", start_new_session=True, close_fds=True)
         except OSError as error:
-            handle.close()
             raise Failure("cannot start %s: %s" % (spec["argv"][0], error))
-        handle.close()
+        finally:
+            handle.close()
+            if output is not handle:
+                os.close(output)
         self.children[child.pid] = child
         stat = proc_stat(child.pid)
         record = {"pid": child.pid, "start_ticks": stat[4] if stat else None, "port": port, "log": log_path,
@@ -1749,6 +1753,32 @@ class Transition:
         except OSError as error:
             raise Failure("cannot write the pid file %s: %s" % (paths(port)["pid"], error))
         return child.pid, offset
+
+    def _log_pump(self, log_path, spec):
+        """The write end of a pipe into a log pump (``logpump``: its own session, outliving us; it
+        masks the secret values in every line and rotates the log by size while the server runs).
+        None when it cannot start: the server then writes the file itself (rotated only at starts)."""
+        import subprocess
+
+        program = os.path.abspath(globals().get("__file__") or "")
+        if not os.path.isfile(program):
+            return None
+        read_fd, write_fd = os.pipe()
+        secrets = spec_secrets(spec) + list(self.redactor.values)
+        env = dict(BASE_ENV, GPUGATE_LOG_SECRETS=json.dumps(sorted(set(secrets))))
+        try:
+            pump = subprocess.Popen([sys.executable, program, "logpump", json.dumps({"path": log_path}), PROBE_MARKER],
+                                    stdin=read_fd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                    cwd="/", start_new_session=True, close_fds=True)
+        except OSError as error:
+            self.warnings.append("log pump: %s" % error)
+            os.close(write_fd)
+            return None
+        finally:
+            os.close(read_fd)
+        self.children[pump.pid] = pump
+        self.pumps[spec["port"]] = pump
+        return write_fd
 
     def _start_systemd(self, spec, target):
         unit = paths(spec["port"])["unit_name"]
@@ -1785,6 +1815,7 @@ class Transition:
             self._reap()
             if not alive(pid, ticks):
                 code = self.exit_codes.get(pid)
+                self._settle_log(port)
                 tail = self._tail(port, log_offset)
                 self.event("load", "end", target=target, port=port, state="crashed", exit_code=code,
                            elapsed_s=round(time.time() - began, 2), log_tail=tail)
@@ -1810,6 +1841,14 @@ class Transition:
                 raise Failure("the server was not healthy within %gs (still %s)" % (timeout, phase))
             self.progress("load", target=target, port=port, state=phase, elapsed_s=round(time.time() - began, 1))
             time.sleep(LOAD_POLL_S)
+
+    def _settle_log(self, port, timeout=1.0):
+        """Give the log pump up to ``timeout`` to write what a crashed server printed last (it ends
+        at EOF, once the server's tree has closed the pipe)."""
+        pump = self.pumps.get(port)
+        deadline = time.time() + timeout
+        while pump is not None and pump.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
 
     def _tail(self, port, offset, lines=20):
         return [self.redactor.text(line) for line in log_tail(_current_log(port), lines, offset)]
@@ -2209,6 +2248,65 @@ def _agent_main(doc, answer_fd):
     os._exit(0)
 
 
+# ==================================================================================== the log pump
+def command_logpump(args):
+    """Copies the server's output (stdin) into its log, line by line: secret values masked
+    (GPUGATE_LOG_SECRETS, read once and dropped from the environment), the file rotated when it
+    passes ``max_bytes`` (``keep`` old files). Never blocks the server: a line that cannot be
+    written (ENOSPC) is dropped and counted. Ends at EOF (the server's tree has exited)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with open("/proc/self/comm", "w") as handle:
+            handle.write("gpugate-logpump")
+    except OSError:
+        pass
+    path = args["path"]
+    max_bytes = int(args.get("max_bytes") or LOG_MAX_BYTES)
+    keep = int(args.get("keep") or LOG_KEEP)
+    try:
+        secrets = json.loads(os.environ.pop("GPUGATE_LOG_SECRETS", "[]"))
+    except ValueError:
+        secrets = []
+    redactor = Redactor(secrets)
+    out, size, dropped = None, 0, 0
+    source = sys.stdin.buffer
+    while True:
+        line = source.readline(65536)
+        if not line:
+            break
+        data = redactor.text(line.decode("utf-8", "replace")).encode("utf-8")
+        try:
+            if out is None:
+                out = _open_private_append(path)
+                size = out.seek(0, 2)
+            if size + len(data) > max_bytes and size > 0:
+                out.close()
+                out = None
+                rotate_log(path, 0, keep)
+                out = _open_private_append(path)
+                size = 0
+            out.write(data)
+            out.flush()
+            size += len(data)
+        except OSError:
+            dropped += 1
+            if out is not None:
+                try:
+                    out.close()
+                except OSError:
+                    pass
+                out = None
+    if out is not None:
+        if dropped:
+            try:
+                out.write(("=== gpugate log pump: %d line(s) dropped (could not write)\n" % dropped).encode())
+            except OSError:
+                pass
+        out.close()
+    return {"ok": True, "dropped": dropped}
+
+
 # ==================================================================================== follow, wait
 def command_follow(args):
     """New journal events of a run from ``offset``, waiting up to ``wait_s`` for some or the end."""
@@ -2296,6 +2394,8 @@ def main(argv, stdin_doc=None):
             result = command_follow(args)
         elif command == "wait":
             result = command_wait(args)
+        elif command == "logpump":
+            result = command_logpump(args)
         else:
             result = {"error": "unknown command %r (observe, start, follow, wait)" % command}
     except Exception as error:  # noqa: BLE001 - a field, never a traceback

@@ -170,6 +170,8 @@ def test_change_with_secrets_then_same_spec_adds_nothing(lab):
     assert [r["argv_hash"] for r in good] == [agentcmd.argv_hash(secret["argv"]), agentcmd.argv_hash(argv())]
     journal = ct(lab, "cat /var/lib/gpugate/runs/*.jsonl").stdout
     assert journal and API_KEY not in journal and TOKEN not in journal
+    log = ct(lab, f"cat /var/log/gpugate/sglang-{PORT}.log").stdout  # written through the log pump
+    assert "api_key='***'" in log and API_KEY not in log and TOKEN not in log
     answer, _ = transition(lab, secret, restart=True)
     assert answer["outcome"] == "verified"
     assert len(server(lab)["history"]["good"]) == 2  # a same-spec restart adds nothing

@@ -212,3 +212,20 @@ def test_commands_run_through_a_real_shell():
     no_python = subprocess.run(["sh", "-c", agentcmd.observe_command("/nonexistent/python3", {"port": port})],
                                capture_output=True, text=True, timeout=60)
     assert agentcmd.parse_output(no_python.stdout.splitlines())["no_python"] is True
+
+
+def test_the_log_pump_masks_secrets_and_rotates_by_size(tmp_path):
+    log = tmp_path / "sglang-30000.log"
+    lines = "".join(f"line {n} server_args=ServerArgs(api_key='sk-pump-1', hf=hf-pump-secret)\n" for n in range(60))
+    env = dict(os.environ, GPUGATE_LOG_SECRETS=json.dumps(["hf-pump-secret"]))
+    done = subprocess.run([sys.executable, agent.__file__, "logpump",
+                           json.dumps({"path": str(log), "max_bytes": 1000, "keep": 2})],
+                          input=lines, capture_output=True, text=True, env=env, timeout=60)
+    assert json.loads(done.stdout)["ok"], done.stderr
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["sglang-30000.log", "sglang-30000.log.1", "sglang-30000.log.2"]
+    for path in tmp_path.iterdir():
+        text = path.read_text()
+        assert 0 < len(text) <= 1000 and "sk-pump-1" not in text and "hf-pump-secret" not in text
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert "line 59 server_args=ServerArgs(api_key='***', hf=***)" in log.read_text()
