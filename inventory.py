@@ -50,4 +50,17 @@ def _groups() -> dict:
         raise SystemExit(2) from None
 
 
+def _watch_connections() -> None:
+    # pyinfra drops a host that fails to connect before any deploy file runs; the runbooks still
+    # report it (with why), from what this recorder hears while pyinfra connects.
+    from pyinfra import state as _state
+    from pyinfra.context import ctx_state as _ctx_state
+
+    from gpugate.runbooks import watch_connections as _watch
+
+    if _ctx_state.isset():
+        _watch(_state, _sys.argv)
+
+
 globals().update(_groups())
+_watch_connections()

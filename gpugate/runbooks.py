@@ -243,7 +243,8 @@ def prefetch(state: Any, key: str, fetch: Callable[[Any], Any], host: Any) -> An
                 return {"error": f"{type(exc).__name__}: {exc}"}
 
         hosts = list(state.active_hosts) or [host]
-        greenlets = {h.name: state.pool.spawn(one, h) for h in hosts}
+        # own greenlets, not state.pool: its size is pyinfra's --parallel, taken up while a deploy file runs
+        greenlets = {h.name: gevent.spawn(one, h) for h in hosts}
         gevent.joinall(list(greenlets.values()))
         cache[key] = {name: greenlet.value for name, greenlet in greenlets.items()}
     if host.name not in cache[key]:
@@ -564,6 +565,7 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired_fla
                     if isinstance(error, Mapping)]
     problems += [f"GPU {gpu.get('index')}: {gpu['error']}" for gpu in gpus if gpu.get("error")]
     serving = bool(server.get("serving")) if "serving" in server else state.startswith("serving")
+    serving = serving and not (server.get("workers") or {}).get("dead")
     transition = transition_summary(server)
     held = {index: mib for index, mib in foreign_mib(gpu_doc).items() if mib > max_used_mib} if readable else {}
 

@@ -1,25 +1,53 @@
-"""The fleet at a glance: one table, one row per container. Read-only.
+"""The fleet at a glance, to page on: one row per desired server, with a verdict. Read-only.
 
-    pyinfra -y inventory.py runbooks/status.py 2>/dev/null  # only the table (pyinfra logs to stderr)
-    pyinfra -y inventory.py runbooks/status.py --limit pve_pve1
+    pyinfra -y inventory.py runbooks/status.py 2>/dev/null        # only the table (pyinfra logs to stderr)
+    pyinfra -y inventory.py runbooks/status.py --limit pve1
+    pyinfra -y inventory.py runbooks/status.py --data format=json 2>/dev/null | jq .ok   # ONE JSON document
+    pyinfra -y inventory.py runbooks/status.py --data prom=/var/lib/node_exporter/gpugate.prom
 
-Per container: the Proxmox host, the vmid, the server's state and /health, the model, the flags
-that differ from the desired ones (host.data.sglang_flags), per-GPU used MiB (NVML v2) and the
-processes holding the GPUs (memory held from outside the container is called out). One remote
-command per container (SglangObservation: the server probe and the GPU probe together); the
-table is printed once, when the last container has answered. See docs/runbooks.md.
+Verdicts: serving as desired, stopped as desired (the two that are fine); drifted (which flags),
+down but desired, transition running / failed (from the container's journal), GPU memory held with
+no holder in the container, unreachable (why: the connection error of the Proxmox host, whose
+containers pyinfra would otherwise drop from the run). The exit status is non-zero when any row
+is not as desired. Under the table: the newest entries of each container's history.
+
+One remote command per container (the agent's observe, the inline agent where it is not installed),
+sent to every container at once. See docs/runbooks.md.
 """
 
 from pyinfra import host, state
 
-from gpugate.facts.sglang import SglangObservation
-from gpugate.runbooks import fleet_report, render_status, status_row
+from gpugate.facts.sglang import observe
+from gpugate.runbooks import fleet_report, prefetch, publish_status, status_row, unreachable_row
+
+
+def _observe(target):
+    data = target.data
+    return observe(target, python=data.get("sglang_python", "/usr/bin/python3"), port=data.get("sglang_port", 30000),
+                   model_path=data.get("sglang_model_path"))
+
+
+def _unreachable(target, reason):
+    data = target.data
+    return unreachable_row(data.get("pve_host") or target.name, data.get("pct_vmid"), reason,
+                           present=data.get("sglang_present", True), desired_model=data.get("sglang_model_path"),
+                           port=data.get("sglang_port", 30000))
+
+
+def _publish(rows):
+    # returns None: FleetReport prints what it is given; publish_status prints (and writes --data prom=PATH)
+    publish_status(rows, output_format=data.get("format", "table"), prom_path=data.get("prom"))
+    return None
+
 
 data = host.data
-observation = host.get_fact(SglangObservation, port=data.get("sglang_port", 30000),
-                            model_path=data.get("sglang_model_path"),
-                            python=data.get("sglang_python", "/usr/bin/python3"))
+observation = prefetch(state, "status", _observe, host)
 row = status_row(data.get("pve_host") or host.name, data.get("pct_vmid"), observation,
                  desired_flags=data.get("sglang_flags") or {}, desired_model=data.get("sglang_model_path"),
-                 present=data.get("sglang_present", True))
-fleet_report(state, "status", render_status).add(host.name, row)
+                 present=data.get("sglang_present", True), port=data.get("sglang_port", 30000),
+                 max_used_mib=data.get("gpu_max_used_mib", 64))
+fleet_report(state, "status", _publish, missing=_unreachable).add(host.name, row)
+if not row["ok"]:
+    # Not as desired: the run's exit status says so (pyinfra exits 1 when a host failed). Nothing
+    # else follows from it: the status has no operation to skip.
+    state.failed_hosts.add(host)
