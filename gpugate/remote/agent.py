@@ -1657,7 +1657,11 @@ class Transition:
             _makedirs(ETC_DIR, 0o700)
             write_private(paths(port)["env"], env_file_text(spec.get("env") or {}))
         except OSError as error:
-            raise Failure("cannot write the env file %s: %s" % (paths(port)["env"], error.strerror or error))
+            text = "cannot write the env file %s: %s" % (paths(port)["env"], error.strerror or error)
+            if target != "rollback" or spec.get("supervisor") == "systemd":
+                raise Failure(text)
+            # the process supervisor passes the environment itself: the previous server can come back
+            self.warnings.append(text)
         if spec.get("supervisor") == "systemd":
             if pid1_comm() != "systemd":
                 raise Failure("supervisor systemd, but PID 1 is %s, not systemd" % pid1_comm())

@@ -296,6 +296,10 @@ def test_ssh_channel_closed_right_after_start_the_run_completes(lab):
     assert answer["ok"], answer
     final, _ = follow(lab, doc["run"])
     assert final["outcome"] == "verified"
+    waited = run_agent(lab, agentcmd.wait_command(PY, doc["run"], grace_s=1))
+    assert waited == {"run": doc["run"], "appeared": True, "ended": True, "outcome": "verified"}
+    never = run_agent(lab, agentcmd.wait_command(PY, "no-such-run", grace_s=0.3))
+    assert never["appeared"] is False and never["ended"] is False
     assert server(lab)["main"]["argv_hash"] == agentcmd.argv_hash(spec("--kv-cache-dtype", "fp8_e4m3")["argv"])
 
 
@@ -305,6 +309,16 @@ def test_what_cannot_run_is_refused_before_anything_is_touched(lab):
     systemd = dict(spec("--kv-cache-dtype", "fp8_e4m3"), supervisor="systemd", unit_text="[Service]\n")
     answer, events = transition(lab, systemd)
     assert answer["outcome"] == "refused" and "not systemd" in answer["reasons"]["desired"]
+    assert not step_events(events, "stop") and server(lab)["main"]["pid"] == before
+    from tests.e2e.lab_processes import start_in_container
+
+    squatter = start_in_container(lab, "pve1", 129, "python3 -m http.server 30001 --bind 127.0.0.1", "squatter")
+    deadline = time.monotonic() + 10
+    while not observe(lab, port=30001)["sglang"]["listening"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    answer, events = transition(lab, spec(port=30001), replaces=spec())
+    squatter.kill()
+    assert answer["outcome"] == "refused" and "port 30001 is taken by %d" % squatter.pid in answer["reasons"]["desired"]
     assert not step_events(events, "stop") and server(lab)["main"]["pid"] == before
 
 
