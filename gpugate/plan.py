@@ -643,7 +643,12 @@ class Narrator:
             if tail:
                 self.tails[str(target)] = tail
             code = event.get("exit_code")
-            what = "crashed" + (f" (exit code {code})" if code is not None else "") if state == "crashed" else f"load {state}"
+            if state == "crashed":
+                what = "crashed" + (f" (exit code {code})" if code is not None else "")
+            elif state == "timeout":
+                what = "was not healthy in time"
+            else:
+                what = f"ended its load: {state}"
             return f"the server {what} after {_seconds(event.get('elapsed_s'))}"
         if step == "verify" and phase == "end":
             if event.get("capacity"):

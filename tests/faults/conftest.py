@@ -126,9 +126,15 @@ def gpu_used(lab: Lab, host: str = "pve1") -> list[int]:
     return [int(x) for x in out.stdout.split()]
 
 
-def state_file(lab: Lab, host: str = "pve1", vmid: int = 129) -> dict:
-    out = sh(lab, host, vmid, f"cat /var/lib/gpugate/sglang-{PORT}.json 2>/dev/null")
-    return json.loads(out.stdout) if out.stdout.strip() else {}
+def observed(lab: Lab, host: str = "pve1", vmid: int = 129, port: int = PORT) -> dict:
+    """The container agent's own view of the server (observe, sent inline): running, serving,
+    ``transition`` (the last run and its outcome), ``history`` (good and failed specs, redacted)."""
+    from gpugate import agentcmd
+
+    out = sh(lab, host, vmid, agentcmd.inline_observe_command("/usr/bin/python3", {"port": port}))
+    doc = agentcmd.parse_output(out.stdout.splitlines())
+    assert "sglang" in doc, (out.stdout, out.stderr)
+    return doc["sglang"]
 
 
 def log_starts(lab: Lab, host: str = "pve1", vmid: int = 129) -> int:
@@ -188,9 +194,9 @@ class Bystanders:
 
 def ensure_serving(lab: Lab, flags=None, host: str = "pve1") -> int:
     """Make the container serve `flags` (deploy only when it does not already); -> the main pid."""
-    from gpugate.transition import desired_spec
+    from gpugate.spec import build_spec
 
-    want = desired_spec("/opt/models/lab-model", PORT, flags or FLAGS, FAST_ENV).argv
+    want = list(build_spec("/opt/models/lab-model", PORT, flags or FLAGS, FAST_ENV).argv)
     if running_argv(lab, host) != want or health(lab, host) != 200:
         run = deploy(lab, flags or FLAGS, limit=f"pve_{host}")
         assert run.returncode == 0, run
