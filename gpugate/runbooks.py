@@ -152,6 +152,7 @@ class FleetReport(BaseStateCallback):
 def fleet_report(state: Any, key: str, render: Callable[[list[Any]], str | None],
                  missing: Callable[[Any, str], Any] | None = None) -> FleetReport:
     """The run's ``FleetReport`` named ``key`` (made and registered with pyinfra's state on first use)."""
+    state = _real_state(state)
     reports = state.__dict__.setdefault("_gpugate_reports", {})
     if key not in reports:
         reports[key] = FleetReport(render, missing=missing)
@@ -182,10 +183,18 @@ class ConnectErrors(BaseStateCallback):
             hook(state)
 
 
+def _real_state(state: Any) -> Any:
+    """pyinfra's ``from pyinfra import state`` is a context proxy; callbacks get the State itself.
+    Whatever is stored on a state must go on the State, where both find it."""
+    module = getattr(state, "_get_module", None)
+    return module() if callable(module) else state
+
+
 def watch_connections(state: Any, argv: Sequence[str] = ()) -> ConnectErrors:
     """Install (once) and return the run's ConnectErrors; inventory.py calls it at load time with
     pyinfra's command line, so that a status run whose every host is unreachable still prints
     its rows (the runbook itself never runs then)."""
+    state = _real_state(state)
     recorder = state.__dict__.get("_gpugate_connect_errors")
     if recorder is None:
         recorder = state.__dict__["_gpugate_connect_errors"] = ConnectErrors()
@@ -222,7 +231,7 @@ def status_when_unreachable(state: Any) -> None:
 
 def connect_errors(state: Any) -> dict[str, str]:
     """host name -> why it could not connect (empty when inventory.py installed no recorder)."""
-    recorder = state.__dict__.get("_gpugate_connect_errors")
+    recorder = _real_state(state).__dict__.get("_gpugate_connect_errors")
     return dict(recorder.errors) if recorder is not None else {}
 
 
@@ -232,6 +241,7 @@ def prefetch(state: Any, key: str, fetch: Callable[[Any], Any], host: Any) -> An
     host, so one remote command each would cost the sum of their latencies instead of the
     longest. An exception becomes ``{"error": ...}`` for that host alone.
     """
+    state = _real_state(state)
     cache = state.__dict__.setdefault("_gpugate_prefetch", {})
     if key not in cache:
         import gevent  # noqa: PLC0415 -- pyinfra's own concurrency
