@@ -26,7 +26,6 @@ Example (in a container)::
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -69,6 +68,45 @@ INFO_KEYS = ("model_path", "port", "host", "tp_size", "dp_size", "pp_size", "ver
              "max_running_requests", "context_length", "kv_cache_dtype")
 PERMANENT_GPU_ERRORS = ("DriverNotLoaded", "LibRmVersionMismatch", "NoPython")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,95}$")
+
+
+def sha256(data):
+    """hashlib.sha256 without hashlib: its OpenSSL import costs ~8 ms of every command."""
+    try:
+        from _sha256 import sha256 as implementation  # CPython <= 3.11
+    except ImportError:
+        try:
+            from _sha2 import sha256 as implementation  # CPython >= 3.12
+        except ImportError:
+            from hashlib import sha256 as implementation
+    return implementation(data)
+
+
+def add_site_dirs():
+    """Commands run with ``python -S`` (site and sitecustomize cost ~10-25 ms): put the site
+    directories (and the plain directory lines of their .pth files) on sys.path ourselves, without
+    executing anything, so pynvml and the SGLang metadata are found as usual."""
+    if not sys.flags.no_site:
+        return
+    import site
+
+    dirs = []
+    try:
+        dirs = list(site.getsitepackages())
+    except AttributeError:
+        pass
+    for directory in dirs:
+        if not os.path.isdir(directory) or directory in sys.path:
+            continue
+        sys.path.append(directory)
+        for name in sorted(_listdir(directory)):
+            if name.endswith(".pth"):
+                for line in (_read(os.path.join(directory, name)) or "").splitlines():
+                    line = line.strip()
+                    if line and not line.startswith(("#", "import ", "import\t")):
+                        path = os.path.join(directory, line)
+                        if os.path.isdir(path) and path not in sys.path:
+                            sys.path.append(path)
 
 
 class Failure(Exception):
@@ -437,19 +475,19 @@ def env_hash(value):
     >>> env_hash("x")[:4]
     '4c4b'
     """
-    return hashlib.sha256(("gpugate-env:" + value).encode("utf-8")).hexdigest()[:16]
+    return sha256(("gpugate-env:" + value).encode("utf-8")).hexdigest()[:16]
 
 
 def argv_hash(argv):
     """An argv's fingerprint (secret values included), recorded instead of the values."""
-    return hashlib.sha256(("gpugate-argv:" + "\0".join(argv)).encode("utf-8")).hexdigest()[:16]
+    return sha256(("gpugate-argv:" + "\0".join(argv)).encode("utf-8")).hexdigest()[:16]
 
 
 def spec_key(spec):
     """What makes two specs the same server: exact argv, env, supervisor and unit text."""
     material = json.dumps([spec.get("argv") or [], sorted((spec.get("env") or {}).items()),
                            spec.get("supervisor") or "process", spec.get("unit_text") or ""])
-    return hashlib.sha256(material.encode("utf-8")).hexdigest()[:16]
+    return sha256(material.encode("utf-8")).hexdigest()[:16]
 
 
 def redact_argv(argv, secret_flags=SECRET_FLAGS):
@@ -731,7 +769,7 @@ def _cached_code(source, name):
     here = globals().get("__file__") or ""
     cache = None
     if here.startswith(STATE_DIR + "/") and not globals().get("INLINE"):
-        digest = hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
+        digest = sha256(source.encode("utf-8")).hexdigest()[:16]
         cache = "%s/__pycache__/bundle-%s-%d%d.marshal" % (STATE_DIR, digest, sys.version_info[0], sys.version_info[1])
         data = _read(cache, "rb")
         if data:
@@ -1386,6 +1424,8 @@ class Transition:
         workers = workers_of(table, tree, len(gpus) if gpus is not None else None)
         if workers["zombies"] or (workers["alive"] and workers["dead"]):
             return None  # it loaded once and lost a worker: restart it, do not wait for it
+        if listeners(spec["port"]) and health(argv_host(spec["argv"]), spec["port"], token=argv_token(spec["argv"]))["health"] != 200:
+            return None  # bound but not healthy: draining (a SIGTERM of an earlier run) or broken, not loading
         return main["pid"]
 
     def _capture_running(self):
@@ -2384,6 +2424,7 @@ def command_wait(args):
 def main(argv, stdin_doc=None):
     """``argv``: [command, json args?, ...]; ``stdin_doc``: the start document (already read)."""
     command = argv[0] if argv else ""
+    add_site_dirs()
     try:
         args = {}
         if len(argv) > 1 and argv[1] != PROBE_MARKER:
