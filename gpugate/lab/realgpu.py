@@ -249,6 +249,12 @@ def discover(dev_dir: str = "/dev", ldconfig_text: Optional[str] = None, environ
     smi = find_nvidia_smi(environ.get("PATH", ""))
     tools = [{"source": smi, "target": smi, "kind": "file"}] if smi else []
     env = find_torch_env(torch_env or environ.get("GPUGATE_TORCH_ENV"))
+    if not env.get("pynvml"):  # nvidia-ml-py beside gpugate (e.g. the carried wheels), if the env has none
+        import importlib.util  # noqa: PLC0415
+
+        spec = importlib.util.find_spec("pynvml")
+        if spec and spec.origin and "pynvml_sim" not in spec.origin:
+            env["pynvml"] = spec.origin
     return {
         "mode": "real",
         "device": "cuda",
@@ -304,6 +310,8 @@ def install_real_extras(cdir: Path, binding: dict, standin_dir: Path, server_arg
         pynvml_src = (binding.get("torch_env") or {}).get("pynvml") or binding.get("pynvml")
         if pynvml_src and os.path.isfile(pynvml_src):
             shutil.copyfile(pynvml_src, dist / "pynvml.py")  # the real nvidia-ml-py in place of the lab's
+        else:  # never the simulation's NVML beside real GPUs: the probe then reads the real nvidia-smi
+            (dist / "pynvml.py").unlink(missing_ok=True)
         smi_link = usr / "bin" / "nvidia-smi"
         smi_link.parent.mkdir(parents=True, exist_ok=True)
         if smi_link.exists() or smi_link.is_symlink():

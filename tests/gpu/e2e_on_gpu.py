@@ -575,10 +575,10 @@ def machine_info(run: Run) -> dict:
     info["repo_head"] = head["out"].strip()[:200]
     smi = run.sh(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total,memory.used",
                   "--format=csv,noheader"], timeout=30)
-    info["nvidia_smi"] = smi["out"].strip() or smi["err"].strip()[:300]
+    info["nvidia_smi"] = smi["out"].strip() or ((smi["err"].strip().splitlines() or [""])[-1])[:300]
     torch = run.sh([sys.executable, "-c", "import torch; print(torch.__version__, torch.version.cuda, "
                                           "torch.cuda.is_available())"], timeout=60)
-    info["torch"] = (torch["out"] or torch["err"]).strip()[-300:]
+    info["torch"] = ((torch["out"] or torch["err"]).strip().splitlines() or [""])[-1][-300:]
     return info
 
 
@@ -593,8 +593,40 @@ def summarize(run: Run) -> None:
     run.doc["figures"] = figures
 
 
+def report(doc: dict) -> str:
+    """A markdown summary of a results document (for docs/benchmarks.md and the issue's note)."""
+    lines = [f"Run: mode {doc.get('mode')}, {doc.get('started_at')} .. {doc.get('ended_at')}; "
+             f"machine: {(doc.get('machine') or {}).get('nvidia_smi', '?')}; torch {(doc.get('machine') or {}).get('torch', '?')}",
+             "", "| step | outcome | s |", "|---|---|---|"]
+    for name, step in doc.get("steps", {}).items():
+        lines.append(f"| {name} | {step.get('outcome')} | {step.get('duration_s')} |")
+    lines += ["", "| transition | pyinfra wall s | drain | kill | gate | load | verify | release after exit s | "
+              "gate overhead s | overhead beyond drain+load s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, f in doc.get("figures", {}).items():
+        ph = f.get("phases_s") or {}
+        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+            name, f.get("pyinfra_wall_s"), ph.get("drain"), ph.get("kill"), ph.get("gate"), ph.get("load"),
+            ph.get("verify"), f.get("release_after_exit_s"), f.get("gate_overhead_s"),
+            f.get("tool_overhead_beyond_drain_and_load_s")))
+    for name in ("4_seeds_kill_chain", "4b_meant_kill_chain"):
+        step = doc.get("steps", {}).get(name) or {}
+        if "chain" in step:
+            reached = ", ".join(f"{p.get('cmd', '')[:40]} (ct {p.get('vmid')})" for p in step.get("reached") or [])
+            lines += ["", f"{name}: `{step['chain']}`: ssh rc {step['ssh']['rc']}, shell killed by its own pattern: "
+                          f"{step.get('shell_killed_by_its_own_pattern')}; reached: {reached or 'nothing'}; sglang "
+                          f"survivors: {len(step.get('sglang_survivors') or [])}; GPU MiB before {step.get('gpu_used_mib_before')}"
+                          f" -> 2 s after {step.get('gpu_used_mib_2s_after')}; memory back "
+                          f"{step.get('memory_back_after_chain_start_s')} s after the chain began"]
+    if doc.get("errors"):
+        lines += ["", "Errors: " + "; ".join(doc["errors"])]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--report":  # e2e_on_gpu.py --report RESULTS.json
+        sys.stdout.write(report(json.loads(Path(sys.argv[2]).read_text())))
+        return 0
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument("--simulated", action="store_true", help="rehearse on the simulated lab (no GPU)")
     parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPUGATE_E2E_BUDGET_S", "480")))
@@ -638,8 +670,8 @@ def main(argv: list[str] | None = None) -> int:
                 core.down(LAB_DIR)
             except Exception as exc:  # noqa: BLE001
                 run.log(f"lab down: {exc}")
-    outcomes = {name: step.get("outcome") for name, step in run.doc["steps"].items()}
-    print(json.dumps({"outcomes": outcomes, "figures": run.doc["figures"], "errors": run.doc["errors"]}, indent=1))
+    (args.results / "e2e_report.md").write_text(report(run.doc))
+    print(report(run.doc))
     return 0
 
 
