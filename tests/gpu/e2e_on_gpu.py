@@ -565,8 +565,9 @@ def step_rollback_runbook(run: Run) -> dict:
 
 def step_status(run: Run) -> dict:
     res = run.pyinfra("runbooks/status.py", flags=dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"}), timeout=90)
+    # exit status 1 means: some row is not as desired (here: the rollback runbook left the fleet's flags)
     return {"pyinfra": summary_of(res, 6000), "table": res["out"][-4000:],
-            "outcome": "shown" if res["rc"] == 0 else "failed"}
+            "outcome": "shown" if res["rc"] in (0, 1) and res["out"].strip() else "failed"}
 
 
 def machine_info(run: Run) -> dict:
