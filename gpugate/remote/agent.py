@@ -2195,6 +2195,22 @@ def resolve_history_desired(doc):
     return doc, "desired: no good spec %r in the history of :%d" % (want, port)
 
 
+def prune_journals(keep=50, protect=()):
+    """The oldest journals beyond ``keep`` (by mtime), never one named in ``protect``."""
+    found = []
+    for name in _listdir(RUNS_DIR):
+        if name.endswith(".jsonl") and name[:-6] not in protect:
+            try:
+                found.append((os.stat(os.path.join(RUNS_DIR, name)).st_mtime, name))
+            except OSError:
+                continue
+    for _, name in sorted(found, reverse=True)[keep:]:
+        try:
+            os.unlink(os.path.join(RUNS_DIR, name))
+        except OSError:
+            pass
+
+
 def command_start(doc):
     """Validate, take the lock in a detached child, answer once it holds it."""
     doc, problem = resolve_history_desired(doc)
@@ -2282,6 +2298,7 @@ def _agent_main(doc, answer_fd):
     answer({"ok": True, "run": run, "pid": os.getpid(), "journal": journal.path,
             "recovered": recovered and recovered.get("run")})
     prune_agents()
+    prune_journals(keep=50, protect=(run, (recovered or {}).get("run")))
     try:
         transition.execute()
     finally:
