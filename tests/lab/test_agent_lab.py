@@ -177,6 +177,19 @@ def test_change_with_secrets_then_same_spec_adds_nothing(lab):
     assert len(server(lab)["history"]["good"]) == 2  # a same-spec restart adds nothing
 
 
+def test_a_good_spec_of_the_history_is_started_by_its_key(lab):
+    ensure_serving(lab, spec())
+    good = server(lab)["history"]["good"]
+    older = next(r for r in good if r["argv_hash"] != agentcmd.argv_hash(argv()))
+    answer, events = transition(lab, {"history": older["key"], "port": PORT}, rollback_to={"running": True})
+    assert answer["outcome"] == "verified", events[-4:]
+    doc = server(lab, env_names=["HF_TOKEN"])
+    assert doc["main"]["argv_hash"] == older["argv_hash"] and doc["env_hashes"]["HF_TOKEN"] == agentcmd.env_hash(TOKEN)
+    bad = run_agent(lab, agentcmd.start_command(PY), agentcmd.start_stdin(
+        {"run": "bad-ref", "desired": {"history": "nope", "port": PORT}}, include_source=False))
+    assert bad["ok"] is False and "no good spec 'nope'" in bad["error"]
+
+
 def test_crash_at_start_rolls_back_to_the_previous_server(lab):
     ensure_serving(lab, spec())
     ct(lab, "mkdir -p /opt/models/broken")  # no config.json: the stand-in exits 1 with SGLang's traceback
