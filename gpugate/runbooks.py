@@ -27,9 +27,11 @@ from datetime import datetime, timezone
 from typing import Any, Optional, TypedDict
 
 from pyinfra import host, logger, state
-from pyinfra.api import FunctionCommand, operation
+from pyinfra.api import FunctionCommand, StringCommand, operation
 from pyinfra.api.state import BaseStateCallback
 
+from gpugate import agentcmd
+from gpugate.facts.sglang import SglangObservation, observe_args
 from gpugate.fleet import validated_settings
 from gpugate.spec import DEFAULTS
 from gpugate.sglang_args import SECRET_MASK, SPECS, FlagError, diff_flags, validate_flags
@@ -235,31 +237,35 @@ def connect_errors(state: Any) -> dict[str, str]:
     return dict(recorder.errors) if recorder is not None else {}
 
 
-def prefetch(state: Any, key: str, fetch: Callable[[Any], Any], host: Any) -> Any:
-    """``fetch(host)``, fetched for EVERY active host of the run at once on the first call (in
-    pyinfra's greenlet pool), then handed out per host: pyinfra runs a deploy file host after
-    host, so one remote command each would cost the sum of their latencies instead of the
-    longest. An exception becomes ``{"error": ...}`` for that host alone.
+def observe_once_command(python: str | None, args: Mapping[str, Any]) -> str:
+    """ONE remote command for the agent's observe: the installed agent, and in the same shell, when
+    it answers ``agent_missing``, the agent sent inline (read-only). The status pays one round trip
+    per container whether or not a deploy installed the agent there.
+
+    >>> "agent_missing" in observe_once_command("/usr/bin/python3", {"port": 30000})
+    True
     """
-    state = _real_state(state)
-    cache = state.__dict__.setdefault("_gpugate_prefetch", {})
-    if key not in cache:
-        import gevent  # noqa: PLC0415 -- pyinfra's own concurrency
+    installed = agentcmd.observe_command(python, args)
+    inline = agentcmd.inline_observe_command(python, args)
+    return (f"out=$({installed}); case \"$out\" in *'\"agent_missing\"'*) {inline} ;; "
+            f"*) printf '%s\\n' \"$out\" ;; esac")
 
-        def one(target: Any) -> Any:
-            try:
-                return fetch(target)
-            except Exception as exc:  # noqa: BLE001 -- one host's failure is its row, not the run's end
-                return {"error": f"{type(exc).__name__}: {exc}"}
 
-        hosts = list(state.active_hosts) or [host]
-        # own greenlets, not state.pool: its size is pyinfra's --parallel, taken up while a deploy file runs
-        greenlets = {h.name: gevent.spawn(one, h) for h in hosts}
-        gevent.joinall(list(greenlets.values()))
-        cache[key] = {name: greenlet.value for name, greenlet in greenlets.items()}
-    if host.name not in cache[key]:
-        cache[key][host.name] = fetch(host)
-    return cache[key][host.name]
+class StatusObservation(SglangObservation):
+    """The agent's observation in one command (observe_once_command): the status's fact."""
+
+    def command(self, port: int = 30000, model_path: str | None = None,  # type: ignore[override]
+                python: str = "/usr/bin/python3") -> Any:
+        return StringCommand(observe_once_command(python, observe_args(port, (), model_path)))
+
+
+def status_observation(host: Any) -> dict[str, Any]:
+    """The observation of ``host``'s container for the status, from the host's data
+    (sglang_port, sglang_model_path, sglang_python)."""
+    data = host.data
+    return dict(host.get_fact(StatusObservation, port=data.get("sglang_port", 30000),
+                              model_path=data.get("sglang_model_path"),
+                              python=data.get("sglang_python", "/usr/bin/python3")))
 
 
 # ---------------------------------------------------------------- status

@@ -11,20 +11,13 @@ no holder in the container, unreachable (why: the connection error of the Proxmo
 containers pyinfra would otherwise drop from the run). The exit status is non-zero when any row
 is not as desired. Under the table: the newest entries of each container's history.
 
-One remote command per container (the agent's observe, the inline agent where it is not installed),
-sent to every container at once. See docs/runbooks.md.
+One remote command per container (the agent's observe; in the same shell the inline agent where none
+is installed); pyinfra runs this file for all containers at once. See docs/runbooks.md.
 """
 
 from pyinfra import host, state
 
-from gpugate.facts.sglang import observe
-from gpugate.runbooks import fleet_report, prefetch, publish_status, status_row, unreachable_row
-
-
-def _observe(target):
-    data = target.data
-    return observe(target, python=data.get("sglang_python", "/usr/bin/python3"), port=data.get("sglang_port", 30000),
-                   model_path=data.get("sglang_model_path"))
+from gpugate.runbooks import fleet_report, publish_status, status_observation, status_row, unreachable_row
 
 
 def _unreachable(target, reason):
@@ -41,7 +34,7 @@ def _publish(rows):
 
 
 data = host.data
-observation = prefetch(state, "status", _observe, host)
+observation = status_observation(host)  # pyinfra runs this file for every host at once
 row = status_row(data.get("pve_host") or host.name, data.get("pct_vmid"), observation,
                  desired_flags=data.get("sglang_flags") or {}, desired_model=data.get("sglang_model_path"),
                  present=data.get("sglang_present", True), port=data.get("sglang_port", 30000),
