@@ -57,7 +57,7 @@ LOG_KEEP = 3
 PROGRESS_S = 1.5
 DRAIN_POLL_S = 0.02
 GATE_POLL_S = 0.05
-LOAD_POLL_S = 0.1
+LOAD_POLL_S = 0.05  # the moment it turns ready is downtime; a look is /proc + netlink (+ one local GET)
 DEFAULT_BUDGETS = {"drain_timeout_s": 60.0, "kill_grace_s": 10.0, "gate_timeout_s": 120.0,
                    "start_timeout_s": 2700.0, "max_used_mib": 64, "generate_timeout_s": 30.0,
                    "rollback_start_timeout_s": None}  # None: start_timeout_s
@@ -1594,7 +1594,9 @@ class Transition:
         out = {}
         inodes = listeners(port)
         holders_on = {}
-        if gpus is None or gpus:
+        orphans = [p for p in table.values() if is_worker_argv(p["argv"]) and p["pid"] not in skip
+                   and not any(is_main_argv(table[a]["argv"]) for a in ancestors(table, p["pid"]) if a in table and a != p["pid"])]
+        if orphans and (gpus is None or gpus):  # a GPU reading only when an orphaned part might hold ours
             doc = read_gpus(exclude=own)
             for holder in doc.get("holders") or []:
                 holders_on[holder["pid"]] = set(holder.get("gpus") or [])
