@@ -309,9 +309,9 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
             blockers.append((holder, sorted(mine)))
         elif not holder.get("memory"):
             monitors.append(holder)
-    for holder, mine in blockers:
+    for holder, on_mine in blockers:
         what = (f"pid {holder.get('pid')} ({(holder.get('cmdline') or '?')[:80]}) holds "
-                f"{holder.get('used_mib') if holder.get('used_mib') is not None else '?'} MiB on {gpu_text(mine)}, "
+                f"{holder.get('used_mib') if holder.get('used_mib') is not None else '?'} MiB on {gpu_text(on_mine)}, "
                 f"which this server needs")
         if end_other_gpu_holders:
             notes.append(what + ": the agent ends it (end_other_gpu_holders=true)")
@@ -566,12 +566,12 @@ class Narrator:
                 return []
             if isinstance(t, (int, float)):
                 self.last_progress[key] = float(t)
-            text = self._progress(event)
-            return [prefix + text] if text else []
-        text = self._event(event)
-        if isinstance(text, list):
-            return [prefix + line for line in text]
-        return [prefix + text] if text else []
+            progress = self._progress(event)
+            return [prefix + progress] if progress else []
+        said = self._event(event)
+        if isinstance(said, list):
+            return [prefix + line for line in said]
+        return [prefix + said] if said else []
 
     def _progress(self, event: Mapping[str, Any]) -> str | None:
         step = event.get("step")
@@ -731,4 +731,5 @@ def outcome_lines(outcome: str | None, reasons: Mapping[str, Any] | None, messag
 def _tail_lines(title: str, tail: Sequence[str] | None, keep: int = 15) -> list[str]:
     if not tail:
         return []
-    return [f"    {title}:"] + ["    | " + line for line in list(tail)[-keep:]]
+    return [f"    {title}:"] + ["    | " + (line if len(line) <= 400 else line[:400] + " ...")
+                                for line in list(tail)[-keep:]]

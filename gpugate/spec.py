@@ -257,7 +257,9 @@ def build_spec(model_path: str | None, port: int = DEFAULTS["port"], flags: Mapp
     if sglang_version is not None and (not isinstance(sglang_version, str) or not sglang_version.strip()):
         raise SpecError(f"sglang_version must be a version string, got {sglang_version!r}")
     try:
-        normal = validate_flags(flags or {}, table=table) if table is not None else validate_flags(flags or {})
+        # a per-version table (H3's, when given) goes through; the built-in one otherwise
+        normal = (validate_flags(flags or {}, table=table) if table is not None  # type: ignore[call-arg]
+                  else validate_flags(flags or {}))
         for name, value in normal.items():
             # argv carries any byte but NUL; a line break would still end a line of the systemd unit
             for text in (value if isinstance(value, (list, tuple)) else [value]):

@@ -108,7 +108,7 @@ def _runbook() -> RunBook:
     return book
 
 
-_INTERRUPT = {"installed": False, "book": None}
+_INTERRUPT: dict[str, Any] = {"installed": False, "book": None}
 
 
 def _on_interrupt(signum: int, frame: Any) -> None:

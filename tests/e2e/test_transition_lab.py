@@ -81,6 +81,11 @@ def observe(lab, port: int = 30000, host: str = "pve1") -> dict:
     return doc["sglang"]
 
 
+def observe_full(lab, port: int = 30000, host: str = "pve1") -> dict:
+    out = lab.pct(host, "exec", "129", "--", "sh", "-c", agentcmd.inline_observe_command("/usr/bin/python3", {"port": port}))
+    return agentcmd.parse_output(out.stdout.splitlines())
+
+
 def wait_idle(lab, timeout_s: float = 60) -> dict:
     """Until no transition runs in the container; -> the last one's summary."""
     deadline = time.time() + timeout_s
@@ -185,6 +190,24 @@ def test_a_container_stopped_mid_run_is_reported_within_one_poll(lab):
     code, out = run(lab)  # the next run recovers the interrupted one and converges
     assert code == 0, out
     assert observe(lab)["serving"]
+
+
+def test_another_gpu_holder_is_refused_before_the_stop_unless_the_operator_lets_the_agent_end_it(lab):
+    lab.pct("pve1", "exec", "129", "--", "sh", "-c", "nohup python3 -m gpugate_gpusim hold --gpu 0 --mib 1024 "
+            "--tag notebook >/dev/null 2>&1 & echo $! > /tmp/notebook.pid")
+    holder = lab.pct("pve1", "exec", "129", "--", "cat", "/tmp/notebook.pid").stdout.strip()
+    deadline = time.time() + 20
+    while time.time() < deadline and not any(h["pid"] == int(holder) for h in observe_full(lab)["container"]["gpu_holders"]):
+        time.sleep(0.2)
+    before = observe(lab)["main"]["pid"]
+    code, out = run(lab, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    assert code != 0, out
+    assert "REFUSED, nothing touched" in out and f"pid {holder} (" in out and "end_other_gpu_holders=true" in out
+    assert observe(lab)["main"]["pid"] == before  # the server was never stopped
+    code, out = run(lab, "--data", "end_other_gpu_holders=true", flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    assert code == 0, out
+    assert "the agent ends it" in out and "verified" in out
+    assert lab.pct("pve1", "exec", "129", "--", "kill", "-0", holder).returncode != 0  # ended
 
 
 def test_port_change_drains_the_old_server_first(lab):
