@@ -206,10 +206,15 @@ def start_stdin(doc: Mapping[str, Any], include_source: bool) -> str:
     return json.dumps(body, separators=(",", ":"))
 
 
-def follow_command(python: str | None, run: str, offset: int = 0, wait_s: float = 3.0) -> str:
+def follow_command(python: str | None, run: str, offset: int = 0, wait_s: float = 3.0, batch: bool = False) -> str:
     """The run's journal events from byte ``offset``, waiting up to ``wait_s`` for new ones or
-    the end: ``{"events", "offset", "active", "ended", "outcome", "reasons", "message"}``."""
-    return _agent_command(python, "follow", {"run": run, "offset": int(offset), "wait_s": float(wait_s)})
+    the end: ``{"events", "offset", "active", "ended", "outcome", "reasons", "message"}``.
+    ``batch``: answer at the end of the run or after ``wait_s``, with every event of that time (the
+    controller's follow loop: one command per ``wait_s``, not one per event)."""
+    args: dict[str, Any] = {"run": run, "offset": int(offset), "wait_s": float(wait_s)}
+    if batch:
+        args["batch"] = True
+    return _agent_command(python, "follow", args)
 
 
 def wait_command(python: str | None, run: str, grace_s: float = 30.0, timeout_s: float | None = None) -> str:

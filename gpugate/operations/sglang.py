@@ -283,6 +283,8 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         return True
     plan = job.plan
     if plan.action == "attach":
+        if not job.observation.get("agent_installed", True):
+            _install_agent(host_obj, job.python)  # follow needs this controller's agent in the container
         return _follow(host_obj, job, str(plan.attach_run), attached=True)
     run = _run_id(host_obj)
     _audit(job, host_obj, "plan", "begin", run=run, **job.story)
@@ -337,6 +339,16 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     return _follow(host_obj, job, run, attached=False, watch=watch)
 
 
+def _install_agent(host_obj: Any, python: str) -> bool:
+    """Install this controller's agent without starting anything: the bootstrap installs the source a
+    start document carries (checked by hash) before the agent reads the document, and this one is
+    refused at once (its run id is invalid), so nothing else happens. Used to follow a transition
+    that another controller version started."""
+    stdin = agentcmd.start_stdin({"run": "-install-only"}, include_source=True)
+    ran, answer, _trouble = _run(host_obj, agentcmd.start_command(python), stdin=stdin, timeout=60)
+    return ran and not answer.get("agent_missing")
+
+
 def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | None = None) -> bool:
     """Follow the run's journal to its outcome, printing progress; the exit status is the
     outcome's (only ``verified`` succeeds)."""
@@ -351,7 +363,7 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
     misses = 0
     answer: dict[str, Any] = {}
     while True:
-        ran, answer, trouble = _run(host_obj, agentcmd.follow_command(job.python, run, offset, wait_s=FOLLOW_WAIT_S),
+        ran, answer, trouble = _run(host_obj, agentcmd.follow_command(job.python, run, offset, wait_s=FOLLOW_WAIT_S, batch=True),
                                     timeout=FOLLOW_WAIT_S + 60)
         if trouble and "is stopped" in trouble or trouble and "does not exist" in trouble:
             book.watching.pop(name, None)

@@ -2400,7 +2400,8 @@ def command_follow(args):
                     "outcome": "interrupted", "reasons": None,
                     "message": "the agent of run %s ended without an outcome" % run}
         ended = outcome is not None
-        if events or ended or time.time() >= deadline:
+        # batch: gather the events of up to wait_s in one answer (one command per wait, not per event)
+        if (events and not args.get("batch")) or ended or time.time() >= deadline:
             return {"events": events or [], "offset": new_offset, "active": active, "ended": ended,
                     "outcome": outcome.get("outcome") if outcome else None,
                     "reasons": outcome.get("reasons") if outcome else None,
