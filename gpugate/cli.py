@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "$GPUGATE_TORCH_ENV names it when `python3` is not the one with torch)")
     up.add_argument("--gpu-mib", type=_positive, default=core.DEFAULT_GPU_MIB, metavar="MIB",
                     help=f"memory of each simulated GPU in MiB (default {core.DEFAULT_GPU_MIB}, an H200)")
+    up.add_argument("--init", choices=("lab", "systemd"), default=None,
+                    help="PID 1 of the containers of the hosts this starts: lab (a small reaping init, the "
+                         "default) or systemd (Debian's systemd, for sglang_supervisor: systemd)")
     up.add_argument("--containers", type=_vmids, default=core.DEFAULT_VMIDS, metavar="VMIDS",
                     help="containers per host, comma-separated vmids (default %s)"
                          % ",".join(map(str, core.DEFAULT_VMIDS)))
@@ -172,7 +175,7 @@ def _lab(args: argparse.Namespace) -> int:
                 raise core.LabError(f"--gpus real: {exc}") from None
         gpus = core.DEFAULT_GPUS if binding else args.gpus
         state = core.up(lab_dir, hosts=args.hosts, gpus=gpus, gpu_mib=args.gpu_mib, vmids=args.containers,
-                        gpu_binding=binding)
+                        gpu_binding=binding, init=args.init)
         sys.stdout.write(core.format_status(state))
         for note in state.get("notes") or []:
             print(note)

@@ -55,9 +55,17 @@ def template_environment() -> Any:
                               undefined=jinja2.StrictUndefined, autoescape=False)
 
 
+# Values a template may leave to its defaults (the unit's restart policy).
+TEMPLATE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sglang.service.j2": {"restart_sec": 5, "restart_burst": 3, "restart_interval_s": 600},
+}
+
+
 def render_template(name: str, **values: Any) -> str:
-    """``render_template("sglang.service.j2", port=30000, ...)``: the rendered text."""
-    return str(template_environment().get_template(name).render(**values))
+    """``render_template("sglang.service.j2", port=30000, ...)``: the rendered text (a value the
+    template needs and nobody gave is an error, except TEMPLATE_DEFAULTS)."""
+    merged = {**TEMPLATE_DEFAULTS.get(name, {}), **values}
+    return str(template_environment().get_template(name).render(**merged))
 
 
 def project_dir() -> Path:

@@ -137,6 +137,42 @@ def create_container(host_dir: Path, vmid: int, gpu_count: int = 8) -> Path:
     return cdir
 
 
+SYSTEMD = "/lib/systemd/systemd"
+INIT_FLAVOURS = ("lab", "systemd")
+
+
+def set_init_flavour(host_dir: Path, vmid: int, flavour: str) -> None:
+    """``lab`` (the default: a small reaping init) or ``systemd`` (Debian's systemd as PID 1, as in a
+    Proxmox container of a systemd distribution; needs the systemd package on this machine). Takes
+    effect at the container's next start."""
+    if flavour not in INIT_FLAVOURS:
+        raise ContainerError(f"unknown init flavour {flavour!r}; one of {', '.join(INIT_FLAVOURS)}")
+    if flavour == "systemd" and not os.path.exists(SYSTEMD):
+        raise ContainerError(f"no {SYSTEMD} on this machine (apt-get install systemd)")
+    (ct_dir(host_dir, vmid) / "init").write_text(flavour + "\n")
+
+
+def init_flavour(host_dir: Path, vmid: int) -> str:
+    try:
+        flavour = (ct_dir(host_dir, vmid) / "init").read_text().strip()
+    except OSError:
+        return "lab"
+    return flavour if flavour in INIT_FLAVOURS else "lab"
+
+
+def _exec_systemd() -> None:
+    """PID 1 becomes systemd: cgroup2 at /sys/fs/cgroup (this container's cgroup namespace, the only
+    layout systemd runs in here: the machine's v1 hierarchies are hidden), ``container=lxc`` as LXC
+    sets it, the basic target (journald, no getty, none of the machine's services)."""
+    try:
+        nsutil.mount("cgroup2", "/sys/fs/cgroup", "cgroup2", nsutil.MS_NOSUID | nsutil.MS_NODEV | nsutil.MS_NOEXEC)
+    except OSError as exc:
+        raise ContainerError(f"systemd needs cgroup2 at /sys/fs/cgroup: {exc}") from None
+    env = {"container": "lxc", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+           "LANG": "C.UTF-8"}
+    os.execve(SYSTEMD, ["/sbin/init", "--unit=basic.target", "--log-target=console", "--log-level=warning"], env)
+
+
 def container_hostname(host_dir: Path, vmid: int) -> str:
     try:
         plain, _ = parse_config((ct_dir(host_dir, vmid) / "config").read_text())
@@ -153,15 +189,19 @@ def list_vmids(host_dir: Path) -> list[int]:
 
 
 def _init_from_cgroup(cgroup_dir: str) -> int | None:
-    try:
-        with open(os.path.join(cgroup_dir, "cgroup.procs")) as handle:
-            pids = [int(x) for x in handle.read().split()]
-    except OSError:
-        return None
-    for pid in pids:
-        chain = nsutil.nspid_chain(pid)
-        if len(chain) > 1 and chain[-1] == 1:
-            return pid
+    # The container's own cgroup first; then its subtree: systemd as PID 1 moves itself into init.scope.
+    for directory in [cgroup_dir] + [root for root, _dirs, _files in os.walk(cgroup_dir)][1:]:
+        try:
+            with open(os.path.join(directory, "cgroup.procs")) as handle:
+                pids = [int(x) for x in handle.read().split()]
+        except OSError:
+            if directory == cgroup_dir:
+                return None
+            continue
+        for pid in pids:
+            chain = nsutil.nspid_chain(pid)
+            if len(chain) > 1 and chain[-1] == 1:
+                return pid
     return None
 
 
@@ -306,8 +346,16 @@ def start_container(host_dir: Path, vmid: int, cgroup_base: str | None) -> int:
             init = os.fork()
             if init == 0:
                 try:
+                    flavour = init_flavour(host_dir, vmid)
+                    if flavour == "systemd":  # its console: opened now, the lab dir is hidden below
+                        console = os.open(str(ct_dir(host_dir, vmid) / "console.log"),
+                                          os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                     _setup_container_fs(host_dir, vmid)
                     os.write(write_fd, b"ok\n")
+                    if flavour == "systemd":
+                        os.dup2(console, 1)
+                        os.dup2(console, 2)
+                        _exec_systemd()
                     timeout = _shutdown_timeout(host_dir, vmid)
                     os.execv(CONTAINER_PYTHON, ["/sbin/init", "-S", "-E", INIT_IN_CT, str(timeout)])
                 except BaseException as exc:  # report any failure to pct start

@@ -343,7 +343,7 @@ def _apply_gpu_mode(hdir: Path, binding: dict | None, vmids: list[int]) -> None:
 
 
 def _prepare_host(lab_dir: Path, name: str, gpus: int, gpu_mib: int, vmids: list[int],
-                  gpu_binding: dict | None = None) -> int:
+                  gpu_binding: dict | None = None, init: str | None = None) -> int:
     hdir = host_dir(lab_dir, name)
     (hdir / "bin").mkdir(parents=True, exist_ok=True)
     _keygen(hdir / "ssh_host_ed25519_key", f"root@{name}")
@@ -365,11 +365,20 @@ def _prepare_host(lab_dir: Path, name: str, gpus: int, gpu_mib: int, vmids: list
     for vmid in vmids:
         cdir = container.create_container(hdir, vmid, gpus)
         _install_extras(cdir)
+        if init:
+            _set_init(hdir, vmid, init)
     for vmid in container.list_vmids(hdir):
         if vmid not in vmids:
             _install_extras(container.ct_dir(hdir, vmid))
     _apply_gpu_mode(hdir, gpu_binding, container.list_vmids(hdir))
     return port
+
+
+def _set_init(hdir: Path, vmid: int, init: str) -> None:
+    try:
+        container.set_init_flavour(hdir, vmid, init)
+    except container.ContainerError as exc:
+        raise LabError(str(exc)) from None
 
 
 def _launch_host(lab_dir: Path, name: str) -> None:
@@ -467,10 +476,11 @@ def write_fleet_file(lab_dir: Path, text: str) -> str | None:
 
 
 def up(lab_dir: Path, hosts: int | None = None, gpus: int = DEFAULT_GPUS, gpu_mib: int = DEFAULT_GPU_MIB,
-       vmids: tuple[int, ...] = DEFAULT_VMIDS, gpu_binding: dict | None = None) -> dict:
+       vmids: tuple[int, ...] = DEFAULT_VMIDS, gpu_binding: dict | None = None, init: str | None = None) -> dict:
     """Bring the lab up with ``hosts`` hosts (None: the hosts it has; see planned_hosts). Hosts that
     run are left exactly as they are, stopped ones are started, new ones made. Returns the status,
-    with ``notes`` (what the operator must know: the fleet file kept, ...)."""
+    with ``notes`` (what the operator must know: the fleet file kept, ...). ``init``: the PID 1 of
+    the containers of the hosts it starts (``lab`` or ``systemd``; None: as they were)."""
     if os.geteuid() != 0:
         raise LabError("the lab needs root (namespaces, mounts, sshd)")
     lab_dir = Path(lab_dir).resolve()
@@ -488,7 +498,7 @@ def up(lab_dir: Path, hosts: int | None = None, gpus: int = DEFAULT_GPUS, gpu_mi
         gpus = max(1, len(gpu_binding.get("gpus") or [])) if gpu_binding.get("gpus") else gpus
         gpu_mib = int(gpu_binding["gpus"][0]["total_mib"]) if gpu_binding.get("gpus") else gpu_mib
     for name in to_start:
-        _prepare_host(lab_dir, name, gpus, gpu_mib, list(vmids), gpu_binding)
+        _prepare_host(lab_dir, name, gpus, gpu_mib, list(vmids), gpu_binding, init)
     _write_known_hosts(lab_dir)
     if to_start:
         with ThreadPoolExecutor(max_workers=min(16, len(to_start))) as pool:
@@ -589,7 +599,8 @@ def host_status(lab_dir: Path, name: str) -> HostInfo:
             state = "running" if container.find_init(hdir, vmid, cg) else "stopped"
         else:
             state = "unknown"
-        info.containers.append({"vmid": vmid, "status": state, "name": container.container_hostname(hdir, vmid)})
+        info.containers.append({"vmid": vmid, "status": state, "name": container.container_hostname(hdir, vmid),
+                                "init": container.init_flavour(hdir, vmid)})
     binding = realgpu.read_binding(hdir)
     info.gpu_mode = "real" if binding else "simulated"
     if binding and binding.get("nvidia_smi"):
@@ -620,15 +631,17 @@ def format_status(state: dict) -> str:
         mark = "up" if host["running"] else "down"
         out.append(f"{host['name']}: {mark}  ssh root@{host['hostname']} -p {host['port']} -i {host['key']}")
         for ct in host["containers"]:
-            out.append(f"  ct {ct['vmid']} ({ct['name']}): {ct['status']}")
+            init = ", PID 1 systemd" if ct.get("init") == "systemd" else ""
+            out.append(f"  ct {ct['vmid']} ({ct['name']}): {ct['status']}{init}")
         if host["gpus"] and host["running"]:  # a down host's ledger is history, not GPU memory in use
             used = " ".join(f"{g['index']}:{g['used_mib']}" for g in host["gpus"])
             out.append(f"  gpu used MiB (of {host['gpus'][0]['total_mib']}): {used}")
     return "\n".join(out) + "\n"
 
 
-def add_container(lab_dir: Path, host: str, vmid: int, start: bool = True) -> None:
+def add_container(lab_dir: Path, host: str, vmid: int, start: bool = True, init: str | None = None) -> None:
     """Create container <vmid> on a running lab host (like `pct create`), and start it unless start=False.
+    ``init="systemd"``: Debian's systemd is its PID 1 (container.set_init_flavour).
 
     Example: add_container(Path("/tmp/gpugate-lab"), "pve1", 130)
     """
@@ -640,6 +653,8 @@ def add_container(lab_dir: Path, host: str, vmid: int, start: bool = True) -> No
         gpus = DEFAULT_GPUS
     cdir = container.create_container(hdir, vmid, gpus)
     _install_extras(cdir)
+    if init:
+        _set_init(hdir, vmid, init)
     binding = realgpu.read_binding(hdir)
     if binding:
         _apply_gpu_mode(hdir, binding, [vmid])

@@ -1,0 +1,105 @@
+"""The systemd supervisor end to end: a lab container whose PID 1 is Debian's systemd; the server started
+as a unit through the real pyinfra CLI, crash-restarted by systemd with the same spec (logs in journald),
+restarted with new flags through the gate, and the status reading it. Tests run in order."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT, module_lab
+
+pytestmark = [pytest.mark.lab]
+
+FAST = {"SGLANG_STANDIN_LOAD_S": "0.3"}
+UNIT = "sglang-30000.service"
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    if not os.path.exists("/lib/systemd/systemd"):
+        pytest.skip("no /lib/systemd/systemd on this machine (scripts/bootstrap installs it)")
+    for lab in module_lab(tmp_path_factory, "lab-systemd", hosts=1, gpus=8):
+        from gpugate.lab import container, core
+
+        assert lab.pct("pve1", "stop", "129").returncode == 0
+        container.set_init_flavour(core.host_dir(lab.dir, "pve1"), 129, "systemd")
+        assert lab.pct("pve1", "start", "129").returncode == 0
+        yield lab
+
+
+def in_ct(lab, script: str) -> str:
+    result = lab.pct("pve1", "exec", "129", "--", "sh", "-c", script)
+    return result.stdout
+
+
+def unit(lab, *props: str) -> dict[str, str]:
+    out = in_ct(lab, f"systemctl show {UNIT} " + " ".join(f"-p {shlex.quote(p)}" for p in props))
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def pyinfra(lab, deploy: str, flags: dict, *extra: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    return subprocess.run([exe, "-y", "inventory.py", deploy, "--data", "sglang_supervisor=systemd",
+                           "--data", f"sglang_env={json.dumps(FAST)}", "--data", f"sglang_flags={json.dumps(flags)}",
+                           *extra], cwd=REPO_ROOT, env=lab.env(), capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+
+
+def wait_for(predicate, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return value
+
+
+def test_pid_1_is_systemd_and_it_is_running(lab):
+    assert in_ct(lab, "cat /proc/1/comm").strip() == "systemd"
+    assert wait_for(lambda: in_ct(lab, "systemctl is-system-running").strip() in ("running", "degraded"), 30)
+
+
+def test_the_server_starts_as_a_unit(lab):
+    result = pyinfra(lab, "deploy.py", {"tp": 8})
+    assert result.returncode == 0, result.stdout + result.stderr
+    props = unit(lab, "ActiveState", "MainPID", "Restart", "KillMode", "TimeoutStopUSec", "StartLimitBurst")
+    assert props["ActiveState"] == "active" and int(props["MainPID"]) > 0
+    assert (props["Restart"], props["KillMode"], props["StartLimitBurst"]) == ("on-failure", "mixed", "3")
+    assert props["TimeoutStopUSec"] == "1min 10s"  # the drain budget (60 s) + the kill grace (10 s)
+    # the server's log is in journald
+    assert wait_for(lambda: "fired up and ready to roll" in in_ct(lab, f"journalctl -u {UNIT} --no-pager"), 10)
+
+
+def test_a_crash_is_restarted_with_the_same_spec_and_reported(lab):
+    before = unit(lab, "MainPID", "ExecStart")
+    in_ct(lab, f"kill -9 {before['MainPID']}")
+    restarted = wait_for(lambda: (lambda p: p if p["NRestarts"] == "1" and p["ActiveState"] == "active"
+                                  and p["MainPID"] not in ("0", before["MainPID"]) else None)(
+        unit(lab, "NRestarts", "ActiveState", "MainPID", "ExecStart")), 30)
+    assert restarted, unit(lab, "NRestarts", "ActiveState", "SubState")
+    argv = re.compile(r"argv\[\]=([^;]*)")  # ExecStart also says when and as which pid it last ran
+    assert argv.search(restarted["ExecStart"]).group(1) == argv.search(before["ExecStart"]).group(1)
+    # serving again: the status says so (it reads the server, not systemd's word)
+    status = wait_for(lambda: (lambda r: r if "serving as desired" in r.stdout else None)(
+        pyinfra(lab, "runbooks/status.py", {"tp": 8})), 30)
+    assert status, "the restarted server never served"
+
+
+def test_new_flags_restart_through_the_gate(lab):
+    result = pyinfra(lab, "deploy.py", {"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "KV cache" in result.stdout + result.stderr and "(x2.00)" in result.stdout + result.stderr
+    pid = unit(lab, "MainPID")["MainPID"]
+    argv = in_ct(lab, f"tr '\\0' ' ' < /proc/{pid}/cmdline")
+    assert "--kv-cache-dtype fp8_e4m3" in argv
+    assert unit(lab, "NRestarts")["NRestarts"] == "0"  # a deliberate restart is no crash
+    status = pyinfra(lab, "runbooks/status.py", {"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    assert status.returncode == 0 and "serving as desired" in status.stdout
