@@ -26,7 +26,7 @@ from tests.conftest import REPO_ROOT, module_lab
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 FAST = {"SGLANG_STANDIN_LOAD_S": "0.4"}
-SLOW = {"SGLANG_STANDIN_LOAD_S": "4"}
+SLOW = {"SGLANG_STANDIN_LOAD_S": "6"}  # the follow prints in 3 s batches: still loading after the first
 LONG = {"SGLANG_STANDIN_LOAD_S": "12"}  # outlasts a pyinfra start on a busy machine: the re-run finds it loading
 PVE1 = "@pct/pve1:129"
 
