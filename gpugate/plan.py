@@ -233,8 +233,17 @@ def record_lines(server: Mapping[str, Any], record: Mapping[str, Any]) -> list[s
     if (running["host"] or "127.0.0.1") != (target.host or "127.0.0.1"):
         lines += [f"- --host {running['host'] or '127.0.0.1'}", f"+ --host {target.host or '127.0.0.1'}"]
     lines += diff_flags(redact_flags(running["flags"]), redact_flags(target.flags)).lines(redact=True)
+    have = server.get("env_hashes") or {}
+    wanted = record.get("env_hashes") or {}
+    for name in sorted(set(have) | set(wanted)):
+        if wanted.get(name) is not None and have.get(name) is None:
+            lines.append(f"+ env {name}=***")
+        elif wanted.get(name) is not None and have.get(name) != wanted[name]:
+            lines.append(f"~ env {name}=*** (value changed)")
+        elif wanted.get(name) is None and have.get(name) is not None:
+            lines.append(f"- env {name}")
     if not lines:
-        lines.append("~ the same flags; a secret flag value, the interpreter or the environment differs")
+        lines.append("~ the same flags; a secret flag value, the interpreter or the supervisor differs")
     return lines
 
 

@@ -454,7 +454,7 @@ def _story(observation: Mapping[str, Any], plan: Plan, spec: Spec | None) -> dic
     main = server.get("main") or {}
     after_argv = redact_argv(list(spec.argv)) if spec else (list((plan.target or {}).get("argv") or []) or None)
     after_flags = redact_flags(spec.flags) if spec else ((plan.target or {}).get("flags"))
-    return {"action": plan.action, "plan_reasons": list(plan.reasons), "argv_before": main.get("argv"),
+    return {"action": plan.action, "plan_reasons": list(plan.reasons), "restore_previous": plan.target is not None, "argv_before": main.get("argv"),
             "flags_before": redact_flags(command.get("flags") or {}) if command else None,
             "argv_after": after_argv, "flags_after": after_flags, "diff": list(plan.lines)}
 
