@@ -30,6 +30,7 @@ from gpugate import resources
 from gpugate.lab import core
 
 PYINFRA_COMMANDS = ("deploy", "runbook")
+READ_ONLY_RUNBOOKS = ("status", "who_holds_gpus")
 
 
 def _vmids(text: str) -> tuple[int, ...]:
@@ -149,6 +150,10 @@ def pyinfra_argv(command: str, args: Sequence[str]) -> list[str]:
         target, rest = project / "runbooks" / f"{name}.py", list(args[1:])
         if not target.is_file():
             raise core.LabError(f"no runbook {args[0]!r}; runbooks: " + ", ".join(resources.runbook_names()))
+        if name in READ_ONLY_RUNBOOKS and not {"-y", "--yes", "--dry"} & set(rest):
+            # read-only: nothing to confirm, and pyinfra's prompt for an unreachable host would hold the
+            # report back (the status reports that host instead)
+            rest.insert(0, "-y")
     return [sys.executable, "-m", "pyinfra", str(project / "inventory.py"), str(target), *rest]
 
 

@@ -74,7 +74,8 @@ def test_files_and_runbook_point_at_files_that_exist():
     argv = cli.pyinfra_argv("runbook", ["status", "--limit", "pve1", "--data", "format=json"])
     assert argv[1:3] == ["-m", "pyinfra"] and Path(argv[3]).name == "inventory.py"
     assert Path(argv[4]).is_file() and argv[4].endswith("runbooks/status.py")
-    assert argv[5:] == ["--limit", "pve1", "--data", "format=json"]
+    assert argv[5:] == ["-y", "--limit", "pve1", "--data", "format=json"]  # read-only: never a prompt
+    assert "-y" not in cli.pyinfra_argv("runbook", ["restart", "--limit", "pve1"])
 
 
 FLEET = """
