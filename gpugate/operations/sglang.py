@@ -140,10 +140,12 @@ def _on_interrupt(signum: int, frame: Any) -> None:
     os._exit(130)
 
 
-def _install_interrupt_handler(book: RunBook) -> None:
+def _install_interrupt_handler(book: RunBook | None) -> None:
     """Replace pyinfra's Ctrl-C handler (which prints "Exiting upon user request!" and exits 0)
-    for runs of this operation: a change interrupted must never look like success."""
-    _INTERRUPT["book"] = book
+    for runs of this operation: a change interrupted must never look like success. Installed when
+    a deploy file imports this module (before any host is planned) and again by the operation."""
+    if book is not None:
+        _INTERRUPT["book"] = book
     if _INTERRUPT["installed"]:
         return
     try:
@@ -592,3 +594,6 @@ def server(
     job = Job(plan, spec, port, python, budget, observation, audit_log, bool(rolling), int(max_failures),
               bool(restarted), end_pids, _story(observation, plan, spec))
     yield FunctionCommand(_execute, (job,), {})
+
+
+_install_interrupt_handler(None)  # a deploy file that imports this module: from here on, Ctrl-C is ours
