@@ -25,17 +25,18 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import json
 import os
 import signal
 import sys
 import time
-import uuid as uuid_module
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterable, List, Optional
+
+# Imported where used (argparse, uuid, pathlib): every NVML read of the lab's pynvml imports this module,
+# and the read path (load_config, memory_info, list_processes) runs on os.path strings only, so an
+# `import pynvml` in a container costs what the real binding's import does, not ~40 ms of stdlib.
+# Annotations stay strings (``from __future__ import annotations``): Path, Iterable, List and Optional
+# name the types, none is needed at run time.
 
 DEFAULT_SIM_DIR = "/run/gpugate-sim"
 DEFAULT_LAB_CTL = "/run/gpugate-lab"
@@ -57,11 +58,20 @@ class NotEnoughMemory(Exception):
 
 def sim_dir() -> Path:
     """The simulated driver's directory: $GPUGATE_SIM_DIR, else /run/gpugate-sim (bound into containers)."""
-    return Path(os.environ.get("GPUGATE_SIM_DIR") or DEFAULT_SIM_DIR)
+    from pathlib import Path
+
+    return Path(_sim_dir_text())
+
+
+def _sim_dir_text(gpu_dir: "Path | str | None" = None) -> str:
+    """``gpu_dir`` (Path or str) or the default sim dir, as a string (the read path needs no pathlib)."""
+    return os.fspath(gpu_dir) if gpu_dir else (os.environ.get("GPUGATE_SIM_DIR") or DEFAULT_SIM_DIR)
 
 
 def lab_ctl_dir() -> Path:
     """The container's lab control dir (faults.json): $GPUGATE_LAB_CTL, else /run/gpugate-lab."""
+    from pathlib import Path
+
     return Path(os.environ.get("GPUGATE_LAB_CTL") or DEFAULT_LAB_CTL)
 
 
@@ -70,9 +80,11 @@ def read_faults(ctl_dir: Optional[Path] = None) -> dict:
 
     Example: ``read_faults()`` -> ``{"ignore-sigterm": True, "slow-start": 5.0}``
     """
-    path = (ctl_dir or lab_ctl_dir()) / "faults.json"
+    path = os.path.join(os.fspath(ctl_dir) if ctl_dir else (os.environ.get("GPUGATE_LAB_CTL") or DEFAULT_LAB_CTL),
+                        "faults.json")
     try:
-        data = json.loads(path.read_text())
+        with open(path) as handle:
+            data = json.loads(handle.read())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -82,7 +94,7 @@ def _ctl_id() -> Optional[str]:
     """dev:inode of this container's lab control dir; stable across container restarts, and the same
     seen from inside (bind mount) and from the lab (its real path): tags allocations with their container."""
     try:
-        st = os.stat(lab_ctl_dir())
+        st = os.stat(os.environ.get("GPUGATE_LAB_CTL") or DEFAULT_LAB_CTL)
     except OSError:
         return None
     return f"{st.st_dev}:{st.st_ino}"
@@ -112,6 +124,9 @@ def setup_host(
 
     Example: ``setup_host(Path("/tmp/lab/hosts/pve1/gpu"), count=8, total_mib=97887)``
     """
+    import uuid as uuid_module
+    from pathlib import Path
+
     gpu_dir = Path(gpu_dir)
     (gpu_dir / "alloc").mkdir(parents=True, exist_ok=True)
     (gpu_dir / "dev").mkdir(parents=True, exist_ok=True)
@@ -143,9 +158,10 @@ def setup_host(
 
 def load_config(gpu_dir: Optional[Path] = None) -> dict:
     """The driver's config; raises DriverUnavailable when the sim dir is absent."""
-    path = Path(gpu_dir or sim_dir()) / "config.json"
+    path = os.path.join(_sim_dir_text(gpu_dir), "config.json")
     try:
-        return json.loads(path.read_text())
+        with open(path) as handle:
+            return json.loads(handle.read())
     except (OSError, ValueError) as exc:
         raise DriverUnavailable(str(path)) from exc
 
@@ -200,13 +216,29 @@ def visible_pid_map(pidns_wanted: Iterable[str]) -> dict:
 # ----------------------------------------------------------------------------------------- allocations
 
 
-@dataclass
 class MemoryInfo:
-    """One GPU's memory in MiB. ``used_mib`` is v2 used (allocations only); v1 used adds reserved."""
+    """One GPU's memory in MiB. ``used_mib`` is v2 used (allocations only); v1 used adds reserved.
 
-    total_mib: int
-    reserved_mib: int
-    used_mib: int
+    A plain class with what ``@dataclass`` would generate (init, repr, eq): the dataclasses import
+    (inspect, ast, ...) was most of the cost of every ``import pynvml`` in a lab container.
+    """
+
+    __slots__ = ("total_mib", "reserved_mib", "used_mib")
+
+    def __init__(self, total_mib: int, reserved_mib: int, used_mib: int) -> None:
+        self.total_mib = total_mib
+        self.reserved_mib = reserved_mib
+        self.used_mib = used_mib
+
+    def __repr__(self) -> str:
+        return f"MemoryInfo(total_mib={self.total_mib!r}, reserved_mib={self.reserved_mib!r}, used_mib={self.used_mib!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.total_mib, self.reserved_mib, self.used_mib) == (other.total_mib, other.reserved_mib, other.used_mib)  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]  # as a dataclass with eq and without frozen
 
     @property
     def free_mib(self) -> int:
@@ -219,7 +251,7 @@ class MemoryInfo:
 
 def list_allocations(gpu_dir: Optional[Path] = None) -> List[dict]:
     """Every allocation on the host (no namespace filtering), sorted by creation time."""
-    alloc_dir = Path(gpu_dir or sim_dir()) / "alloc"
+    alloc_dir = os.path.join(_sim_dir_text(gpu_dir), "alloc")
     allocs = []
     try:
         names = os.listdir(alloc_dir)
@@ -228,23 +260,24 @@ def list_allocations(gpu_dir: Optional[Path] = None) -> List[dict]:
     for name in names:
         if name.startswith(".") or not name.endswith(".json"):
             continue
-        record = _read_alloc(alloc_dir / name)
+        record = _read_alloc(os.path.join(alloc_dir, name))
         if record is not None:
             allocs.append(record)
     allocs.sort(key=lambda a: (a.get("created", 0), a.get("id", "")))
     return allocs
 
 
-def _read_alloc(path: Path) -> Optional[dict]:
+def _read_alloc(path: Path | str) -> Optional[dict]:
     for _ in range(3):  # an in-place rewrite (mark_stuck) may be caught half-way; retry
         try:
-            data = json.loads(path.read_text())
+            with open(path) as handle:
+                data = json.loads(handle.read())
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
             time.sleep(0.001)
             continue
-        data.setdefault("id", path.stem)
+        data.setdefault("id", os.path.splitext(os.path.basename(path))[0])  # the file's stem
         return data
     return None
 
@@ -307,7 +340,9 @@ _device_fds: List[int] = []
 def device_dir(gpu_dir: Optional[Path] = None) -> Path:
     """Where this process finds the simulated device nodes: /dev when the lab bound them there (inside
     containers), else GPU_DIR/dev."""
-    gpu_dir = Path(gpu_dir or sim_dir())
+    from pathlib import Path
+
+    gpu_dir = Path(_sim_dir_text(gpu_dir))
     try:
         if os.path.samefile("/dev/nvidiactl", gpu_dir / "dev" / "nvidiactl"):
             return Path("/dev")
@@ -372,7 +407,10 @@ def allocate(
     ``require_free``: fail with NotEnoughMemory unless that much is free (atomic with other allocators).
     Example: ``h = allocate(0, 86000, require_free=True)``.
     """
-    gpu_dir = Path(gpu_dir or sim_dir())
+    import uuid as uuid_module
+    from pathlib import Path
+
+    gpu_dir = Path(_sim_dir_text(gpu_dir))
     config = load_config(gpu_dir)
     if not 0 <= gpu < int(config["count"]):
         raise ValueError(f"no GPU {gpu} (count {config['count']})")
@@ -416,7 +454,7 @@ def allocate(
 
 class _ledger_lock:
     def __init__(self, gpu_dir: Path, exclusive: bool):
-        self.path = Path(gpu_dir) / "ledger.lock"
+        self.path = os.path.join(gpu_dir, "ledger.lock")
         self.mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
 
     def __enter__(self):
@@ -447,6 +485,8 @@ def set_stuck(gpu_dir: Path, stuck: bool, *, ctl: Optional[str] = None, pidns: O
               tag: Optional[str] = None) -> List[str]:
     """Mark allocations stuck (never freed) or not; selects by container control-dir id, pid namespaces
     or tag. Rewrites in place so the holder's lock (on the inode) is kept. Returns the ids changed."""
+    from pathlib import Path
+
     pidns_set = set(pidns or [])
     changed = []
     for a in list_allocations(gpu_dir):
@@ -480,6 +520,8 @@ def release_step(gpu_dir: Path, pending: dict, now: float, delay_s: float) -> Li
     ``pending`` maps id -> when the holder was first seen gone (kept between passes).
     Returns the release records written to released.jsonl.
     """
+    from pathlib import Path
+
     alloc_dir = Path(gpu_dir) / "alloc"
     released = []
     seen = set()
@@ -530,6 +572,8 @@ def release_step(gpu_dir: Path, pending: dict, now: float, delay_s: float) -> Li
 
 def run_driver(gpu_dir: Path, poll_s: float = 0.02) -> None:
     """The per-host driver daemon: free memory of dead holders after release_delay_s, forever."""
+    from pathlib import Path
+
     gpu_dir = Path(gpu_dir)
     delay_s = float(load_config(gpu_dir).get("release_delay_s", 0.15))
     pending: dict = {}
@@ -550,6 +594,9 @@ def _parse_gpus(text: str, count: int) -> List[int]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """``driver GPU_DIR`` | ``hold --gpu all|0,1 --mib N [--sim-dir D] [--tag T]`` | ``status [--sim-dir D]``."""
+    import argparse
+    from pathlib import Path
+
     parser = argparse.ArgumentParser(prog="gpusim", description="the lab's simulated GPU driver")
     sub = parser.add_subparsers(dest="command", required=True)
     p_driver = sub.add_parser("driver", help="run the release daemon for GPU_DIR")
