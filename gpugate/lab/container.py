@@ -22,7 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from gpugate.lab import nsutil, realgpu
+from gpugate.lab import nsutil
+
+# gpugate.lab.realgpu (shutil, subprocess, glob, typing) is imported by _setup_container_fs only: the lab's
+# `pct exec`, run for every remote command of every tool, never needs it.
 
 CONTAINER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 OVERLAID = ("etc", "var", "usr")
@@ -236,6 +239,8 @@ def host_cgroup_base_inside(host_dir: Path) -> str | None:
 
 def _setup_container_fs(host_dir: Path, vmid: int) -> None:
     """Runs as the container's PID 1 before exec: mounts, hostname, loopback."""
+    from gpugate.lab import realgpu  # now: the mounts below may hide the package (and the stdlib it needs)
+
     cdir = ct_dir(host_dir, vmid)
     gdir = gpu_dir(host_dir)
     init_code = Path(INIT_SCRIPT).read_bytes()  # read now: the mounts below may hide the package

@@ -13,15 +13,11 @@ Example (on a lab host):
 
 from __future__ import annotations
 
-import grp
+import grp  # grp and pwd up front: push/pull resolve names after setns, where the host's stdlib may be hidden
 import os
-import pty  # imported up front: after setns the host's stdlib may be hidden
 import pwd
-import select
 import signal
 import sys
-import termios
-import tty
 from pathlib import Path
 
 from gpugate.lab import container, nsutil
@@ -214,10 +210,17 @@ class Pct:
             raise Die(f"container '{vmid}' not running!")
         if not command:
             raise perl_die("missing command", 247)
+        use_pty = any(os.isatty(fd) for fd in (0, 1, 2))
+        if use_pty:
+            # before setns: in the container the host's stdlib may be hidden. Only here: the
+            # non-interactive exec (every tool's remote command) does not pay for these imports.
+            import pty  # noqa: F401
+            import select  # noqa: F401
+            import termios  # noqa: F401
+            import tty  # noqa: F401
         enter_container(pid, vmid, self.cgroup_base)
         env = dict(os.environ)
         env["PATH"] = EXEC_PATH
-        use_pty = any(os.isatty(fd) for fd in (0, 1, 2))
         return run_inside(command, env, use_pty)
 
     def cmd_push(self, vmid: int, src: str, dest: str, opts: dict[str, str]) -> int:
@@ -417,6 +420,11 @@ def run_inside(command: list[str], env: dict[str, str], use_pty: bool) -> int:
 
 def _run_with_pty(command: list[str], env: dict[str, str]) -> int:
     """lxc-attach's behaviour when any std fd is a tty: a pty inside, stderr merged, CRLF."""
+    import pty  # already imported by cmd_exec before it entered the container
+    import select
+    import termios
+    import tty
+
     child, master = pty.fork()
     if child == 0:
         _exec_child(command, env)
