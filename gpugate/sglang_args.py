@@ -1,29 +1,36 @@
-"""SGLang's server flags as data: the table, validation, argv render/parse, diffs.
+"""SGLang's server flags, version by version: validation, argv render/parse, diffs.
 
-Stdlib only: this module is also copied into lab containers, where the SGLang stand-in uses
-``build_parser()`` as its own argument parser, so bad flags fail there exactly as they would
-in SGLang (argparse's message, exit status 2).
+The flag set is SGLang's own, never a table written by hand (docs/flags.md):
 
-The table mirrors ``ServerArgs.add_cli_args`` in sgl-project/sglang
-(``python/sglang/srt/server_args.py``, 0.5.x) and ``docs/advanced_features/server_arguments.md``:
-option strings, aliases, types, choices, store_true flags and defaults.
+- a ``FlagTable`` is built from SGLang's parser (``ServerArgs.add_cli_args``) by
+  gpugate/remote/flag_table.py: in the container, for the SGLang installed there (the
+  ``SglangFlagTable`` fact, cached in ``/var/lib/gpugate/sglang-flags/``), or from a release's wheel
+  (scripts/sglang_flags_snapshot.py -> the snapshots in gpugate/flagtables/);
+- ``table=None`` everywhere means the union of the snapshots: "a flag of some SGLang release gpugate
+  has a snapshot of". It is what a fleet file is checked against when no version is known yet; the
+  plan checks the flags again against the table of the SGLang that will run (``choose_table``);
+- gpugate's own knowledge is a small overlay (``SECRET_FLAGS``, ``SEPARATE_FIELDS``, ``SHORT_NAMES``,
+  the known conflicts in ``_check_conflicts``): what SGLang's parser does not declare.
 
 Vocabulary
 ----------
-- *canonical name*: the hyphenated ServerArgs field name without dashes (``tp-size``,
-  ``kv-cache-dtype``). Aliases (``tp``, ``--tensor-parallel-size``, ``tp_size``) map onto it.
-- *normalised flags*: ``dict[canonical name, typed value]``; a store_true flag that is set is
-  ``True``, one that is not set is absent (``disable-radix-cache: false`` == not given).
+- *canonical name*: an option string of SGLang without dashes: the one spelled like the ServerArgs
+  field (``tp-size``, ``kv-cache-dtype``), else the action's first (``monokernel-backend``).
+  Other spellings (``--tensor-parallel-size``, ``tp_size``, the short ``tp``) map onto it.
+- *normalised flags*: ``dict[canonical name, typed value]``; a store_true switch that is set is
+  ``True``, one that is not set is absent (``disable-radix-cache: false`` == not given); an
+  ``--x/--no-x`` switch keeps ``False`` (it renders ``--no-x``).
 
 Example::
 
-    >>> flags = validate_flags({"tp": 8, "kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True})
-    >>> flags
-    {'disable-radix-cache': True, 'kv-cache-dtype': 'fp8_e4m3', 'tp-size': 8}
-    >>> render_argv("/opt/models/m", 30000, flags)[:4]
-    ['-m', 'sglang.launch_server', '--model-path', '/opt/models/m']
-    >>> diff_flags({"kv-cache-dtype": "auto"}, flags).lines()
-    ['+ --disable-radix-cache', '- --kv-cache-dtype auto', '+ --kv-cache-dtype fp8_e4m3', '+ --tp-size 8']
+    >>> t = load_snapshot("0.5.23")
+    >>> validate_flags({"tp": 8, "kv-cache-dtype": "nvfp4"}, table=t)
+    {'kv-cache-dtype': 'nvfp4', 'tp-size': 8}
+    >>> validate_flags({"cuda-graph-max-bs": 256}, table=t)  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    FlagError: --cuda-graph-max-bs: not a flag of SGLang 0.5.23 (did you mean --cuda-graph-max-bs-decode?)
+    >>> flag_warnings({"disable-cuda-graph": True}, table=t)[0][:60]
+    "--disable-cuda-graph is deprecated in SGLang 0.5.23: '--disab"
 """
 
 from __future__ import annotations
@@ -31,18 +38,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
 import math
+import re
 import shlex
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 __all__ = [
     "FlagError",
     "FlagSpec",
+    "FlagTable",
     "SPECS",
     "SEPARATE_FIELDS",
+    "SECRET_FLAGS",
+    "SHORT_NAMES",
     "canonical_name",
     "validate_flags",
+    "flag_warnings",
     "render_argv",
     "render_flag_args",
     "parse_argv",
@@ -53,6 +67,15 @@ __all__ = [
     "server_info_view",
     "server_info_mismatches",
     "redact_argv",
+    "snapshot_versions",
+    "load_snapshot",
+    "newest_snapshot",
+    "union_table",
+    "table_from_doc",
+    "resolve_table",
+    "choose_table",
+    "known_table_keys",
+    "version_mismatch",
     "DEFAULT_HOST",
     "DEFAULT_PORT",
 ]
@@ -60,6 +83,32 @@ __all__ = [
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
 SECRET_MASK = "***"
+SNAPSHOT_DIR = Path(__file__).resolve().parent / "flagtables"
+
+# ------------------------------------------------------------------------------------------
+# gpugate's overlay: what SGLang's parser does not say
+# ------------------------------------------------------------------------------------------
+
+# Flags whose values are secrets: never shown in a diff, a log, an error, a record.
+SECRET_FLAGS = frozenset({"api-key", "admin-api-key", "ssl-keyfile-password"})
+_SECRET_PATTERN = re.compile(r"(^|-)(api-key|password|secret)$")
+
+# Fields of the fleet entry, not flags: given as flags they would be rendered twice (and the
+# port is what gpugate uses to find and health-check the server). `config` would hide the real
+# flags from gpugate in a file it does not read.
+SEPARATE_FIELDS: dict[str, str] = {
+    "model-path": "set the model as sglang.model_path, not as a flag",
+    "model": "set the model as sglang.model_path, not as a flag",
+    "port": "set the port as sglang.port, not as a flag",
+    "host": "set the host as sglang.host, not as a flag",
+    "config": "gpugate must see every flag to compare it with the running server; "
+              "write the flags themselves instead of --config",
+}
+
+# Short spellings gpugate has always accepted; SGLang takes them through argparse's prefix
+# abbreviation (``--tp 8``). Only these: a general prefix match would turn a flag a release
+# removed (``cuda-graph-max-bs``) silently into a newer one (``cuda-graph-max-bs-decode``).
+SHORT_NAMES = {"tp": "tp-size", "dp": "dp-size", "pp": "pp-size", "ep": "ep-size"}
 
 
 class FlagError(ValueError):
@@ -79,11 +128,15 @@ class FlagError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class FlagSpec:
-    """One SGLang server argument.
+    """One SGLang server argument, as SGLang's parser declares it.
 
-    kind: ``bool`` (store_true), ``int``, ``float``, ``str``, ``choice`` (one of ``choices``,
-    each of type ``item``), ``list`` (``nargs="+"`` of ``item``), ``json`` (a JSON document
-    passed as one string; YAML mappings/lists are accepted and serialised canonically).
+    kind: ``bool`` (a switch: store_true, store_const, a deprecated switch), ``switch``
+    (``--x/--no-x``: True, False or absent), ``int``, ``float``, ``str``, ``choice`` (one of
+    ``choices``, each of type ``item``), ``list`` (``nargs`` +, * or N of ``item``), ``json`` (a
+    JSON document as one string; YAML mappings/lists are serialised canonically).
+    ``type_name``: SGLang's converter when it is not int/float/str/json (e.g.
+    ``sglang.srt.utils.common.human_readable_int``): values are passed as text.
+    ``deprecated``: SGLang's own words when it is used (``message``), or None.
     """
 
     name: str
@@ -95,298 +148,261 @@ class FlagSpec:
     choices: tuple[Any, ...] = ()
     item: str = "str"
     secret: bool = False
+    nargs: Any = None
+    type_name: str | None = None
+    deprecated: Mapping[str, Any] | None = None
 
     @property
     def option_strings(self) -> list[str]:
         """The option strings SGLang's parser declares, canonical first."""
-        return [f"--{self.name}"] + [f"--{a}" for a in self.aliases if not a.startswith("_")]
+        return [f"--{self.name}"] + [f"--{a}" for a in self.aliases]
 
 
-# --------------------------------------------------------------------------------------
-# The table. Choices are copied from SGLang's server_args.py; lists that grow with every
-# release (quantization, attention backends, parsers) hold the union of recent releases.
-# --------------------------------------------------------------------------------------
+def _is_secret_name(name: str) -> bool:
+    return name in SECRET_FLAGS or bool(_SECRET_PATTERN.search(name))
 
-_LOAD_FORMATS = ("auto", "pt", "safetensors", "npcache", "dummy", "sharded_state", "gguf",
-                 "bitsandbytes", "layered", "flash_rl", "remote", "remote_instance",
-                 "fastsafetensors", "private", "runai_streamer", "mistral", "presharded")
-_QUANTIZATIONS = ("awq", "fp8", "mxfp8", "gptq", "marlin", "gptq_marlin", "awq_marlin",
-                  "bitsandbytes", "gguf", "modelopt", "modelopt_fp8", "modelopt_fp4",
-                  "modelopt_mixed", "petit_nvfp4", "w8a8_int8", "w8a8_fp8", "moe_wna16", "qoq",
-                  "w4afp8", "mxfp4", "auto-round", "compressed-tensors", "modelslim",
-                  "quark", "quark_int4fp8_moe", "quark_mxfp4")
-_ATTENTION_BACKENDS = ("triton", "torch_native", "flex_attention", "dsa", "nsa", "cutlass_mla",
-                       "fa3", "fa4", "flashinfer", "flashmla", "trtllm_mla", "trtllm_mha",
-                       "dual_chunk_flash_attn", "aiter", "wave", "intel_amx", "ascend",
-                       "intel_xpu", "hpc_ops")
-_MOE_RUNNERS = ("auto", "deep_gemm", "triton", "triton_kernel", "flashinfer_trtllm",
-                "flashinfer_trtllm_routed", "flashinfer_cutlass", "flashinfer_mxfp4",
-                "flashinfer_cutedsl", "cutlass", "aiter", "marlin")
-_MOE_A2A = ("none", "deepep", "mooncake", "mori", "nixl", "ascend_fuseep", "flashinfer")
-_REASONING_PARSERS = ("deepseek-r1", "deepseek-v3", "glm45", "gpt-oss", "kimi", "kimi_k2",
-                      "minimax", "minimax-append-think", "qwen3", "qwen3-thinking", "step3",
-                      "interns1", "nano_v3")
-_TOOL_CALL_PARSERS = ("deepseekv3", "deepseekv31", "deepseekv32", "glm", "glm45", "glm47",
-                      "gpt-oss", "kimi_k2", "llama3", "mistral", "pythonic", "qwen", "qwen25",
-                      "qwen3_coder", "step3", "gigachat3", "minimax-m2", "interns1")
 
-# (name, kind, default, help, extras) -- extras: aliases, choices, item, secret, dest
-_TABLE: list[tuple[str, str, Any, str, dict]] = [
-    # Model and tokenizer
-    ("tokenizer-path", "str", None, "The path of the tokenizer.", {}),
-    ("tokenizer-mode", "choice", "auto", "Tokenizer mode.", {"choices": ("auto", "slow")}),
-    ("tokenizer-worker-num", "int", 1, "The worker num of the tokenizer manager.", {}),
-    ("skip-tokenizer-init", "bool", False, "Skip init tokenizer; pass input_ids in generate request.", {}),
-    ("load-format", "choice", "auto", "The format of the model weights to load.", {"choices": _LOAD_FORMATS}),
-    ("model-loader-extra-config", "json", "{}", "Extra config for the model loader (JSON).", {}),
-    ("trust-remote-code", "bool", False, "Allow custom models defined on the Hub in their own modeling files.", {}),
-    ("context-length", "int", None, "The model's maximum context length.", {}),
-    ("is-embedding", "bool", False, "Use a CausalLM as an embedding model.", {}),
-    ("enable-multimodal", "bool", None, "Enable the multimodal functionality for the served model.", {}),
-    ("revision", "str", None, "The specific model version to use (branch, tag or commit id).", {}),
-    ("model-impl", "str", "auto", "Which implementation of the model to use (auto, sglang, transformers).", {}),
-    # HTTP server
-    ("fastapi-root-path", "str", "", "App is behind a path based routing proxy.", {}),
-    ("skip-server-warmup", "bool", False, "Skip warmup.", {}),
-    ("warmups", "str", None, "Custom warmup functions (csv) to run before the server starts.", {}),
-    ("nccl-port", "int", None, "The port for NCCL distributed environment setup.", {}),
-    # Quantization and data type
-    ("dtype", "choice", "auto", "Data type for model weights and activations.",
-     {"choices": ("auto", "half", "float16", "bfloat16", "float", "float32")}),
-    ("quantization", "choice", None, "The quantization method.", {"choices": _QUANTIZATIONS}),
-    ("quantization-param-path", "str", None, "JSON file with the KV cache scaling factors.", {}),
-    ("kv-cache-dtype", "choice", "auto", "Data type for kv cache storage.",
-     {"choices": ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16", "fp4_e2m1")}),
-    ("enable-fp32-lm-head", "bool", False, "LM head outputs (logits) in FP32.", {}),
-    ("modelopt-quant", "str", None, "The ModelOpt quantization configuration.", {}),
-    # Memory and scheduling
-    ("mem-fraction-static", "float", None, "Fraction of the memory used for static allocation (weights and KV pool).", {}),
-    ("max-running-requests", "int", None, "The maximum number of running requests.", {}),
-    ("max-queued-requests", "int", None, "The maximum number of queued requests.", {}),
-    ("max-total-tokens", "int", None, "The maximum number of tokens in the memory pool.", {}),
-    ("chunked-prefill-size", "int", None, "Max tokens in a chunk for chunked prefill; -1 disables it.", {}),
-    ("max-prefill-tokens", "int", 16384, "The maximum number of tokens in a prefill batch.", {}),
-    ("schedule-policy", "choice", "fcfs", "The scheduling policy of the requests.",
-     {"choices": ("lpm", "random", "fcfs", "dfs-weight", "lof", "priority", "routing-key")}),
-    ("enable-priority-scheduling", "bool", False, "Enable priority scheduling.", {}),
-    ("schedule-conservativeness", "float", 1.0, "How conservative the schedule policy is.", {}),
-    ("page-size", "int", 1, "The number of tokens in a page.", {}),
-    ("swa-full-tokens-ratio", "float", 0.8, "Ratio of SWA layer KV tokens to full layer KV tokens.", {}),
-    ("disable-hybrid-swa-memory", "bool", False, "Disable the hybrid SWA memory pool.", {}),
-    ("radix-eviction-policy", "choice", "lru", "The eviction policy of radix trees.", {"choices": ("lru", "lfu")}),
-    # Runtime options
-    ("device", "str", None, "The device to use ('cuda', 'xpu', 'hpu', 'npu', 'cpu').", {}),
-    ("tp-size", "int", 1, "The tensor parallelism size.", {"aliases": ("tensor-parallel-size", "_tp")}),
-    ("pp-size", "int", 1, "The pipeline parallelism size.", {"aliases": ("pipeline-parallel-size",)}),
-    ("pp-max-micro-batch-size", "int", None, "The maximum micro batch size in pipeline parallelism.", {}),
-    ("stream-interval", "int", 1, "The interval (in tokens) for streaming.", {}),
-    ("stream-output", "bool", False, "Output as a sequence of disjoint segments.", {}),
-    ("random-seed", "int", None, "The random seed.", {}),
-    ("watchdog-timeout", "float", 300.0, "Watchdog timeout in seconds for a forward batch.", {}),
-    ("dist-timeout", "int", None, "Timeout for torch.distributed initialization.", {}),
-    ("download-dir", "str", None, "Model download directory for huggingface.", {}),
-    ("base-gpu-id", "int", 0, "The base GPU ID to start allocating GPUs from.", {}),
-    ("gpu-id-step", "int", 1, "The delta between consecutive GPU IDs that are used.", {}),
-    ("sleep-on-idle", "bool", False, "Reduce CPU usage when sglang is idle.", {}),
-    # Logging
-    ("log-level", "str", "info", "The logging level of all loggers.", {}),
-    ("log-level-http", "str", None, "The logging level of the HTTP server.", {}),
-    ("log-requests", "bool", False, "Log metadata, inputs, outputs of all requests.", {}),
-    ("log-requests-level", "choice", 2, "Verbosity of --log-requests (0-3).", {"choices": (0, 1, 2, 3), "item": "int"}),
-    ("crash-dump-folder", "str", None, "Folder to dump requests from the last 5 min before a crash.", {}),
-    ("show-time-cost", "bool", False, "Show time cost of custom marks.", {}),
-    ("enable-metrics", "bool", False, "Enable prometheus metrics.", {}),
-    ("enable-metrics-for-all-schedulers", "bool", False, "Record request metrics on all TP ranks.", {}),
-    ("tokenizer-metrics-custom-labels-header", "str", "x-custom-labels", "HTTP header for custom metric labels.", {}),
-    ("tokenizer-metrics-allowed-custom-labels", "list", None, "Custom labels allowed for tokenizer metrics.", {}),
-    ("bucket-time-to-first-token", "list", None, "Buckets of time to first token.", {"item": "float"}),
-    ("bucket-inter-token-latency", "list", None, "Buckets of inter-token latency.", {"item": "float"}),
-    ("bucket-e2e-request-latency", "list", None, "Buckets of end-to-end request latency.", {"item": "float"}),
-    ("collect-tokens-histogram", "bool", False, "Collect prompt/generation tokens histogram.", {}),
-    ("decode-log-interval", "int", 40, "The log interval of decode batch.", {}),
-    ("enable-request-time-stats-logging", "bool", False, "Per request time stats logging.", {}),
-    ("kv-events-config", "json", None, "Config (JSON) for NVIDIA dynamo KV event publishing.", {}),
-    ("enable-trace", "bool", False, "Enable opentelemetry trace.", {}),
-    ("otlp-traces-endpoint", "str", "localhost:4317", "Opentelemetry collector endpoint.", {}),
-    # API related
-    ("api-key", "str", None, "API key of the server (also for the OpenAI-compatible API).", {"secret": True}),
-    ("admin-api-key", "str", None, "Admin API key for administrative endpoints.", {"secret": True}),
-    ("served-model-name", "str", None, "Model name returned by the v1/models endpoint.", {}),
-    ("weight-version", "str", "default", "Version identifier for the model weights.", {}),
-    ("chat-template", "str", None, "Builtin chat template name or chat template file path.", {}),
-    ("hf-chat-template-name", "str", None, "Named HuggingFace chat template to use.", {}),
-    ("completion-template", "str", None, "Builtin completion template name or file path.", {}),
-    ("file-storage-path", "str", "sglang_storage", "The path of the file storage in backend.", {}),
-    ("enable-cache-report", "bool", False, "Return number of cached tokens in usage.", {}),
-    ("reasoning-parser", "choice", None, "The parser for reasoning models.", {"choices": _REASONING_PARSERS}),
-    ("tool-call-parser", "choice", None, "The parser for tool-call interactions.", {"choices": _TOOL_CALL_PARSERS}),
-    ("tool-server", "str", None, "'demo' or a comma-separated list of tool server urls.", {}),
-    ("sampling-defaults", "choice", "model", "Where to get default sampling parameters.", {"choices": ("openai", "model")}),
-    # Data parallelism
-    ("dp-size", "int", 1, "The data parallelism size.", {"aliases": ("data-parallel-size", "_dp")}),
-    ("load-balance-method", "choice", "auto", "The load balancing strategy for data parallelism.",
-     {"choices": ("auto", "round_robin", "follow_bootstrap_room", "total_requests", "total_tokens",
-                  "shortest_queue", "minimum_tokens")}),
-    # Multi-node distributed serving
-    ("dist-init-addr", "str", None, "Host address for initializing the distributed backend.", {"aliases": ("nccl-init-addr",)}),
-    ("nnodes", "int", 1, "The number of nodes.", {}),
-    ("node-rank", "int", 0, "The node rank.", {}),
-    # Model override args
-    ("json-model-override-args", "json", "{}", "JSON dict overriding default model configurations.", {}),
-    ("preferred-sampling-params", "json", None, "JSON sampling settings returned in /get_model_info.", {}),
-    # LoRA
-    ("enable-lora", "bool", None, "Enable LoRA support for the model.", {}),
-    ("max-lora-rank", "int", None, "The maximum LoRA rank that should be supported.", {}),
-    ("lora-paths", "list", None, "The list of LoRA adapters to load.", {}),
-    ("max-loras-per-batch", "int", 8, "Maximum number of adapters for a running batch.", {}),
-    ("lora-backend", "choice", "csgmv", "Kernel backend for multi-LoRA serving.",
-     {"choices": ("triton", "csgmv", "ascend", "torch_native")}),
-    # Kernel backends
-    ("attention-backend", "choice", None, "The kernels for attention layers.", {"choices": _ATTENTION_BACKENDS}),
-    ("prefill-attention-backend", "choice", None, "The kernels for prefill attention layers.", {"choices": _ATTENTION_BACKENDS}),
-    ("decode-attention-backend", "choice", None, "The kernels for decode attention layers.", {"choices": _ATTENTION_BACKENDS}),
-    ("sampling-backend", "choice", None, "The kernels for sampling layers.", {"choices": ("flashinfer", "pytorch", "ascend")}),
-    ("grammar-backend", "choice", None, "The backend for grammar-guided decoding.",
-     {"choices": ("xgrammar", "outlines", "llguidance", "none")}),
-    ("mm-attention-backend", "choice", None, "Multimodal attention backend.",
-     {"choices": ("sdpa", "fa3", "fa4", "triton_attn", "ascend_attn", "aiter_attn")}),
-    ("fp8-gemm-backend", "choice", "auto", "Runner backend for blockwise FP8 GEMM.",
-     {"choices": ("auto", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutlass", "flashinfer_deepgemm",
-                  "cutlass", "triton", "aiter")}),
-    # Speculative decoding
-    ("speculative-algorithm", "choice", None, "Speculative algorithm.",
-     {"choices": ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")}),
-    ("speculative-draft-model-path", "str", None, "The path of the draft model weights.", {"aliases": ("speculative-draft-model",)}),
-    ("speculative-draft-model-revision", "str", None, "The draft model version to use.", {}),
-    ("speculative-num-steps", "int", None, "Steps sampled from the draft model.", {}),
-    ("speculative-eagle-topk", "int", None, "Tokens sampled from the draft model in eagle2 each step.", {}),
-    ("speculative-num-draft-tokens", "int", None, "Tokens sampled from the draft model.", {}),
-    ("speculative-accept-threshold-single", "float", 1.0, "Accept a draft token above this target probability.", {}),
-    ("speculative-accept-threshold-acc", "float", 1.0, "Accept probability raise threshold.", {}),
-    ("speculative-token-map", "str", None, "The path of the draft model's small vocab table.", {}),
-    ("speculative-attention-mode", "choice", "prefill", "Attention backend mode for speculative decoding.",
-     {"choices": ("prefill", "decode")}),
-    ("speculative-draft-attention-backend", "choice", None, "Attention backend for speculative drafting.",
-     {"choices": _ATTENTION_BACKENDS}),
-    # MoE
-    ("ep-size", "int", 1, "The expert parallelism size.", {"aliases": ("expert-parallel-size", "ep")}),
-    ("moe-a2a-backend", "choice", "none", "All-to-all backend for expert parallelism.", {"choices": _MOE_A2A}),
-    ("moe-runner-backend", "choice", "auto", "The runner backend for MoE.", {"choices": _MOE_RUNNERS}),
-    ("deepep-mode", "choice", "auto", "DeepEP MoE mode.", {"choices": ("normal", "low_latency", "auto")}),
-    ("ep-num-redundant-experts", "int", 0, "Redundant experts in expert parallel.", {}),
-    ("enable-eplb", "bool", False, "Enable the EPLB algorithm.", {}),
-    ("moe-dense-tp-size", "int", None, "TP size for MoE dense MLP layers.", {}),
-    # Mamba cache
-    ("max-mamba-cache-size", "int", None, "The maximum size of the mamba cache.", {}),
-    ("mamba-ssm-dtype", "choice", "float32", "Data type of the SSM states in mamba cache.",
-     {"choices": ("float32", "bfloat16", "float16")}),
-    # Hierarchical cache
-    ("enable-hierarchical-cache", "bool", False, "Enable hierarchical cache.", {}),
-    ("hicache-ratio", "float", 2.0, "Host KV cache pool size / device pool size.", {}),
-    ("hicache-size", "int", 0, "Host KV cache pool size in GB, per TP rank (overrides --hicache-ratio).", {}),
-    ("hicache-write-policy", "choice", "write_through", "The write policy of hierarchical cache.",
-     {"choices": ("write_back", "write_through", "write_through_selective")}),
-    ("hicache-io-backend", "choice", "kernel", "IO backend for KV cache transfer between CPU and GPU.",
-     {"choices": ("direct", "kernel", "kernel_ascend")}),
-    ("hicache-mem-layout", "choice", "layer_first", "Layout of the host memory pool.",
-     {"choices": ("layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head")}),
-    ("hicache-storage-backend", "choice", None, "Storage backend for hierarchical KV cache.",
-     {"choices": ("file", "mooncake", "hf3fs", "nixl", "aibrix", "dynamic", "eic")}),
-    ("hicache-storage-prefetch-policy", "choice", "best_effort", "When prefetching from storage stops.",
-     {"choices": ("best_effort", "wait_complete", "timeout")}),
-    ("hicache-storage-backend-extra-config", "str", None, "Extra config (JSON or @file) for the storage backend.", {}),
-    ("enable-lmcache", "bool", False, "Use LMCache as hierarchical cache.", {}),
-    # Offloading
-    ("cpu-offload-gb", "int", 0, "GBs of RAM to reserve for CPU offloading.", {}),
-    # Optimization/debug options
-    ("disable-radix-cache", "bool", False, "Disable RadixAttention for prefix caching.", {}),
-    ("cuda-graph-max-bs", "int", None, "The maximum batch size for cuda graph.", {}),
-    ("cuda-graph-bs", "list", None, "The list of batch sizes for cuda graph.", {"item": "int"}),
-    ("disable-cuda-graph", "bool", False, "Disable cuda graph.", {}),
-    ("disable-cuda-graph-padding", "bool", False, "Disable cuda graph when padding is needed.", {}),
-    ("enable-profile-cuda-graph", "bool", False, "Profile cuda graph capture.", {}),
-    ("enable-nccl-nvls", "bool", False, "Enable NCCL NVLS for prefill heavy requests.", {}),
-    ("enable-symm-mem", "bool", False, "Enable NCCL symmetric memory for fast collectives.", {}),
-    ("enable-tokenizer-batch-encode", "bool", False, "Batch tokenization of multiple text inputs.", {}),
-    ("disable-outlines-disk-cache", "bool", False, "Disable disk cache of outlines.", {}),
-    ("disable-custom-all-reduce", "bool", False, "Disable the custom all-reduce kernel; fall back to NCCL.", {}),
-    ("enable-mscclpp", "bool", False, "Use mscclpp for small all-reduce messages.", {}),
-    ("disable-overlap-schedule", "bool", False, "Disable the overlap scheduler.", {}),
-    ("enable-mixed-chunk", "bool", False, "Mix prefill and decode in a batch with chunked prefill.", {}),
-    ("enable-dp-attention", "bool", False, "Data parallelism for attention, tensor parallelism for FFN.", {}),
-    ("enable-dp-lm-head", "bool", False, "Vocabulary parallel across the attention TP group.", {}),
-    ("enable-two-batch-overlap", "bool", False, "Overlap two micro batches.", {}),
-    ("enable-torch-compile", "bool", False, "Optimize the model with torch.compile.", {}),
-    ("disable-piecewise-cuda-graph", "bool", False, "Disable piecewise cuda graph for extend/prefill.", {}),
-    ("torch-compile-max-bs", "int", 32, "Maximum batch size when using torch compile.", {}),
-    ("torchao-config", "str", "", "Optimize the model with torchao.", {}),
-    ("enable-nan-detection", "bool", False, "NaN detection for debugging.", {}),
-    ("enable-p2p-check", "bool", False, "P2P check for GPU access.", {}),
-    ("triton-attention-reduce-in-fp32", "bool", False, "Cast intermediate triton attention results to fp32.", {}),
-    ("triton-attention-num-kv-splits", "int", 8, "KV splits in the flash decoding Triton kernel.", {}),
-    ("num-continuous-decode-steps", "int", 1, "Continuous decoding steps per scheduling step.", {}),
-    ("delete-ckpt-after-loading", "bool", False, "Delete the model checkpoint after loading.", {}),
-    ("enable-memory-saver", "bool", False, "Allow release/resume of memory occupation.", {}),
-    ("allow-auto-truncate", "bool", False, "Truncate over-long requests instead of failing them.", {}),
-    ("enable-custom-logit-processor", "bool", False, "Allow custom logit processors.", {}),
-    ("disable-shared-experts-fusion", "bool", False, "Disable shared experts fusion for deepseek v3/r1.", {}),
-    ("disable-chunked-prefix-cache", "bool", False, "Disable chunked prefix cache for deepseek.", {}),
-    ("disable-fast-image-processor", "bool", False, "Use the base image processor.", {}),
-    ("enable-return-hidden-states", "bool", False, "Enable returning hidden states with responses.", {}),
-    ("scheduler-recv-interval", "int", 1, "The interval to poll requests in the scheduler.", {}),
-    ("numa-node", "list", None, "NUMA node per subprocess.", {"item": "int"}),
-    ("enable-deterministic-inference", "bool", False, "Deterministic inference with batch invariant ops.", {}),
-    ("enable-dynamic-batch-tokenizer", "bool", False, "Async dynamic batch tokenizer.", {}),
-    # PD disaggregation
-    ("disaggregation-mode", "choice", "null", "PD disaggregation role.", {"choices": ("null", "prefill", "decode")}),
-    ("disaggregation-transfer-backend", "choice", "mooncake", "Backend for disaggregation transfer.",
-     {"choices": ("mooncake", "nixl", "ascend", "fake", "mori")}),
-    ("disaggregation-bootstrap-port", "int", 8998, "Bootstrap server port on the prefill server.", {}),
-    ("disaggregation-ib-device", "str", None, "InfiniBand devices for disaggregation transfer.", {}),
-    ("disaggregation-decode-enable-offload-kvcache", "bool", False, "Async KV cache offloading on the decode server.", {}),
-    ("num-reserved-decode-tokens", "int", 512, "Decode tokens reserved per new request.", {}),
-    # Weight loading
-    ("weight-loader-disable-mmap", "bool", False, "Disable mmap while loading safetensors weights.", {}),
-    ("enable-weights-cpu-backup", "bool", False, "Save model weights to CPU memory on release.", {}),
-]
+_ITEM_OF_TYPE = {"int": "int", "float": "float", "str": "str", None: "str"}
 
-SPECS: dict[str, FlagSpec] = {}
-for _name, _kind, _default, _help, _extra in _TABLE:
-    SPECS[_name] = FlagSpec(
-        name=_name,
-        kind=_kind,
-        default=_default,
-        help=_help,
-        aliases=tuple(_extra.get("aliases", ())),
-        dest=_extra.get("dest", _name.replace("-", "_")),
-        choices=tuple(_extra.get("choices", ())),
-        item=_extra.get("item", "int" if _kind == "int" else "float" if _kind == "float" else "str"),
-        secret=bool(_extra.get("secret", False)),
-    )
-del _name, _kind, _default, _help, _extra
 
-# Fields of the fleet entry, not flags: given as flags they would be rendered twice (and the
-# port is what gpugate uses to find and health-check the server). `config` would hide the real
-# flags from gpugate in a file it does not read.
-SEPARATE_FIELDS: dict[str, str] = {
-    "model-path": "set the model as sglang.model_path, not as a flag",
-    "model": "set the model as sglang.model_path, not as a flag",
-    "port": "set the port as sglang.port, not as a flag",
-    "host": "set the host as sglang.host, not as a flag",
-    "config": "gpugate must see every flag to compare it with the running server; "
-              "write the flags themselves instead of --config",
-}
+def _spec_from_row(row: Mapping[str, Any]) -> FlagSpec | None:
+    """A FlagSpec for one row of a flag table (gpugate/remote/flag_table.py), or None for a row
+    that is not a server flag."""
+    options = [o[2:] for o in row.get("options") or [] if o.startswith("--")]
+    if not options:
+        return None
+    dest = row.get("dest") or options[0].replace("-", "_")
+    spelled = dest.replace("_", "-")
+    kind_in_table = row.get("kind")
+    negations: list[str] = []
+    if kind_in_table == "boolean_optional":
+        positives = [o for o in options if not o.startswith("no-")]
+        negations = [o for o in options if o.startswith("no-")]
+        options = positives or options
+    name = spelled if spelled in options else options[0]
+    aliases = tuple(o for o in options if o != name)
+    type_name = row.get("type")
+    nargs = row.get("nargs")
+    choices = tuple(row.get("choices") or ())
+    item = _ITEM_OF_TYPE.get(type_name, "str")
+    custom = type_name if type_name not in (None, "int", "float", "str", "json") else None
+    if kind_in_table == "boolean_optional":
+        kind = "switch"
+    elif kind_in_table in ("store_true", "store_false", "store_const", "count", "append_const") or nargs == 0:
+        kind = "bool"
+    elif nargs in ("+", "*") or (isinstance(nargs, int) and nargs > 1) or kind_in_table in ("append", "extend"):
+        kind = "list"
+    elif choices:
+        kind = "choice"
+        if all(isinstance(c, bool) or not isinstance(c, (int, float)) for c in choices):
+            item = "str" if item not in ("int", "float") else item
+        elif all(isinstance(c, int) and not isinstance(c, bool) for c in choices):
+            item = "int"
+    elif type_name == "json" or (custom and custom.endswith(("json_list_type", "parse_cuda_graph_config_arg"))):
+        kind = "json"
+    elif custom and custom.endswith("human_readable_int"):
+        kind = "int"
+    elif type_name in ("int", "float"):
+        kind = type_name
+    else:
+        kind = "str"
+    del negations  # the --no-x spelling is derived from the name (render_flag_args, parse_argv)
+    default = row.get("default")
+    if isinstance(default, dict) and set(default) == {"repr"}:
+        default = default["repr"]
+    return FlagSpec(name=name, kind=kind, default=default, help=str(row.get("help") or ""), aliases=aliases,
+                    dest=dest, choices=choices, item=item, secret=_is_secret_name(name) or any(
+                        _is_secret_name(a) for a in aliases), nargs=nargs, type_name=custom,
+                    deprecated=row.get("deprecated") or None)
 
-# Alias -> canonical. Aliases starting with "_" are gpugate spellings that SGLang accepts only
-# through argparse's prefix abbreviation (`--tp 8` abbreviates `--tp-size`): they are accepted
-# everywhere here but not declared as option strings in build_parser().
-_ALIASES: dict[str, str] = {}
-for _spec in SPECS.values():
-    _ALIASES[_spec.name] = _spec.name
-    for _alias in _spec.aliases:
-        _ALIASES[_alias.lstrip("_")] = _spec.name
-del _spec, _alias
 
+@dataclasses.dataclass(frozen=True)
+class FlagTable:
+    """The flags of one SGLang (or of the union of the snapshots).
+
+    ``version``: the SGLang release (None for the union); ``label``: how messages name it
+    ("SGLang 0.5.23"); ``source``: ``snapshot``, ``container`` or ``union``; ``specs``: canonical
+    name -> FlagSpec; ``key``: ``<version>-<sha256[:16] of server_args.py>`` (the cache key).
+    """
+
+    version: str | None
+    label: str
+    source: str
+    specs: Mapping[str, FlagSpec]
+    key: str | None = None
+    server_args_sha256: str | None = None
+    option_count: int = 0
+
+    @functools.cached_property
+    def names(self) -> dict[str, str]:
+        """Every accepted spelling (no dashes, hyphens for underscores) -> canonical name."""
+        names: dict[str, str] = {}
+        for spec in self.specs.values():
+            for option in (spec.name, *spec.aliases):
+                names.setdefault(option, spec.name)
+            if spec.kind == "switch":
+                names.setdefault("no-" + spec.name, spec.name)
+        for spec in self.specs.values():
+            names.setdefault(spec.dest.replace("_", "-"), spec.name)
+        for short, target in SHORT_NAMES.items():
+            if target in self.specs:
+                names.setdefault(short, target)
+        return names
+
+    @functools.cached_property
+    def declared(self) -> dict[str, str]:
+        """The option strings SGLang's parser declares (no dashes) -> canonical name: what
+        argparse matches abbreviations against."""
+        declared = {o: spec.name for spec in self.specs.values() for o in (spec.name, *spec.aliases)}
+        declared.update({"no-" + s.name: s.name for s in self.specs.values() if s.kind == "switch"})
+        return declared
+
+    def __repr__(self) -> str:
+        return f"FlagTable({self.label}, {len(self.specs)} flags, {self.source})"
+
+
+def table_from_doc(doc: Mapping[str, Any], source: str = "snapshot") -> FlagTable:
+    """A FlagTable from a table document (a snapshot file, or the fact's ``table``)."""
+    specs: dict[str, FlagSpec] = {}
+    for row in doc.get("actions") or []:
+        spec = _spec_from_row(row)
+        if spec is None or spec.name in SEPARATE_FIELDS or spec.dest in ("model_path", "host", "port", "config"):
+            continue
+        specs.setdefault(spec.name, spec)
+    version = doc.get("sglang_version")
+    sha = doc.get("server_args_sha256")
+    key = f"{version}-{sha[:16]}" if version and sha else None
+    return FlagTable(version=version, label=f"SGLang {version}", source=source, specs=specs, key=key,
+                     server_args_sha256=sha, option_count=int(doc.get("option_count") or 0))
+
+
+def _version_key(version: str) -> tuple:
+    parts = re.findall(r"\d+|[A-Za-z]+", version)
+    return tuple((0, int(p)) if p.isdigit() else (-1, p) for p in parts)
+
+
+def snapshot_versions(directory: Path | None = None) -> list[str]:
+    """The SGLang releases gpugate ships a snapshot of, oldest first."""
+    folder = Path(directory) if directory else SNAPSHOT_DIR
+    found = [p.name[len("sglang-"):-len(".json")] for p in folder.glob("sglang-*.json")]
+    return sorted(found, key=_version_key)
+
+
+@functools.lru_cache(maxsize=16)
+def load_snapshot(version: str) -> FlagTable:
+    """The shipped snapshot of SGLang ``version``; KeyError naming the ones there are."""
+    path = SNAPSHOT_DIR / f"sglang-{version}.json"
+    if not path.is_file():
+        raise KeyError(f"gpugate has no snapshot of SGLang {version} (it has {', '.join(snapshot_versions())})")
+    return table_from_doc(json.loads(path.read_text()), source="snapshot")
+
+
+def newest_snapshot() -> FlagTable:
+    return load_snapshot(snapshot_versions()[-1])
+
+
+@functools.lru_cache(maxsize=1)
+def union_table() -> FlagTable:
+    """Every flag of every snapshot (the newest release's definition; choices of all of them):
+    what ``table=None`` checks against when the SGLang that will run is not known yet."""
+    versions = snapshot_versions()
+    specs: dict[str, FlagSpec] = {}
+    for version in reversed(versions):  # newest first: its definition wins
+        for name, spec in load_snapshot(version).specs.items():
+            have = specs.get(name)
+            if have is None:
+                specs[name] = spec
+            elif spec.choices and have.kind == "choice":
+                extra = tuple(c for c in spec.choices if c not in have.choices)
+                aliases = have.aliases + tuple(a for a in spec.aliases if a not in have.aliases)
+                specs[name] = dataclasses.replace(have, choices=have.choices + extra, aliases=aliases)
+    label = "any SGLang release gpugate has a snapshot of (" + ", ".join(versions) + ")"
+    return FlagTable(version=None, label=label, source="union", specs=specs)
+
+
+def resolve_table(table: FlagTable | str | None) -> FlagTable:
+    """``table`` itself, the snapshot of a version string, or the union for None."""
+    if table is None:
+        return union_table()
+    if isinstance(table, str):
+        return load_snapshot(table)
+    return table
+
+
+def known_table_keys() -> list[str]:
+    """The cache keys of the shipped snapshots: a container whose server_args.py matches one of
+    them need not send its table (``SglangFlagTable(known=...)``)."""
+    return [k for k in (load_snapshot(v).key for v in snapshot_versions()) if k]
+
+
+def version_mismatch(pinned: str | None, installed: str | None) -> str | None:
+    """The problem to report before anything stops when the pin and the container disagree.
+
+    >>> version_mismatch("0.5.23", "0.5.10")
+    'the container has SGLang 0.5.10; sglang_version pins 0.5.23'
+    """
+    if pinned and installed and str(pinned) != str(installed):
+        return f"the container has SGLang {installed}; sglang_version pins {pinned}"
+    return None
+
+
+def choose_table(container: Mapping[str, Any] | None = None, pinned: str | None = None) -> tuple[FlagTable, str]:
+    """The table to validate a plan against, and a line saying which one it is.
+
+    1. the container's own (``container``: the SglangFlagTable fact's document), when it answered;
+    2. else the snapshot of the pinned ``sglang_version``;
+    3. else the newest snapshot.
+
+    >>> choose_table(None, "0.5.23")[1]
+    "the snapshot of SGLang 0.5.23 (pinned; the container's own table is not known)"
+    """
+    why = "the container's own table is not known"
+    if container:
+        version = container.get("version")
+        if container.get("table"):
+            table = table_from_doc(container["table"], source="container")
+            how = ("cached there" if container.get("cached")
+                   else f"built there in {container['build_s']:.1f} s" if container.get("build_s") is not None
+                   else "from the container")
+            return table, f"SGLang {table.version}'s own flag table, from the container ({how})"
+        key = container.get("key")
+        for snap in snapshot_versions():
+            if key and load_snapshot(snap).key == key:
+                return load_snapshot(snap), (f"SGLang {snap}'s flag table (the container's server_args.py "
+                                             f"is the snapshot's)")
+        if container.get("error"):
+            why = f"the container's table: {container['error']}"
+        elif version:
+            why = f"the container has SGLang {version} but sent no table"
+    versions = snapshot_versions()
+    if pinned and pinned in versions:
+        return load_snapshot(pinned), f"the snapshot of SGLang {pinned} (pinned; {why})"
+    newest = versions[-1]
+    pin = f"no snapshot of the pinned {pinned}; " if pinned else ""
+    return load_snapshot(newest), f"the newest snapshot, SGLang {newest} ({pin}{why})"
+
+
+# The union's specs: the lookups that need no version (is this flag a secret?) use these.
+class _LazySpecs(Mapping[str, FlagSpec]):
+    def _specs(self) -> Mapping[str, FlagSpec]:
+        return union_table().specs
+
+    def __getitem__(self, key: str) -> FlagSpec:
+        return self._specs()[key]
+
+    def __iter__(self):
+        return iter(self._specs())
+
+    def __len__(self) -> int:
+        return len(self._specs())
+
+
+SPECS: Mapping[str, FlagSpec] = _LazySpecs()
+
+
+# ------------------------------------------------------------------------------------------
+# Names
+# ------------------------------------------------------------------------------------------
 
 def _strip_name(name: str) -> str:
     bare = name.strip()
@@ -397,36 +413,49 @@ def _strip_name(name: str) -> str:
     return bare.replace("_", "-")
 
 
-def canonical_name(name: str) -> str:
+def _suggestions(bare: str, table: FlagTable) -> list[str]:
+    """Names to offer for an unknown ``bare``: flags that begin with it (what a removed flag was
+    split into), then the closest spellings."""
+    canonical = list(table.specs)
+    starts = [n for n in canonical if n.startswith(bare + "-")]
+    close = difflib.get_close_matches(bare, list(table.names), n=3, cutoff=0.6)
+    if starts:  # what a removed flag was split into is the answer; spelling neighbours are noise
+        return starts[:3]
+    return [table.names[close[0]]] if close else []  # the nearest spelling only
+
+
+def canonical_name(name: str, table: FlagTable | str | None = None) -> str:
     """The canonical flag name for ``name`` (with or without dashes, snake or kebab case, alias).
 
-    Raises FlagError for an unknown flag, suggesting the closest known names.
+    Raises FlagError for a name the table does not have, naming the version and the nearest names.
 
     Example::
 
         >>> canonical_name("--tp"), canonical_name("tp_size"), canonical_name("tensor-parallel-size")
         ('tp-size', 'tp-size', 'tp-size')
-        >>> canonical_name("kv-cache-dtyp")  # doctest: +IGNORE_EXCEPTION_DETAIL
+        >>> canonical_name("cuda-graph-max-bs", "0.5.23")  # doctest: +IGNORE_EXCEPTION_DETAIL
         Traceback (most recent call last):
-        FlagError: --kv-cache-dtyp: unknown SGLang flag; did you mean --kv-cache-dtype?
+        FlagError: --cuda-graph-max-bs: not a flag of SGLang 0.5.23 (did you mean --cuda-graph-max-bs-decode?)
     """
+    t = resolve_table(table)
     if not isinstance(name, str):
         raise FlagError(str(name), f"flag names are strings, got {type(name).__name__}")
     bare = _strip_name(name)
-    if bare in _ALIASES:
-        return _ALIASES[bare]
+    if bare in t.names:
+        return t.names[bare]
     if bare in SEPARATE_FIELDS:
         return bare
-    close = difflib.get_close_matches(bare, list(_ALIASES), n=3, cutoff=0.6)
-    hint = ""
-    if close:
-        hint = "; did you mean " + " or ".join(f"--{_ALIASES[c]}" for c in dict.fromkeys(close)) + "?"
-    raise FlagError(bare or name, f"unknown SGLang flag{hint}")
+    hints = _suggestions(bare, t)
+    hint = f" (did you mean {' or '.join('--' + h for h in hints)}?)" if hints else ""
+    raise FlagError(bare or name, f"not a flag of {t.label}{hint}")
 
 
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
 # Values
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
+
+_HUMAN_INT = re.compile(r"^\d+(\.\d+)?(k|M|G|T)$|^\d+(Ki|Mi|Gi|Ti)$")
+
 
 def _check_token(flag: str, text: str) -> str:
     """A string must survive the trip into argv unchanged: no NUL, encodable."""
@@ -443,7 +472,7 @@ def _type_label(value: object) -> str:
     return type(value).__name__
 
 
-def _coerce_scalar(flag: str, item: str, value: object) -> Any:
+def _coerce_scalar(flag: str, item: str, value: object, human: bool = False) -> Any:
     if item == "int":
         if isinstance(value, bool):
             raise FlagError(flag, f"expects an integer, got {value!r} ({_type_label(value)})")
@@ -455,8 +484,10 @@ def _coerce_scalar(flag: str, item: str, value: object) -> Any:
             try:
                 return int(value.strip())
             except ValueError:
-                pass
-        raise FlagError(flag, f"expects an integer, got {value!r} ({_type_label(value)})")
+                if human and _HUMAN_INT.match(value.strip()):
+                    return _check_token(flag, value.strip())  # SGLang reads 25.6k, 1Mi: passed as written
+        suffix = " or a size like 64k, 1Mi" if human else ""
+        raise FlagError(flag, f"expects an integer{suffix}, got {value!r} ({_type_label(value)})")
     if item == "float":
         if isinstance(value, bool):
             raise FlagError(flag, f"expects a number, got {value!r} ({_type_label(value)})")
@@ -473,7 +504,6 @@ def _coerce_scalar(flag: str, item: str, value: object) -> Any:
         if not math.isfinite(number):
             raise FlagError(flag, f"expects a finite number, got {value!r}")
         return number
-    # str
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise FlagError(flag, f"expects a string, got {value!r} ({_type_label(value)})")
     if isinstance(value, float) and not math.isfinite(value):
@@ -481,31 +511,38 @@ def _coerce_scalar(flag: str, item: str, value: object) -> Any:
     return _check_token(flag, value if isinstance(value, str) else repr(value) if isinstance(value, float) else str(value))
 
 
-def _normalise_value(spec: FlagSpec, value: object) -> Any:
+def _normalise_value(spec: FlagSpec, value: object, label: str = "SGLang") -> Any:
     """The typed value of ``spec`` for ``value``; ``None`` means "not set" (dropped)."""
     flag = spec.name
-    if spec.kind == "bool":
-        if isinstance(value, bool):
-            return True if value else None
+    if spec.kind in ("bool", "switch"):
         if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            return True if value.strip().lower() == "true" else None
+            value = value.strip().lower() == "true"
+        if isinstance(value, bool):
+            if spec.kind == "switch":
+                return value
+            return True if value else None
+        if spec.kind == "switch" and value is None:
+            return None
         raise FlagError(flag, f"is a switch: write true or false, got {value!r} ({_type_label(value)})")
     if value is None:
         raise FlagError(flag, "has no value; remove the flag to use SGLang's default")
+    human = bool(spec.type_name and spec.type_name.endswith("human_readable_int"))
     if spec.kind in ("int", "float", "str"):
-        return _coerce_scalar(flag, spec.kind, value)
+        return _coerce_scalar(flag, spec.kind, value, human)
     if spec.kind == "choice":
         typed = _coerce_scalar(flag, spec.item, value)
         if typed not in spec.choices:
             close = difflib.get_close_matches(str(typed), [str(c) for c in spec.choices], n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else ""
-            raise FlagError(
-                flag, f"{value!r} is not one of {', '.join(str(c) for c in spec.choices)}{hint}")
+            raise FlagError(flag, f"{value!r} is not one of {', '.join(str(c) for c in spec.choices)} "
+                                  f"in {label}{hint}")
         return typed
     if spec.kind == "list":
         items = value if isinstance(value, (list, tuple)) else [value]
-        if not items:
+        if not items and spec.nargs != "*":
             raise FlagError(flag, "needs at least one item; remove the flag to use SGLang's default")
+        if isinstance(spec.nargs, int) and len(items) != spec.nargs:
+            raise FlagError(flag, f"takes exactly {spec.nargs} items in {label}, got {len(items)}")
         typed_items = [_coerce_scalar(flag, spec.item, v) for v in items]
         for item in typed_items:
             if spec.item == "str" and item.startswith("-"):
@@ -520,18 +557,18 @@ def _normalise_value(spec: FlagSpec, value: object) -> Any:
         elif isinstance(value, (dict, list)):
             document = value
         else:
-            raise FlagError(flag, f"expects a JSON object (a mapping or JSON text), got {value!r}")
+            raise FlagError(flag, f"expects a JSON document (a mapping, a list or JSON text), got {value!r}")
         try:
             text = json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as error:
             raise FlagError(flag, f"cannot be written as JSON: {error}") from None
         return _check_token(flag, text)
-    raise AssertionError(f"unknown kind {spec.kind!r}")  # the table is wrong
+    raise AssertionError(f"unknown kind {spec.kind!r}")
 
 
-# --------------------------------------------------------------------------------------
-# Known conflicts (from SGLang's ServerArgs._handle_* checks), given normalised flags
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
+# Known conflicts (from SGLang's ServerArgs checks), given normalised flags: overlay
+# ------------------------------------------------------------------------------------------
 
 def _check_conflicts(flags: Mapping[str, Any]) -> None:
     def on(name: str) -> bool:
@@ -548,40 +585,36 @@ def _check_conflicts(flags: Mapping[str, Any]) -> None:
     if on("disaggregation-decode-enable-offload-kvcache") and flags.get("disaggregation-mode") != "decode":
         raise FlagError("disaggregation-decode-enable-offload-kvcache",
                         "is only supported with --disaggregation-mode decode")
-    if flags.get("speculative-algorithm") == "NGRAM" and on("enable-dp-attention"):
-        raise FlagError("speculative-algorithm",
-                        "NGRAM speculative decoding does not support --enable-dp-attention")
-    if flags.get("tokenizer-metrics-custom-labels-header") == "" and flags.get(
-            "tokenizer-metrics-allowed-custom-labels"):
-        raise FlagError("tokenizer-metrics-allowed-custom-labels",
-                        "needs --tokenizer-metrics-custom-labels-header to be set")
     # Sanity bounds that SGLang only discovers after loading for minutes.
     for name in ("tp-size", "dp-size", "pp-size", "ep-size", "nnodes", "page-size", "tokenizer-worker-num"):
-        if name in flags and flags[name] < 1:
+        if isinstance(flags.get(name), int) and flags[name] < 1:
             raise FlagError(name, f"must be at least 1, got {flags[name]}")
-    if "mem-fraction-static" in flags and not 0.0 < flags["mem-fraction-static"] <= 1.0:
+    if isinstance(flags.get("mem-fraction-static"), float) and not 0.0 < flags["mem-fraction-static"] <= 1.0:
         raise FlagError("mem-fraction-static", f"must be in (0, 1], got {flags['mem-fraction-static']}")
-    if "node-rank" in flags and not 0 <= flags["node-rank"] < flags.get("nnodes", 1):
+    if isinstance(flags.get("node-rank"), int) and not 0 <= flags["node-rank"] < flags.get("nnodes", 1):
         raise FlagError("node-rank", f"must be in [0, nnodes={flags.get('nnodes', 1)}), got {flags['node-rank']}")
     for name in ("hicache-size", "cpu-offload-gb", "base-gpu-id"):
-        if name in flags and flags[name] < 0:
+        if isinstance(flags.get(name), (int, float)) and flags[name] < 0:
             raise FlagError(name, f"must not be negative, got {flags[name]}")
 
 
-def validate_flags(flags: Mapping[str, object] | None) -> dict[str, Any]:
-    """Validate flags as written in fleet.yaml and return them normalised.
+def validate_flags(flags: Mapping[str, object] | None, table: FlagTable | str | None = None) -> dict[str, Any]:
+    """Validate flags as written in fleet.yaml against ``table`` and return them normalised.
 
-    Keys: any spelling ``canonical_name`` accepts. Values: YAML scalars/lists (or strings that
-    parse as the declared type). ``True`` sets a switch, ``False`` leaves it out. Raises
-    FlagError naming the flag for unknown flags, fields given as flags (model-path, port, host,
-    config), wrong types, bad choices, values that cannot be one argv item, the same flag given
-    twice under two spellings, and SGLang's known conflicts.
+    ``table``: a FlagTable (the container's, ``choose_table``), a version with a snapshot
+    (``"0.5.23"``), or None for the union of the snapshots. Keys: any spelling ``canonical_name``
+    accepts. Values: YAML scalars/lists (or strings that parse as the declared type). ``True`` sets
+    a switch, ``False`` leaves it out. Raises FlagError naming the flag for unknown flags (with the
+    version and the nearest names), fields given as flags (model-path, port, host, config), wrong
+    types, bad choices, values that cannot be one argv item, the same flag given twice under two
+    spellings, and SGLang's known conflicts. Deprecated flags pass: ``flag_warnings`` says so.
 
     Example::
 
-        >>> validate_flags({"tp": 8, "mem-fraction-static": 0.88, "disable-cuda-graph": False})
+        >>> validate_flags({"tp": 8, "mem-fraction-static": 0.88, "disable-radix-cache": False})
         {'mem-fraction-static': 0.88, 'tp-size': 8}
     """
+    t = resolve_table(table)
     if flags is None:
         return {}
     if not isinstance(flags, Mapping):
@@ -589,22 +622,42 @@ def validate_flags(flags: Mapping[str, object] | None) -> dict[str, Any]:
     normalised: dict[str, Any] = {}
     spelled: dict[str, str] = {}
     for raw_name, value in flags.items():
-        name = canonical_name(raw_name)
+        name = canonical_name(raw_name, t)
         if name in SEPARATE_FIELDS:
             raise FlagError(name, SEPARATE_FIELDS[name])
         if name in spelled:
             raise FlagError(name, f"given twice (as {spelled[name]!r} and {raw_name!r})")
         spelled[name] = str(raw_name)
-        typed = _normalise_value(SPECS[name], value)
+        spec = t.specs[name]
+        if spec.kind == "switch" and _strip_name(str(raw_name)) == "no-" + name and isinstance(value, bool):
+            value = not value  # `no-x: true` is --no-x
+        typed = _normalise_value(spec, value, t.label)
         if typed is not None:
             normalised[name] = typed
     _check_conflicts(normalised)
     return dict(sorted(normalised.items()))
 
 
-# --------------------------------------------------------------------------------------
+def flag_warnings(flags: Mapping[str, Any], table: FlagTable | str | None = None) -> list[str]:
+    """Warnings for normalised ``flags`` on ``table``: deprecated flags, with SGLang's own words.
+
+    >>> flag_warnings({"disable-cuda-graph": True}, "0.5.23")  # doctest: +ELLIPSIS
+    ["--disable-cuda-graph is deprecated in SGLang 0.5.23: '--disable-cuda-graph' is deprecated and will be removed in a future release. Use '--cuda-graph-backend-{decode,prefill}=disabled' instead."]
+    """
+    t = resolve_table(table)
+    out = []
+    for name in sorted(flags):
+        spec = t.specs.get(name)
+        if spec is None or not spec.deprecated or flags[name] is None or flags[name] is False:
+            continue
+        words = spec.deprecated.get("message") or spec.deprecated.get("error_message") or spec.help or ""
+        out.append(f"--{name} is deprecated in {t.label}: {words}".rstrip(": "))
+    return out
+
+
+# ------------------------------------------------------------------------------------------
 # argv
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
 
 def _value_text(value: Any) -> str:
     if isinstance(value, float):
@@ -620,17 +673,23 @@ def _option(flag: str, value: str) -> list[str]:
     return [f"--{flag}", value]
 
 
-def render_flag_args(flags: Mapping[str, Any]) -> list[str]:
+def render_flag_args(flags: Mapping[str, Any], table: FlagTable | str | None = None) -> list[str]:
     """argv items for normalised flags, sorted by canonical name (stable, diff-friendly).
 
-    Unknown names (kept by parse_argv) are rendered as given.
+    ``False`` renders ``--no-<name>`` for an ``--x/--no-x`` switch and nothing otherwise. Names the
+    table does not know (kept by parse_argv) are rendered as given.
     """
+    t = resolve_table(table) if table is not None else None
     argv: list[str] = []
     for name in sorted(flags):
         value = flags[name]
+        spec = (t.specs if t is not None else SPECS).get(name)
         if value is True:
             argv.append(f"--{name}")
-        elif value is False or value is None:
+        elif value is False:
+            if spec is not None and spec.kind == "switch":
+                argv.append(f"--no-{name}")
+        elif value is None:
             continue
         elif isinstance(value, (list, tuple)):
             argv.append(f"--{name}")
@@ -640,13 +699,14 @@ def render_flag_args(flags: Mapping[str, Any]) -> list[str]:
     return argv
 
 
-def render_argv(model_path: str, port: int, flags: Mapping[str, Any], host: str = DEFAULT_HOST) -> list[str]:
+def render_argv(model_path: str, port: int, flags: Mapping[str, Any], host: str = DEFAULT_HOST,
+                table: FlagTable | str | None = None) -> list[str]:
     """The arguments after the Python interpreter that start SGLang with these flags.
 
     ``[python3] + render_argv(...)`` is the full command:
-    ``-m sglang.launch_server --model-path P --host H --port N`` then the flags, validated and
-    sorted by canonical name. Values are separate argv items (never through a shell), written as
-    ``--flag=value`` when they start with '-'.
+    ``-m sglang.launch_server --model-path P --host H --port N`` then the flags, validated (against
+    ``table``) and sorted by canonical name. Values are separate argv items (never through a shell),
+    written as ``--flag=value`` when they start with '-'.
 
     Example::
 
@@ -661,19 +721,19 @@ def render_argv(model_path: str, port: int, flags: Mapping[str, Any], host: str 
     _check_token("host", host)
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise FlagError("port", f"must be an integer in 1..65535, got {port!r}")
-    normalised = validate_flags(flags)
+    normalised = validate_flags(flags, table)
     return (["-m", "sglang.launch_server"]
             + _option("model-path", model_path)
             + _option("host", host)
             + ["--port", str(port)]
-            + render_flag_args(normalised))
+            + render_flag_args(normalised, table))
 
 
 @dataclasses.dataclass
 class ParsedCommand:
     """What a running server's command line says.
 
-    ``flags`` is normalised like validate_flags; flags gpugate does not know are kept under
+    ``flags`` is normalised like validate_flags; flags the table does not know are kept under
     their name as written (value: a string, a list of strings, or True), so that diffs show
     them. ``problems`` lists values that did not parse (kept raw in ``flags``).
     """
@@ -703,19 +763,14 @@ def _server_args_start(argv: Sequence[str]) -> int:
     return 0
 
 
-def _all_option_names() -> dict[str, str]:
-    names = {alias: canonical for alias, canonical in _ALIASES.items()}
-    for field in SEPARATE_FIELDS:
-        names.setdefault(field, field)
-    return names
-
-
-def _resolve_option(bare: str) -> str | None:
-    """argparse's rules: exact match, else a unique prefix of a declared option string."""
-    names = _all_option_names()
-    if bare in names:
-        return names[bare]
-    declared = {o[2:]: s.name for s in SPECS.values() for o in s.option_strings}
+def _resolve_option(bare: str, t: FlagTable) -> str | None:
+    """argparse's rules for a token of a running command line: exact match, else a unique
+    prefix of a declared option string (the server accepted it, so it meant that flag)."""
+    if bare in t.names:
+        return t.names[bare]
+    if bare in SEPARATE_FIELDS:
+        return bare
+    declared = dict(t.declared)
     declared.update({f: f for f in ("model-path", "model", "port", "host", "config")})
     matches = {canonical for option, canonical in declared.items() if option.startswith(bare)}
     if len(matches) == 1 and bare:
@@ -733,7 +788,7 @@ def _is_option_token(token: str) -> bool:
         return True
 
 
-def parse_argv(argv: Sequence[str]) -> ParsedCommand:
+def parse_argv(argv: Sequence[str], table: FlagTable | str | None = None) -> ParsedCommand:
     """Parse a server's command line (e.g. /proc/PID/cmdline split at NUL). Never raises.
 
     Accepts the full command (``python3 -m sglang.launch_server ...``, ``sglang serve ...``)
@@ -746,6 +801,7 @@ def parse_argv(argv: Sequence[str]) -> ParsedCommand:
         >>> p.model_path, p.port, p.flags
         ('/m', 31000, {'disable-radix-cache': True, 'new-flag': 'x', 'tp-size': 8})
     """
+    t = resolve_table(table)
     tokens = list(argv)[_server_args_start(argv):]
     result = ParsedCommand(model_path=None)
     raw: dict[str, Any] = {}
@@ -760,9 +816,9 @@ def parse_argv(argv: Sequence[str]) -> ParsedCommand:
             result.positionals.append(token)
             continue
         bare, has_inline, inline = token.lstrip("-").partition("=")
-        name = _resolve_option(bare)
-        spec = SPECS.get(name) if name else None
-        if name in SEPARATE_FIELDS or spec is not None and spec.kind != "bool" and spec.kind != "list":
+        name = _resolve_option(bare, t)
+        spec = t.specs.get(name) if name else None
+        if name in SEPARATE_FIELDS or spec is not None and spec.kind not in ("bool", "switch", "list"):
             if has_inline:
                 value: Any = inline
             elif index < len(tokens):
@@ -773,6 +829,8 @@ def parse_argv(argv: Sequence[str]) -> ParsedCommand:
                 continue
         elif spec is not None and spec.kind == "bool":
             value = True
+        elif spec is not None and spec.kind == "switch":
+            value = not (bare.startswith("no-") and bare not in (spec.name, *spec.aliases))
         else:  # a list flag, or an unknown flag: take every following non-option token
             values = [inline] if has_inline else []
             while index < len(tokens) and not _is_option_token(tokens[index]):
@@ -785,7 +843,7 @@ def parse_argv(argv: Sequence[str]) -> ParsedCommand:
                 value = True if not values else values[0] if len(values) == 1 else values
             else:
                 value = values
-        raw[name or bare] = value  # the last occurrence wins, as with argparse
+        raw[name] = value  # the last occurrence wins, as with argparse
 
     for field in ("model-path", "model"):
         if field in raw:
@@ -800,12 +858,12 @@ def parse_argv(argv: Sequence[str]) -> ParsedCommand:
             result.problems.append(f"--port: {port!r} is not an integer")
     flags: dict[str, Any] = {}
     for name, value in raw.items():
-        spec = SPECS.get(name)
+        spec = t.specs.get(name)
         if spec is None:
             flags[name] = value
             continue
         try:
-            typed = _normalise_value(spec, value)
+            typed = _normalise_value(spec, value, t.label)
         except FlagError as error:
             result.problems.append(str(error))
             typed = value
@@ -815,19 +873,21 @@ def parse_argv(argv: Sequence[str]) -> ParsedCommand:
     return result
 
 
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
 # Diff
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
 
-def _is_secret(name: str) -> bool:
-    spec = SPECS.get(name)
-    return bool(spec and spec.secret)
+def _is_secret(name: str, t: FlagTable | None = None) -> bool:
+    spec = (t.specs if t is not None else SPECS).get(name)
+    return bool(spec and spec.secret) or _is_secret_name(name)
 
 
-def _flag_display(name: str, value: Any, redact: bool) -> str:
+def _flag_display(name: str, value: Any, redact: bool, t: FlagTable | None = None) -> str:
     if value is True:
         return f"--{name}"
-    if redact and _is_secret(name):
+    if value is False:
+        return f"--no-{name}"
+    if redact and _is_secret(name, t):
         return f"--{name} {SECRET_MASK}"
     if isinstance(value, (list, tuple)):
         return f"--{name} " + " ".join(shlex.quote(_value_text(v)) for v in value)
@@ -872,21 +932,21 @@ class FlagDiff:
         return out
 
 
-def _canonical_keys(flags: Mapping[str, Any]) -> dict[str, Any]:
+def _canonical_keys(flags: Mapping[str, Any], t: FlagTable) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in flags.items():
         try:
-            key = canonical_name(name)
+            key = canonical_name(name, t)
         except FlagError:
             key = _strip_name(name)
-        if value is False or value is None:
+        spec = t.specs.get(key)
+        if value is None or (value is False and (spec is None or spec.kind != "switch")):
             continue
-        spec = SPECS.get(key)
         if spec is not None:
             # Compare typed values (8 == "8", a YAML mapping == its JSON text); a value that
             # does not validate is compared as it is, so it still shows in the diff.
             try:
-                value = _normalise_value(spec, value)
+                value = _normalise_value(spec, value, t.label)
             except FlagError:
                 pass
             if value is None:
@@ -895,22 +955,23 @@ def _canonical_keys(flags: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def diff_flags(running: Mapping[str, Any], desired: Mapping[str, Any]) -> FlagDiff:
+def diff_flags(running: Mapping[str, Any], desired: Mapping[str, Any],
+               table: FlagTable | str | None = None) -> FlagDiff:
     """What changes from the running flags to the desired flags.
 
     Explicit comparison, by decision: a flag written on one side and absent on the other is a
     difference even when the value is SGLang's default (``--kv-cache-dtype auto`` vs nothing),
-    because SGLang's defaults change between releases and a table cannot know the installed
-    one. Switches set to false and absent switches are the same (identical argv). Numbers
-    compare by value (``8`` == ``8.0``).
+    because SGLang's defaults change between releases. Switches set to false and absent switches
+    are the same (identical argv). Numbers compare by value (``8`` == ``8.0``).
 
     Example::
 
         >>> diff_flags({"kv-cache-dtype": "auto"}, {"kv-cache-dtype": "fp8_e4m3"}).lines()
         ['- --kv-cache-dtype auto', '+ --kv-cache-dtype fp8_e4m3']
     """
-    before = _canonical_keys(running)
-    after = _canonical_keys(desired)
+    t = resolve_table(table)
+    before = _canonical_keys(running, t)
+    after = _canonical_keys(desired, t)
     diff = FlagDiff()
     for name in sorted(set(before) | set(after)):
         if name not in after:
@@ -922,8 +983,13 @@ def diff_flags(running: Mapping[str, Any], desired: Mapping[str, Any]) -> FlagDi
     return diff
 
 
-def redact_argv(argv: Sequence[str]) -> list[str]:
-    """argv with the values of secret flags replaced by ``***`` (for logs and messages)."""
+def redact_argv(argv: Sequence[str], table: FlagTable | str | None = None) -> list[str]:
+    """argv with the values of secret flags replaced by ``***`` (for logs and messages).
+
+    Secret names are gpugate's overlay (``SECRET_FLAGS`` and names ending in api-key, password,
+    secret), so a secret is hidden even in ``extra_args`` and under a version gpugate has no table of.
+    """
+    t = resolve_table(table)
     out: list[str] = []
     hide_next = False
     for token in argv:
@@ -933,8 +999,8 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
             continue
         if token.startswith("--"):
             bare, has_inline, _ = token[2:].partition("=")
-            name = _resolve_option(bare)
-            if name and _is_secret(name):
+            name = _resolve_option(bare, t) or bare
+            if _is_secret(name, t):
                 if has_inline:
                     out.append(f"--{bare}={SECRET_MASK}")
                 else:
@@ -945,46 +1011,39 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
-# --------------------------------------------------------------------------------------
-# SGLang's own parser (for the lab's stand-in) and /get_server_info
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
+# A parser from a table, and /get_server_info
+# ------------------------------------------------------------------------------------------
 
 _ITEM_TYPES = {"int": int, "float": float, "str": str}
 
 
-def build_parser(prog: str = "launch_server.py") -> argparse.ArgumentParser:
-    """An argparse parser with SGLang's option strings, types, choices and store_true flags.
-
-    ``python -m sglang.launch_server`` runs SGLang's parser with prog ``launch_server.py``, so a
-    bad choice exits 2 with the same message, e.g.
-    ``launch_server.py: error: argument --kv-cache-dtype: invalid choice: 'fp9' (choose from ...)``.
-    Namespace attributes are the ServerArgs field names (``args.tp_size``). Like SGLang's, it
-    keeps argparse's prefix abbreviations on, so ``--tp 8`` means ``--tp-size 8``.
-    """
+def build_parser(prog: str = "launch_server.py", table: FlagTable | str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with a table's option strings, types, choices and switches (for tools
+    and tests; the lab's stand-in builds its own from a snapshot, never from this module)."""
+    t = resolve_table(table)
     parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--model-path", "--model", dest="model_path", type=str, required=True,
-                        help="The path of the model weights (local folder or Hugging Face repo ID).")
-    parser.add_argument("--host", type=str, default=DEFAULT_HOST, help="The host of the HTTP server.")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="The port of the HTTP server.")
-    parser.add_argument("--config", type=str, default=None, help="Read CLI options from a YAML config file.")
-    for spec in SPECS.values():
+    parser.add_argument("--model-path", "--model", dest="model_path", type=str, required=True)
+    parser.add_argument("--host", type=str, default=DEFAULT_HOST)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--config", type=str, default=None)
+    for spec in t.specs.values():
         options = spec.option_strings
         if spec.kind == "bool":
-            parser.add_argument(*options, dest=spec.dest, action="store_true",
-                                default=bool(spec.default), help=spec.help)
+            parser.add_argument(*options, dest=spec.dest, action="store_true")
+        elif spec.kind == "switch":
+            parser.add_argument(*options, dest=spec.dest, action=argparse.BooleanOptionalAction)
         elif spec.kind == "list":
-            parser.add_argument(*options, dest=spec.dest, type=_ITEM_TYPES[spec.item], nargs="+",
-                                default=spec.default, help=spec.help)
+            parser.add_argument(*options, dest=spec.dest, type=_ITEM_TYPES[spec.item], nargs=spec.nargs or "+")
         elif spec.kind == "choice":
-            parser.add_argument(*options, dest=spec.dest, type=_ITEM_TYPES[spec.item],
-                                choices=list(spec.choices), default=spec.default, help=spec.help)
+            parser.add_argument(*options, dest=spec.dest, type=_ITEM_TYPES[spec.item], choices=list(spec.choices))
         else:
-            kind = {"int": int, "float": float}.get(spec.kind, str)
-            parser.add_argument(*options, dest=spec.dest, type=kind, default=spec.default, help=spec.help)
+            kind = {"int": int, "float": float}.get(spec.kind, str) if not spec.type_name else str
+            parser.add_argument(*options, dest=spec.dest, type=kind)
     return parser
 
 
-def server_info_view(flags: Mapping[str, Any]) -> dict[str, Any]:
+def server_info_view(flags: Mapping[str, Any], table: FlagTable | str | None = None) -> dict[str, Any]:
     """The /get_server_info (``/server_info``) keys and values that these flags should produce.
 
     Example::
@@ -992,29 +1051,35 @@ def server_info_view(flags: Mapping[str, Any]) -> dict[str, Any]:
         >>> server_info_view({"tp": 8, "kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True})
         {'disable_radix_cache': True, 'kv_cache_dtype': 'fp8_e4m3', 'tp_size': 8}
     """
+    t = resolve_table(table)
     view: dict[str, Any] = {}
-    for name, value in _canonical_keys(flags).items():
-        spec = SPECS.get(name)
-        if spec is None:
-            continue
+    for name, value in _canonical_keys(flags, t).items():
+        spec = t.specs.get(name)
+        if spec is None or spec.deprecated or spec.type_name:
+            continue  # SGLang converts these (a deprecated switch sets another field): not comparable
         if spec.kind == "json" and isinstance(value, str):
             value = json.loads(value)
         view[spec.dest] = value
     return dict(sorted(view.items()))
 
 
-def server_info_mismatches(flags: Mapping[str, Any], server_info: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+def server_info_mismatches(flags: Mapping[str, Any], server_info: Mapping[str, Any],
+                           table: FlagTable | str | None = None) -> dict[str, tuple[Any, Any]]:
     """``{canonical name: (desired, reported)}`` for the flags the server reports differently.
 
     Only keys present in ``server_info`` are compared (SGLang resolves and adds many others);
     secret flags are never compared by value (newer SGLang hides them).
     """
+    t = resolve_table(table)
     mismatches: dict[str, tuple[Any, Any]] = {}
-    for name, value in _canonical_keys(flags).items():
-        spec = SPECS.get(name)
+    for name, value in _canonical_keys(flags, t).items():
+        spec = t.specs.get(name)
         if spec is None or spec.secret or spec.dest not in server_info:
             continue
-        desired = server_info_view({name: value})[spec.dest]
+        view = server_info_view({name: value}, t)
+        if spec.dest not in view:
+            continue
+        desired = view[spec.dest]
         reported = server_info[spec.dest]
         if isinstance(reported, str) and spec.kind == "json":
             try:

@@ -7,15 +7,23 @@ Everything installed is stdlib-only Python run by the container's /usr/bin/pytho
     usr/lib/python3/dist-packages/gpugate_gpusim.py      (gpugate/lab/gpusim.py)
     usr/lib/python3/dist-packages/gpugate_nvidia_smi.py  (gpugate/lab/nvidia_smi.py)
     usr/lib/python3/dist-packages/gpustat.py             (gpugate/lab/standin/gpustat.py: a GPU monitor)
-    usr/lib/python3/dist-packages/sglang/...             (gpugate/lab/standin/sglang + _server_args.py
-                                                          = gpugate/sglang_args.py; bench_serving.py
+    usr/lib/python3/dist-packages/sglang/...             (gpugate/lab/standin/sglang; bench_serving.py
                                                           is the benchmark client)
+    .../sglang/srt/flag_table.json, sglang/_version.py   (the snapshot of ONE SGLang release's flags,
+                                                          gpugate/flagtables/sglang-<version>.json:
+                                                          the stand-in's parser; never gpugate's
+                                                          own sglang_args.py)
+    usr/lib/python3/dist-packages/sglang-<version>.dist-info/METADATA   (the version, as pip writes it)
+
+The release: ``gpugate lab up --sglang-version 0.5.23`` (kept in ``$LAB/sglang-version``), else the
+newest snapshot.
 
 Example: ``install_container_extras(Path("/tmp/lab/hosts/pve1/ct/129/usr-upper"))``
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -42,9 +50,57 @@ def _copy(src: Path, dst: Path) -> None:
     shutil.copyfile(src, dst)
 
 
-def install_container_extras(usr_upper: Path) -> None:
+def snapshot_file(version: str | None = None) -> Path:
+    """gpugate's snapshot of SGLang ``version``'s flags (default: the newest); LookupError naming
+    the versions there are."""
+    folder = PACKAGE_DIR / "flagtables"
+    found = {p.name[len("sglang-"):-len(".json")]: p for p in folder.glob("sglang-*.json")}
+    if not found:
+        raise LookupError(f"no SGLang flag snapshot in {folder}")
+    if version is None:
+        from gpugate.sglang_args import snapshot_versions  # noqa: PLC0415 -- version order only
+        version = snapshot_versions(folder)[-1]
+    if version not in found:
+        raise LookupError(f"no snapshot of SGLang {version}; the lab's stand-in can be "
+                          f"{', '.join(sorted(found))} (scripts/sglang_flags_snapshot.py makes more)")
+    return found[version]
+
+
+def lab_sglang_version(path: Path) -> str | None:
+    """The release ``gpugate lab up --sglang-version`` chose for the lab that ``path`` (a container's
+    dir or its usr-upper, $LAB/hosts/<h>/ct/<vmid>[/usr-upper]) belongs to, or None."""
+    for parent in Path(path).resolve().parents:
+        if parent.name == "hosts":
+            marker = parent.parent / "sglang-version"
+            return (marker.read_text().strip() or None) if marker.is_file() else None
+    return None
+
+
+def install_flag_table(sglang_dst: Path, dist: Path, version: str | None) -> str:
+    """The stand-in's parser for one SGLang release: its snapshot as ``sglang/srt/flag_table.json``,
+    ``sglang/_version.py``, and ``sglang-<version>.dist-info/METADATA`` in ``dist`` (where pip puts
+    it, so the version reads as the real package's does). Returns the version."""
+    source = snapshot_file(version)
+    table = json.loads(source.read_text())
+    version = str(table["sglang_version"])
+    (sglang_dst / "srt").mkdir(parents=True, exist_ok=True)
+    _copy(source, sglang_dst / "srt" / "flag_table.json")
+    (sglang_dst / "_version.py").write_text(f"__version__ = {version!r}\n")
+    for old in Path(dist).glob("sglang-*.dist-info"):
+        shutil.rmtree(old)
+    info = Path(dist) / f"sglang-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n"
+                                   f"Summary: the gpugate lab's SGLang stand-in\n")
+    (info / "INSTALLER").write_text("gpugate-lab\n")
+    return version
+
+
+def install_container_extras(usr_upper: Path, sglang_version: str | None = None) -> None:
     """Write the lab's nvidia-smi, pynvml and sglang stand-in into a container's /usr upper dir.
 
+    ``sglang_version``: the SGLang release whose flags the stand-in takes (a snapshot in
+    gpugate/flagtables); default the lab's choice (``lab_sglang_version``), else the newest.
     Idempotent: rewrites the files each time (a lab upgrade reaches existing containers).
     """
     usr_upper = Path(usr_upper)
@@ -59,9 +115,7 @@ def install_container_extras(usr_upper: Path) -> None:
         shutil.rmtree(sglang_dst)
     shutil.copytree(LAB_DIR / "standin" / "sglang", sglang_dst,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    server_args = PACKAGE_DIR / "sglang_args.py"
-    if server_args.exists():
-        _copy(server_args, sglang_dst / "_server_args.py")
+    install_flag_table(sglang_dst, dist, sglang_version or lab_sglang_version(usr_upper))
     smi = usr_upper / "bin" / "nvidia-smi"
     smi.parent.mkdir(parents=True, exist_ok=True)
     smi.write_text(NVIDIA_SMI_SCRIPT)

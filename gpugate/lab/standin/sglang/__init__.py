@@ -5,5 +5,8 @@ loads with the port closed, serves /health, /health_generate, /get_server_info, 
 /get_model_info, /v1/models and /generate, and drains on SIGTERM. See launch_server.py.
 """
 
-__version__ = "0.5.5"
+try:  # written by the lab with the snapshot it installs (gpugate lab up --sglang-version)
+    from sglang._version import __version__
+except ImportError:
+    __version__ = "0.0.0+standin"
 STANDIN = True

@@ -2,7 +2,8 @@
 
 What it copies from SGLang (shared/reference/sglang-lifecycle.md):
 
-- SGLang's parser (``sglang/_server_args.py`` = gpugate/sglang_args.py): a bad flag exits 2 with
+- SGLang's parser (``sglang/srt/server_args.py``, from a snapshot of one release's flag table,
+  ``gpugate lab up --sglang-version``): a bad flag exits 2 with
   argparse's message. The model path must be a local dir with config.json or an HF id ``org/name``.
 - process tree: this process (cmdline unchanged) spawns ``sglang::scheduler_TP<i>`` per TP rank (plain
   ``sglang::scheduler`` when tp=1) and ``sglang::detokenizer``; each scheduler holds context +
@@ -76,15 +77,15 @@ def log_traceback(where: str, exc_line: str) -> None:
 
 
 def build_parser():
-    """SGLang's parser: the copy of gpugate/sglang_args.py, else gpugate's own, else the tiny fallback."""
-    try:
-        from sglang._server_args import build_parser as build
-    except ImportError:
-        try:
-            from gpugate.sglang_args import build_parser as build
-        except ImportError:
-            from sglang._fallback_args import build_parser as build
-    return build("launch_server.py")
+    """SGLang's parser: ``sglang.srt.server_args.ServerArgs.add_cli_args``, rebuilt from the snapshot of
+    SGLang's flag table installed with the stand-in (never gpugate's own validation)."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="launch_server.py")
+    ServerArgs.add_cli_args(parser)
+    return parser
 
 
 def model_path_error(path: str):

@@ -1,0 +1,205 @@
+"""``sglang.srt.server_args`` of the lab's stand-in: SGLang's own parser, rebuilt from a snapshot.
+
+``ServerArgs.add_cli_args(parser)`` declares exactly the actions of one SGLang release, read from
+``flag_table.json`` beside this file: a snapshot made from that release's wheel by
+scripts/sglang_flags_snapshot.py (gpugate/flagtables/sglang-<version>.json), installed by
+``gpugate lab up --sglang-version``. Never gpugate's own validation (gpugate/sglang_args.py): the
+stand-in and gpugate read the same snapshot through different code, so when gpugate lets a flag
+through that this SGLang refuses, the stand-in refuses it as SGLang would (argparse's message, exit 2).
+
+What is rebuilt, per action: option strings, dest, nargs, choices, default, required, store_true /
+store_const / ``--x/--no-x`` switches; SGLang's deprecated flags warn with SGLang's recorded words
+(or stop, for a retired flag with an error message); types int, float, str and json.loads, and
+SGLang's own converters by name (``human_readable_int``, ``nullable_str``, ``json_list_type``,
+``parse_cuda_graph_backend_arg``); any other converter takes the text as it is. Each rebuilt
+converter and action class carries SGLang's module and name, so gpugate's table builder
+(gpugate/remote/flag_table.py) reads back the table it was built from.
+
+Stdlib only (runs under the container's python3).
+"""
+
+import argparse
+import json
+import logging
+import os
+import re
+
+TABLE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flag_table.json")
+
+
+def load_table(path=TABLE_FILE):
+    with open(path) as handle:
+        return json.load(handle)
+
+
+# ---------------------------------------------------------------- SGLang's converters, by name
+def _human_readable_int(value):
+    value = value.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)", value)
+    if match:
+        number, suffix = match.groups()
+        iec = {"Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40}
+        if suffix in iec:
+            if "." in number:
+                raise argparse.ArgumentTypeError("Decimals are not allowed with IEC suffixes like '%s'." % suffix)
+            return int(number) * iec[suffix]
+        return int(float(number) * {"k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12}[suffix])
+    return int(value)
+
+
+def _nullable_str(value):
+    return None if not value or value == "None" else value
+
+
+def _json_list_type(value):
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("Invalid JSON list: %s. Please provide a valid JSON list." % value)
+
+
+def _cuda_graph_backend(raw):
+    if raw == "tc_piecewise":
+        raise argparse.ArgumentTypeError("tc_piecewise was removed; select breakable, full, or disabled")
+    return raw
+
+
+def _cuda_graph_config(raw):
+    try:
+        parsed = json.loads(raw)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError("--cuda-graph-config must be JSON: %s" % error)
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("--cuda-graph-config must be a JSON object, got %s" % type(parsed).__name__)
+    return parsed
+
+
+_CONVERTERS = {"human_readable_int": _human_readable_int, "nullable_str": _nullable_str,
+               "json_list_type": _json_list_type, "parse_cuda_graph_backend_arg": _cuda_graph_backend,
+               "parse_cuda_graph_config_arg": _cuda_graph_config}
+_made = {}
+
+
+def _converter(name):
+    """The callable for a table's type name, carrying SGLang's module and qualified name."""
+    if name in (None, "str"):
+        return None if name is None else str
+    if name == "int":
+        return int
+    if name == "float":
+        return float
+    if name == "json":
+        return json.loads
+    if name not in _made:
+        module, _, qualname = name.rpartition(".")
+        body = _CONVERTERS.get(qualname.rsplit(".", 1)[-1], lambda text: text)
+
+        def convert(text, _body=body):
+            return _body(text)
+
+        convert.__module__, convert.__qualname__, convert.__name__ = module, qualname, qualname.rsplit(".", 1)[-1]
+        _made[name] = convert
+    return _made[name]
+
+
+# ---------------------------------------------------------------- SGLang's own action classes
+def _warn(message):
+    # SGLang's print_deprecated_warning: logger.warning(...), before logging is configured, so
+    # Python's last-resort handler writes the bare message to stderr
+    logging.getLogger("sglang.srt.arg_groups.argparse_actions").warning(message)
+
+
+class _Deprecated(argparse.Action):
+    """A deprecated SGLang flag: SGLang's words (recorded in the table), then what it stores."""
+
+    row = {}
+
+    def __init__(self, option_strings, dest, **kwargs):
+        kwargs.setdefault("nargs", self.row.get("nargs"))
+        argparse.Action.__init__(self, option_strings, dest, **kwargs)
+        info = self.row.get("deprecated") or {}
+        self.new_flag = info.get("new_flag")
+        self.error_message = info.get("error_message")
+        self.const_value = info.get("const_value")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        info = self.row.get("deprecated") or {}
+        if info.get("stops"):
+            parser.error(self.error_message or info.get("message") or "%s was removed" % option_string)
+        _warn(info.get("message") or "%s is deprecated" % option_string)
+        if self.nargs == 0:
+            value = True if self.row.get("kind") == "store_true" else self.const_value
+        else:
+            value = self.const_value if self.const_value is not None else values
+        setattr(namespace, self.dest, value)
+
+
+class _Stored(argparse.Action):
+    """SGLang's other custom actions (LoRAPathAction...): store the values as parsed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+
+
+def _action_class(row):
+    module, _, name = row["action_class"].rpartition(".")
+    base = _Deprecated if row.get("deprecated") else _Stored
+    return type(name, (base,), {"__module__": module, "row": row})
+
+
+def add_action(parser, row):
+    """Declare one table row on ``parser`` as SGLang declared it."""
+    options = list(row["options"])
+    kind = row.get("kind")
+    kwargs = {"dest": row["dest"], "help": row.get("help")}
+    if row.get("required"):
+        kwargs["required"] = True
+    default = row.get("default")
+    if not (isinstance(default, dict) and set(default) == {"repr"}):
+        kwargs["default"] = default
+    custom = bool(row.get("deprecated")) or kind == "custom" or not row["action_class"].startswith("argparse.")
+    if "const" in row and (custom or kind not in ("store_true", "store_false", "store_const", "boolean_optional")):
+        kwargs["const"] = row["const"]
+    if custom:
+        kwargs["action"] = _action_class(row)
+        if row.get("nargs") not in (None, 0):
+            kwargs["nargs"] = row["nargs"]
+        if row.get("choices") is not None:
+            kwargs["choices"] = row["choices"]
+        converter = _converter(row.get("type"))
+        if converter is not None:
+            kwargs["type"] = converter
+        return parser.add_argument(*options, **kwargs)
+    if kind == "store_true":
+        return parser.add_argument(*options, action="store_true", **kwargs)
+    if kind == "store_false":
+        return parser.add_argument(*options, action="store_false", **kwargs)
+    if kind == "store_const":
+        return parser.add_argument(*options, action="store_const", const=row.get("const"), **kwargs)
+    if kind == "boolean_optional":
+        positive = [o for o in options if not (o.startswith("--no-") and "--" + o[5:] in options)]
+        return parser.add_argument(*positive, action=argparse.BooleanOptionalAction, **kwargs)
+    if row.get("nargs") is not None:
+        kwargs["nargs"] = row["nargs"]
+    if row.get("choices") is not None:
+        kwargs["choices"] = row["choices"]
+    converter = _converter(row.get("type"))
+    if converter is not None:
+        kwargs["type"] = converter
+    return parser.add_argument(*options, **kwargs)
+
+
+class ServerArgs:
+    """Only what gpugate and the stand-in need of SGLang's ServerArgs: the CLI declaration."""
+
+    @staticmethod
+    def add_cli_args(parser, table=None):
+        for row in (table or load_table())["actions"]:
+            add_action(parser, row)
+
+
+def prepare_server_args(argv, prog="launch_server.py"):
+    """Parse ``argv`` as SGLang does (argparse; exits 2 with argparse's message on a bad flag)."""
+    parser = argparse.ArgumentParser(prog=prog)
+    ServerArgs.add_cli_args(parser)
+    return parser.parse_args(argv)
