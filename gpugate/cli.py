@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--containers", type=_vmids, default=core.DEFAULT_VMIDS, metavar="VMIDS",
                     help="containers per host, comma-separated vmids (default %s)"
                          % ",".join(map(str, core.DEFAULT_VMIDS)))
+    up.add_argument("--sglang-version", default=None, metavar="VERSION",
+                    help="the SGLang release the stand-in is: it takes exactly that release's flags (a "
+                         "snapshot in gpugate/flagtables; default the newest); applies to existing containers too")
     _add_dir(up, top_level=False)
     down = sub.add_parser("down", help="stop every lab host (state, keys and the fleet file are kept)")
     _add_dir(down, top_level=False)
@@ -179,6 +182,13 @@ def _lab(args: argparse.Namespace) -> int:
             except realgpu.NoDriver as exc:
                 raise core.LabError(f"--gpus real: {exc}") from None
         gpus = core.DEFAULT_GPUS if binding else args.gpus
+        if args.sglang_version or not (lab_dir / "sglang-version").exists():
+            from gpugate.lab import container_files  # noqa: PLC0415
+
+            try:
+                container_files.set_sglang_version(lab_dir, args.sglang_version)
+            except LookupError as exc:
+                raise core.LabError(f"--sglang-version: {exc.args[0]}") from None
         state = core.up(lab_dir, hosts=args.hosts, gpus=gpus, gpu_mib=args.gpu_mib, vmids=args.containers,
                         gpu_binding=binding, init=args.init)
         sys.stdout.write(core.format_status(state))

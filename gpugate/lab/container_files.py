@@ -120,3 +120,23 @@ def install_container_extras(usr_upper: Path, sglang_version: str | None = None)
     smi.parent.mkdir(parents=True, exist_ok=True)
     smi.write_text(NVIDIA_SMI_SCRIPT)
     smi.chmod(0o755)
+
+
+def set_sglang_version(lab_dir: Path, version: str | None) -> str:
+    """``gpugate lab up --sglang-version``: the SGLang release the lab's stand-in is (a snapshot's
+    version; None: the newest). Kept in ``$LAB/sglang-version`` for containers made later, and put
+    into every container the lab already has. Returns the version; LookupError for one without a
+    snapshot.
+
+    Example: ``set_sglang_version(Path("/tmp/gpugate-lab"), "0.5.23")``
+    """
+    source = snapshot_file(version)
+    version = str(json.loads(source.read_text())["sglang_version"])
+    lab_dir = Path(lab_dir)
+    lab_dir.mkdir(parents=True, exist_ok=True)
+    (lab_dir / "sglang-version").write_text(version + "\n")
+    for usr_upper in sorted(lab_dir.glob("hosts/*/ct/*/usr-upper")):
+        sglang_dst = dist_packages(usr_upper) / "sglang"
+        if sglang_dst.is_dir():
+            install_flag_table(sglang_dst, dist_packages(usr_upper), version)
+    return version

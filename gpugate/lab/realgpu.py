@@ -327,8 +327,10 @@ def install_real_extras(cdir: Path, binding: dict, standin_dir: Path, server_arg
         if sglang_dst.exists():
             shutil.rmtree(sglang_dst)
         shutil.copytree(standin_dir, sglang_dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        if server_args and server_args.exists():
-            shutil.copyfile(server_args, sglang_dst / "_server_args.py")
+        # the stand-in's parser: a snapshot of one SGLang release's flags (never gpugate's sglang_args)
+        from gpugate.lab import container_files  # noqa: PLC0415
+        container_files.install_flag_table(sglang_dst, target, container_files.lab_sglang_version(cdir))
+        del server_args  # kept in the signature for callers; the snapshot replaced it
         # the stand-in's driver shim falls back to the lab package's gpusim: make it importable too
         gpusim_src = Path(standin_dir).resolve().parent.parent / "gpusim.py"
         if gpusim_src.exists():
