@@ -231,7 +231,7 @@ def test_rollback_after_a_change_returns_to_the_previous_server(lab):
     assert result.returncode == 0, out
     assert "fp8_e4m3" in running_argv(lab)
     result, _stdout, out = run(lab, "rollback", "--limit", "pve_pve1", yes=False)  # the preview
-    assert "- --kv-cache-dtype fp8_e4m3" in out and "+ --api-key ***" in out and "~ env HF_TOKEN=***" in out
+    assert "- --kv-cache-dtype fp8_e4m3" in out and "+ --api-key ***" in out and "+ env HF_TOKEN=***" in out, out
     assert "fp8_e4m3" in running_argv(lab)
     result, _stdout, out = run(lab, "rollback", "--limit", "pve_pve1")
     assert result.returncode == 0, out
@@ -260,7 +260,7 @@ def test_drain_and_gate_show_progress_while_waiting(lab):
     holder: list[str] = []
     lab.fault("pve1", 129, "ignore-sigterm")
     start_holder = ("stopping :30000 pid", lambda _process: holder.append(in_ct(lab, "pve1", HOLD).strip()))
-    end_holder = ("gate: ", lambda _process: in_ct(lab, "pve1", f"kill {holder[0]}"))
+    end_holder = ("sglang :30000 gate: ", lambda _process: in_ct(lab, "pve1", f"kill {' '.join(holder)}"))
     try:
         result = streamed(lab, ["inventory.py", "runbooks/restart.py", "--limit", "pve_pve1",
                                 "--data", f"sglang_env={json.dumps(CANARY_ENV)}", "--data", f"sglang_flags={json.dumps(API)}",

@@ -152,6 +152,18 @@ def test_same_spec_restart_leaves_the_history_alone(lab):
     assert after["main"]["pid"] != None and after["serving"]  # noqa: E711
 
 
+def test_ctrl_c_before_the_hand_off_touches_nothing_and_exits_non_zero(lab):
+    before = observe(lab)["main"]["pid"]
+    process = start(lab, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    read_until(process, "Starting operation")  # pyinfra begins the run: the plan is being made
+    process.send_signal(signal.SIGINT)
+    rest, _ = process.communicate(timeout=60)
+    assert process.returncode not in (0, None), rest
+    assert "interrupted before any hand-off: nothing was touched" in rest
+    server = observe(lab)
+    assert server["main"]["pid"] == before and not (server.get("transition") or {}).get("active")
+
+
 def test_ctrl_c_during_the_load_exits_non_zero_and_says_what_continues(lab):
     process = start(lab, env=SLOW)
     read_until(process, "started pid")
