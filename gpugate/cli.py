@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import gpugate
 from gpugate import resources
@@ -68,6 +69,13 @@ def _version() -> str:
     return f"gpugate {gpugate.__version__} (pyinfra {pyinfra_version}, Python {sys.version.split()[0]})"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as one line (its default prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _add_dir(parser: argparse.ArgumentParser, top_level: bool) -> None:
     # --dir is accepted before and after the action (`gpugate lab --dir X up`, `gpugate lab up --dir X`);
     # after it, the default is SUPPRESS so that it never overwrites one given before.
@@ -76,7 +84,7 @@ def _add_dir(parser: argparse.ArgumentParser, top_level: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gpugate", description="Declarative, GPU-gated SGLang restarts in Proxmox LXC containers, on pyinfra.",
         epilog="The deploy and the runbooks are pyinfra files: `gpugate files` shows where they are.")
     parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
@@ -211,7 +219,9 @@ def _lab(args: argparse.Namespace) -> int:
         try:  # a misspelt fault is named (with the likely one) before the host is looked up
             faults.parse_fault(args.name, args.clear)
         except ValueError as exc:
-            close = difflib.get_close_matches(args.name.partition("=")[0], [n.partition("=")[0] for n in faults.FAULT_NAMES], 1)
+            known = [name.partition("=")[0] for name in faults.FAULT_NAMES]
+            key = args.name.partition("=")[0]
+            close = [] if key in known else difflib.get_close_matches(key, known, 1)
             raise ValueError(f"{exc}" + (f" (did you mean {close[0]}?)" if close else "")) from None
         _lab_host(lab_dir, args.host)
         print(faults.apply_fault(lab_dir, args.host, args.vmid, args.name, clear=args.clear))

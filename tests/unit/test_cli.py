@@ -132,3 +132,16 @@ def test_limit_takes_the_proxmox_host_name_beside_the_pve_group(tmp_path):
     matches = __import__("json").loads(result.stdout)
     assert matches["pve1"] == matches["pve_pve1"] == ["@pct/pve1:129"]
     assert matches["pve2"] == ["@pct/pve2:129", "@pct/pve2:130"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["lab", "stat"], "gpugate lab: argument ACTION: invalid choice: 'stat'"),
+    (["lab", "up", "--hosts", "0"], "gpugate lab up: argument --hosts: '0' must be 1 or more"),
+    (["lab", "up", "--containers", "12"], "vmids are integers >= 100"),
+    (["lab", "fault", "--host", "pve1", "--vmid", "x", "orphan-worker"], "argument --vmid: invalid int value: 'x'"),
+])
+def test_a_mistyped_option_is_one_line_too(argv, expected):
+    result = gpugate_cmd(*argv)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], result.stderr
+    assert lines[0].endswith("--help)")
