@@ -67,8 +67,11 @@ def agent_path(sha: str | None = None) -> str:
 
 
 # The bootstrap: checks the installed agent's hash (installs it from the start document's
-# agent_source when that matches), loads it through importlib so that its bytecode is cached
-# beside it (observe is the converged re-run's only command: every ms counts), and runs it.
+# agent_source when that matches), then runs it from its compiled code, cached content-addressed beside
+# it (``__pycache__/agent-<sha>.<cache tag>.code``: the interpreter's magic number, then marshal). observe
+# is the converged re-run's only command, so every ms counts: no importlib (~3-10 ms), no compile of
+# 140 KB (~20-30 ms). Only ``start`` (the hand-off that installs the agent) writes the cache; every other
+# command reads it when it is there and compiles in memory when not (observe stays read-only).
 _BOOT = r'''
 import json, os, sys
 try:
@@ -84,7 +87,8 @@ a = sys.argv[1:]
 if a and a[-1] == %(marker)r:
     a = a[:-1]
 d = None
-if a[:1] == ["start"]:
+w = a[:1] == ["start"]
+if w:
     try:
         d = json.loads(sys.stdin.read() or "null")
     except ValueError as e:
@@ -115,12 +119,41 @@ if b is None or sha256(b).hexdigest() != S:
     except OSError as e:
         print(json.dumps({"ok": False, "error": "cannot install the agent at %%s: %%s" %% (P, e)}))
         sys.exit(0)
-import importlib.util
-sys.dont_write_bytecode = False  # the agent's bytecode is cached beside it (pct exec may pass PYTHONDONTWRITEBYTECODE)
-spec = importlib.util.spec_from_file_location("gpugate_agent", P)
-m = importlib.util.module_from_spec(spec)
+    b = t.encode("utf-8")
+import marshal
+try:
+    from _frozen_importlib_external import MAGIC_NUMBER as g  # loaded at start-up: free
+except ImportError:
+    from importlib.util import MAGIC_NUMBER as g
+C = "%%s/__pycache__/agent-%%s.%%s.code" %% (os.path.dirname(P), S, sys.implementation.cache_tag)
+c = None
+try:
+    with open(C, "rb") as f:
+        x = f.read()
+    if x[:len(g)] == g:
+        c = marshal.loads(memoryview(x)[len(g):])
+except (OSError, ValueError, EOFError, TypeError):
+    c = None
+if c is None:
+    c = compile(b, P, "exec", dont_inherit=True)
+    if w:
+        try:
+            os.makedirs(os.path.dirname(C), mode=0o700, exist_ok=True)
+            tmp = "%%s.tmp.%%d" %% (C, os.getpid())
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            v = memoryview(g + marshal.dumps(c))
+            while v:
+                v = v[os.write(fd, v):]
+            os.fsync(fd)
+            os.close(fd)
+            os.replace(tmp, C)
+        except OSError:
+            pass
+m = type(sys)("gpugate_agent")
+m.__file__ = P
 sys.modules["gpugate_agent"] = m
-spec.loader.exec_module(m)
+m.WRITE_CACHE = w
+exec(c, m.__dict__)
 m.AGENT_SHA256 = S
 sys.exit(m.main(a, d))
 '''

@@ -272,7 +272,7 @@ def listeners(port):
 
 
 def _listeners_netlink(port):
-    import socket
+    import _socket as socket  # the C module: the socket module's import converts its enums (~3-5 ms)
     import struct
 
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)  # NETLINK_SOCK_DIAG
@@ -607,14 +607,35 @@ def sglang_version():
 
 
 # ==================================================================================== HTTP (raw socket: no urllib import)
+def _connect(host, port, timeout):
+    """socket.create_connection((host, port), timeout) on the C module ``_socket``: the socket
+    module's import (its enums) costs ~3-5 ms of every command, and a str host in getaddrinfo
+    imports the idna codec; an ASCII host goes as bytes."""
+    import _socket
+
+    try:
+        name = host.encode("ascii")
+    except UnicodeEncodeError:
+        name = host
+    error = None
+    for family, kind, proto, _, address in _socket.getaddrinfo(name, port, 0, _socket.SOCK_STREAM):
+        sock = _socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+            return sock
+        except OSError as failure:
+            error = failure
+            sock.close()
+    raise error or OSError("getaddrinfo returned no address for %s" % host)
+
+
 def http_get(host, port, path, timeout=3.0, token=None):
     """(status, body) or (None, error text). 503 is an answer, not an error. ``token``: the
     server's --api-key / --admin-api-key, sent as a bearer token (never printed)."""
-    import socket
-
     deadline = time.time() + timeout
     try:
-        conn = socket.create_connection((connect_host(host), int(port)), timeout=timeout)
+        conn = _connect(connect_host(host), int(port), timeout)
     except OSError as error:
         return None, "%s: %s" % (type(error).__name__, error)
     try:
@@ -762,8 +783,10 @@ def gpu_probe():
 
 
 def _cached_code(source, name):
-    """compile(source), cached as marshal beside the installed agent (its own bytecode is cached
-    by importlib; the bundled module's would be compiled again by every command: ~5 ms)."""
+    """compile(source), cached as marshal beside the installed agent (its own code is cached by the
+    bootstrap, gpugate.agentcmd; the bundled module's would be compiled again by every command:
+    ~5 ms). Only a command that may write (``WRITE_CACHE``, set by the bootstrap: ``start``) writes
+    the cache; observe reads it, or compiles in memory without it (read-only)."""
     import marshal
 
     here = globals().get("__file__") or ""
@@ -778,7 +801,7 @@ def _cached_code(source, name):
             except (ValueError, EOFError, TypeError):
                 pass
     code = compile(source, name, "exec")
-    if cache:
+    if cache and globals().get("WRITE_CACHE"):
         try:
             write_private(cache, marshal.dumps(code))
         except OSError:
@@ -2454,6 +2477,8 @@ def main(argv, stdin_doc=None):
         elif command == "start":
             if stdin_doc is None:
                 stdin_doc = json.loads(sys.stdin.read() or "null")
+            if globals().get("WRITE_CACHE"):
+                gpu_probe()  # the hand-off writes the bundled probe's code cache, so observe only reads it
             result = command_start(stdin_doc)
         elif command == "follow":
             result = command_follow(args)

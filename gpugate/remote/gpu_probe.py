@@ -31,10 +31,15 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
-from typing import Any, Dict, List  # py3.8 in the container: no builtin generics at run time
+
+# typing and subprocess are not imported at run time: the probe runs in every agent command (the
+# converged re-run's only one), and neither is needed there (subprocess: only the nvidia-smi fallback,
+# imported in run_command; the typing names only in annotations, which are never evaluated).
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # mypy treats this name as true
+    from typing import Any, Dict, List
 
 SCHEMA = 1
 # argv[1] of every gpugate probe process: other probes running at the same time are not holders.
@@ -139,6 +144,8 @@ def run_command(argv: list, timeout_s: float) -> tuple:
 
     Unlike subprocess.run, a command that does not end after SIGKILL (D state) is not waited for.
     """
+    import subprocess
+
     try:
         child = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
