@@ -80,7 +80,7 @@ __all__ = [
     "LOCAL_HOST",
 ]
 
-SUPERVISORS = ("process", "systemd")
+SUPERVISORS = ("process", "systemd", "auto")  # auto: systemd where PID 1 is systemd (gpugate.spec)
 LOCAL_HOST = "@local"
 
 # pyinfra's SSH connector settings, written in fleet.yaml without the ssh_ prefix.

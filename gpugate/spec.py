@@ -34,7 +34,8 @@ __all__ = ["DEFAULTS", "BUDGET_KEYS", "Spec", "SpecError", "build_spec", "gpu_se
 DEFAULTS: dict[str, Any] = {
     "port": 30000,                 # SGLang's own default port
     "host": "127.0.0.1",           # --host: the address the server listens on in the container
-    "supervisor": "process",       # "process" (own session, pid file, log) or "systemd" (a unit)
+    "supervisor": "auto",          # "systemd" (a unit) where the container's PID 1 is systemd, else
+                                   # "process" (own session, pid file, log); or either, named
     "python": "/usr/bin/python3",  # the interpreter that runs `-m sglang.launch_server`
     "present": True,               # False: no server on the port
     "max_used_mib": 64,            # the gate: a GPU is free at or under this many MiB (NVML v2)
@@ -51,7 +52,19 @@ DEFAULTS: dict[str, Any] = {
 BUDGET_KEYS = ("drain_timeout_s", "kill_grace_s", "gate_timeout_s", "start_timeout_s", "max_used_mib",
                "generate_timeout_s")
 
-SUPERVISORS = ("process", "systemd")
+SUPERVISORS = ("process", "systemd", "auto")
+
+
+def resolve_supervisor(requested: str, container: Mapping[str, Any] | None) -> str:
+    """``auto`` -> ``systemd`` where the container's PID 1 is systemd (the agent's observe reports
+    ``container.pid1``), else ``process``; ``process``/``systemd`` as asked.
+
+    >>> resolve_supervisor("auto", {"pid1": "systemd"}), resolve_supervisor("auto", {"pid1": "init"})
+    ('systemd', 'process')
+    """
+    if requested != "auto":
+        return requested
+    return "systemd" if (container or {}).get("pid1") == "systemd" else "process"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

@@ -11,7 +11,7 @@ from gpugate.spec import DEFAULTS as _D
 # --- the server (fleet.yaml's sglang: section sets these per container) ---
 sglang_model_path = None            # the model path or Hugging Face repo id (required when present)
 sglang_present = _D["present"]      # false: no server on sglang_port (stopped, its GPUs swept)
-sglang_supervisor = _D["supervisor"]  # "process" (own session, pid file, log) or "systemd" (unit)
+sglang_supervisor = _D["supervisor"]  # "auto": systemd where PID 1 is systemd, else process; or name one
 sglang_port = _D["port"]            # SGLang's own default port
 sglang_host = _D["host"]            # --host: the address the server listens on inside the container
 sglang_flags = {}                   # SGLang flags (validated: gpugate.sglang_args); see docs/flags.md

@@ -32,7 +32,7 @@ from gpugate import agentcmd
 from gpugate.facts.sglang import SglangObservation, SglangObservationInline, observation_from
 from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines
 from gpugate.sglang_args import redact_argv
-from gpugate.spec import DEFAULTS, Spec, SpecError, budgets as make_budgets, build_spec, redact_flags
+from gpugate.spec import DEFAULTS, Spec, SpecError, budgets as make_budgets, build_spec, redact_flags, resolve_supervisor
 
 FOLLOW_WAIT_S = 3.0       # one follow command waits up to this long for new journal events
 FOLLOW_RETRIES = 3        # consecutive failed follow commands before the controller gives up watching
@@ -563,6 +563,8 @@ def server(
     if trouble or observation is None:
         yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {trouble}", port)
         return
+    if spec is not None and spec.supervisor == "auto":  # systemd where the container's PID 1 is systemd
+        spec = dataclasses.replace(spec, supervisor=resolve_supervisor("auto", observation.get("container")))
 
     budget = make_budgets({"drain_timeout_s": drain_timeout, "kill_grace_s": kill_grace,
                            "gate_timeout_s": gate_timeout, "start_timeout_s": start_timeout,

@@ -49,7 +49,8 @@ def unit(lab, *props: str) -> dict[str, str]:
 
 def pyinfra(lab, deploy: str, flags: dict, *extra: str) -> subprocess.CompletedProcess:
     exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
-    return subprocess.run([exe, "-y", "inventory.py", deploy, "--data", "sglang_supervisor=systemd",
+    # no sglang_supervisor: the default (auto) is systemd where the container's PID 1 is systemd
+    return subprocess.run([exe, "-y", "inventory.py", deploy,
                            "--data", f"sglang_env={json.dumps(FAST)}", "--data", f"sglang_flags={json.dumps(flags)}",
                            *extra], cwd=REPO_ROOT, env=lab.env(), capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL)
