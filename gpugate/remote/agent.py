@@ -606,6 +606,55 @@ def sglang_version():
     return None
 
 
+FLAG_TABLE_DIR = "/var/lib/gpugate/sglang-flags"  # gpugate/remote/flag_table.py's CACHE_DIR
+
+
+def flag_table_key():
+    """The name gpugate/remote/flag_table.py's ``collect`` gives the container's SGLang flag table,
+    found the same way (sys.path order: the first ``sglang-*.dist-info`` version, else "unknown"; the
+    first ``sglang/srt/server_args.py``, hashed) without importing anything, so that a controller
+    that already has that table needs no command of its own for it (issue 13). ->
+    ``{"version", "server_args_sha256", "key", "cached"}``, or None without server_args.py.
+
+    >>> flag_table_key()["key"]   # doctest: +SKIP
+    '0.5.23-3f2a9c0d1e7b4a55'
+    """
+    version, server_args, seen = None, None, set()
+    for entry in sys.path:
+        directory = entry or "."
+        if directory in seen or not os.path.isdir(directory):
+            continue
+        seen.add(directory)
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in sorted(names) if version is None else ():
+            lower = name.lower()
+            if lower.startswith("sglang-") and (lower.endswith(".dist-info") or lower.endswith(".egg-info")):
+                meta = _read(os.path.join(directory, name, "METADATA")) or _read(os.path.join(directory, name, "PKG-INFO"))
+                for line in (meta or "").splitlines():
+                    if line.startswith("Version:"):
+                        version = line.split(":", 1)[1].strip()
+                        break
+                if version is not None:
+                    break
+        if server_args is None and "sglang" in names:
+            candidate = os.path.join(directory, "sglang", "srt", "server_args.py")
+            if os.path.isfile(candidate):
+                server_args = candidate
+    if server_args is None:
+        return None
+    data = _read(server_args, "rb")
+    if data is None:
+        return None
+    digest = sha256(data).hexdigest()
+    safe = "".join(c if c.isalnum() or c in ".+-_" else "_" for c in str(version or "unknown"))
+    key = "%s-%s" % (safe, digest[:16])
+    return {"version": version, "server_args_sha256": digest, "key": key,
+            "cached": os.path.isfile(os.path.join(FLAG_TABLE_DIR, key + ".json"))}
+
+
 # ==================================================================================== HTTP (raw socket: no urllib import)
 def _connect(host, port, timeout):
     """socket.create_connection((host, port), timeout) on the C module ``_socket``: the socket
@@ -1148,6 +1197,10 @@ def observe(args):
     server["transition"] = redactor.deep(transition_summary(lock=lock))
     server["history"] = public_history(history)
     server["sglang_version"] = sglang_version()
+    try:
+        server["flag_table"] = flag_table_key()
+    except Exception as error:  # noqa: BLE001 - a field, never a traceback
+        server["flag_table"] = {"error": "%s: %s" % (type(error).__name__, error)}
     server["pid_file"] = read_pid_file(port)
     if main is None:
         server["gpus"] = args.get("gpus")

@@ -71,3 +71,16 @@ def test_start_writes_the_cache_observe_reads_it_and_works_without_it(lab):
     ct(lab, f"for f in {CACHE_DIR}/agent-*.code; do printf garbage > \"$f\"; done")
     doc = observe(lab)
     assert doc["agent"]["sha256"] == agentcmd.agent_sha() and "gpu" in doc, doc
+
+
+def test_observe_names_the_flag_table_as_the_table_builder_does(lab):
+    """observe's ``flag_table`` key is the one gpugate/remote/flag_table.py's collect gives (same
+    version, same server_args.py hash), so a controller that has that table sends no command for it."""
+    from gpugate.facts.sglang import flag_table_command
+
+    install(lab)
+    seen = observe(lab)["sglang"]["flag_table"]
+    built = agentcmd.parse_output(ct(lab, flag_table_command(PY, (), False)).stdout.splitlines())
+    assert seen["key"] and seen["key"] == built["key"], (seen, built)
+    assert (seen["version"], seen["server_args_sha256"]) == (built["version"], built["server_args_sha256"])
+    assert seen["cached"] is built["cached"]
