@@ -41,6 +41,7 @@ import difflib
 import functools
 import json
 import math
+import os
 import re
 import shlex
 from pathlib import Path
@@ -75,6 +76,8 @@ __all__ = [
     "resolve_table",
     "choose_table",
     "known_table_keys",
+    "remember_table",
+    "cached_table_doc",
     "version_mismatch",
     "DEFAULT_HOST",
     "DEFAULT_PORT",
@@ -109,6 +112,8 @@ SEPARATE_FIELDS: dict[str, str] = {
 # abbreviation (``--tp 8``). Only these: a general prefix match would turn a flag a release
 # removed (``cuda-graph-max-bs``) silently into a newer one (``cuda-graph-max-bs-decode``).
 SHORT_NAMES = {"tp": "tp-size", "dp": "dp-size", "pp": "pp-size", "ep": "ep-size"}
+# ServerArgs fields that some releases declare under another argparse dest (see _spec_from_row).
+SERVER_ARGS_FIELDS = frozenset(SHORT_NAMES.values())
 
 
 class FlagError(ValueError):
@@ -165,7 +170,7 @@ def _is_secret_name(name: str) -> bool:
 _ITEM_OF_TYPE = {"int": "int", "float": "float", "str": "str", None: "str"}
 
 
-def _spec_from_row(row: Mapping[str, Any]) -> FlagSpec | None:
+def _spec_from_row(row: Mapping[str, Any], prefer: frozenset[str] = frozenset()) -> FlagSpec | None:
     """A FlagSpec for one row of a flag table (gpugate/remote/flag_table.py), or None for a row
     that is not a server flag."""
     options = [o[2:] for o in row.get("options") or [] if o.startswith("--")]
@@ -179,7 +184,17 @@ def _spec_from_row(row: Mapping[str, Any]) -> FlagSpec | None:
         positives = [o for o in options if not o.startswith("no-")]
         negations = [o for o in options if o.startswith("no-")]
         options = positives or options
-    name = spelled if spelled in options else options[0]
+    # The canonical name: the name newer releases give the same flag (``prefer``: 0.5.10 declares
+    # "--tensor-parallel-size", "--tp-size" with the dest tensor_parallel_size and copies it into
+    # ServerArgs.tp_size, which /get_server_info reports; 0.5.23 declares "--tp-size" first), so that
+    # one flag has one name across versions; else the option spelled like the argparse dest; else
+    # the first option.
+    preferred = [o for o in options if o in prefer or o in SERVER_ARGS_FIELDS]
+    if preferred and spelled not in prefer:
+        name = preferred[0]
+        dest = name.replace("-", "_")
+    else:
+        name = spelled if spelled in options else options[0]
     aliases = tuple(o for o in options if o != name)
     type_name = row.get("type")
     nargs = row.get("nargs")
@@ -261,11 +276,24 @@ class FlagTable:
         return f"FlagTable({self.label}, {len(self.specs)} flags, {self.source})"
 
 
-def table_from_doc(doc: Mapping[str, Any], source: str = "snapshot") -> FlagTable:
-    """A FlagTable from a table document (a snapshot file, or the fact's ``table``)."""
+@functools.lru_cache(maxsize=1)
+def _newest_names() -> frozenset[str]:
+    """The canonical names of the newest snapshot (how older tables name the same flags)."""
+    versions = snapshot_versions()
+    if not versions:
+        return frozenset()
+    doc = json.loads((SNAPSHOT_DIR / f"sglang-{versions[-1]}.json").read_text())
+    return frozenset(table_from_doc(doc, prefer=frozenset()).specs)
+
+
+def table_from_doc(doc: Mapping[str, Any], source: str = "snapshot",
+                   prefer: frozenset[str] | None = None) -> FlagTable:
+    """A FlagTable from a table document (a snapshot file, or the fact's ``table``). ``prefer``:
+    canonical names to keep across versions (default: the newest snapshot's)."""
+    prefer = _newest_names() if prefer is None else prefer
     specs: dict[str, FlagSpec] = {}
     for row in doc.get("actions") or []:
-        spec = _spec_from_row(row)
+        spec = _spec_from_row(row, prefer)
         if spec is None or spec.name in SEPARATE_FIELDS or spec.dest in ("model_path", "host", "port", "config"):
             continue
         specs.setdefault(spec.name, spec)
@@ -329,10 +357,48 @@ def resolve_table(table: FlagTable | str | None) -> FlagTable:
     return table
 
 
+def _cache_dir() -> Path:
+    base = os.environ.get("GPUGATE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gpugate")
+    return Path(base) / "sglang-flags"
+
+
+def remember_table(doc: Mapping[str, Any]) -> None:
+    """Keep a container's table on the controller (``~/.cache/gpugate/sglang-flags/<key>.json``), so
+    that the next plan tells the container not to send it (``known_table_keys``). Best effort."""
+    version, sha = doc.get("sglang_version"), doc.get("server_args_sha256")
+    if not version or not sha:
+        return
+    try:
+        folder = _cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{version}-{sha[:16]}.json"
+        if not path.exists():
+            tmp = path.with_suffix(f".tmp.{os.getpid()}")
+            tmp.write_text(json.dumps(doc, sort_keys=True))
+            os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def cached_table_doc(key: str) -> dict[str, Any] | None:
+    """A table this controller received before (``remember_table``), by key, or None."""
+    path = _cache_dir() / f"{key}.json"
+    try:
+        return json.loads(path.read_text()) if "/" not in key and path.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
 def known_table_keys() -> list[str]:
-    """The cache keys of the shipped snapshots: a container whose server_args.py matches one of
-    them need not send its table (``SglangFlagTable(known=...)``)."""
-    return [k for k in (load_snapshot(v).key for v in snapshot_versions()) if k]
+    """The keys of the tables the controller has (shipped snapshots, its cache): a container whose
+    table has one of them need not send it (``SglangFlagTable(known=...)``)."""
+    keys = [k for k in (load_snapshot(v).key for v in snapshot_versions()) if k]
+    try:
+        keys += sorted(p.name[:-len(".json")] for p in _cache_dir().glob("*.json"))
+    except OSError:
+        pass
+    return sorted(set(keys))
 
 
 def version_mismatch(pinned: str | None, installed: str | None) -> str | None:
@@ -362,7 +428,7 @@ def choose_table(container: Mapping[str, Any] | None = None, pinned: str | None 
         if container.get("table"):
             table = table_from_doc(container["table"], source="container")
             how = ("cached there" if container.get("cached")
-                   else f"built there in {container['build_s']:.1f} s" if container.get("build_s") is not None
+                   else f"built there in {container['build_s']:.2f} s" if container.get("build_s") is not None
                    else "from the container")
             return table, f"SGLang {table.version}'s own flag table, from the container ({how})"
         key = container.get("key")
@@ -843,7 +909,7 @@ def parse_argv(argv: Sequence[str], table: FlagTable | str | None = None) -> Par
                 value = True if not values else values[0] if len(values) == 1 else values
             else:
                 value = values
-        raw[name] = value  # the last occurrence wins, as with argparse
+        raw[name or bare] = value  # the last occurrence wins, as with argparse
 
     for field in ("model-path", "model"):
         if field in raw:

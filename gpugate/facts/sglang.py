@@ -155,3 +155,92 @@ def observe(host: Any, python: str = DEFAULT_PYTHON, **kwargs: Any) -> dict[str,
         doc = host.get_fact(SglangObservationInline, python=python, **kwargs)
     doc["agent_installed"] = installed
     return doc
+
+
+# ---------------------------------------------------------------- SGLang's own flag table (issue 13)
+def flag_table_command(python: str = DEFAULT_PYTHON, known: Sequence[str] = (), build: bool = True,
+                       cache_dir: str | None = None) -> str:
+    """One command: gpugate/remote/flag_table.py sent inline, ``collect(...)`` printed as JSON."""
+    import json  # noqa: PLC0415
+
+    from gpugate.remote import REMOTE_DIR, inline_program, python_command  # noqa: PLC0415
+    from gpugate.remote import flag_table  # noqa: PLC0415
+
+    args = {"cache_dir": cache_dir or flag_table.CACHE_DIR, "known": sorted(known), "build_if_missing": bool(build)}
+    body = (f"ARGS = json.loads({json.dumps(json.dumps(args))})\n"
+            "try:\n"
+            "    out = sys.modules['gpugate_flag_table'].collect(**ARGS)\n"
+            "except BaseException as exc:\n"
+            "    out = _failure(exc)\n"
+            "_emit(out)\n")
+    script = inline_program({"gpugate_flag_table": (REMOTE_DIR / "flag_table.py").read_text()}, body)
+    return python_command(script, {"schema": 1, "version": None, "error": "python not found in the container"},
+                          python)
+
+
+class SglangFlagTable(FactBase):
+    """SGLang's own flag table for the SGLang installed in the container (gpugate/remote/flag_table.py):
+    ``{"version", "server_args_sha256", "key", "cached", "built", "build_s", "table"?, "error"?}``.
+
+    ``known``: table keys the controller already has (shipped snapshots, its own cache): such a table
+    is not sent again. ``build``: False only reads (version, key, and whether a cached table exists).
+
+    Read-only but for ONE write, on purpose: the first time a version is seen, the table is built
+    (importing ``sglang.srt.server_args``, which pulls torch: seconds to a minute) and cached in
+    ``/var/lib/gpugate/sglang-flags/<version>-<sha>.json``, so that no later plan pays for it again.
+    The cache is derived data (deleting it costs one rebuild); nothing the server reads.
+    docs/flags.md says why this is the one exception to "facts write nothing".
+    """
+
+    def command(self, python: str = DEFAULT_PYTHON, known: Sequence[str] = (), build: bool = True):
+        return StringCommand(flag_table_command(python, known, build))
+
+    @staticmethod
+    def default() -> dict[str, Any]:
+        return {"schema": 1, "version": None, "error": "no answer"}
+
+    def process(self, output) -> dict[str, Any]:
+        try:
+            return agentcmd.parse_output(list(output))
+        except Exception as exc:  # noqa: BLE001 -- a fact answers, it does not raise
+            return {"schema": 1, "version": None, "error": f"no JSON from the table builder: {exc}"}
+
+
+def flag_table(host: Any, python: str = DEFAULT_PYTHON, say=None, run=None) -> dict[str, Any]:
+    """The container's flag table document (the SglangFlagTable fact), in the fewest commands: a read
+    first; when no table is cached for the installed version, ``say`` is told
+    "building SGLang's flag table in the container (first time for <version>)" and the build runs.
+    A table received is kept in the controller's cache (gpugate.sglang_args.remember_table), so that
+    later runs tell the container not to send it again. ``run``: a function running a command in
+    the container and returning its JSON answer (the operation's own runner); default the fact.
+
+    .. code:: python
+
+        doc = flag_table(host, say=host.log)
+        table, note = sglang_args.choose_table(doc, pinned="0.5.23")
+    """
+    from gpugate import sglang_args  # noqa: PLC0415
+
+    known = sglang_args.known_table_keys()
+
+    def read(build: bool) -> dict[str, Any]:
+        if run is None:
+            return host.get_fact(SglangFlagTable, python=python, known=known, build=build)
+        return run(flag_table_command(python, known, build))
+
+    doc = read(False)
+    if doc.get("key") in known and not doc.get("table"):  # the controller has it: no build, no transfer
+        doc = {key: value for key, value in doc.items() if key != "error"}
+        cached = sglang_args.cached_table_doc(doc["key"])
+        return dict(doc, table=cached) if cached is not None else doc
+    if not doc.get("cached") and doc.get("key") and "no cached table" in str(doc.get("error") or ""):
+        if say is not None:
+            say(f"building SGLang's flag table in the container (first time for {doc.get('version')})")
+        doc = read(True)
+    if doc.get("table"):
+        sglang_args.remember_table(doc["table"])
+    elif doc.get("key") and not doc.get("error"):
+        cached = sglang_args.cached_table_doc(doc["key"])
+        if cached is not None:
+            doc = dict(doc, table=cached)
+    return doc

@@ -29,9 +29,9 @@ from pyinfra.api.state import BaseStateCallback
 from pyinfra.context import host, state
 
 from gpugate import agentcmd
-from gpugate.facts.sglang import SglangObservation, SglangObservationInline, observation_from
+from gpugate.facts.sglang import SglangObservation, SglangObservationInline, flag_table, observation_from
 from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines
-from gpugate.sglang_args import redact_argv
+from gpugate.sglang_args import choose_table, flag_warnings, redact_argv
 from gpugate.spec import DEFAULTS, Spec, SpecError, budgets as make_budgets, build_spec, redact_flags, resolve_supervisor
 
 FOLLOW_WAIT_S = 3.0       # one follow command waits up to this long for new journal events
@@ -215,6 +215,27 @@ def _observe(host_obj: Any, python: str, kwargs: Mapping[str, Any]) -> tuple[dic
         return None, f"the observation failed: {doc['error']}"
     doc["agent_installed"] = installed
     return doc, None
+
+
+def _spec_for_version(host_obj: Any, python: str, spec: Spec, flags: Mapping[str, Any] | None,
+                      pinned: str | None) -> Spec:
+    """``spec`` validated again against SGLang's own flag table for this container (the container's,
+    built once and cached there; else the pinned version's snapshot; else the newest: see
+    gpugate.sglang_args.choose_table). SpecError names the flag and the version; the table used and
+    SGLang's deprecation warnings join the spec's warnings (the plan's notes)."""
+    show = not state.is_executing or not state.check_for_changes
+
+    def run(command: str) -> dict[str, Any]:
+        _ran, answer, trouble = _run(host_obj, command)
+        return answer if not trouble else {"schema": 1, "version": None, "error": trouble}
+
+    doc = flag_table(host_obj, python, say=host_obj.log if show else None, run=run)
+    table, note = choose_table(doc, pinned)
+    checked = build_spec(spec.model_path, spec.port, flags, spec.env, host=spec.host, supervisor=spec.supervisor,
+                         python=spec.python, extra_args=spec.extra_args, sglang_version=spec.sglang_version,
+                         table=table)
+    extra = (f"flags checked against {note}",) + tuple(flag_warnings(checked.flags, table))
+    return dataclasses.replace(checked, warnings=tuple(checked.warnings) + extra)
 
 
 # ---------------------------------------------------------------- the FunctionCommands
@@ -565,6 +586,12 @@ def server(
         return
     if spec is not None and spec.supervisor == "auto":  # systemd where the container's PID 1 is systemd
         spec = dataclasses.replace(spec, supervisor=resolve_supervisor("auto", observation.get("container")))
+    if spec is not None:  # the flags again, against the table of the SGLang that will run (issue 13)
+        try:
+            spec = _spec_for_version(host, python, spec, flags, sglang_version)
+        except SpecError as error:
+            yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {error}", port)
+            return
 
     budget = make_budgets({"drain_timeout_s": drain_timeout, "kill_grace_s": kill_grace,
                            "gate_timeout_s": gate_timeout, "start_timeout_s": start_timeout,

@@ -106,6 +106,14 @@ def model_path_error(path: str):
 def resolve_server_args(args) -> dict:
     """Like ServerArgs.__post_init__: fill the defaults SGLang computes (what /server_info reports)."""
     d = dict(vars(args))
+    # ServerArgs.from_cli_args of releases whose parser stores the long names (0.5.10: the dest of
+    # "--tensor-parallel-size", "--tp-size" is tensor_parallel_size): the fields are the short ones.
+    for long_name, field in (("tensor_parallel_size", "tp_size"), ("pipeline_parallel_size", "pp_size"),
+                             ("attention_context_parallel_size", "attn_cp_size"),
+                             ("moe_data_parallel_size", "moe_dp_size"), ("data_parallel_size", "dp_size"),
+                             ("expert_parallel_size", "ep_size")):
+        if long_name in d:
+            d[field] = d.pop(long_name)
     if d.get("mem_fraction_static") is None:
         d["mem_fraction_static"] = DEFAULT_MEM_FRACTION_STATIC
     if d.get("tokenizer_path") is None:
