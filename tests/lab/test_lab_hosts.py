@@ -115,7 +115,7 @@ def test_status_json_gives_scripts_what_they_need(lab):
     pve1 = next(h for h in state["hosts"] if h["name"] == "pve1")
     assert {k: pve1[k] for k in ("hostname", "user", "running")} == {"hostname": "127.0.0.1", "user": "root", "running": True}
     assert pve1["port"] == lab.host("pve1").port and Path(pve1["key"]).exists() and Path(pve1["known_hosts"]).exists()
-    assert {"vmid": 129, "status": "running", "name": "ct129"} in pve1["containers"]
+    assert {"vmid": 129, "status": "running", "name": "ct129", "init": "lab"} in pve1["containers"]
     assert [g["index"] for g in pve1["gpus"]] == list(range(8))
 
 
