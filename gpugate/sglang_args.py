@@ -412,6 +412,21 @@ def version_mismatch(pinned: str | None, installed: str | None) -> str | None:
     return None
 
 
+# Container tables by key (version + hash of server_args.py: the same key is the same table): a fleet
+# run validates every container against the same few tables, and building one is ~10 ms.
+_CONTAINER_TABLES: dict[str, FlagTable] = {}
+
+
+def _container_table(container: Mapping[str, Any]) -> FlagTable:
+    key = container.get("key") or container["table"].get("key")
+    table = _CONTAINER_TABLES.get(key) if isinstance(key, str) else None
+    if table is None:
+        table = table_from_doc(container["table"], source="container")
+        if isinstance(key, str) and len(_CONTAINER_TABLES) < 64:
+            _CONTAINER_TABLES[key] = table
+    return table
+
+
 def choose_table(container: Mapping[str, Any] | None = None, pinned: str | None = None) -> tuple[FlagTable, str]:
     """The table to validate a plan against, and a line saying which one it is.
 
@@ -426,7 +441,7 @@ def choose_table(container: Mapping[str, Any] | None = None, pinned: str | None 
     if container:
         version = container.get("version")
         if container.get("table"):
-            table = table_from_doc(container["table"], source="container")
+            table = _container_table(container)
             how = ("cached there" if container.get("cached")
                    else f"built there in {container['build_s']:.2f} s" if container.get("build_s") is not None
                    else "from the container")

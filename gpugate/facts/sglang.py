@@ -28,7 +28,7 @@ or from the CLI: ``pyinfra inventory.py fact gpugate.facts.sglang.SglangServer p
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pyinfra.api import FactBase, StringCommand
@@ -206,13 +206,16 @@ class SglangFlagTable(FactBase):
             return {"schema": 1, "version": None, "error": f"no JSON from the table builder: {exc}"}
 
 
-def flag_table(host: Any, python: str = DEFAULT_PYTHON, say=None, run=None) -> dict[str, Any]:
+def flag_table(host: Any, python: str = DEFAULT_PYTHON, say=None, run=None,
+               observation: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The container's flag table document (the SglangFlagTable fact), in the fewest commands: a read
     first; when no table is cached for the installed version, ``say`` is told
     "building SGLang's flag table in the container (first time for <version>)" and the build runs.
     A table received is kept in the controller's cache (gpugate.sglang_args.remember_table), so that
     later runs tell the container not to send it again. ``run``: a function running a command in
     the container and returning its JSON answer (the operation's own runner); default the fact.
+    ``observation``: the agent's observe document; when its ``sglang.flag_table`` names a table this
+    controller has, no command is sent at all (the converged re-run stays at one command per container).
 
     .. code:: python
 
@@ -222,6 +225,13 @@ def flag_table(host: Any, python: str = DEFAULT_PYTHON, say=None, run=None) -> d
     from gpugate import sglang_args  # noqa: PLC0415
 
     known = sglang_args.known_table_keys()
+    seen = ((observation or {}).get("sglang") or {}).get("flag_table") or {}
+    if isinstance(seen, dict) and seen.get("key") and seen["key"] in known:
+        # observe named it (the same key the table builder gives): what read(False) would answer
+        doc = {"schema": 1, "version": seen.get("version"), "server_args_sha256": seen.get("server_args_sha256"),
+               "key": seen["key"], "cached": bool(seen.get("cached")), "built": False, "build_s": None}
+        cached = sglang_args.cached_table_doc(seen["key"])
+        return dict(doc, table=cached) if cached is not None else doc
 
     def read(build: bool) -> dict[str, Any]:
         if run is None:

@@ -218,7 +218,7 @@ def _observe(host_obj: Any, python: str, kwargs: Mapping[str, Any]) -> tuple[dic
 
 
 def _spec_for_version(host_obj: Any, python: str, spec: Spec, flags: Mapping[str, Any] | None,
-                      pinned: str | None) -> Spec:
+                      pinned: str | None, observation: Mapping[str, Any] | None = None) -> Spec:
     """``spec`` validated again against SGLang's own flag table for this container (the container's,
     built once and cached there; else the pinned version's snapshot; else the newest: see
     gpugate.sglang_args.choose_table). SpecError names the flag and the version; the table used and
@@ -229,7 +229,8 @@ def _spec_for_version(host_obj: Any, python: str, spec: Spec, flags: Mapping[str
         _ran, answer, trouble = _run(host_obj, command)
         return answer if not trouble else {"schema": 1, "version": None, "error": trouble}
 
-    doc = flag_table(host_obj, python, say=host_obj.log if show else None, run=run)
+    # observation: observe already named the container's table; known to us, it costs no command
+    doc = flag_table(host_obj, python, say=host_obj.log if show else None, run=run, observation=observation)
     table, note = choose_table(doc, pinned)
     checked = build_spec(spec.model_path, spec.port, flags, spec.env, host=spec.host, supervisor=spec.supervisor,
                          python=spec.python, extra_args=spec.extra_args, sglang_version=spec.sglang_version,
@@ -588,7 +589,7 @@ def server(
         spec = dataclasses.replace(spec, supervisor=resolve_supervisor("auto", observation.get("container")))
     if spec is not None:  # the flags again, against the table of the SGLang that will run (issue 13)
         try:
-            spec = _spec_for_version(host, python, spec, flags, sglang_version)
+            spec = _spec_for_version(host, python, spec, flags, sglang_version, observation)
         except SpecError as error:
             yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {error}", port)
             return
