@@ -112,6 +112,10 @@ SEPARATE_FIELDS: dict[str, str] = {
 # abbreviation (``--tp 8``). Only these: a general prefix match would turn a flag a release
 # removed (``cuda-graph-max-bs``) silently into a newer one (``cuda-graph-max-bs-decode``).
 SHORT_NAMES = {"tp": "tp-size", "dp": "dp-size", "pp": "pp-size", "ep": "ep-size"}
+# Flags SGLang declares as plain strings but reads as JSON after parsing (a bad value would only
+# fail the start, minutes later): gpugate checks them as JSON.
+JSON_TEXT_FLAGS = frozenset({"json-model-override-args", "model-loader-extra-config", "preferred-sampling-params",
+                             "kv-events-config"})
 # ServerArgs fields that some releases declare under another argparse dest (see _spec_from_row).
 SERVER_ARGS_FIELDS = frozenset(SHORT_NAMES.values())
 
@@ -222,6 +226,8 @@ def _spec_from_row(row: Mapping[str, Any], prefer: frozenset[str] = frozenset())
     else:
         kind = "str"
     del negations  # the --no-x spelling is derived from the name (render_flag_args, parse_argv)
+    if kind == "str" and name in JSON_TEXT_FLAGS:
+        kind = "json"
     default = row.get("default")
     if isinstance(default, dict) and set(default) == {"repr"}:
         default = default["repr"]
@@ -666,6 +672,13 @@ def _check_conflicts(flags: Mapping[str, Any]) -> None:
     if on("disaggregation-decode-enable-offload-kvcache") and flags.get("disaggregation-mode") != "decode":
         raise FlagError("disaggregation-decode-enable-offload-kvcache",
                         "is only supported with --disaggregation-mode decode")
+    if flags.get("speculative-algorithm") == "NGRAM" and on("enable-dp-attention"):
+        raise FlagError("speculative-algorithm",
+                        "NGRAM speculative decoding does not support --enable-dp-attention")
+    if flags.get("tokenizer-metrics-custom-labels-header") == "" and flags.get(
+            "tokenizer-metrics-allowed-custom-labels"):
+        raise FlagError("tokenizer-metrics-allowed-custom-labels",
+                        "needs --tokenizer-metrics-custom-labels-header to be set")
     # Sanity bounds that SGLang only discovers after loading for minutes.
     for name in ("tp-size", "dp-size", "pp-size", "ep-size", "nnodes", "page-size", "tokenizer-worker-num"):
         if isinstance(flags.get(name), int) and flags[name] < 1:
@@ -1111,16 +1124,17 @@ def build_parser(prog: str = "launch_server.py", table: FlagTable | str | None =
     for spec in t.specs.values():
         options = spec.option_strings
         if spec.kind == "bool":
-            parser.add_argument(*options, dest=spec.dest, action="store_true")
+            parser.add_argument(*options, dest=spec.dest, action="store_true", default=bool(spec.default))
         elif spec.kind == "switch":
             parser.add_argument(*options, dest=spec.dest, action=argparse.BooleanOptionalAction)
         elif spec.kind == "list":
             parser.add_argument(*options, dest=spec.dest, type=_ITEM_TYPES[spec.item], nargs=spec.nargs or "+")
         elif spec.kind == "choice":
-            parser.add_argument(*options, dest=spec.dest, type=_ITEM_TYPES[spec.item], choices=list(spec.choices))
+            parser.add_argument(*options, dest=spec.dest, type=_ITEM_TYPES[spec.item], choices=list(spec.choices),
+                                default=spec.default)
         else:
             kind = {"int": int, "float": float}.get(spec.kind, str) if not spec.type_name else str
-            parser.add_argument(*options, dest=spec.dest, type=kind)
+            parser.add_argument(*options, dest=spec.dest, type=kind, default=spec.default)
     return parser
 
 
