@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     runbook.add_argument("pyinfra_args", nargs="*", metavar="PYINFRA_ARGS",
                          help="passed to pyinfra as they are: --limit pve1, --data format=json ...")
     top.add_parser("files", help="print where inventory.py, deploy.py, group_data/ and runbooks/ are")
+    check = top.add_parser("check", help="check a fleet file's SGLang flags against SGLang's own flag tables, "
+                                         "offline (no host is contacted)",
+                           description="Each server's flags against the snapshot of its pinned sglang_version, "
+                                       "else the newest snapshot (docs/flags.md). Exit 1 if any is refused.")
+    check.add_argument("fleet", nargs="?", default=None,
+                       help="the fleet file (default $GPUGATE_FLEET, else ./fleet.yaml)")
+    check.add_argument("--sglang-version", default=None, metavar="VERSION",
+                       help="check every server against this release's snapshot instead")
 
     lab = top.add_parser("lab", help="the local lab of simulated Proxmox GPU hosts")
     _add_dir(lab, top_level=True)
@@ -234,6 +242,28 @@ def _lab(args: argparse.Namespace) -> int:
     return 1
 
 
+def _check(path: str, version: str | None) -> int:
+    """`gpugate check fleet.yaml`: one line per server, then its problems and warnings (issue 13)."""
+    from gpugate import sglang_args  # noqa: PLC0415
+    from gpugate.fleet import load_fleet  # noqa: PLC0415
+
+    fleet = load_fleet(path)  # a fleet file that does not load is one error line (main)
+    refused = 0
+    for pve in fleet.hosts:
+        for container in pve.containers:
+            spec = container.sglang
+            if spec is None or not spec.present:
+                continue
+            ok, lines = sglang_args.check_report(spec.flags, version or spec.version, spec.extra_args)
+            where = f"{pve.name} {container.vmid} :{spec.port or 30000}"
+            print(f"{where}: {lines[0]}")
+            for line in lines[1:]:
+                print(f"    {line}")
+            refused += not ok
+    print(f"{refused} server(s) refused" if refused else "every server's flags are valid")
+    return 1 if refused else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -249,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name + ':':<14}{project / name}")
             print(f"{'templates:':<14}{resources.resource('templates')}")
             return 0
+        if args.group == "check":
+            return _check(args.fleet or os.environ.get("GPUGATE_FLEET") or "fleet.yaml", args.sglang_version)
         return _lab(args)
     except (core.LabError, ValueError, OSError) as exc:
         # A mistyped command gets one line, never a traceback.

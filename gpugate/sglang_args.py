@@ -79,6 +79,7 @@ __all__ = [
     "remember_table",
     "cached_table_doc",
     "version_mismatch",
+    "check_report",
     "DEFAULT_HOST",
     "DEFAULT_PORT",
 ]
@@ -1184,3 +1185,27 @@ def server_info_mismatches(flags: Mapping[str, Any], server_info: Mapping[str, A
         if desired != reported and not (isinstance(desired, list) and list(reported or []) == desired):
             mismatches[name] = (desired, reported)
     return mismatches
+
+
+def check_report(flags: Mapping[str, Any], pinned: str | None = None,
+                 extra_args: Sequence[str] | None = None) -> tuple[bool, list[str]]:
+    """Offline check of one server's flags (``gpugate check``): against the pinned version's
+    snapshot, else the newest. -> (ok, lines): the verdict naming the table, then warnings.
+
+    >>> check_report({"cuda-graph-max-bs": 256}, "0.5.23")[1][0]
+    'REFUSED by SGLang 0.5.23 (snapshot, pinned): --cuda-graph-max-bs: not a flag of SGLang 0.5.23 (did you mean --cuda-graph-max-bs-decode or --cuda-graph-max-bs-prefill?)'
+    """
+    versions = snapshot_versions()
+    if pinned and pinned in versions:
+        table, how = load_snapshot(pinned), "snapshot, pinned"
+    else:
+        table = newest_snapshot()
+        how = f"the newest snapshot; gpugate has none of the pinned {pinned}" if pinned else "the newest snapshot"
+    try:
+        normal = validate_flags(flags, table)
+    except FlagError as error:
+        return False, [f"REFUSED by {table.label} ({how}): {error}"]
+    lines = [f"ok for {table.label} ({how}), {len(normal)} flag(s)"] + flag_warnings(normal, table)
+    if extra_args:
+        lines.append("extra_args passed verbatim, unchecked: " + " ".join(redact_argv(list(extra_args), table)))
+    return True, lines

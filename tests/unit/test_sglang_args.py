@@ -395,3 +395,30 @@ def test_server_info_view_and_mismatches():
 def test_a_flag_value_that_looks_like_the_entry_point_is_still_a_value():
     parsed = parse_argv(["--model-path", "/m", "--served-model-name", "sglang.launch_server"])
     assert (parsed.model_path, parsed.flags) == ("/m", {"served-model-name": "sglang.launch_server"})
+
+
+def test_gpugate_check_reads_a_fleet_offline_and_names_the_table(tmp_path):
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("""
+hosts:
+  pve1:
+    ssh: {hostname: pve1.example.net}
+    containers:
+      129:
+        sglang: {model_path: /m, sglang_version: "0.5.23", flags: {tp: 8, kv-cache-dtype: fp4_e2m1}}
+      130:
+        sglang: {model_path: /m, sglang_version: "0.5.10", flags: {tp: 8, kv-cache-dtype: fp4_e2m1}}
+      131:
+        sglang: {model_path: /m, flags: {disable-cuda-graph: true}, extra_args: ["--api-key", "sk-secret-1"]}
+""")
+    out = subprocess.run([sys.executable, "-m", "gpugate.cli", "check", str(fleet)], capture_output=True, text=True)
+    assert out.returncode == 1, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("pve1 129 :30000: REFUSED by SGLang 0.5.23 (snapshot, pinned): --kv-cache-dtype: "
+                               "'fp4_e2m1' is not one of")
+    assert lines[1] == "pve1 130 :30000: ok for SGLang 0.5.10 (snapshot, pinned), 2 flag(s)"
+    assert lines[2] == "pve1 131 :30000: ok for SGLang 0.5.23 (the newest snapshot), 1 flag(s)"
+    assert "--disable-cuda-graph is deprecated in SGLang 0.5.23" in lines[3]
+    assert lines[4] == "    extra_args passed verbatim, unchecked: --api-key ***"
+    assert "sk-secret-1" not in out.stdout + out.stderr
+    assert lines[-1] == "1 server(s) refused"
