@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["ServerClaim", "overlapping_claims", "overlaps_of", "servers_of_inventory", "gpu_ranges", "LOCK_DIR",
-           "lock_path", "busy_message"]
+__all__ = ["ServerClaim", "overlapping_claims", "overlaps_of", "servers_of_inventory", "claim_host", "gpu_ranges",
+           "LOCK_DIR", "lock_path", "busy_message"]
 
 # (Proxmox host, vmid, port, the server's GPUs as host GPU indexes)
 ServerClaim = tuple[str, int, int, tuple[int, ...]]
@@ -133,9 +133,21 @@ def servers_of_inventory(hosts: Iterable[tuple[str, Mapping[str, Any]]],
             gpus = tuple(int(g) for g in gpu_set(data.get("sglang_flags") or {}, data.get("sglang_env") or {}))
         except Exception:  # noqa: BLE001 -- a server we cannot read is its own operation's error
             continue
-        pve_host = data.get("pve_host") or data.get("ssh_hostname") or ("@local" if data.get("pct_local") else name)
-        claims.append((str(pve_host), vmid, port, gpus))
+        claims.append((claim_host(name, data), vmid, port, gpus))
     return claims
+
+
+def claim_host(name: str, data: Mapping[str, Any]) -> str:
+    """The Proxmox host a container's GPUs belong to, from its pyinfra host data: ``pve_host`` (the
+    fleet's host name), else ``ssh_hostname``, else ``@local`` (pyinfra on the Proxmox host), else
+    the inventory name. One rule for every claim, so two containers of one host always compare.
+
+    >>> claim_host("@pct/pve1:129", {"pve_host": "pve1", "ssh_hostname": "10.0.0.5"})
+    'pve1'
+    >>> claim_host("@pct/@local:129", {"pct_local": True})
+    '@local'
+    """
+    return str(data.get("pve_host") or data.get("ssh_hostname") or ("@local" if data.get("pct_local") else name))
 
 
 def _is_true(value: Any) -> bool:

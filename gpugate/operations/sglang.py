@@ -239,6 +239,30 @@ def _spec_for_version(host_obj: Any, python: str, spec: Spec, flags: Mapping[str
     return dataclasses.replace(checked, warnings=tuple(checked.warnings) + extra)
 
 
+def _claim_overlaps(host_obj: Any, spec: Spec) -> list[str]:
+    """Plan-time GPU claims (issue 12 item 3): the lines naming this container's desired server and
+    every other desired server of the same Proxmox host (the whole inventory, whatever ``--limit``
+    runs now: the fleet is the desired state) whose GPUs overlap it. Empty when the GPUs cannot be
+    told before the start (UUIDs in CUDA_VISIBLE_DEVICES) or the host is not a pct container.
+
+    ``mine`` is the spec this operation was given (it may differ from the host data), so this
+    container's own inventory entry (one server per container there) is replaced by it, never
+    compared with it: a port change of this container is the plan's replace, not a claim."""
+    from gpugate.claims import claim_host, overlaps_of, servers_of_inventory  # noqa: PLC0415
+
+    vmid = host_obj.data.get("pct_vmid")
+    if spec.gpus is None or vmid is None:
+        return []
+    mine = (claim_host(host_obj.name, host_obj.data), int(vmid), int(spec.port), tuple(spec.gpus))
+    fleet = state.__dict__.get("_gpugate_claims")
+    if fleet is None:  # once per pyinfra run, not once per container (host data is fixed by then)
+        fleet = servers_of_inventory((h.name, h.data.dict()) for h in state.inventory)
+        state.__dict__["_gpugate_claims"] = fleet
+    servers = [mine if claim[:2] == mine[:2] else claim for claim in fleet]
+    # inventory order, so both containers of a pair print the same line
+    return overlaps_of(mine, servers if mine in servers else [*servers, mine])
+
+
 # ---------------------------------------------------------------- the FunctionCommands
 def _fail(state: Any, host: Any, message: str) -> bool:  # noqa: A002 -- pyinfra passes them by these names
     host.log_styled(message, fg="red", log_func=logger.error)
@@ -575,6 +599,12 @@ def server(
             raise SpecError(f"port must be an integer in 1..65535, got {port!r}")
     except SpecError as error:
         yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {error}", port)
+        return
+    overlaps = _claim_overlaps(host, spec) if spec is not None else []
+    if overlaps:  # the desired state itself is contradictory: nothing to observe, nothing to touch
+        yield from _refuse(f"sglang :{port} REFUSED, nothing touched: another desired server of this Proxmox host "
+                           f"claims its GPUs: {'; '.join(overlaps)} (give each server its own GPUs: "
+                           f"base-gpu-id, CUDA_VISIBLE_DEVICES; or sglang_present: false for one)", port)
         return
 
     observed_args: dict[str, Any] = {"port": port}

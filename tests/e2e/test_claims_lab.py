@@ -11,6 +11,10 @@ import dataclasses
 import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import gevent
 import pytest
@@ -19,7 +23,7 @@ from pyinfra.api import Config, Inventory, State
 from gpugate import agentcmd
 from gpugate.fleet import fleet_to_inventory, load_fleet
 from gpugate.sglang_args import render_argv, validate_flags
-from tests.conftest import module_lab
+from tests.conftest import REPO_ROOT, module_lab
 from tests.e2e.lab_processes import (ct_sh, start_bench_client, start_gpu_monitor, start_in_container,
                                      start_shared_group_server, wait_for)
 
@@ -74,6 +78,50 @@ def test_the_lab_fleet_gives_two_containers_disjoint_gpus_and_both_serve(lab):
         assert by_ct.count("\n") == 8, by_ct
     finally:
         stop_servers(lab)
+
+
+# ---------------------------------------------------------------- plan-time GPU claims (issue 12 item 3)
+
+
+def runs_in(lab, vmid: int) -> str:
+    return ct_sh(lab, "pve1", vmid, "ls /var/lib/gpugate/runs 2>/dev/null || true").stdout
+
+
+def preview(lab) -> subprocess.CompletedProcess:
+    """`pyinfra inventory.py deploy.py --dry` as an operator previews (without -y, which skips the plan)."""
+    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    return subprocess.run([exe, "inventory.py", "deploy.py", "--dry"], cwd=REPO_ROOT, env=lab.env(),
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_two_desired_servers_on_the_same_gpus_are_both_refused_before_anything_is_touched(lab, tmp_path):
+    text = lab.fleet_path.read_text()
+    assert "flags: {tp: 4, base-gpu-id: 4}" in text, text  # the lab's own fleet: disjoint halves
+    overlapping = tmp_path / "fleet.yaml"
+    overlapping.write_text(text.replace("flags: {tp: 4, base-gpu-id: 4}", "flags: {tp: 4, base-gpu-id: 2}"))
+    edited = dataclasses.replace(lab, fleet_path=overlapping)
+    both = "pve1: ct 129 :30000 (GPU 0-3) and ct 130 :30000 (GPU 2-5) claim the same GPU 2-3"
+    before = {vmid: runs_in(lab, vmid) for vmid in (129, 130)}
+
+    dry = preview(edited)
+    output = dry.stdout + dry.stderr
+    assert dry.returncode != 0, output
+    for vmid in (129, 130):  # each container of the pair is refused, naming the other
+        assert re.search(rf"\[@pct/pve1:{vmid}\] sglang :30000 REFUSED, nothing touched: .*{re.escape(both)}", output), output
+    assert "will start" not in output and "Traceback" not in output
+
+    applied = edited.pyinfra("inventory.py", "deploy.py", "--data", f"sglang_env={json.dumps(FAST)}", timeout=120)
+    output = applied.stdout + applied.stderr
+    assert applied.returncode != 0, output
+    assert output.count(both) >= 2 and "Traceback" not in output, output
+    assert {vmid: runs_in(lab, vmid) for vmid in (129, 130)} == before  # no transition began anywhere
+    assert health(lab, 129) == health(lab, 130) == "refused" and gpu_used(lab) == [0] * 8
+
+    # the lab's own (disjoint) fleet plans both
+    dry = preview(lab)
+    output = dry.stdout + dry.stderr
+    assert dry.returncode == 0 and "claim the same GPU" not in output, output
+    assert output.count("will start") == 2, output
 
 
 # ---------------------------------------------------------------- a dead scheduler
