@@ -359,14 +359,18 @@ def transition_figures(journal: list[dict], audit: list[dict], samples: list[dic
     # Only a transition that stopped a server has a release to measure (a first start has no drain).
     exit_t = max([s["end"] for s in (drain, kill) if s] or [0]) or None
     gate = first.get("gate")
-    if exit_t:
-        freed = first_free_after(samples, exit_t) if samples else None
+    if exit_t and gate and samples:
+        # The moment the memory came back: the first free reading after the last held one before the
+        # gate passed (the poller writes a sample when the reading changes, so "the first free sample
+        # after the exit" would miss a release that happened while the main process was still exiting).
+        held = last_held_before(samples, gate["end"])
+        freed = first_free_after(samples, held + 1e-6) if held is not None else None
         figures["server_exit_t"] = exit_t
         figures["memory_back_t"] = freed
+        figures["last_held_t"] = held
         if freed is not None:
-            # the poller writes a sample when the reading changes: freed is within one interval of it
+            # negative: the workers (which hold the memory) were gone before the main process was seen gone
             figures["release_after_exit_s"] = round(freed - exit_t, 4)
-        if gate and freed is not None:
             figures["gate_pass_t"] = gate["end"]
             figures["gate_overhead_s"] = round(gate["end"] - freed, 4)
     load = first.get("load")
@@ -532,11 +536,14 @@ def step_foreign(run: Run) -> dict:
 
 
 def step_crash_rollback(run: Run) -> dict:
-    changed = dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"})
-    # real GPUs: the new environment hides the GPU, so the new server's CUDA init fails for real;
+    # real GPUs: a memory fraction too small for the weights: each TP worker creates its CUDA context,
+    # loads its weights on the GPU, measures, and fails with SGLang's own "Not enough memory" (a crash
+    # during the load, as SGLang's profile_max_num_token raises it). Hiding the GPUs instead
+    # (CUDA_VISIBLE_DEVICES=99) is refused by the plan before the stop, so it never starts.
     # simulated: the stand-in cannot parse its load time (the lab's crash at start)
-    crash_env = dict(run.server_env, **({"SGLANG_STANDIN_LOAD_S": "not-a-number"} if run.simulated or run.cpu_real
-                                        else {"CUDA_VISIBLE_DEVICES": "99"}))
+    simulated = run.simulated or run.cpu_real
+    changed = dict(run.flags_base, **({"kv-cache-dtype": "fp8_e4m3"} if simulated else {"mem-fraction-static": 0.01}))
+    crash_env = dict(run.server_env, **({"SGLANG_STANDIN_LOAD_S": "not-a-number"} if simulated else {}))
     before = run.ct_state()
     res = run.pyinfra("deploy.py", flags=changed, env=crash_env)
     figures = run.transition("6_crash_rollback", res)
@@ -547,8 +554,10 @@ def step_crash_rollback(run: Run) -> dict:
     return {"crash_env": {k: v for k, v in crash_env.items()}, "pyinfra": summary_of(res, 6000), "figures": figures,
             "server_before": before, "server_after": after, "same_argv_after": argv_before == argv_after,
             "rolled_back_said": bool(re.search(r"roll(ed)?[ _-]?back|previous server", text, re.I)),
+            "crash_flags": changed,
             "outcome": "rolled back" if res["rc"] != 0 and after.get("health") == 200 and argv_before
-            and argv_before == argv_after else "unexpected"}
+            and argv_before == argv_after and re.search(r"ROLLED BACK|rolled back", text)
+            and (after.get("main") or {}).get("pid") != (before.get("main") or {}).get("pid") else "unexpected"}
 
 
 def step_rollback_runbook(run: Run) -> dict:
