@@ -66,12 +66,12 @@ def agent_path(sha: str | None = None) -> str:
     return f"{STATE_DIR}/agent-{sha or agent_sha()}.py"
 
 
-# The bootstrap: checks the installed agent's hash (installs it from the start document's
+# The bootstrap: checks the installed agent's hash (installs it from the start or install document's
 # agent_source when that matches), then runs it from its compiled code, cached content-addressed beside
 # it (``__pycache__/agent-<sha>.<cache tag>.code``: the interpreter's magic number, then marshal). observe
 # is the converged re-run's only command, so every ms counts: no importlib (~3-10 ms), no compile of
-# 140 KB (~20-30 ms). Only ``start`` (the hand-off that installs the agent) writes the cache; every other
-# command reads it when it is there and compiles in memory when not (observe stays read-only).
+# 140 KB (~20-30 ms). Only ``start`` and ``install`` (the commands that install the agent) write the cache;
+# every other command reads it when it is there and compiles in memory when not (observe stays read-only).
 _BOOT = r'''
 import json, os, sys
 try:
@@ -86,13 +86,13 @@ P = %(path)r
 a = sys.argv[1:]
 if a and a[-1] == %(marker)r:
     a = a[:-1]
-d = None
-w = a[:1] == ["start"]
+d = n = None
+w = a[:1] == ["start"] or a[:1] == ["install"]
 if w:
     try:
         d = json.loads(sys.stdin.read() or "null")
     except ValueError as e:
-        print(json.dumps({"ok": False, "error": "the start document is not JSON: %%s" %% e}))
+        print(json.dumps({"ok": False, "error": "the %%s document is not JSON: %%s" %% (a[0], e)}))
         sys.exit(0)
 try:
     with open(P, "rb") as f:
@@ -120,6 +120,7 @@ if b is None or sha256(b).hexdigest() != S:
         print(json.dumps({"ok": False, "error": "cannot install the agent at %%s: %%s" %% (P, e)}))
         sys.exit(0)
     b = t.encode("utf-8")
+    n = 1
 import marshal
 try:
     from _frozen_importlib_external import MAGIC_NUMBER as g  # loaded at start-up: free
@@ -153,6 +154,7 @@ m = type(sys)("gpugate_agent")
 m.__file__ = P
 sys.modules["gpugate_agent"] = m
 m.WRITE_CACHE = w
+m.INSTALLED_NOW = n == 1
 exec(c, m.__dict__)
 m.AGENT_SHA256 = S
 sys.exit(m.main(a, d))
@@ -237,6 +239,26 @@ def start_stdin(doc: Mapping[str, Any], include_source: bool) -> str:
     if include_source:
         body["agent_source"] = agent_source()
     return json.dumps(body, separators=(",", ":"))
+
+
+def install_command(python: str | None) -> str:
+    """Install this controller's agent and nothing else: reads :func:`install_stdin` on stdin; the
+    bootstrap checks the source's hash, writes ``agent-<sha>.py`` (temp, fsync, rename) and its code
+    caches, and the agent answers ``{"ok": true, "sha256", "path", "installed": <written now>}``
+    without touching anything else (no lock, no journal, no pruning of other agents: one of them
+    may be running a transition that this controller is about to follow). A source whose hash is
+    not this controller's: ``{"agent_missing": true, ...}``, nothing written.
+
+    Example::
+
+        ok, out = host.run_shell_command(install_command("/usr/bin/python3"), _stdin=install_stdin())
+    """
+    return _agent_command(python, "install", None)
+
+
+def install_stdin() -> str:
+    """The install command's stdin: ``{"agent_source": <this controller's agent>}`` (~140 KB)."""
+    return json.dumps({"agent_source": agent_source()}, separators=(",", ":"))
 
 
 def follow_command(python: str | None, run: str, offset: int = 0, wait_s: float = 3.0, batch: bool = False) -> str:

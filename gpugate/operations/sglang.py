@@ -388,13 +388,12 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
 
 
 def _install_agent(host_obj: Any, python: str) -> bool:
-    """Install this controller's agent without starting anything: the bootstrap installs the source a
-    start document carries (checked by hash) before the agent reads the document, and this one is
-    refused at once (its run id is invalid), so nothing else happens. Used to follow a transition
-    that another controller version started."""
-    stdin = agentcmd.start_stdin({"run": "-install-only"}, include_source=True)
-    ran, answer, _trouble = _run(host_obj, agentcmd.start_command(python), stdin=stdin, timeout=60)
-    return ran and not answer.get("agent_missing")
+    """Install this controller's agent without starting anything (the agent's ``install``: content-
+    addressed, checked by hash). Used to follow a transition that another controller version
+    started, with this controller's ``follow``."""
+    ran, answer, _trouble = _run(host_obj, agentcmd.install_command(python), stdin=agentcmd.install_stdin(),
+                                 timeout=60)
+    return ran and bool(answer.get("ok"))
 
 
 def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | None = None) -> bool:

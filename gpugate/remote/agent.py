@@ -2326,6 +2326,18 @@ def command_start(doc):
         return {"ok": False, "error": "the agent did not start (no answer from the detached child)"}
 
 
+def command_install(doc):
+    """The agent is installed (the bootstrap did it from the document's ``agent_source``, checked by
+    hash, and wrote its code caches): say so and touch nothing else. No lock, no journal, and no
+    pruning of other agents: the controller installs before following a transition that another
+    controller version's agent runs, whose file must stay.
+
+    -> ``{"ok": true, "sha256", "path", "installed": true when this command wrote the file}``"""
+    del doc  # its only content, the source, was the bootstrap's
+    return {"ok": True, "sha256": globals().get("AGENT_SHA256"), "path": globals().get("__file__"),
+            "installed": bool(globals().get("INSTALLED_NOW"))}
+
+
 def _agent_main(doc, answer_fd):
     """The detached agent: stdio on /dev/null, lock, journal, answer, run, exit."""
     null = os.open(os.devnull, os.O_RDWR)
@@ -2533,6 +2545,10 @@ def main(argv, stdin_doc=None):
             if globals().get("WRITE_CACHE"):
                 gpu_probe()  # the hand-off writes the bundled probe's code cache, so observe only reads it
             result = command_start(stdin_doc)
+        elif command == "install":
+            if globals().get("WRITE_CACHE"):
+                gpu_probe()  # as the hand-off does: the bundled probe's code cache, so observe only reads it
+            result = command_install(stdin_doc)
         elif command == "follow":
             result = command_follow(args)
         elif command == "wait":
@@ -2540,7 +2556,7 @@ def main(argv, stdin_doc=None):
         elif command == "logpump":
             result = command_logpump(args)
         else:
-            result = {"error": "unknown command %r (observe, start, follow, wait)" % command}
+            result = {"error": "unknown command %r (observe, start, install, follow, wait)" % command}
     except Exception as error:  # noqa: BLE001 - a field, never a traceback
         result = {"error": "%s: %s" % (type(error).__name__, error)}
     sys.stdout.write(json.dumps(result, separators=(",", ":"), default=str) + "\n")
