@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
-import socket
 import struct
 
 CLONE_NEWNS = 0x00020000
@@ -105,6 +104,9 @@ def sethostname(name: str) -> None:
 
 def loopback_up() -> None:
     """ip link set lo up, via SIOCSIFFLAGS (so the container needs no iproute2)."""
+    import socket  # here, not at import: every lab `pct exec` imports this module (a container's init
+    # imports it before its mounts hide the stdlib: container._setup_container_fs)
+
     siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         ifreq = struct.pack("16sH14s", b"lo", 0, b"\0" * 14)

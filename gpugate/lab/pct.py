@@ -13,14 +13,18 @@ Example (on a lab host):
 
 from __future__ import annotations
 
+import _signal as signal  # the C module: `signal`'s enums (enum, functools, collections) cost every command
 import grp  # grp and pwd up front: push/pull resolve names after setns, where the host's stdlib may be hidden
 import os
 import pwd
-import signal
 import sys
-from pathlib import Path
+import warnings  # noqa: F401 -- os.execvpe imports it, after setns, where the host's stdlib may be hidden
 
 from gpugate.lab import container, nsutil
+
+# Every remote command of every tool in the lab is one `pct exec`: its imports are kept to what exec
+# needs (no pathlib, json, socket or signal enums: ~20-30 ms of CPU a command). The other commands
+# import pathlib where they use it (Pct.host_path).
 
 DIE = 255
 EXEC_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"
@@ -111,10 +115,16 @@ def truthy(value: str | None) -> bool:
 class Pct:
     """pct bound to one lab host directory ($LAB/hosts/<name>)."""
 
-    def __init__(self, host_dir: Path):
-        self.host_dir = Path(host_dir)
-        self.node = self.host_dir.name
+    def __init__(self, host_dir: str | os.PathLike):
+        self.host_dir = os.fspath(host_dir)
+        self.node = os.path.basename(os.path.normpath(self.host_dir))
         self.cgroup_base = container.host_cgroup_base_inside(self.host_dir)
+
+    @property
+    def host_path(self) -> "Path":
+        from pathlib import Path
+
+        return Path(self.host_dir)
 
     # ------------------------------------------------------------ shared checks
     def vmid(self, raw: str, cmd: str) -> int:
@@ -126,9 +136,10 @@ class Pct:
         return vmid
 
     def load_config(self, vmid: int) -> str:
-        path = container.ct_dir(self.host_dir, vmid) / "config"
+        path = os.path.join(self.host_dir, "ct", str(vmid), "config")
         try:
-            return path.read_text()
+            with open(path) as handle:
+                return handle.read()
         except OSError:
             raise Die(f"Configuration file 'nodes/{self.node}/lxc/{vmid}.conf' does not exist") from None
 
@@ -182,7 +193,7 @@ class Pct:
     def cmd_start(self, vmid: int) -> int:
         self.load_config(vmid)
         try:
-            container.start_container(self.host_dir, vmid, self.cgroup_base)
+            container.start_container(self.host_path, vmid, self.cgroup_base)
         except container.ContainerError as exc:
             raise Die(str(exc)) from None
         return 0
@@ -190,7 +201,7 @@ class Pct:
     def cmd_stop(self, vmid: int) -> int:
         self.load_config(vmid)
         try:
-            container.stop_container(self.host_dir, vmid, self.cgroup_base)
+            container.stop_container(self.host_path, vmid, self.cgroup_base)
         except container.ContainerError as exc:
             raise Die(str(exc)) from None
         return 0
@@ -198,7 +209,7 @@ class Pct:
     def cmd_shutdown(self, vmid: int, timeout: int, force: bool) -> int:
         self.load_config(vmid)
         try:
-            container.shutdown_container(self.host_dir, vmid, self.cgroup_base, timeout, force)
+            container.shutdown_container(self.host_path, vmid, self.cgroup_base, timeout, force)
         except container.ContainerError as exc:
             raise Die(str(exc)) from None
         return 0
@@ -475,7 +486,7 @@ def usage_error(cmd: str, message: str) -> int:
 
 def main(argv: list[str], host_dir: str | None = None) -> int:
     """Entry point; host_dir is baked into the lab host's pct wrapper."""
-    hdir = Path(host_dir or os.environ.get("GPUGATE_LAB_HOST_DIR", "."))
+    hdir = host_dir or os.environ.get("GPUGATE_LAB_HOST_DIR", ".")
     if not argv or argv[0] in ("help", "-h", "--help"):
         sys.stderr.write("USAGE: pct <COMMAND> [ARGS] [OPTIONS]\n" + "".join(f"       {u}\n" for u in USAGES.values()))
         return DIE if not argv else 0
