@@ -23,6 +23,22 @@ import time
 STARTED_AT = time.time()
 
 
+def label(raw: str) -> str:
+    """What a remote command is, for the report: ``pct list``, the agent's ``observe`` / ``start`` /
+    ``follow`` / ``wait``, the host-side ``GPU lock``, else its first words."""
+    import re
+
+    if "pct list" in raw[:120]:
+        return "pct list"
+    tail = raw[raw.rfind(")))") + 3:] if ")))" in raw else raw  # after the packed program
+    match = re.search(r"\b(observe|start|follow|wait|logpump)\b", tail)
+    if "pct exec" in raw[:40]:
+        return match.group(1) if match else "pct exec (inline program)"
+    if "python3 -c" in raw[:40]:
+        return "GPU lock (Proxmox host)"
+    return raw[:40]
+
+
 def install(calls: list[dict]) -> None:
     """Wrap pyinfra's SSH connector so every remote call appends a record to ``calls``."""
     from pyinfra.connectors.ssh import SSHConnector
@@ -35,12 +51,13 @@ def install(calls: list[dict]) -> None:
             try:
                 return original(self, *args, **kwargs)
             finally:
-                what = ""
+                what = raw = ""
                 if kind == "exec" and args:
                     command = args[0]
                     raw = command.get_raw_value() if hasattr(command, "get_raw_value") else str(command)
                     what = raw[:160]
                 calls.append({"host": self.host.name, "kind": kind, "what": what,
+                              "label": label(raw) if kind == "exec" and args else kind,
                               "start": start, "end": time.time()})
 
         setattr(SSHConnector, name, counted)

@@ -66,7 +66,10 @@ def summarize_pyinfra(counted: dict, audit_events: list[dict], began: float, end
     first_connect = min((c["start"] for c in calls if c["kind"] == "connect"), default=ended)
     remote_busy = sum(c["end"] - c["start"] for c in calls if c["kind"] != "connect")
     connect_s = sum(c["end"] - c["start"] for c in calls if c["kind"] == "connect")
-    timings = [e.get("timings") for e in audit_events if e.get("step") == "done" or e.get("event") == "done"]
+    # one outcome per container that changed (the agent's phase timings, e.g. {"desired:drain": 0.03,
+    # "desired:gate": 0.17, "desired:load": 1.13}, and the run's total in the container)
+    timings = [dict(e.get("timings") or {}, total=e.get("total_s"), outcome=e.get("outcome"))
+               for e in audit_events if e.get("step") == "outcome" and e.get("phase") == "end"]
     return {
         "wall_s": ended - began,
         "startup_s": first_connect - began,        # interpreter, pyinfra, inventory, deploy import
@@ -74,8 +77,9 @@ def summarize_pyinfra(counted: dict, audit_events: list[dict], began: float, end
         "remote_s": remote_busy,                    # remote commands, summed over containers
         "commands": commands,                       # per container: exec + put + get
         "connections": {h: c["connect"] for h, c in per_host.items()},
-        "calls": [{"host": c["host"], "kind": c["kind"], "s": round(c["end"] - c["start"], 4),
-                   "at": round(c["start"] - began, 4), "what": c["what"][:80]} for c in calls],
+        "calls": [{"host": c["host"], "kind": c["kind"], "label": c.get("label", c["kind"]),
+                   "s": round(c["end"] - c["start"], 4), "at": round(c["start"] - began, 4),
+                   "what": c["what"][:80]} for c in calls],
         "transitions": [t for t in timings if t],   # one per container that changed
     }
 
