@@ -257,9 +257,39 @@ def render(results: dict) -> str:
         *_restart(results),
         *_rolling(results),
         *_converged(results),
+        *_command_costs(),
         *_h200(),
     ]
     return "\n".join(lines)
+
+
+COMMAND_COSTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "command_costs.json"
+
+
+def _command_costs(path: Path = COMMAND_COSTS) -> list[str]:
+    """What one remote command costs, this tree against the one before issue 11's performance work
+    (bench/command_costs.py, kept in docs/results/): the per-container cost the fleet figures are made of."""
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    rows = ["| command | CPU (median) | CPU (min) | wall (median) |", "|---|---|---|---|"]
+    for name, cost in data["costs"].items():
+        rows.append(f"| {name} | {cost['cpu_ms']:.0f} ms | {cost['cpu_min_ms']:.0f} ms | {cost['wall_ms']:.0f} ms |")
+    load = "/".join(f"{x:.2f}" for x in data.get("loadavg") or [])
+    return [
+        "## Per-command costs in the lab, before and after (issue 11)",
+        "",
+        f"`python3 bench/command_costs.py --before {data['before']}` (this tree: {data['after']}), {data['n']} "
+        f"rounds, every variant once a round in turn, in a lab container serving tp 8 on 8 GPUs; {data['measured']}, "
+        f"load average {load} at the end. CPU is user+sys of the command and its children. `before` is the tree "
+        "before this work: the agent loaded through importlib, the socket/subprocess/typing/base64 imports on "
+        "every command, the simulated pynvml importing dataclasses, pathlib, uuid, argparse and string, and the "
+        "lab's pct running `ldconfig -p` (ctypes.util.find_library) and importing pathlib, json, socket and pty "
+        "on every exec. The crossed rows tell the agent's share from the simulated pynvml's.",
+        "",
+        *rows,
+        "",
+    ]
 
 
 H200_RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "h200_bench.json"
