@@ -853,9 +853,11 @@ class PctConnector(BaseConnector):
             "clear_env": bool(self.data["pct_clear_env"]),
         }
         source = Path(host_gpu_lock.__file__).read_text()
-        # on the host, as root: the lock dir is /run's, and the holder runs pct
+        # on the host, as root: the lock dir is /run's, and the holder runs pct. -S: the holder is
+        # stdlib only, and site (site-packages, .pth files) is most of a Python start (it is on the
+        # restart's path, right before the hand-off)
         bits: list = (["sudo", "-n"] if self.use_sudo else []) + [
-            "python3", "-c", QuoteString(pack(source)), QuoteString(json.dumps(args))]
+            "python3", "-S", "-c", QuoteString(pack(source)), QuoteString(json.dumps(args))]
         status, output = self.pve.run_shell_command(StringCommand(*bits), _timeout=int(max(30, wait_s + 30)))
         answer = _last_json(output.stdout_lines)
         where = f"GPU {gpu_ranges(gpu_list)} of {self.pve_host_name}"
