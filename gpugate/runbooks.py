@@ -729,12 +729,17 @@ def publish_status(rows: Sequence[StatusRow], output_format: str = "table", prom
     True when every row is as desired."""
     rows = sorted(rows, key=lambda row: (natural_key(str(row.get("host"))), natural_key(str(row.get("vmid")))))
     emit = out or (lambda text: print(text, flush=True))
-    if prom_path:
-        write_atomically(prom_path, status_prometheus(rows))
+    # The report first: a Prometheus path that cannot be written must not cost the operator the table
     if output_format == "json":
         emit(json.dumps(status_document(rows), default=str))
     else:
         emit(render_status(rows))
+    if prom_path:
+        try:
+            write_atomically(prom_path, status_prometheus(rows))
+        except OSError as error:
+            logger.error(f"gpugate: cannot write the Prometheus file {prom_path}: {error.strerror or error}")
+            return False
     return all(row.get("ok") for row in rows)
 
 

@@ -215,3 +215,13 @@ def test_when_every_host_fails_the_status_rows_still_print(capsys):
     recorder.host_connect_error(state, hosts[0], OSError("No route to host"))
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is False and doc["servers"][0]["verdict"] == "unreachable: No route to host"
+
+
+def test_an_unwritable_prometheus_path_still_prints_the_status_and_fails(tmp_path):
+    # a cron job's typo in --data prom=PATH cost the whole table (and the run ended in greenlet tracebacks)
+    printed: list[str] = []
+    rows = [row_for(observation())]
+    ok = rb.publish_status(rows, prom_path=str(tmp_path / "missing-dir" / "gpugate.prom"), out=printed.append)
+    assert ok is False
+    assert len(printed) == 1 and "serving as desired" in printed[0]
+    assert not (tmp_path / "missing-dir").exists()
