@@ -249,9 +249,12 @@ def render(results: dict) -> str:
         "Setup and cleanup reach containers through `nsenter` (no SSH) and are never timed.",
         "",
         "Caveat for every absolute figure: a lab `pct exec` costs a Python start of the lab's `pct` plus a "
-        "namespace entry (one bare remote command is given in section 1); every tool pays it per remote "
-        "command, so tools that send fewer commands gain. The machine has 2 cores shared by the tools, the "
-        "lab hosts and the stand-ins.",
+        "namespace entry (one bare remote command is given in section 1; about 30 ms of CPU since issue 11's "
+        "work, 90 ms before: see the per-command table below; Proxmox's own `pct` is Perl and costs more); "
+        "every tool pays it per remote command, so tools that send fewer commands gain. The machine has 2 "
+        "cores shared by the tools, the lab hosts and the stand-ins, and by other work on it (its load "
+        "average is given above). gpugate's bytecode is compiled before the run, as `pip install` does "
+        "(this machine's shells set PYTHONDONTWRITEBYTECODE=1).",
         "",
         *_gate(results),
         *_restart(results),
