@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import json
@@ -186,9 +187,23 @@ def _boot() -> str:
     return pack(_BOOT % {"sha": agent_sha(), "path": agent_path(), "marker": PROBE_MARKER})
 
 
+def args_word(args: Mapping[str, Any]) -> str:
+    """A command's JSON argument for its argv: plain, or ``b64:<base64>`` when it names sglang in any
+    case (a model path, ``SGLANG_*`` env names): no gpugate command line, in the container or in the
+    host's ``pct exec``, may match an operator's ``pkill -f sglang`` (the agent decodes it).
+
+    >>> args_word({"port": 30000}), args_word({"model_path": "/m/sglang"})
+    ('{"port":30000}', 'b64:eyJtb2RlbF9wYXRoIjoiL20vc2dsYW5nIn0=')
+    """
+    text = json.dumps(dict(args), separators=(",", ":"), sort_keys=True)
+    if "sglang" in text.lower():
+        return "b64:" + base64.b64encode(text.encode("utf-8")).decode("ascii")
+    return text
+
+
 def _agent_command(python: str | None, command: str, args: Mapping[str, Any] | None) -> str:
     interpreter = _interpreter(python)
-    words = [command] + ([json.dumps(dict(args), separators=(",", ":"), sort_keys=True)] if args is not None else [])
+    words = [command] + ([args_word(args)] if args is not None else [])
     quoted = " ".join(shlex.quote(word) for word in words)
     # -S: no site/sitecustomize at start (~10-25 ms); the agent adds the site directories itself
     return (f"if command -v {interpreter} >/dev/null 2>&1; then exec {interpreter} -S -c '{_boot()}' {quoted} "

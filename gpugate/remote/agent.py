@@ -1887,9 +1887,13 @@ class Transition:
             return None
         read_fd, write_fd = os.pipe()
         secrets = spec_secrets(spec) + list(self.redactor.values)
-        env = dict(BASE_ENV, GPUGATE_LOG_SECRETS=json.dumps(sorted(set(secrets))))
+        # Its arguments travel in the environment and the interpreter is named /proc/self/exe, so its
+        # command line never names sglang (the log path, a venv's path): an operator's `pkill -f sglang`
+        # ends the server, never the pump that still has to write the server's last lines.
+        env = dict(BASE_ENV, GPUGATE_LOG_SECRETS=json.dumps(sorted(set(secrets))),
+                   GPUGATE_LOGPUMP=json.dumps({"path": log_path}))
         try:
-            pump = subprocess.Popen([sys.executable, program, "logpump", json.dumps({"path": log_path}), PROBE_MARKER],
+            pump = subprocess.Popen(["/proc/self/exe", program, "logpump", PROBE_MARKER],
                                     stdin=read_fd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                                     cwd="/", start_new_session=True, close_fds=True)
         except OSError as error:
@@ -2404,13 +2408,19 @@ def command_logpump(args):
     """Copies the server's output (stdin) into its log, line by line: secret values masked
     (GPUGATE_LOG_SECRETS, read once and dropped from the environment), the file rotated when it
     passes ``max_bytes`` (``keep`` old files). Never blocks the server: a line that cannot be
-    written (ENOSPC) is dropped and counted. Ends at EOF (the server's tree has exited)."""
+    written (ENOSPC) is dropped and counted. Ends at EOF (the server's tree has exited).
+    ``args`` ({path, max_bytes, keep}) come from GPUGATE_LOGPUMP (dropped from the environment
+    likewise), over which the command line's wins: the path names sglang, the argv must not."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with open("/proc/self/comm", "w") as handle:
             handle.write("gpugate-logpump")
     except OSError:
+        pass
+    try:
+        args = dict(json.loads(os.environ.pop("GPUGATE_LOGPUMP", "{}")), **args)
+    except (ValueError, TypeError):
         pass
     path = args["path"]
     max_bytes = int(args.get("max_bytes") or LOG_MAX_BYTES)
@@ -2529,6 +2539,20 @@ def command_wait(args):
 
 
 # ==================================================================================== entry
+def decode_args(word):
+    """A command's JSON argument as agentcmd wrote it: plain, or ``b64:<base64>`` when the text names
+    sglang (a model path, an env name), so that no gpugate command line matches ``pkill -f sglang``.
+
+    >>> decode_args('{"port": 1}'), decode_args("b64:eyJwb3J0IjogMX0=")
+    ('{"port": 1}', '{"port": 1}')
+    """
+    if word.startswith("b64:"):
+        import binascii
+
+        return binascii.a2b_base64(word[4:]).decode("utf-8")
+    return word
+
+
 def main(argv, stdin_doc=None):
     """``argv``: [command, json args?, ...]; ``stdin_doc``: the start document (already read)."""
     command = argv[0] if argv else ""
@@ -2536,7 +2560,7 @@ def main(argv, stdin_doc=None):
     try:
         args = {}
         if len(argv) > 1 and argv[1] != PROBE_MARKER:
-            args = json.loads(argv[1])
+            args = json.loads(decode_args(argv[1]))
         if command == "observe":
             result = observe(args)
         elif command == "start":

@@ -217,9 +217,10 @@ def test_commands_run_through_a_real_shell():
 def test_the_log_pump_masks_secrets_and_rotates_by_size(tmp_path):
     log = tmp_path / "sglang-30000.log"
     lines = "".join(f"line {n} server_args=ServerArgs(api_key='sk-pump-1', hf=hf-pump-secret)\n" for n in range(60))
-    env = dict(os.environ, GPUGATE_LOG_SECRETS=json.dumps(["hf-pump-secret"]))
-    done = subprocess.run([sys.executable, agent.__file__, "logpump",
-                           json.dumps({"path": str(log), "max_bytes": 1000, "keep": 2})],
+    # as the agent starts it: the arguments (the log path names sglang) in the environment, not the argv
+    env = dict(os.environ, GPUGATE_LOG_SECRETS=json.dumps(["hf-pump-secret"]),
+               GPUGATE_LOGPUMP=json.dumps({"path": str(log), "max_bytes": 1000, "keep": 2}))
+    done = subprocess.run([sys.executable, agent.__file__, "logpump", "gpugate-probe"],
                           input=lines, capture_output=True, text=True, env=env, timeout=60)
     assert json.loads(done.stdout)["ok"], done.stderr
     files = sorted(p.name for p in tmp_path.iterdir())
