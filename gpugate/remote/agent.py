@@ -1191,7 +1191,7 @@ def observe(args):
     model_path = args.get("model_path")
     server["model_path_exists"] = os.path.exists(model_path) if model_path and model_path.startswith("/") else None
     tail = int(args.get("tail_lines") or 0)
-    server["log_tail"] = [redactor.text(line) for line in log_tail(_current_log(port), tail)] if tail else None
+    server["log_tail"] = [redactor.text(line) for line in server_log_tail(port, tail)] if tail else None
     lock = lock_status()
     server["lock"] = lock
     server["transition"] = redactor.deep(transition_summary(lock=lock))
@@ -1242,6 +1242,71 @@ def log_tail(path, lines=40, offset=0):
     if data is None:
         return []
     return data[offset or 0:][-65536:].decode("utf-8", "replace").splitlines()[-lines:]
+
+
+def journal_tail(unit, lines=40, since=None):
+    """The last ``lines`` lines journald holds for ``unit`` (the systemd supervisor's server logs to
+    journald, templates/sglang.service.j2), from ``since`` (epoch seconds: this start's) on; systemd's
+    own lines about the unit ("<unit>: Main process exited, ...") included. [] without journalctl.
+    Unmasked: every caller masks them (Redactor.text), as every tail.
+
+    ``--reverse``: with ``--since``, ``-n N`` alone gives the FIRST N entries after ``since`` (systemd
+    252, Debian 12's); newest first, it gives the last N, put back in order here."""
+    import subprocess
+
+    argv = ["journalctl", "-u", unit, "-o", "cat", "-n", str(int(lines)), "--reverse", "--no-pager", "-q"]
+    if since:
+        argv += ["--since", "@%.6f" % float(since)]
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env=BASE_ENV, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return done.stdout[:65536].decode("utf-8", "replace").splitlines()[:lines][::-1]
+
+
+def journal_sync(timeout=5.0):
+    """``journalctl --sync``: journald stores every message queued to it first (its sync signal is
+    handled after the pending stream input), so what a dead server printed is readable afterwards."""
+    import subprocess
+
+    try:
+        return subprocess.run(["journalctl", "--sync"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env=BASE_ENV, timeout=timeout).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def server_log_tail(port, lines=40, offset=0):
+    """The server's last log lines, unmasked: journald's for a unit of ours (the pid file says
+    ``supervisor: systemd``; since its recorded start), else the log file from byte ``offset``."""
+    recorded = read_pid_file(port) or {}
+    if recorded.get("supervisor") == "systemd":
+        return journal_tail(paths(port)["unit_name"], lines, recorded.get("started"))
+    return log_tail(recorded.get("log") or paths(port)["log"], lines, offset)
+
+
+def unit_exit_code(port):
+    """How a unit's main process ended, as Popen.returncode says it (-N: killed by signal N); None
+    when systemd does not say (it still runs, or no unit)."""
+    ok, output = _systemctl("show", "-p", "ExecMainCode", "-p", "ExecMainStatus", paths(port)["unit_name"])
+    shown = dict(line.split("=", 1) for line in output.splitlines() if "=" in line) if ok else {}
+    code, status = shown.get("ExecMainCode", ""), shown.get("ExecMainStatus", "")
+    if not status.isdigit() or code not in ("1", "2", "3"):  # CLD_EXITED, CLD_KILLED, CLD_DUMPED
+        return None
+    return int(status) if code == "1" else -int(status)
+
+
+def crash_line(tail, port):
+    """The line that says why a server ended: the last of its own, not systemd's about the unit
+    (journald's tail may or may not hold "<unit>: Failed with result ..." yet), else the last.
+
+    >>> crash_line(["ValueError: bad", "sglang-30000.service: Main process exited, code=exited"], 30000)
+    'ValueError: bad'
+    """
+    prefix = paths(port)["unit_name"] + ": "
+    own = [line for line in tail if line.strip() and not line.startswith(prefix)]
+    return (own or [line for line in tail if line.strip()] or [""])[-1]
 
 
 # ==================================================================================== env files
@@ -1910,6 +1975,7 @@ class Transition:
         unit = paths(spec["port"])["unit_name"]
         handle, _ = self._open_log(spec["port"], target)  # 0600 before systemd appends to it
         handle.close()
+        started = time.time()  # the unit logs to journald: its tail is read from here on (journal_tail)
         for command in (["daemon-reload"], ["reset-failed", unit], ["start", unit]):
             ok, output = _systemctl(*command)
             if not ok and command[0] != "reset-failed":
@@ -1917,11 +1983,15 @@ class Transition:
         ok, output = _systemctl("show", "-p", "MainPID", "--value", unit)
         pid = int(output.strip() or 0) if output.strip().isdigit() else 0
         if pid <= 0:
-            raise Failure("%s has no main process after systemctl start" % unit)
+            journal_sync()  # journald stores what the unit printed
+            tail = [self.redactor.text(line) for line in journal_tail(unit, 20, started)]
+            raise Failure("%s has no main process after systemctl start%s" % (
+                unit, ": " + crash_line(tail, spec["port"]) if tail else ""))
         stat = proc_stat(pid)
         write_private(paths(spec["port"])["pid"], json.dumps({"pid": pid, "start_ticks": stat[4] if stat else None,
                                                               "port": spec["port"], "supervisor": "systemd",
-                                                              "log": paths(spec["port"])["log"], "run": self.run}), 0o644)
+                                                              "log": paths(spec["port"])["log"], "run": self.run,
+                                                              "started": started}), 0o644)
         return pid
 
     def _wait_ready(self, spec, pid, target, log_offset):
@@ -1941,13 +2011,15 @@ class Transition:
             self._reap()
             if not alive(pid, ticks):
                 code = self.exit_codes.get(pid)
+                if code is None and spec.get("supervisor") == "systemd":
+                    code = unit_exit_code(port)
                 self._settle_log(port)
                 tail = self._tail(port, log_offset)
                 self.event("load", "end", target=target, port=port, state="crashed", exit_code=code,
                            elapsed_s=round(time.time() - began, 2), log_tail=tail)
                 raise Failure("the server exited during %s%s%s" % (
                     phase, " with code %s" % code if code is not None else "",
-                    ": " + tail[-1] if tail else ""))
+                    ": " + crash_line(tail, port) if tail else ""))
             if listeners(port):
                 status, _ = http_get(host, port, "/health", 5.0, argv_token(spec["argv"]))
                 phase = "starting" if status != 200 else "generating"
@@ -1970,14 +2042,26 @@ class Transition:
 
     def _settle_log(self, port, timeout=1.0):
         """Give the log pump up to ``timeout`` to write what a crashed server printed last (it ends
-        at EOF, once the server's tree has closed the pipe)."""
+        at EOF, once the server's tree has closed the pipe); for a unit, give journald as long to
+        store it (its tail unchanged over 0.2 s)."""
         pump = self.pumps.get(port)
         deadline = time.time() + timeout
         while pump is not None and pump.poll() is None and time.time() < deadline:
             time.sleep(0.02)
+        if pump is None and (read_pid_file(port) or {}).get("supervisor") == "systemd":
+            if journal_sync():
+                return
+            last = None  # no sync (journalctl refused it): until the tail stays the same for 0.3 s
+            deadline = time.time() + 3 * timeout
+            while time.time() < deadline:
+                tail = server_log_tail(port, 5)
+                if tail and tail == last:
+                    break
+                last = tail
+                time.sleep(0.3)
 
     def _tail(self, port, offset, lines=20):
-        return [self.redactor.text(line) for line in log_tail(_current_log(port), lines, offset)]
+        return [self.redactor.text(line) for line in server_log_tail(port, lines, offset)]
 
     def _verify(self, spec, pid, target):
         self.event("verify", "begin", target=target, port=spec["port"])

@@ -104,3 +104,29 @@ def test_new_flags_restart_through_the_gate(lab):
     assert unit(lab, "NRestarts")["NRestarts"] == "0"  # a deliberate restart is no crash
     status = pyinfra(lab, "runbooks/status.py", {"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
     assert status.returncode == 0 and "serving as desired" in status.stdout
+
+
+def test_a_start_that_crashes_shows_its_last_lines_from_journald_without_secrets(lab):
+    # env values are secrets: the crash's own last line quotes one, which journald keeps as it is
+    env = {"SGLANG_STANDIN_LOAD_S": "not-a-number", "HF_TOKEN": "hf-crash-canary"}
+    result = pyinfra(lab, "deploy.py", {"tp": 8, "api-key": "sk-crash-canary"},
+                     "--data", f"sglang_env={json.dumps(env)}")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "the server crashed (exit code 1)" in out, out  # the unit's ExecMainStatus
+    # the crash's last line (the failure's reason) and the tail before it, from the unit's journal, masked
+    reason = "the server exited during loading with code 1: ValueError: could not convert string to float: '***'"
+    assert f"the desired server failed: {reason}" in out, out
+    tail = [line.split(" | ", 1)[1] for line in out.split("log tail of the failed start:", 1)[1].splitlines()
+            if " sglang :30000     | " in line]
+    assert "Traceback (most recent call last):" in tail and tail[-1] == reason.split(": ", 1)[1], tail
+    for secret in ("not-a-number", "hf-crash-canary", "sk-crash-canary"):
+        assert secret not in out, secret
+    raw = in_ct(lab, f"journalctl -u {UNIT} --no-pager")
+    assert "float: 'not-a-number'" in raw and "sk-crash-canary" in raw  # so the mask was needed
+    assert "ValueError" not in in_ct(lab, "cat /var/log/gpugate/sglang-30000.log")  # journald, not the file
+    journal = in_ct(lab, "cat /var/lib/gpugate/runs/$(cat /var/lib/gpugate/runs/latest).jsonl")
+    assert "float: '***'" in journal and "not-a-number" not in journal and "sk-crash-canary" not in journal
+    # the server of the previous test serves again
+    assert "the previous server serves again" in out, out
+    assert unit(lab, "ActiveState")["ActiveState"] == "active"
