@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableSet, Sequence
 from typing import Any
 
 from pyinfra import logger
@@ -106,6 +106,43 @@ def _runbook() -> RunBook:
         state.__dict__["_gpugate_runbook"] = book
         state.add_callback_handler(book)
     return book
+
+
+class FleetOrderedHosts(MutableSet):
+    """pyinfra's active hosts in inventory (fleet) order. pyinfra keeps them in a plain set, so a
+    ``_serial`` operation (a rolling restart) would visit the containers in hash order: an operator
+    who lists pve1 first expects pve1 to restart first, and the summary's "not touched" to be the
+    containers after it.
+
+    >>> hosts = FleetOrderedHosts(["b", "a", "c"]); hosts -= {"a"}; list(hosts)
+    ['b', 'c']
+    """
+
+    def __init__(self, hosts: Any = ()) -> None:
+        self._hosts: dict[Any, None] = dict.fromkeys(hosts)
+
+    def __contains__(self, host: object) -> bool:
+        return host in self._hosts
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._hosts))
+
+    def __len__(self) -> int:
+        return len(self._hosts)
+
+    def add(self, host: Any) -> None:
+        self._hosts[host] = None
+
+    def discard(self, host: Any) -> None:
+        self._hosts.pop(host, None)
+
+
+def _keep_fleet_order() -> None:
+    """Make a rolling restart visit the containers in the inventory's order (once per run)."""
+    if isinstance(state.active_hosts, FleetOrderedHosts):
+        return
+    order = {host: index for index, host in enumerate(state.inventory)}
+    state.active_hosts = FleetOrderedHosts(sorted(state.active_hosts, key=lambda host: order.get(host, len(order))))
 
 
 _INTERRUPT: dict[str, Any] = {"installed": False, "book": None}
@@ -584,6 +621,8 @@ def server(
     book = _runbook()
     _install_interrupt_handler(book)
     restoring = bool(restore_previous) and present
+    if rolling:
+        _keep_fleet_order()
     if state.is_executing and rolling and book.stop_rolling(int(max_failures)):
         # a rolling restart that already failed: not even observed
         yield FunctionCommand(_execute, (Job(Plan("noop", ()), None, port, python, {}, {}, audit_log, True,
