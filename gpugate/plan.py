@@ -176,6 +176,27 @@ def runs_exactly(server: Mapping[str, Any], spec: Spec) -> bool:
     return (main.get("supervisor") or "process") == spec.supervisor
 
 
+def same_desired(record: Mapping[str, Any] | None, spec: Spec | None, port: int) -> bool:
+    """Whether a run's desired record (its journal's ``run`` event, observe's ``transition.desired``)
+    is exactly ``spec`` (None: no server on ``port``): argv by hash (secret values included), env by
+    value hashes, supervisor. A second operator who attaches to a run of another spec must not
+    report that spec's verify as its own.
+
+    >>> from gpugate.spec import build_spec
+    >>> same_desired(None, None, 30000), same_desired(None, build_spec("/m", 30000, {}), 30000)
+    (True, False)
+    """
+    from gpugate.agentcmd import argv_hash, env_hash
+
+    if spec is None or record is None:
+        return spec is None and record is None
+    if record.get("argv_hash") != argv_hash(list(spec.argv)) or int(record.get("port") or 0) != int(spec.port):
+        return False
+    if dict(record.get("env_hashes") or {}) != {name: env_hash(value) for name, value in spec.env.items()}:
+        return False
+    return (record.get("supervisor") or "process") == spec.supervisor
+
+
 def health_text(server: Mapping[str, Any]) -> str:
     health = server.get("health") or {}
     workers = server.get("workers") or {}

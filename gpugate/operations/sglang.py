@@ -30,7 +30,7 @@ from pyinfra.context import host, state
 
 from gpugate import agentcmd
 from gpugate.facts.sglang import SglangObservation, SglangObservationInline, flag_table, observation_from
-from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines
+from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, same_desired
 from gpugate.sglang_args import choose_table, flag_warnings, redact_argv
 from gpugate.spec import DEFAULTS, Spec, SpecError, budgets as make_budgets, build_spec, redact_flags, resolve_supervisor
 
@@ -337,6 +337,12 @@ class Job:
     restart: bool
     end_pids: list[int]
     story: dict[str, Any]
+    # to plan again after following another operator's run of a different spec (issue: a second
+    # operator must never report the other spec's verify as its own)
+    observe_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    plan_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    restoring: bool = False
+    end_other_gpu_holders: bool = False
 
 
 def _say(host_obj: Any, port: int, message: str, error: bool = False) -> None:
@@ -370,7 +376,7 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     if plan.action == "attach":
         if not job.observation.get("agent_installed", True):
             _install_agent(host_obj, job.python)  # follow needs this controller's agent in the container
-        return _follow(host_obj, job, str(plan.attach_run), attached=True)
+        return _attach(host_obj, job, str(plan.attach_run))
     run = _run_id(host_obj)
     _audit(job, host_obj, "plan", "begin", run=run, **job.story)
     if plan.gpus and hasattr(host_obj.connector, "hold_gpu_locks"):
@@ -409,7 +415,7 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         book.watching.pop(name, None)
         _say(host_obj, job.port, f"another transition holds the container's lock (run {busy.get('run')}"
                                  f"{' by ' + busy['by'] if busy.get('by') else ''}): following it instead")
-        return _follow(host_obj, job, str(busy.get("run")), attached=True)
+        return _attach(host_obj, job, str(busy.get("run")))
     if not answer.get("ok"):
         book.watching.pop(name, None)
         book.refused.append(name)
@@ -433,9 +439,12 @@ def _install_agent(host_obj: Any, python: str) -> bool:
     return ran and bool(answer.get("ok"))
 
 
-def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | None = None) -> bool:
+def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | None = None,
+            seen: dict[str, Any] | None = None) -> bool:
     """Follow the run's journal to its outcome, printing progress; the exit status is the
-    outcome's (only ``verified`` succeeds)."""
+    outcome's (only ``verified`` succeeds). ``seen`` gets the run's desired record and operator (its
+    ``run`` event) and ``ended`` once its outcome was read: an attached run may be another spec's."""
+    seen = {} if seen is None else seen
     book = _runbook()
     name = host_obj.name
     if watch is None:
@@ -471,6 +480,13 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
             continue
         misses = 0
         for event in answer.get("events") or []:
+            if event.get("step") == "run" and event.get("phase") == "begin" and "desired" not in seen:
+                seen.update(desired=event.get("desired"), by=event.get("by"))
+                if attached and (job.restoring or not same_desired(event.get("desired"), job.spec, job.port)):
+                    seen["differs"] = True
+                    _say(host_obj, job.port, f"run {run}{' by ' + str(event['by']) if event.get('by') else ''} "
+                                             f"applies {_record_text(event.get('desired'))}, not this run's "
+                                             f"desired state: its lines below are about that spec")
             for line in narrator.lines(event):
                 _say(host_obj, job.port, line)
             if event.get("phase") != "progress" and event.get("step") not in ("outcome",):
@@ -482,6 +498,7 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
         if answer.get("ended"):
             break
     book.watching.pop(name, None)
+    seen["ended"] = True
     outcome = answer.get("outcome")
     ok, lines = outcome_lines(outcome, answer.get("reasons"), answer.get("message"), job.port, narrator)
     for line in lines:
@@ -492,10 +509,88 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
     book.outcomes[name] = str(outcome)
     if not ok:
         book.failed.append(name)
+    story = dict(job.story)
+    if seen.get("differs"):  # the flags that ran are the other run's, never this run's desired ones
+        record = seen.get("desired") or {}
+        story.update(argv_after=record.get("argv"), flags_after=record.get("flags"), attached_other_spec=True,
+                     attached_by=seen.get("by"))
     _audit(job, host_obj, "outcome", "end", run=run, outcome=outcome, reasons=answer.get("reasons"),
            message=answer.get("message"), attached=attached, timings=narrator.timings, total_s=narrator.total_s(),
-           capacity_before=capacity.get("before"), capacity_after=capacity.get("after"), **job.story)
+           capacity_before=capacity.get("before"), capacity_after=capacity.get("after"), **story)
     return ok
+
+
+def _record_text(record: Mapping[str, Any] | None) -> str:
+    """A run's desired record in a few words (redacted already): ``no server`` or its flags."""
+    if not record:
+        return "no server (a stop)"
+    flags = record.get("flags")
+    if isinstance(flags, Mapping) and flags:
+        return "the flags " + ", ".join(f"{k}={v}" for k, v in sorted(flags.items()))
+    return f"another spec (argv {record.get('argv_hash') or '?'})"
+
+
+MAX_REPLANS = 2  # a third operator's run arriving each time: give up rather than loop
+
+
+def _attach(host_obj: Any, job: Job, run: str, depth: int = 0) -> bool:
+    """Follow a transition that another run holds the container's lock for. When it ran this
+    run's own desired state, its outcome is this run's. When it ran another spec (a second operator),
+    its "verified" is not ours: observe and plan again, and hand this run's spec off (the normal path);
+    a rollback runbook, whose target depended on what ran before, stops there, non-zero."""
+    book = _runbook()
+    name = host_obj.name
+    seen: dict[str, Any] = {}
+    ok = _follow(host_obj, job, run, attached=True, seen=seen)
+    if not seen.get("ended") or not seen.get("differs") and "desired" in seen:
+        return ok
+    by = f" by {seen['by']}" if seen.get("by") else ""
+    message = f"another operator's run applied a different spec (run {run}{by})"
+    if name in book.failed:  # the other run's failure is not this run's: the rolling restart decides on ours
+        book.failed.remove(name)
+    if job.restoring or not job.observe_args or depth >= MAX_REPLANS:
+        book.failed.append(name)
+        book.outcomes[name] = message
+        _say(host_obj, job.port, f"{message}; this run's desired state was not applied: see runbooks/status.py "
+                                 f"and re-run if it is still wanted", error=True)
+        _audit(job, host_obj, "outcome", "end", run=run, outcome="not applied", message=message)
+        return False
+    _say(host_obj, job.port, f"{message}: planning this run's desired state again")
+    observation, trouble = _observe(host_obj, job.python, job.observe_args)
+    if trouble or observation is None:
+        book.failed.append(name)
+        book.outcomes[name] = message
+        _say(host_obj, job.port, f"{message}; observing again failed ({trouble}): this run's desired state was not "
+                                 f"applied", error=True)
+        return False
+    plan = make_plan(observation, job.spec, **job.plan_args)
+    lines = plan_lines(plan, job.port)
+    if plan.problems:
+        book.refused.append(name)
+        book.outcomes[name] = "refused (nothing touched)"
+        for line in lines:
+            host_obj.log_styled(line, fg="yellow", log_func=logger.warning)
+        return False
+    if plan.action == "noop":
+        _say(host_obj, job.port, plan.reasons[0])
+        book.outcomes[name] = "no change"
+        return True
+    for line in lines:
+        host_obj.log(line)
+    new_job = dataclasses.replace(job, plan=plan, observation=observation, story=_story(observation, plan, job.spec),
+                                  end_pids=_end_pids(observation, job.spec, job.end_other_gpu_holders))
+    if plan.action == "attach":
+        return _attach(host_obj, new_job, str(plan.attach_run), depth + 1)
+    return _execute(state, host_obj, new_job)
+
+
+def _end_pids(observation: Mapping[str, Any], spec: Spec | None, end_other_gpu_holders: bool) -> list[int]:
+    """The other processes with memory on the server's GPUs the operator agreed to end."""
+    if not end_other_gpu_holders or spec is None:
+        return []
+    wanted = set(spec.gpus or [])
+    return [int(h["pid"]) for h in (observation.get("container") or {}).get("gpu_holders") or []
+            if h.get("memory") and not h.get("server_part") and (not wanted or wanted & set(h.get("gpus") or []))]
 
 
 def _capacity(job: Job, narrator: Narrator) -> dict[str, Any]:
@@ -665,10 +760,11 @@ def server(
     budget = make_budgets({"drain_timeout_s": drain_timeout, "kill_grace_s": kill_grace,
                            "gate_timeout_s": gate_timeout, "start_timeout_s": start_timeout,
                            "max_used_mib": max_used_mib})
-    plan = make_plan(observation, spec, port=port, restart=bool(restarted),
-                     rollback_k=(int(rollback_to or 1) if restoring else None), max_used_mib=int(max_used_mib),
-                     min_free_mib=int(min_free_mib), end_other_gpu_holders=bool(end_other_gpu_holders),
-                     budgets=budget)
+    plan_args: dict[str, Any] = dict(port=port, restart=bool(restarted),
+                                     rollback_k=(int(rollback_to or 1) if restoring else None),
+                                     max_used_mib=int(max_used_mib), min_free_mib=int(min_free_mib),
+                                     end_other_gpu_holders=bool(end_other_gpu_holders), budgets=budget)
+    plan = make_plan(observation, spec, **plan_args)
     lines = plan_lines(plan, port)
     show = not state.is_executing or not state.check_for_changes  # once: at prepare, or at execute under -y
     if plan.problems:
@@ -684,13 +780,10 @@ def server(
     if show:
         for line in lines:
             host.log(line)
-    end_pids = []
-    if end_other_gpu_holders and spec is not None:
-        wanted = set(spec.gpus or [])
-        end_pids = [int(h["pid"]) for h in (observation.get("container") or {}).get("gpu_holders") or []
-                    if h.get("memory") and not h.get("server_part") and (not wanted or wanted & set(h.get("gpus") or []))]
+    end_pids = _end_pids(observation, spec, bool(end_other_gpu_holders))
     job = Job(plan, spec, port, python, budget, observation, audit_log, bool(rolling), int(max_failures),
-              bool(restarted), end_pids, _story(observation, plan, spec))
+              bool(restarted), end_pids, _story(observation, plan, spec), observe_args=observed_args,
+              plan_args=plan_args, restoring=restoring, end_other_gpu_holders=bool(end_other_gpu_holders))
     yield FunctionCommand(_execute, (job,), {})
 
 

@@ -101,6 +101,23 @@ def test_a_running_transition_is_attached_to_not_started_again():
     assert plan.action == "attach" and plan.attach_run == running["run"] and "bob@desk" in plan.reasons[0]
 
 
+def test_an_attached_run_of_another_spec_is_told_from_this_runs_spec():
+    """The journal's run event carries the agent's make_record of the desired SpecDoc: a second
+    operator's spec differing only in one flag (or only an env value) is another spec; a stop
+    attaching to a start is too; a stop attached to a stop is the same."""
+    from gpugate.plan import same_desired
+    from gpugate.remote import agent
+
+    a = spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    b = spec(flags={"tp": 8, "mem-fraction-static": 0.8})
+    record_a = agent.make_record(a.doc(by="alice"), by="alice")
+    assert same_desired(record_a, a, PORT)
+    assert not same_desired(record_a, b, PORT)
+    assert not same_desired(agent.make_record(spec(env={"HF_TOKEN": "hf_other"}).doc()), spec(), PORT)
+    assert not same_desired(record_a, None, PORT) and not same_desired(None, a, PORT)
+    assert same_desired(None, None, PORT)
+
+
 def test_the_last_run_is_reported_when_it_ended_unwatched():
     ended = {"run": "r1", "active": False, "outcome": "verified", "by": "bob@desk", "message": "the desired server serves"}
     plan = make_plan(observation(spec(), transition=ended), spec(), port=PORT)
