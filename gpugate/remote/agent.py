@@ -49,7 +49,21 @@ PROBE_MARKER = "gpugate-probe"  # argv[-1] of every agent process: GPU scans nev
 MASK = "***"
 SECRET_FLAGS = ("--api-key", "--admin-api-key")
 SECRET_WORDS = ("api_key", "admin_api_key", "token", "password", "secret")
-MIN_SECRET_TEXT = 4  # shorter env values are not searched for in text (they would mangle every line)
+MIN_SECRET_TEXT = 6  # shorter values are never masked as secrets: "root", "1", "true" would mangle every line
+# Values that are words of everyday text, never masked as secrets even when long enough (a "secret"
+# "ubuntu" would mask every path and hostname that holds it).
+COMMON_VALUES = frozenset(("true", "false", "enabled", "disabled", "default", "ubuntu", "debian",
+                           "python", "python3", "localhost", "127.0.0.1", "0.0.0.0", "C.UTF-8", "en_US.UTF-8",
+                           "/root", "/bin/bash", "/bin/sh", "xterm-256color", "info", "debug", "warning"))
+# What an adopted server's (one we did not start: no pid file of ours) environment keeps for its
+# history record and a rollback to it: what SGLang and its libraries read, never the login session.
+ADOPT_ENV_PREFIXES = ("SGLANG_", "SGL_", "CUDA_", "NCCL_", "NVIDIA_", "HF_", "HUGGING_FACE_", "TORCH",
+                      "PYTORCH_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "MKL_", "TRITON_", "FLASHINFER_",
+                      "NVSHMEM_", "UCX_", "GLOO_", "MASTER_")
+ADOPT_ENV_NAMES = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "VIRTUAL_ENV")
+SESSION_ENV_NAMES = ("USER", "HOME", "LOGNAME", "SHELL", "TERM", "PWD", "OLDPWD", "SHLVL", "MAIL", "LANG",
+                     "LANGUAGE", "_", "MOTD_SHOWN", "HOSTNAME", "DISPLAY", "COLORTERM", "LS_COLORS", "EDITOR")
+SESSION_ENV_PREFIXES = ("SSH_", "XDG_", "GPUGATE_", "LC_", "DBUS_", "TMUX", "STY", "WINDOW", "LESS")
 HISTORY_GOOD = 5
 HISTORY_FAILED = 10
 LOG_MAX_BYTES = 64 * 1024 * 1024
@@ -535,12 +549,10 @@ class Redactor:
     """
 
     def __init__(self, values=()):
-        self.values = sorted(set(v for v in values if isinstance(v, str) and len(v) >= MIN_SECRET_TEXT),
-                             key=len, reverse=True)
+        self.values = sorted(set(v for v in values if maskable(v)), key=len, reverse=True)
 
     def add(self, values):
-        self.values = sorted(set(self.values) | set(v for v in values if isinstance(v, str)
-                                                    and len(v) >= MIN_SECRET_TEXT), key=len, reverse=True)
+        self.values = sorted(set(self.values) | set(v for v in values if maskable(v)), key=len, reverse=True)
 
     def text(self, text):
         if not isinstance(text, str):
@@ -568,6 +580,46 @@ class Redactor:
         if isinstance(value, dict):
             return dict((key, self.deep(item)) for key, item in value.items())
         return value
+
+
+def maskable(value):
+    """Whether ``value`` may be masked as a secret wherever it appears in text: at least
+    MIN_SECRET_TEXT characters, not a common word, not only digits and separators (a port, GPU
+    ids, a version). A secret "root" would mask every "root" (an operator's ``root@vm``).
+
+    >>> [maskable(v) for v in ("root", "true", "0,1,2,3", "sk-canary-7f3a9b")]
+    [False, False, False, True]
+    """
+    return (isinstance(value, str) and len(value.strip()) >= MIN_SECRET_TEXT and value not in COMMON_VALUES
+            and value.lower() not in COMMON_VALUES and not _PLAIN_VALUE.match(value))
+
+
+_PLAIN_VALUE = re.compile(r"^[\d\s.,:;_/+-]*$")
+
+
+def adopted_env(environ, keep_names=(), argv=None):
+    """The part of a server's environment that a record of a server we did not start keeps (and a
+    rollback to it gets): names SGLang and its libraries read (ADOPT_ENV_PREFIXES, ADOPT_ENV_NAMES)
+    and ``keep_names`` (the desired spec's env names); never the login session's (USER, SSH_*,
+    GPUGATE_*...), and PATH only when argv[0] is found through it (the clean PATH is set anyway).
+
+    >>> adopted_env({"USER": "root", "SSH_CLIENT": "10.0.0.1 5 22", "HF_TOKEN": "hf-x", "FOO": "1"}, ["FOO"])
+    {'FOO': '1', 'HF_TOKEN': 'hf-x'}
+    """
+    keep_names = set(keep_names or ())
+    kept = {}
+    for name, value in sorted((environ or {}).items()):
+        if name.startswith(("SSH_", "GPUGATE_")):
+            continue  # the session that started it, and gpugate's own: never what the server needs
+        if name in keep_names:
+            kept[name] = value
+        elif name in SESSION_ENV_NAMES or name.startswith(SESSION_ENV_PREFIXES):
+            continue
+        elif name.startswith(ADOPT_ENV_PREFIXES) or name in ADOPT_ENV_NAMES:
+            kept[name] = value
+        elif name == "PATH" and argv and "/" not in argv[0] and value != CLEAN_PATH:
+            kept[name] = value  # a relative argv[0] ("python3") is found through it: a venv's python
+    return kept
 
 
 def spec_secrets(spec):
@@ -1583,10 +1635,16 @@ class Transition:
             spec = entry.get("spec") or {}
             if spec.get("argv") == main["argv"] and all(environ.get(k) == v for k, v in (spec.get("env") or {}).items()):
                 return dict(spec, _history=True)
-        env = dict((k, v) for k, v in environ.items() if BASE_ENV.get(k) != v)
+        env = self._env_we_gave(port, main, environ)
+        source = "captured from the running server"
+        if env is None:
+            # Not started by us (e.g. by hand over SSH): its environment is a login session's; keep
+            # only what SGLang reads, so neither the record's secrets nor a rollback get USER, SSH_*...
+            env = adopted_env(environ, list((self.desired or {}).get("env") or ()), main["argv"])
+            source = "adopted: a server gpugate did not start"
         supervisor = _supervisor_of(main["pid"], port)
         spec = {"argv": list(main["argv"]), "env": env, "port": port, "supervisor": supervisor,
-                "gpus": server_gpus(main["argv"], environ), "record": {"source": "captured from the running server"}}
+                "gpus": server_gpus(main["argv"], environ), "record": {"source": source}}
         if supervisor == "systemd":
             spec["unit_text"] = _read(paths(port)["unit"]) or ""
         # A server that serves when we find it was good: keep it as such (it may be all there is to
@@ -1597,6 +1655,21 @@ class Transition:
             spec["_serving"] = True
             self._add_good(spec, None, by="observed serving")
         return spec
+
+    @staticmethod
+    def _env_we_gave(port, main, environ):
+        """The env of a server we started (our pid file names it and every value of our env file is
+        in its environment): the env file's, exactly. None for a server we did not start."""
+        recorded = read_pid_file(port) or {}
+        if recorded.get("pid") != main["pid"] or recorded.get("start_ticks") not in (None, main["start_ticks"]):
+            return None
+        text = _read(paths(port)["env"])
+        if text is None:
+            return None
+        env = parse_env_file(text)
+        if any(environ.get(name) != value for name, value in env.items()):
+            return None
+        return env
 
     def _resolve_rollback(self, capture):
         choice = self.doc.get("rollback_to")

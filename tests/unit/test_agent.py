@@ -82,6 +82,33 @@ def test_a_record_holds_no_secret_but_fingerprints():
     assert record["key"] == agent.spec_key(spec) != agent.spec_key(dict(spec, env={"HF_TOKEN": "other"}))
 
 
+def test_short_and_common_values_are_never_masked_as_secrets():
+    # a hand-started server's login env once reached the Redactor: "root" masked "root@vm" everywhere
+    redactor = agent.Redactor(["root", "true", "0,1,2,3", "30000", "/root", "hf-canary-c0ffee"])
+    line = "verified by root@vm on GPUs 0,1,2,3 port 30000 HOME=/root debug=true token hf-canary-c0ffee"
+    assert redactor.text(line) == line.replace("hf-canary-c0ffee", "***")
+    redactor.add(["python3", "ubuntu"])
+    assert redactor.text("ubuntu python3") == "ubuntu python3"
+
+
+def test_an_adopted_servers_env_keeps_what_sglang_reads_not_the_login_session():
+    environ = {"USER": "root", "HOME": "/root", "LOGNAME": "root", "SHELL": "/bin/bash", "TERM": "xterm",
+               "PWD": "/root", "OLDPWD": "/", "SHLVL": "1", "MAIL": "/var/mail/root", "LANG": "C.UTF-8",
+               "SSH_CLIENT": "10.0.0.9 51000 22", "SSH_CONNECTION": "10.0.0.9 51000 10.0.0.2 22",
+               "SSH_TTY": "/dev/pts/0", "XDG_SESSION_ID": "4", "GPUGATE_LAB_HOST": "pve2", "_": "/usr/bin/python3",
+               "PATH": "/opt/venv/bin:/usr/bin:/bin", "HF_TOKEN": "hf-abcdef", "SGLANG_X": "1",
+               "CUDA_VISIBLE_DEVICES": "0,1", "NCCL_P2P_DISABLE": "1", "LD_LIBRARY_PATH": "/opt/lib",
+               "OMP_NUM_THREADS": "8", "TORCH_CUDA_ARCH_LIST": "9.0", "MY_FLAG": "on"}
+    kept = agent.adopted_env(environ, keep_names=["MY_FLAG"], argv=["/opt/venv/bin/python3", "-m", "sglang.launch_server"])
+    assert kept == {"HF_TOKEN": "hf-abcdef", "SGLANG_X": "1", "CUDA_VISIBLE_DEVICES": "0,1", "NCCL_P2P_DISABLE": "1",
+                    "LD_LIBRARY_PATH": "/opt/lib", "OMP_NUM_THREADS": "8", "TORCH_CUDA_ARCH_LIST": "9.0", "MY_FLAG": "on"}
+    # a relative argv[0] is found through PATH (a venv's python): that PATH is kept, nothing else of the session
+    relative = agent.adopted_env(environ, argv=["python3", "-m", "sglang.launch_server"])
+    assert relative["PATH"] == "/opt/venv/bin:/usr/bin:/bin" and "USER" not in relative and "MY_FLAG" not in relative
+    record = agent.make_record({"argv": MAIN, "env": kept, "port": 30001}, by="root@vm")
+    assert record["by"] == "root@vm" and "USER" not in record["env_names"]
+
+
 # ------------------------------------------------------------------------------- the gate's decision
 def reading(gpus, holders=(), api="v2"):
     return {"source": "nvml", "memory_api": api, "errors": [],
