@@ -67,6 +67,9 @@ __all__ = [
     "build_parser",
     "server_info_view",
     "server_info_mismatches",
+    "is_secret_value",
+    "json_holds_secret",
+    "secret_flag_options",
     "redact_argv",
     "snapshot_versions",
     "load_snapshot",
@@ -161,11 +164,42 @@ class FlagSpec:
     nargs: Any = None
     type_name: str | None = None
     deprecated: Mapping[str, Any] | None = None
+    # SGLang declares it a plain string and reads it as JSON later (JSON_TEXT_FLAGS): ServerArgs,
+    # and so /get_server_info, hold the exact text of the argv, not a parsed document
+    text_json: bool = False
 
     @property
     def option_strings(self) -> list[str]:
         """The option strings SGLang's parser declares, canonical first."""
         return [f"--{self.name}"] + [f"--{a}" for a in self.aliases]
+
+
+# A key of a JSON-valued flag that names a secret (``{"hf_token": ...}`` in
+# --model-loader-extra-config): the whole value is then secret (masked, and its text is one of the
+# values the agent masks in logs).
+_SECRET_KEY_WORDS = ("token", "key", "secret", "password", "credential", "auth")
+
+
+def json_holds_secret(value: Any) -> bool:
+    """Whether a JSON document (or its text) has a key, at any depth, naming a secret
+    (token, key, secret, password, credential, auth; any case, anywhere in the key).
+
+    >>> json_holds_secret('{"hf_token": "hf_x"}'), json_holds_secret({"rope_theta": 1e6})
+    (True, False)
+    >>> json_holds_secret([{"load": {"AuthHeader": "x"}}])
+    True
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return False
+    if isinstance(value, Mapping):
+        return any(any(word in str(key).lower() for word in _SECRET_KEY_WORDS) or json_holds_secret(item)
+                   for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(json_holds_secret(item) for item in value)
+    return False
 
 
 def _is_secret_name(name: str) -> bool:
@@ -227,7 +261,8 @@ def _spec_from_row(row: Mapping[str, Any], prefer: frozenset[str] = frozenset())
     else:
         kind = "str"
     del negations  # the --no-x spelling is derived from the name (render_flag_args, parse_argv)
-    if kind == "str" and name in JSON_TEXT_FLAGS:
+    text_json = kind == "str" and name in JSON_TEXT_FLAGS
+    if text_json:
         kind = "json"
     default = row.get("default")
     if isinstance(default, dict) and set(default) == {"repr"}:
@@ -235,7 +270,7 @@ def _spec_from_row(row: Mapping[str, Any], prefer: frozenset[str] = frozenset())
     return FlagSpec(name=name, kind=kind, default=default, help=str(row.get("help") or ""), aliases=aliases,
                     dest=dest, choices=choices, item=item, secret=_is_secret_name(name) or any(
                         _is_secret_name(a) for a in aliases), nargs=nargs, type_name=custom,
-                    deprecated=row.get("deprecated") or None)
+                    deprecated=row.get("deprecated") or None, text_json=text_json)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -977,12 +1012,47 @@ def _is_secret(name: str, t: FlagTable | None = None) -> bool:
     return bool(spec and spec.secret) or _is_secret_name(name)
 
 
+def is_secret_value(name: str, value: Any, table: FlagTable | str | None = None) -> bool:
+    """Whether the value of flag ``name`` must never be shown: a secret flag (--api-key...), or a
+    JSON-valued flag whose document has a key naming a secret (:func:`json_holds_secret`).
+
+    >>> is_secret_value("api-key", "sk-1"), is_secret_value("model-loader-extra-config", '{"hf_token": "x"}')
+    (True, True)
+    >>> is_secret_value("json-model-override-args", '{"rope_theta": 1000000}')
+    False
+    """
+    t = table if isinstance(table, FlagTable) else resolve_table(table)
+    if _is_secret(name, t):
+        return True
+    spec = t.specs.get(name)
+    return bool((spec is not None and spec.kind == "json") or name in JSON_TEXT_FLAGS) and json_holds_secret(value)
+
+
+def secret_flag_options(flags: Mapping[str, Any], table: FlagTable | str | None = None) -> list[str]:
+    """The option strings (``--model-loader-extra-config``) of the normalised ``flags`` whose
+    values are secret beyond the agent's own list (--api-key, --admin-api-key): the SpecDoc's and
+    observe's ``secret_flags``, so the agent masks those values in argv, logs and tails.
+
+    >>> secret_flag_options({"model-loader-extra-config": '{"hf_token":"x"}', "api-key": "k", "tp-size": 2})
+    ['--model-loader-extra-config']
+    """
+    t = resolve_table(table)
+    out = []
+    for name, value in flags.items():
+        if name in ("api-key", "admin-api-key") or value in (None, False, True):
+            continue
+        if is_secret_value(name, value, t):
+            spec = t.specs.get(name)
+            out += spec.option_strings if spec is not None else [f"--{name}"]
+    return sorted(set(out))
+
+
 def _flag_display(name: str, value: Any, redact: bool, t: FlagTable | None = None) -> str:
     if value is True:
         return f"--{name}"
     if value is False:
         return f"--no-{name}"
-    if redact and _is_secret(name, t):
+    if redact and is_secret_value(name, value, t):
         return f"--{name} {SECRET_MASK}"
     if isinstance(value, (list, tuple)):
         return f"--{name} " + " ".join(shlex.quote(_value_text(v)) for v in value)
@@ -1087,15 +1157,16 @@ def redact_argv(argv: Sequence[str], table: FlagTable | str | None = None) -> li
     t = resolve_table(table)
     out: list[str] = []
     hide_next = False
-    for token in argv:
+    for index, token in enumerate(argv):
         if hide_next:
             out.append(SECRET_MASK)
             hide_next = False
             continue
         if token.startswith("--"):
-            bare, has_inline, _ = token[2:].partition("=")
+            bare, has_inline, inline = token[2:].partition("=")
             name = _resolve_option(bare, t) or bare
-            if _is_secret(name, t):
+            value = inline if has_inline else (argv[index + 1] if index + 1 < len(argv) else None)
+            if _is_secret(name, t) or (value is not None and is_secret_value(name, value, t)):
                 if has_inline:
                     out.append(f"--{bare}={SECRET_MASK}")
                 else:
@@ -1153,10 +1224,20 @@ def server_info_view(flags: Mapping[str, Any], table: FlagTable | str | None = N
         spec = t.specs.get(name)
         if spec is None or spec.deprecated or spec.type_name:
             continue  # SGLang converts these (a deprecated switch sets another field): not comparable
-        if spec.kind == "json" and isinstance(value, str):
-            value = json.loads(value)
-        view[spec.dest] = value
+        if spec.kind == "json" and isinstance(value, str) and not spec.text_json:
+            value = json.loads(value)  # argparse's type=json.loads: ServerArgs holds the document
+        view[spec.dest] = value  # a JSON-text flag: the exact (canonical) text of the argv, as SGLang keeps it
     return dict(sorted(view.items()))
+
+
+def _json_document(value: Any) -> Any:
+    """JSON text parsed (a document as it is; text that is not JSON as it is)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
 
 
 def server_info_mismatches(flags: Mapping[str, Any], server_info: Mapping[str, Any],
@@ -1170,18 +1251,16 @@ def server_info_mismatches(flags: Mapping[str, Any], server_info: Mapping[str, A
     mismatches: dict[str, tuple[Any, Any]] = {}
     for name, value in _canonical_keys(flags, t).items():
         spec = t.specs.get(name)
-        if spec is None or spec.secret or spec.dest not in server_info:
+        if spec is None or spec.secret or spec.dest not in server_info or is_secret_value(name, value, t):
             continue
         view = server_info_view({name: value}, t)
         if spec.dest not in view:
             continue
         desired = view[spec.dest]
         reported = server_info[spec.dest]
-        if isinstance(reported, str) and spec.kind == "json":
-            try:
-                reported = json.loads(reported)
-            except ValueError:
-                pass
+        if spec.kind == "json":
+            # by the parsed document on both sides: the text SGLang keeps may be spaced otherwise
+            desired, reported = _json_document(desired), _json_document(reported)
         if desired != reported and not (isinstance(desired, list) and list(reported or []) == desired):
             mismatches[name] = (desired, reported)
     return mismatches

@@ -24,8 +24,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpugate.sglang_args import (SECRET_MASK, SPECS, FlagError, redact_argv, render_argv, render_flag_args,
-                                 validate_flags)
+from gpugate.sglang_args import (SECRET_MASK, FlagError, is_secret_value, redact_argv, render_argv,
+                                 render_flag_args, secret_flag_options, validate_flags)
 
 __all__ = ["DEFAULTS", "BUDGET_KEYS", "Spec", "SpecError", "build_spec", "gpu_set", "redact_flags", "budgets"]
 
@@ -73,12 +73,13 @@ class SpecError(ValueError):
 
 
 def redact_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
-    """Flags with the values of secret flags (``--api-key``...) replaced by ``***``.
+    """Flags with the values of secret flags (``--api-key``...) replaced by ``***``, and the whole
+    value of a JSON-valued flag whose document has a key naming a secret (``{"hf_token": ...}``).
 
-    >>> redact_flags({"tp-size": 8, "api-key": "sk-1"})
-    {'tp-size': 8, 'api-key': '***'}
+    >>> redact_flags({"tp-size": 8, "api-key": "sk-1", "model-loader-extra-config": '{"hf_token":"hf_1"}'})
+    {'tp-size': 8, 'api-key': '***', 'model-loader-extra-config': '***'}
     """
-    return {name: SECRET_MASK if getattr(SPECS.get(name), "secret", False) and value not in (None, False) else value
+    return {name: SECRET_MASK if value not in (None, False) and is_secret_value(name, value) else value
             for name, value in flags.items()}
 
 
@@ -190,10 +191,22 @@ class Spec:
         """The /get_server_info keys and values this server must report (checked at verify)."""
         from gpugate.sglang_args import server_info_view
 
-        info = {key: value for key, value in server_info_view(self.flags).items()
-                if not getattr(SPECS.get(key.replace("_", "-")), "secret", False)}
+        # secret values are never expected by value (the failure message would show them); a
+        # JSON-text flag is expected as the exact text SGLang keeps (server_info_view)
+        secret = {name.replace("-", "_") for name, value in self.flags.items() if is_secret_value(name, value)}
+        info = {key: value for key, value in server_info_view(self.flags).items() if key not in secret}
         info["host"] = self.host
         return info
+
+    def secret_flags(self) -> list[str]:
+        """Option strings whose values the agent must mask beyond its own list (--api-key,
+        --admin-api-key): a JSON-valued flag holding a secret key, ``--ssl-keyfile-password``...
+        The SpecDoc's ``secret_flags`` (and observe's, for the running argv).
+
+        >>> build_spec("/m", 30000, {"model-loader-extra-config": {"hf_token": "hf_1"}}).secret_flags()
+        ['--model-loader-extra-config']
+        """
+        return secret_flag_options(self.flags)
 
     def doc(self, unit_text: str | None = None, by: str | None = None) -> dict[str, Any]:
         """The SpecDoc the agent runs (docs/agent-protocol.md): it holds the env values and the
@@ -202,6 +215,8 @@ class Spec:
                                "gpus": list(self.gpus) if self.gpus is not None else None,
                                "supervisor": self.supervisor, "record": self.record(by),
                                "expect_info": self.expect_info()}
+        if self.secret_flags():
+            doc["secret_flags"] = self.secret_flags()
         if self.supervisor == "systemd":
             doc["unit_text"] = unit_text or ""
         return doc

@@ -25,6 +25,7 @@ from gpugate.sglang_args import (
     redact_argv,
     render_argv,
     server_info_mismatches,
+    json_holds_secret,
     server_info_view,
     validate_flags,
 )
@@ -385,7 +386,8 @@ def test_module_is_stdlib_only_for_lab_containers():
 def test_server_info_view_and_mismatches():
     flags = validate_flags({"tp": 8, "kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True, "api-key": "k",
                             "json-model-override-args": {"a": 1}})
-    assert server_info_view(flags) == {"api_key": "k", "disable_radix_cache": True, "json_model_override_args": {"a": 1},
+    # json-model-override-args is a plain str in SGLang's parser: ServerArgs keeps the argv's text
+    assert server_info_view(flags) == {"api_key": "k", "disable_radix_cache": True, "json_model_override_args": '{"a":1}',
                                        "kv_cache_dtype": "fp8_e4m3", "tp_size": 8}
     info = {"tp_size": 8, "kv_cache_dtype": "auto", "disable_radix_cache": True, "api_key": None,
             "json_model_override_args": '{"a": 1}', "mem_fraction_static": 0.83}
@@ -422,3 +424,58 @@ hosts:
     assert lines[4] == "    extra_args passed verbatim, unchecked: --api-key ***"
     assert "sk-secret-1" not in out.stdout + out.stderr
     assert lines[-1] == "1 server(s) refused"
+
+
+# /get_server_info's args as SGLang 0.5.23 reports them (recorded from the lab's stand-in, which
+# parses with SGLang's own table): str-declared JSON flags as the argv's text, type=json flags parsed.
+RECORDED_SERVER_INFO = {"tp_size": 4, "port": 30000, "json_model_override_args": '{"rope_theta":1000000}',
+                        "model_loader_extra_config": '{"enable_multithread_load":true}',
+                        "preferred_sampling_params": {"temperature": 0.6}, "api_key": None}
+
+
+def test_json_text_flags_verify_against_what_sglang_reports():
+    from gpugate.spec import build_spec
+    spec = build_spec("/m", 30000, {"tp": 4, "json-model-override-args": '{"rope_theta": 1000000}',
+                                    "model-loader-extra-config": {"enable_multithread_load": True},
+                                    "preferred-sampling-params": '{"temperature": 0.6}'})
+    expect = spec.expect_info()
+    # the agent's verify: every expected key the server reports must be equal
+    wrong = {key: (value, RECORDED_SERVER_INFO[key]) for key, value in expect.items()
+             if key in RECORDED_SERVER_INFO and RECORDED_SERVER_INFO[key] != value}
+    assert wrong == {}
+    assert expect["json_model_override_args"] == '{"rope_theta":1000000}'  # the exact text of the argv
+    assert '{"rope_theta":1000000}' in spec.argv
+    assert server_info_mismatches(spec.flags, RECORDED_SERVER_INFO) == {}
+    # the text SGLang keeps may be spaced otherwise (another writer of the argv): same document
+    spaced = dict(RECORDED_SERVER_INFO, json_model_override_args='{"rope_theta": 1000000}')
+    assert server_info_mismatches(spec.flags, spaced) == {}
+    other = dict(RECORDED_SERVER_INFO, json_model_override_args='{"rope_theta": 500000}')
+    assert server_info_mismatches(spec.flags, other) == {
+        "json-model-override-args": ({"rope_theta": 1000000}, {"rope_theta": 500000})}
+
+
+def test_a_json_flag_with_a_secret_key_is_masked_everywhere():
+    from gpugate.spec import build_spec
+    token = "hf_abcdefSECRET123"
+    flags = {"tp": 4, "model-loader-extra-config": '{"hf_token": "%s"}' % token,
+             "json-model-override-args": {"rope_theta": 1000000}}
+    spec = build_spec("/m", 30000, flags)
+    shown = [spec.record(), spec.display_args(), redact_argv(list(spec.argv)),
+             redact_argv(["--model-loader-extra-config=" + spec.flags["model-loader-extra-config"]]),
+             diff_flags({"tp": 4}, spec.flags).lines(), diff_flags(spec.flags, {"tp": 4}).lines(),
+             spec.expect_info(), spec.warnings]
+    assert token not in repr(shown)
+    assert "--model-loader-extra-config ***" in diff_flags({}, spec.flags).lines()[1]
+    assert spec.record()["flags"]["model-loader-extra-config"] == "***"
+    # a JSON flag without a secret key still shows (and is verified)
+    assert spec.record()["flags"]["json-model-override-args"] == '{"rope_theta":1000000}'
+    # the agent masks the value of each flag in secret_flags (argv, journal, server log tails)
+    doc = spec.doc()
+    assert doc["secret_flags"] == ["--model-loader-extra-config"]
+    from gpugate.remote.agent import Redactor, spec_secrets
+    log = "server_args=ServerArgs(model_loader_extra_config='%s', tp_size=4)" % spec.flags["model-loader-extra-config"]
+    assert token not in Redactor(spec_secrets(doc)).text(log)
+    # any case, any depth, any of the words
+    for key in ("AWS_SECRET_ACCESS", "password", "Credentials", "authorization", "api_key"):
+        assert json_holds_secret({"outer": [{key: "x"}]}), key
+    assert not json_holds_secret({"rope_theta": 1, "enable_multithread_load": True})
