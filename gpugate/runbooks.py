@@ -33,8 +33,8 @@ from pyinfra.api.state import BaseStateCallback
 from gpugate import agentcmd
 from gpugate.facts.sglang import SglangObservation, observe_args
 from gpugate.fleet import validated_settings
-from gpugate.spec import DEFAULTS
-from gpugate.sglang_args import SECRET_MASK, SPECS, FlagError, diff_flags, validate_flags
+from gpugate.spec import DEFAULTS, SpecError, gpu_set, redact_flags
+from gpugate.sglang_args import SECRET_MASK, FlagError, diff_flags, is_secret_value, validate_flags
 from gpugate.plan import foreign_memory
 
 # ---------------------------------------------------------------- tables
@@ -255,17 +255,21 @@ class StatusObservation(SglangObservation):
     """The agent's observation in one command (observe_once_command): the status's fact."""
 
     def command(self, port: int = 30000, model_path: str | None = None,  # type: ignore[override]
-                python: str = "/usr/bin/python3") -> Any:
-        return StringCommand(observe_once_command(python, observe_args(port, (), model_path)))
+                python: str = "/usr/bin/python3", secret_flags: Sequence[str] = ()) -> Any:
+        # secret_flags: the agent masks their values in the running argv it reports
+        return StringCommand(observe_once_command(python, observe_args(port, (), model_path,
+                                                                       secret_flags=tuple(secret_flags))))
 
 
 def status_observation(host: Any) -> dict[str, Any]:
     """The observation of ``host``'s container for the status, from the host's data
     (sglang_port, sglang_model_path, sglang_python)."""
     data = host.data
+    spec = desired_spec(data)
     return dict(host.get_fact(StatusObservation, port=data.get("sglang_port", 30000),
                               model_path=data.get("sglang_model_path"),
-                              python=data.get("sglang_python", "/usr/bin/python3")))
+                              python=data.get("sglang_python", "/usr/bin/python3"),
+                              secret_flags=tuple(spec.secret_flags()) if spec is not None else ()))
 
 
 # ---------------------------------------------------------------- status
@@ -315,10 +319,16 @@ def flag_differences(running: Mapping[str, Any], desired: Mapping[str, Any]) -> 
     ``--kv-cache-dtype auto->fp8_e4m3`` (changed), ``+--disable-radix-cache`` (desired, not
     running), ``-cuda-graph-max-bs 8`` as ``---cuda-graph-max-bs 8`` (running, not desired).
 
+    Secret values are compared as the plan compares them (gpugate.plan.diff_lines): masked on both
+    sides, so the agent's ``***`` for a running --api-key is not a difference (the argv's hash
+    tells a changed secret: status_row).
+
     >>> flag_differences({"tp-size": 8}, {"tp-size": 8, "disable-radix-cache": True})
     ['+--disable-radix-cache']
+    >>> flag_differences({"tp-size": 4, "api-key": "***"}, {"tp-size": 4, "api-key": "sk-1"})
+    []
     """
-    diff = diff_flags(running, desired)
+    diff = diff_flags(redact_flags(running), redact_flags(desired))
     items = []
     for name in sorted(set(diff.added) | set(diff.removed) | set(diff.changed)):
         if name in diff.changed:
@@ -332,8 +342,7 @@ def flag_differences(running: Mapping[str, Any], desired: Mapping[str, Any]) -> 
 
 
 def _value(name: str, value: Any) -> str:
-    spec = SPECS.get(name)
-    if spec is not None and spec.secret:
+    if value == SECRET_MASK or (value not in (None, False, True) and is_secret_value(name, value)):
         return SECRET_MASK
     if value is True:
         return "on"
@@ -530,9 +539,24 @@ def _verdict(kind: str, why: str = "") -> str:
     return VERDICT_KINDS[kind] + (f": {why}" if why else "")
 
 
+def own_gpus(desired_flags: Mapping[str, Any] | None, desired_env: Mapping[str, Any] | None,
+             gpu_doc: Mapping[str, Any]) -> set[int]:
+    """The GPUs the desired server uses (gpugate.spec.gpu_set), as indexes of the container's GPU
+    document; every GPU of the document when the set cannot be told (UUIDs, bad flags).
+
+    >>> sorted(own_gpus({"tp": 4, "base-gpu-id": 4}, {}, {"gpus": [{"index": i} for i in range(8)]}))
+    [4, 5, 6, 7]
+    """
+    try:
+        return set(gpu_set(desired_flags or {}, desired_env or {}))
+    except SpecError:
+        return {int(gpu["index"]) for gpu in gpu_doc.get("gpus") or [] if gpu.get("index") is not None}
+
+
 def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired_flags: Mapping[str, Any] | None,
                desired_model: str | None, present: bool = True, port: int = 30000,
-               max_used_mib: int = 64) -> StatusRow:
+               max_used_mib: int = 64, desired_env: Mapping[str, Any] | None = None,
+               desired_argv_hash: str | None = None) -> StatusRow:
     """One row of the status from the agent's observation and the desired state
     (``host.data.sglang_flags``, ``sglang_model_path``, ``sglang_present``), with a verdict; the
     first that applies:
@@ -542,8 +566,14 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired_fla
       (a later verified run clears it);
     - a server runs: serving as desired / drifted (which flags, another model, should not run) /
       down but desired (not serving: loading, /health 503, dead schedulers);
-    - no server runs: GPU memory held with no holder in the container (the stuck memory of a
-      killed server, or another container's), else down but desired / stopped as desired.
+    - no server runs: GPU memory held with no holder in the container on the server's OWN GPUs
+      (gpugate.spec.gpu_set of the desired flags and env: the stuck memory of a killed server; a
+      neighbour container's server on other GPUs is no verdict), else down but desired / stopped
+      as desired.
+
+    Secret flags compare as the plan compares them: masked on both sides, and, given
+    ``desired_argv_hash`` (gpugate.agentcmd.argv_hash of the desired Spec's argv), by the running
+    main's argv hash: a changed secret is ``drifted: a secret flag value differs``, never shown.
 
     ``ok`` is true for serving as desired and stopped as desired only.
     """
@@ -571,6 +601,13 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired_fla
                 items.insert(0, f"model {desired_model} desired")
             if command.get("unknown"):
                 items.append("unknown args: " + " ".join(command["unknown"]))
+            running_hash = (server.get("main") or {}).get("argv_hash")
+            secret_involved = any(value not in (None, False, True) and is_secret_value(name, value)
+                                  for flags in (command.get("flags") or {}, desired_flags or {})
+                                  for name, value in flags.items())
+            if (not items and secret_involved and desired_argv_hash and running_hash
+                    and running_hash != desired_argv_hash):
+                items.append("a secret flag value differs (by the argv's hash)")
             flags_text = ", ".join(items) or "="
     gpus = gpu_doc.get("gpus") or []
     readable = "source" in gpu_doc
@@ -583,7 +620,11 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired_fla
     serving = bool(server.get("serving")) if "serving" in server else state.startswith("serving")
     serving = serving and not (server.get("workers") or {}).get("dead")
     transition = transition_summary(server)
-    held = {index: mib for index, mib in foreign_mib(gpu_doc).items() if mib > max_used_mib} if readable else {}
+    # only the server's own GPUs: a neighbour container's healthy server holds memory on its GPUs,
+    # which this container's NVML sees as held from outside (the lab's 129 on 0-3, 130 on 4-7)
+    mine = own_gpus(desired_flags, desired_env, gpu_doc)
+    held = ({index: mib for index, mib in foreign_mib(gpu_doc).items() if mib > max_used_mib and index in mine}
+            if readable else {})
 
     if "error" in server:
         kind, why = "unknown", f"probe failed: {str(server['error'])[:100]}"
@@ -875,6 +916,22 @@ def server_arguments(data: Any) -> dict[str, Any]:
         max_failures=data.get("max_failures", d["max_failures"]),
         audit_log=data.get("audit_log"),
     )
+
+
+def desired_spec(data: Any) -> Any:
+    """The desired :class:`gpugate.spec.Spec` of a host's data (server_arguments), or None when
+    none is desired or the data do not make one (the status still shows the row)."""
+    from gpugate.spec import build_spec  # noqa: PLC0415
+
+    try:
+        args = server_arguments(data)
+        if not args["present"] or not args["model_path"]:
+            return None
+        return build_spec(args["model_path"], args["port"], args["flags"], args["env"], host=args["listen_host"],
+                          supervisor=args["supervisor"], python=args["python"], extra_args=args["extra_args"],
+                          sglang_version=args["sglang_version"])
+    except (SpecError, ValueError, TypeError, KeyError):
+        return None
 
 
 def _fail_host(state: Any, host: Any, reason: str) -> bool:

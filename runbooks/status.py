@@ -17,7 +17,9 @@ is installed); pyinfra runs this file for all containers at once. See docs/runbo
 
 from pyinfra import host, state
 
-from gpugate.runbooks import fleet_report, publish_status, status_observation, status_row, unreachable_row
+from gpugate.agentcmd import argv_hash
+from gpugate.runbooks import (desired_spec, fleet_report, publish_status, status_observation, status_row,
+                              unreachable_row)
 
 
 def _unreachable(target, reason):
@@ -35,10 +37,12 @@ def _publish(rows):
 
 data = host.data
 observation = status_observation(host)  # pyinfra runs this file for every host at once
+spec = desired_spec(data)  # None: no server desired, or data that make none (the row still shows)
 row = status_row(data.get("pve_host") or host.name, data.get("pct_vmid"), observation,
                  desired_flags=data.get("sglang_flags") or {}, desired_model=data.get("sglang_model_path"),
                  present=data.get("sglang_present", True), port=data.get("sglang_port", 30000),
-                 max_used_mib=data.get("gpu_max_used_mib", 64))
+                 max_used_mib=data.get("gpu_max_used_mib", 64), desired_env=data.get("sglang_env") or {},
+                 desired_argv_hash=argv_hash(list(spec.argv)) if spec is not None else None)
 fleet_report(state, "status", _publish, missing=_unreachable).add(host.name, row)
 if not row["ok"]:
     # Not as desired: the run's exit status says so (pyinfra exits 1 when a host failed). Nothing

@@ -78,11 +78,63 @@ def test_flags_that_differ_from_the_desired_ones_are_listed():
                             "--kv-cache-dtype auto->fp8_e4m3")
 
 
+def _spec_server(flags, api_key_seen="***"):
+    """The observe document of a server started from the desired Spec of ``flags`` (the agent
+    reports secret values as *** and the exact argv by its hash)."""
+    from gpugate.agentcmd import argv_hash
+    from gpugate.spec import build_spec
+
+    spec = build_spec("/opt/models/kimi", 30000, flags)
+    server = serving({"tp-size": 4, "api-key": api_key_seen}, argv=ARGV)
+    server["main"]["argv_hash"] = argv_hash(list(spec.argv))
+    return server
+
+
 def test_secret_flag_values_never_reach_the_table():
-    row = rb.status_row("pve1", 129, {"sglang": serving({"tp-size": 8, "api-key": "hunter2"}), "gpu": gpu_doc()},
-                        {"tp": 8, "api-key": "s3cret"}, "/opt/models/kimi")
-    assert "hunter2" not in str(row) and "s3cret" not in str(row)
-    assert "--api-key ***->***" in row["flags"]
+    from gpugate.agentcmd import argv_hash
+    from gpugate.spec import build_spec
+
+    desired = {"tp": 4, "api-key": "sk-live-s3cret"}
+    desired_hash = argv_hash(list(build_spec("/opt/models/kimi", 30000, desired).argv))
+    # after a verified deploy of these flags (deploy says "No changes"): serving as desired
+    same = rb.status_row("pve1", 129, {"sglang": _spec_server(desired), "gpu": gpu_doc()}, desired,
+                         "/opt/models/kimi", desired_argv_hash=desired_hash)
+    assert (same["verdict"], same["flags"], same["ok"]) == ("serving as desired", "=", True)
+    # the api key changed in the fleet: drifted, told by the argv's hash, never by the value
+    changed = rb.status_row("pve1", 129, {"sglang": _spec_server({"tp": 4, "api-key": "sk-old-hunter2"}),
+                                          "gpu": gpu_doc()}, desired, "/opt/models/kimi",
+                            desired_argv_hash=desired_hash)
+    assert changed["verdict"] == "drifted: a secret flag value differs (by the argv's hash)"
+    # a running value seen in clear (an older agent) is still masked
+    clear = rb.status_row("pve1", 129, {"sglang": serving({"tp-size": 4, "api-key": "hunter2"}), "gpu": gpu_doc()},
+                          {"tp": 4, "api-key": "s3cret", "model-loader-extra-config": {"hf_token": "hf_s3cret"}},
+                          "/opt/models/kimi")
+    for row in (same, changed, clear):
+        assert not any(text in str(row) for text in ("hunter2", "s3cret"))
+    assert clear["flags"] == "+--model-loader-extra-config ***"
+
+
+def test_a_neighbours_gpus_are_no_verdict_of_this_container():
+    """The lab's default layout: 129 on GPU 0-3, 130 on GPU 4-7, each container sees all 8 GPUs;
+    a server's memory is held from outside in the other container's view."""
+    own_129, own_130 = [86000] * 4 + [0] * 4, [0] * 4 + [86000] * 4
+    flags_129, flags_130 = {"tp": 4}, {"tp": 4, "base-gpu-id": 4}
+    # 130's server killed: 129 still serves on 0-3, which 130 sees as held from outside
+    row_130 = rb.status_row("pve1", 130, {"sglang": STOPPED, "gpu": gpu_doc(own_129, per_process=False)},
+                            flags_130, "/opt/models/kimi")
+    assert row_130["verdict"] == "down but desired: no server runs"
+    # 129 at present: false, 130 serves on 4-7
+    row_129 = rb.status_row("pve1", 129, {"sglang": STOPPED, "gpu": gpu_doc(own_130, per_process=False)},
+                            flags_129, "/opt/models/kimi", present=False)
+    assert (row_129["verdict"], row_129["ok"]) == ("stopped as desired", True)
+    # the memory a killed server left on its OWN GPUs is still the verdict
+    stuck = rb.status_row("pve1", 130, {"sglang": STOPPED, "gpu": gpu_doc(own_130, per_process=False)},
+                          flags_130, "/opt/models/kimi")
+    assert stuck["verdict"] == "GPU memory held with no holder in the container: 344000 MiB on GPU 4-7"
+    # the GPU set through CUDA_VISIBLE_DEVICES
+    mapped = rb.status_row("pve1", 130, {"sglang": STOPPED, "gpu": gpu_doc(own_129, per_process=False)},
+                           {"tp": 4}, "/opt/models/kimi", desired_env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    assert mapped["verdict"] == "down but desired: no server runs"
 
 
 def test_another_model_is_a_difference():
