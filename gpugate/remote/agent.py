@@ -1289,11 +1289,46 @@ def _current_log(port):
     return recorded.get("log") or paths(port)["log"]
 
 
+# gpugate's own polls (the agent's load/verify/observe GETs from the container itself), as the server's
+# access log (uvicorn) writes them: a never-healthy start's tail was 30 of 30 "GET /health ... 503".
+_OWN_POLL = re.compile(r'(?:127\.0\.0\.1|::1|\[::1\]|localhost):\d+ - "GET (?:/health|/health_generate|'
+                       r'/get_server_info|/server_info|/v1/models)(?:\?[^ "]*)? HTTP/[0-9.]+" \d{3}')
+LOG_TAIL_SCAN = 4 * 1024 * 1024  # at most this much of a log is read backwards for a tail
+
+
+def without_own_polls(lines):
+    """``lines`` less the access-log lines of gpugate's own polls (any status), so a tail shows the
+    server's own last words.
+
+    >>> without_own_polls(['INFO:     127.0.0.1:4180 - "GET /health HTTP/1.1" 503', 'ValueError: x',
+    ...                    'INFO:     10.0.0.7:5000 - "GET /health HTTP/1.1" 200'])
+    ['ValueError: x', 'INFO:     10.0.0.7:5000 - "GET /health HTTP/1.1" 200']
+    """
+    return [line for line in lines if not _OWN_POLL.search(line)]
+
+
 def log_tail(path, lines=40, offset=0):
-    data = _read(path, "rb") if path else None
-    if data is None:
+    """The last ``lines`` lines of the file at ``path`` from byte ``offset`` on, our own polls left
+    out (read backwards in chunks, at most LOG_TAIL_SCAN bytes, so a log of polls is no obstacle)."""
+    try:
+        handle = open(path, "rb") if path else None
+    except OSError:
         return []
-    return data[offset or 0:][-65536:].decode("utf-8", "replace").splitlines()[-lines:]
+    if handle is None:
+        return []
+    with handle:
+        end = handle.seek(0, 2)
+        start, chunk, kept = end, 65536, []
+        while start > (offset or 0) and end - start < LOG_TAIL_SCAN:
+            start = max(offset or 0, end - chunk)
+            chunk *= 4
+            handle.seek(start)
+            data = handle.read(end - start)
+            text = data.decode("utf-8", "replace").splitlines()
+            kept = without_own_polls(text[1:] if start > (offset or 0) else text)  # the first may be cut
+            if len(kept) >= lines:
+                break
+        return kept[-lines:] if lines else []
 
 
 def journal_tail(unit, lines=40, since=None):
@@ -1306,7 +1341,8 @@ def journal_tail(unit, lines=40, since=None):
     252, Debian 12's); newest first, it gives the last N, put back in order here."""
     import subprocess
 
-    argv = ["journalctl", "-u", unit, "-o", "cat", "-n", str(int(lines)), "--reverse", "--no-pager", "-q"]
+    # more than ``lines``: our own polls (the server's access log) are left out afterwards
+    argv = ["journalctl", "-u", unit, "-o", "cat", "-n", str(int(lines) + 2000), "--reverse", "--no-pager", "-q"]
     if since:
         argv += ["--since", "@%.6f" % float(since)]
     try:
@@ -1314,7 +1350,7 @@ def journal_tail(unit, lines=40, since=None):
                               env=BASE_ENV, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return []
-    return done.stdout[:65536].decode("utf-8", "replace").splitlines()[:lines][::-1]
+    return without_own_polls(done.stdout[:LOG_TAIL_SCAN].decode("utf-8", "replace").splitlines())[:lines][::-1]
 
 
 def journal_sync(timeout=5.0):

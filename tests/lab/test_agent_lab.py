@@ -211,6 +211,22 @@ def test_never_healthy_rolls_back(lab):
     assert server(lab)["serving"]
 
 
+def test_a_never_healthy_starts_tail_is_the_servers_own_words_not_our_polls(lab):
+    # /health answers 503 for the whole budget: the agent polls it every 50 ms and the server's access
+    # log writes each poll; the tail the failure shows must still be what the server itself said last.
+    lab.fault("pve1", 129, "never-healthy")
+    try:
+        answer, events = transition(lab, spec(), rollback_to=None, restart=True, budgets={"start_timeout_s": 3})
+    finally:
+        lab.fault("pve1", 129, "never-healthy", clear=True)
+    assert answer["outcome"] == "nothing_serves", events[-4:]
+    tail = [e for e in step_events(events, "load", "end") if e.get("state") == "timeout"][0]["log_tail"]
+    assert not any("127.0.0.1" in line and '"GET /health' in line for line in tail), tail
+    assert any("/health stays 503" in line for line in tail), tail
+    polls = ct(lab, "grep -c 'GET /health HTTP' /var/log/gpugate/sglang-%d.log" % PORT).stdout.strip()
+    assert int(polls or 0) > 20  # the polls are in the log itself; only the tail leaves them out
+
+
 def test_rollback_failing_too_ends_in_nothing_serves_with_both_reasons(lab):
     ensure_serving(lab, spec())
     lab.fault("pve1", 129, "crash-on-start")

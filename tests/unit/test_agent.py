@@ -257,3 +257,18 @@ def test_the_log_pump_masks_secrets_and_rotates_by_size(tmp_path):
         assert 0 < len(text) <= 1000 and "sk-pump-1" not in text and "hf-pump-secret" not in text
         assert oct(path.stat().st_mode & 0o777) == "0o600"
     assert "line 59 server_args=ServerArgs(api_key='***', hf=***)" in log.read_text()
+
+
+def test_a_tail_leaves_out_gpugates_own_polls_and_keeps_the_servers_last_words(tmp_path):
+    log = tmp_path / "sglang-30000.log"
+    own = ['INFO:     127.0.0.1:%d - "GET %s HTTP/1.1" %d' % (40000 + i, path, status)
+           for i, (path, status) in enumerate([("/health", 503), ("/health_generate", 200),
+                                               ("/get_server_info", 200), ("/v1/models", 200)] * 3000)]
+    words = ["[2026-01-01 10:00:00] Load weight begin", "[2026-01-01 10:00:01] Capture cuda graph: 37%",
+             'INFO:     10.0.0.7:5000 - "GET /health HTTP/1.1" 200']  # a client's poll is the server's business
+    log.write_text("=== gpugate start\n" + "\n".join(words[:2] + own + words[2:] + own[:50]) + "\n")
+    assert agent.log_tail(str(log), 4) == ["=== gpugate start"] + words
+    assert agent.log_tail(str(log), 2) == words[1:]
+    after = len(log.read_bytes().split(words[2].encode())[0]) + len(words[2]) + 1
+    assert agent.log_tail(str(log), 30, offset=after) == []  # only polls after this start's offset
+    assert agent.log_tail(str(tmp_path / "none.log"), 3) == []
