@@ -1254,6 +1254,7 @@ def observe(args):
     except Exception as error:  # noqa: BLE001 - a field, never a traceback
         server["flag_table"] = {"error": "%s: %s" % (type(error).__name__, error)}
     server["pid_file"] = read_pid_file(port)
+    server["warnings"] = pump_warnings(server["pid_file"], main)
     if main is None:
         server["gpus"] = args.get("gpus")
     skip = tree_set | own
@@ -1266,6 +1267,23 @@ def observe(args):
     server["elapsed_ms"] = round((time.time() - began) * 1000, 1)
     return {"sglang": server, "gpu": gpu_doc, "container": container,
             "agent": {"sha256": _self_sha(), "schema": SCHEMA, "pid": os.getpid()}}
+
+
+def pump_warnings(recorded, main):
+    """Warnings about the log pump of the server that runs (``recorded``: its pid file): a pump that
+    is gone while the server it served runs means the server's output is lost from then on (its
+    writes fail with EPIPE; SGLang logs through ``logging``, which drops them, and keeps serving).
+
+    >>> pump_warnings({"pid": 1, "pump": {"pid": 999999999}, "log": "/l"}, {"pid": 1})[0][:38]
+    'the log pump (pid 999999999) is gone: '
+    """
+    pump = (recorded or {}).get("pump")
+    if not main or not isinstance(pump, dict) or (recorded or {}).get("pid") != main.get("pid"):
+        return []
+    if alive(pump.get("pid"), pump.get("start_ticks")):
+        return []
+    return ["the log pump (pid %s) is gone: the server's output is no longer written to %s (a restart "
+            "starts a new one)" % (pump.get("pid"), recorded.get("log"))]
 
 
 def _listdir(path):
@@ -2044,6 +2062,10 @@ class Transition:
         stat = proc_stat(child.pid)
         record = {"pid": child.pid, "start_ticks": stat[4] if stat else None, "port": port, "log": log_path,
                   "supervisor": "process", "run": self.run, "started": time.time()}
+        pump = self.pumps.get(port) if output is not handle else None
+        if pump is not None:  # observe warns when it is gone while the server runs (pump_warnings)
+            pump_stat = proc_stat(pump.pid)
+            record["pump"] = {"pid": pump.pid, "start_ticks": pump_stat[4] if pump_stat else None}
         try:
             write_private(paths(port)["pid"], json.dumps(record), 0o644)
         except OSError as error:

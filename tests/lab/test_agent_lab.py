@@ -227,6 +227,25 @@ def test_a_never_healthy_starts_tail_is_the_servers_own_words_not_our_polls(lab)
     assert int(polls or 0) > 20  # the polls are in the log itself; only the tail leaves them out
 
 
+def test_a_killed_log_pump_is_reported_and_the_server_keeps_serving(lab):
+    ensure_serving(lab, spec())
+    recorded = json.loads(ct(lab, f"cat /run/gpugate/sglang-{PORT}.pid").stdout)
+    pump, main = recorded["pump"]["pid"], recorded["pid"]
+    assert server(lab)["warnings"] == []
+    assert ct(lab, f"kill -KILL {pump}").returncode == 0
+    # the server writes (its access log of these polls) into a pipe nobody reads: EPIPE, never SIGPIPE
+    for _ in range(3):
+        doc = server(lab, generate=True)
+    assert doc["serving"] and doc["main"]["pid"] == main and pids_alive(lab, [main]) == [main]
+    assert doc["health"]["health_generate"] == 200
+    assert any(f"log pump (pid {pump}) is gone" in w for w in doc["warnings"]), doc["warnings"]
+    answer, events = transition(lab, spec(), restart=True)  # a restart brings a new pump
+    assert answer["outcome"] == "verified" and server(lab)["warnings"] == []
+    # its graceful drain still works with nowhere to log: it exits by itself, nothing left to kill
+    assert step_events(events, "drain", "end")[0]["drained"]
+    assert not [e for e in step_events(events, "kill", "end") if e.get("killed")], step_events(events, "kill")
+
+
 def test_rollback_failing_too_ends_in_nothing_serves_with_both_reasons(lab):
     ensure_serving(lab, spec())
     lab.fault("pve1", 129, "crash-on-start")

@@ -51,15 +51,23 @@ DEFAULT_MEM_FRACTION_STATIC = 0.88
 HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def _emit(line: str) -> None:
+    # SGLang and uvicorn log through `logging`, whose handlers swallow an OSError (Handler.handleError):
+    # with the log pipe's reader gone (EPIPE; Python ignores SIGPIPE) the server keeps running, silent.
+    try:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    except OSError:
+        pass
+
+
 def log(message: str, prefix: str = "") -> None:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    sys.stderr.write("[%s%s] %s\n" % (stamp, " " + prefix if prefix else "", message))
-    sys.stderr.flush()
+    _emit("[%s%s] %s\n" % (stamp, " " + prefix if prefix else "", message))
 
 
 def uvicorn_log(message: str) -> None:
-    sys.stderr.write("INFO:     %s\n" % message)
-    sys.stderr.flush()
+    _emit("INFO:     %s\n" % message)
 
 
 def log_traceback(where: str, exc_line: str) -> None:
