@@ -13,6 +13,10 @@ few small modules server_args imports besides travel along:
         -d carry/deps psutil pybase64 pillow starlette anyio msgspec pyzmq tqdm aiohttp multidict yarl \\
         propcache aiohappyeyeballs aiosignal frozenlist           # 12 MB (what 0.5.23's import needs
                                                                  #  besides torch and triton)
+    # what the H200 machine's image lacks of that chain (the run of docs/results/h200_server_args_import.json
+    # carried only these, 10 MB): orjson pybase64 starlette msgspec pyzmq ipython traitlets decorator jedi
+    # parso matplotlib-inline pexpect ptyprocess prompt_toolkit wcwidth stack_data executing asttokens
+    # pure_eval ipython_pygments_lexers pydantic pydantic_core typing_inspection annotated_types
     # on the GPU machine (stdlib + the venv's torch):
     python3 tests/gpu/time_server_args_import.py carry/sglang-0.5.23-*.whl --deps carry/deps
 
