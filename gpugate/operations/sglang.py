@@ -14,6 +14,7 @@ its end there, and a re-run attaches to it (or reads how it ended).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import signal
@@ -785,6 +786,45 @@ def server(
               bool(restarted), end_pids, _story(observation, plan, spec), observe_args=observed_args,
               plan_args=plan_args, restoring=restoring, end_other_gpu_holders=bool(end_other_gpu_holders))
     yield FunctionCommand(_execute, (job,), {})
+
+
+def _cli_dry() -> bool:
+    """Whether this pyinfra CLI run has ``--dry``: the click command's own parameter where its
+    context is visible; deploy files run in gevent greenlets, where click's (thread-local) context
+    is not, so then the command line (``--dry`` takes no value and has no short form).
+
+    >>> _cli_dry()  # not under pyinfra's CLI
+    False
+    """
+    try:
+        import click
+        ctx = click.get_current_context(silent=True)
+        while ctx is not None:
+            if "dry" in ctx.params:
+                return bool(ctx.params["dry"])
+            ctx = ctx.parent
+    except Exception:  # not under pyinfra's CLI
+        pass
+    import pyinfra
+    return bool(getattr(pyinfra, "is_cli", False)) and "--dry" in sys.argv[1:]
+
+
+def _plan_under_dry() -> None:
+    """``pyinfra -y ... --dry`` must print every container's plan or refusal too. With ``-y`` pyinfra
+    skips change detection: at prepare it never runs an operation's body, and ``--dry`` ends the run
+    right after prepare, so nothing was printed and a refusal exited 0. Under ``--dry`` nothing
+    executes, so detecting changes is what the operator asked for: turn it back on."""
+    if not state.is_executing and not state.check_for_changes and _cli_dry():
+        state.check_for_changes = True
+
+
+_server_operation = server
+
+
+@functools.wraps(_server_operation)
+def server(*args: Any, **kwargs: Any) -> Any:  # noqa: F811 -- the operation, --dry aware
+    _plan_under_dry()
+    return _server_operation(*args, **kwargs)
 
 
 _install_interrupt_handler(None)  # a deploy file that imports this module: from here on, Ctrl-C is ours

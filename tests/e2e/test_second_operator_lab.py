@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 
 import pytest
 
-from tests.conftest import module_lab
-from tests.e2e.test_transition_lab import argv_of, observe, read_until, run, start, wait_idle
+from tests.conftest import REPO_ROOT, module_lab
+from tests.e2e.test_transition_lab import (argv_of, deploy_args, observe, pyinfra_argv, read_until, run, start,
+                                           wait_idle)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
-SLOW = {"SGLANG_STANDIN_LOAD_S": "6"}
+SLOW = {"SGLANG_STANDIN_LOAD_S": "15"}  # outlasts the second pyinfra start on a busy 2-core machine
 A = {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}
 B = {"tp": 8, "mem-fraction-static": 0.8}
 
@@ -52,3 +54,20 @@ def test_a_stop_attached_to_a_start_stops_afterwards(lab):
     assert code == 0, out
     assert not observe(lab)["running"]
     wait_idle(lab)
+
+
+def dry_run(lab, yes: bool, *extra: str, **kwargs) -> tuple[int, str]:
+    argv = pyinfra_argv(*deploy_args("--dry", *extra, **kwargs))
+    if not yes:
+        argv.remove("-y")
+    result = subprocess.run(argv, cwd=REPO_ROOT, env=lab.env(), capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("yes", [True, False], ids=["-y", "no -y"])
+def test_dry_prints_the_plan_and_a_refusal_exits_non_zero_with_or_without_yes(lab, yes):
+    code, out = dry_run(lab, yes, flags=A, env=SLOW)
+    assert code == 0 and "sglang :30000 will " in out and "+ --kv-cache-dtype fp8_e4m3" in out, out
+    code, out = dry_run(lab, yes, "--data", "sglang_version=0.0.1", flags=A, env=SLOW)
+    assert code != 0 and "REFUSED, nothing touched" in out and "0.0.1" in out, out
