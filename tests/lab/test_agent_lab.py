@@ -227,6 +227,34 @@ def test_a_never_healthy_starts_tail_is_the_servers_own_words_not_our_polls(lab)
     assert int(polls or 0) > 20  # the polls are in the log itself; only the tail leaves them out
 
 
+def test_a_hand_started_server_is_adopted_without_its_login_environment(lab):
+    # an operator started the server over SSH in the container (no pid file, no env file of ours)
+    answer, _ = transition(lab, None, port=PORT)  # nothing on the port (the desired state: no server)
+    assert answer["outcome"] == "verified", answer
+    session = ("USER=root LOGNAME=root HOME=/root SHELL=/bin/bash SSH_CLIENT='10.0.0.9 51000 22' "
+               "GPUGATE_LAB_HOST=pve2 SGLANG_STANDIN_LOAD_S=0.3 HF_TOKEN=hf-hand-7e11a2")
+    hand = argv("--log-level", "warning")  # an argv of no history entry
+    ct(lab, f"cd /root && env {session} setsid {shlex.join(hand)} >/root/hand.log 2>&1 < /dev/null &")
+    deadline = time.monotonic() + 30
+    while not server(lab)["serving"] and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert server(lab)["serving"], ct(lab, "cat /root/hand.log").stdout[-2000:]
+    answer, _ = transition(lab, spec())
+    assert answer["outcome"] == "verified", answer
+    doc = server(lab)
+    adopted = [r for r in doc["history"]["good"] if r.get("source", "").startswith("adopted")]
+    assert adopted, doc["history"]["good"]
+    adopted = adopted[0]
+    assert adopted["env_names"] == ["HF_TOKEN", "SGLANG_STANDIN_LOAD_S"], adopted
+    assert doc["history"]["last"]["by"] == "test@lab"  # no "***" for a session value that is a word
+    assert "hf-hand-7e11a2" not in json.dumps(doc)
+    # the rollback to it starts it with that env only
+    answer, _ = transition(lab, {"history": adopted["key"], "port": PORT})
+    assert answer["outcome"] == "verified", answer
+    environ = ct(lab, f"tr '\\0' '\\n' < /proc/{server(lab)['main']['pid']}/environ").stdout.split()
+    assert "HF_TOKEN=hf-hand-7e11a2" in environ and not [e for e in environ if e.startswith(("USER=", "SSH_", "GPUGATE_"))]
+
+
 def test_a_killed_log_pump_is_reported_and_the_server_keeps_serving(lab):
     ensure_serving(lab, spec())
     recorded = json.loads(ct(lab, f"cat /run/gpugate/sglang-{PORT}.pid").stdout)
@@ -394,6 +422,7 @@ def test_bench_client_monitor_and_a_process_group_neighbour_survive_a_restart(la
     deadline = time.monotonic() + 20
     while not server(lab)["serving"] and time.monotonic() < deadline:
         time.sleep(0.3)
+    assert server(lab)["serving"], ct(lab, "cat /root/hand.log").stdout[-2000:]
     bench = start_bench_client(lab, "pve1", 129, port=PORT)
     monitor = start_gpu_monitor(lab, "pve1", 129)
     doc = observe(lab)
