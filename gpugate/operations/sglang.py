@@ -68,6 +68,20 @@ class Watch:
     run: str
     narrator: Narrator
     handed_off: bool = False
+    read_at: float | None = None   # when a follow last answered: the narrator's step is as of then
+
+
+def _staleness(watch: Watch, now: float) -> str:
+    """How old the narrator's step may be: the journal arrives in FOLLOW_WAIT_S batches, so an
+    interrupt's "beginning" can be a run already at load.
+
+    >>> _staleness(Watch("h", 30000, "r", Narrator(), True, read_at=100.0), 104.2)
+    '; its journal last read 4 s ago: it may be further on'
+    """
+    if watch.read_at is None:
+        return "; no journal event read yet: it may be further on"
+    age = now - watch.read_at
+    return f"; its journal last read {age:.0f} s ago: it may be further on" if age >= 1.0 else ""
 
 
 class RunBook(BaseStateCallback):
@@ -149,33 +163,39 @@ def _keep_fleet_order() -> None:
 _INTERRUPT: dict[str, Any] = {"installed": False, "book": None}
 
 
+_SIGNAL_WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "interrupted (SIGTERM)",
+                 signal.SIGHUP: "interrupted (SIGHUP)"}
+
+
 def _on_interrupt(signum: int, frame: Any) -> None:
-    """Ctrl-C: say what each container is still doing, and exit non-zero. The transition itself
-    runs on in the container (the agent ignores the SSH session); an interrupted change never
-    exits 0."""
+    """Ctrl-C, SIGTERM (a CI timeout), SIGHUP (the terminal closed): say what each container is
+    still doing, and exit non-zero (128 + the signal). The transition itself runs on in the
+    container (the agent ignores the SSH session); an interrupted change never exits 0."""
     book: RunBook | None = _INTERRUPT.get("book")  # type: ignore[assignment]
+    word = _SIGNAL_WORDS.get(signum, f"interrupted (signal {signum})")
     lines = []
     handed = False
+    now = time.time()
     for watch in list((book.watching if book else {}).values()):
         if watch.handed_off:
             handed = True
-            lines.append(f"[{watch.host}] sglang :{watch.port} interrupted: the transition continues in the container: "
-                         f"{watch.narrator.doing(time.time())} (run {watch.run}); follow with runbooks/status.py, "
-                         f"or re-run to attach to it")
+            lines.append(f"[{watch.host}] sglang :{watch.port} {word}: the transition continues in the container: "
+                         f"{watch.narrator.doing(now)} (run {watch.run}{_staleness(watch, now)}); follow with "
+                         f"runbooks/status.py, or re-run to attach to it")
         else:
-            lines.append(f"[{watch.host}] sglang :{watch.port} interrupted during the hand-off of run {watch.run}: "
+            lines.append(f"[{watch.host}] sglang :{watch.port} {word} during the hand-off of run {watch.run}: "
                          f"the transition may have begun in the container; see runbooks/status.py")
     if not lines:
-        lines.append("interrupted before any hand-off: nothing was touched")
+        lines.append(f"{word} before any hand-off: nothing was touched")
     for line in lines:
         sys.stderr.write(line + "\n")
     sys.stderr.flush()
     try:
-        emit("interrupted", phase="end", handed_off=handed, runs=[w.run for w in (book.watching.values() if book else [])])
+        emit("interrupted", phase="end", handed_off=handed, signal=int(signum), runs=[w.run for w in (book.watching.values() if book else [])])
     except Exception:
         pass
     sys.stdout.flush()
-    os._exit(130)
+    os._exit(128 + int(signum))
 
 
 def _install_interrupt_handler(book: RunBook | None) -> None:
@@ -190,7 +210,10 @@ def _install_interrupt_handler(book: RunBook | None) -> None:
         import pyinfra
         if not getattr(pyinfra, "is_cli", False):
             return
-        signal.signal(signal.SIGINT, _on_interrupt)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if signum != signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN:
+                continue  # nohup: the operator asked for the run to outlive the terminal
+            signal.signal(signum, _on_interrupt)
         _INTERRUPT["installed"] = True
     except (ValueError, OSError):  # not the main thread: leave pyinfra's
         pass
@@ -480,6 +503,7 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
             time.sleep(1.0)
             continue
         misses = 0
+        watch.read_at = time.time()
         for event in answer.get("events") or []:
             if event.get("step") == "run" and event.get("phase") == "begin" and "desired" not in seen:
                 seen.update(desired=event.get("desired"), by=event.get("by"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -71,3 +72,16 @@ def test_dry_prints_the_plan_and_a_refusal_exits_non_zero_with_or_without_yes(la
     assert code == 0 and "sglang :30000 will " in out and "+ --kv-cache-dtype fp8_e4m3" in out, out
     code, out = dry_run(lab, yes, "--data", "sglang_version=0.0.1", flags=A, env=SLOW)
     assert code != 0 and "REFUSED, nothing touched" in out and "0.0.1" in out, out
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_or_sighup_after_the_hand_off_says_what_continues(lab, signum):
+    process = start(lab, flags=B if signum == signal.SIGTERM else A, env=SLOW)
+    read_until(process, "started pid")
+    time.sleep(4)  # a journal batch later: the step named is the load's
+    process.send_signal(signum)
+    rest, _ = process.communicate(timeout=60)
+    last = wait_idle(lab)
+    assert process.returncode == 128 + signum, rest
+    assert "the transition continues in the container: loading" in rest and "runbooks/status.py" in rest, rest
+    assert last["outcome"] == "verified"  # the container ran it to its end
