@@ -154,7 +154,9 @@ def _makedirs(path, mode=0o755):
 def write_private(path, data, mode=0o600):
     """Atomically replace ``path`` with ``data`` (temp file, fsync, rename), mode 0600.
 
-    >>> write_private("/var/lib/gpugate/sglang-30000.json", b"{}")
+    >>> import tempfile; path = os.path.join(tempfile.mkdtemp(), "state.json"); write_private(path, b"{}")
+    >>> oct(os.stat(path).st_mode & 0o777), open(path).read()
+    ('0o600', '{}')
     """
     if isinstance(data, str):
         data = data.encode("utf-8")
@@ -487,7 +489,7 @@ def env_hash(value):
     """A value's fingerprint: the controller compares env values it never sees.
 
     >>> env_hash("x")[:4]
-    '4c4b'
+    'c365'
     """
     return sha256(("gpugate-env:" + value).encode("utf-8")).hexdigest()[:16]
 
