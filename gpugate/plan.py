@@ -137,15 +137,25 @@ def env_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
     return lines
 
 
+def interpreter_lines(running: str | None, desired: str | None) -> list[str]:
+    """The interpreter change as a pair of lines that say what they are (a bare ``- python3`` reads
+    like a flag value); nothing when either side is unknown.
+
+    >>> interpreter_lines("/usr/bin/python3", "/opt/venv/bin/python3")
+    ['- interpreter /usr/bin/python3', '+ interpreter /opt/venv/bin/python3']
+    """
+    if not running or not desired or running == "?" or running == desired:
+        return []
+    return [f"- interpreter {running}", f"+ interpreter {desired}"]
+
+
 def diff_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
     """What changes from the running command to the desired one, one line per argv change
     (secrets ``***``), model path, host and interpreter included."""
     running = _running_command(server)
     if running is None:
         return [f"+ {arg}" for arg in spec.display_args()]
-    lines: list[str] = []
-    if running["python"] != spec.python:
-        lines += [f"- {running['python']}", f"+ {spec.python}"]
+    lines: list[str] = interpreter_lines(running["python"], spec.python)
     if running["model_path"] != spec.model_path:
         lines += [f"- --model-path {running['model_path']}", f"+ --model-path {spec.model_path}"]
     if (running["host"] or "127.0.0.1") != spec.host:
@@ -248,7 +258,7 @@ def record_lines(server: Mapping[str, Any], record: Mapping[str, Any]) -> list[s
     target = parse_argv(list(record.get("argv") or []))
     if running is None:
         return [f"+ {arg}" for arg in _pairs(list(record.get("argv") or [])[3:])]
-    lines = []
+    lines = interpreter_lines(running["python"], (list(record.get("argv") or []) or [None])[0])
     if running["model_path"] != target.model_path:
         lines += [f"- --model-path {running['model_path']}", f"+ --model-path {target.model_path}"]
     if (running["host"] or "127.0.0.1") != (target.host or "127.0.0.1"):

@@ -484,10 +484,10 @@ def choose_table(container: Mapping[str, Any] | None = None, pinned: str | None 
         version = container.get("version")
         if container.get("table"):
             table = _container_table(container)
-            how = ("cached there" if container.get("cached")
-                   else f"built there in {container['build_s']:.2f} s" if container.get("build_s") is not None
-                   else "from the container")
-            return table, f"SGLang {table.version}'s own flag table, from the container ({how})"
+            how = (" (cached there)" if container.get("cached")
+                   else f" (built there in {container['build_s']:.2f} s)" if container.get("build_s") is not None
+                   else "")  # neither: no "(from the container)" after "from the container"
+            return table, f"SGLang {table.version}'s own flag table, from the container{how}"
         key = container.get("key")
         for snap in snapshot_versions():
             if key and load_snapshot(snap).key == key:

@@ -104,6 +104,9 @@ def test_choose_table_prefers_the_container_then_the_pin_then_the_newest():
         (SNAPSHOT_DIR / "sglang-0.5.10.json").read_text())}
     table, note = choose_table(container, "0.5.23")
     assert (table.version, note) == ("0.5.10", "SGLang 0.5.10's own flag table, from the container (cached there)")
+    # neither cached nor built now (a controller that already held the table): no doubled words
+    _table, note = choose_table(dict(container, cached=False), "0.5.23")
+    assert note == "SGLang 0.5.10's own flag table, from the container"
     table, note = choose_table({"version": None, "error": "no sglang package for this python"}, "0.5.10")
     assert table.version == "0.5.10" and note.startswith("the snapshot of SGLang 0.5.10 (pinned;")
     table, note = choose_table(None, "9.9.9")

@@ -118,6 +118,15 @@ def test_an_attached_run_of_another_spec_is_told_from_this_runs_spec():
     assert same_desired(None, None, PORT)
 
 
+def test_only_the_interpreter_changes_shows_an_interpreter_pair():
+    running, desired = spec(python="/usr/bin/python3"), spec(python="/opt/venv/bin/python3")
+    lines = plan_lines(make_plan(observation(running), desired, port=PORT), PORT)
+    assert "    - interpreter /usr/bin/python3" in lines and "    + interpreter /opt/venv/bin/python3" in lines
+    assert not [line for line in lines if line.strip() in ("- python3", "- /usr/bin/python3")]
+    plan = make_plan(observation(desired, good=[record(desired), record(running)]), None, port=PORT, rollback_k=1)
+    assert "+ interpreter /usr/bin/python3" in plan.lines, plan.lines
+
+
 def test_the_last_run_is_reported_when_it_ended_unwatched():
     ended = {"run": "r1", "active": False, "outcome": "verified", "by": "bob@desk", "message": "the desired server serves"}
     plan = make_plan(observation(spec(), transition=ended), spec(), port=PORT)
