@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{mode} run; {profile['hosts']} hosts x {len(profile['vmids'])} containers")
     try:
         with own_lab(profile["hosts"], profile["vmids"], keep=args.keep) as (lab, workdir):
-            log(f"lab {lab.dir}")
+            log(f"lab {lab.dir}; gpugate frozen at {freeze_tree(workdir)}")
             results["gate"] = phase_gate(lab, profile, rng, workdir)
             results["floor"] = phase_floor(lab, lab.spread(3)[2], profile["floor_n"])
             log(f"floor (drain + release + load): {results['floor']['median']}")
@@ -396,6 +396,24 @@ def main(argv: list[str] | None = None) -> int:
     markdown.write_text(report.render(results))
     log(f"done in {results['duration_s']:.0f}s: {markdown} and {raw}")
     return 0
+
+
+def freeze_tree(workdir: Path) -> Path:
+    """A copy of what a gpugate run reads (the package, inventory.py, deploy.py, group_data, templates) in
+    the run's directory, named by GPUGATE_BENCH_SRC for bench.tools.run_gpugate: the checkout is shared
+    and may be edited while the bench runs; every gpugate run of the bench then measures the same code."""
+    src = workdir / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("gpugate", "group_data", "templates"):
+        if (REPO_ROOT / name).is_dir():
+            shutil.copytree(REPO_ROOT / name, src / name, ignore=ignore)
+    for name in ("inventory.py", "deploy.py"):
+        shutil.copy2(REPO_ROOT / name, src / name)
+    import compileall
+
+    compileall.compile_dir(str(src / "gpugate"), quiet=1)
+    os.environ["GPUGATE_BENCH_SRC"] = str(src)
+    return src
 
 
 def compile_gpugate() -> None:

@@ -44,9 +44,15 @@ def run_gpugate(fleet: Path, *extra: str, workdir: Path) -> dict:
     count_file = Path(tempfile.mkstemp(prefix="count-", suffix=".json", dir=workdir)[1])
     audit = Path(tempfile.mkstemp(prefix="audit-", suffix=".jsonl", dir=workdir)[1])
     env = dict(os.environ, GPUGATE_FLEET=str(fleet), GPUGATE_AUDIT_LOG=str(audit))
+    # bench/run.py's frozen copy of the tree (GPUGATE_BENCH_SRC): every run of one bench measures the same
+    # gpugate, whatever is edited in the checkout meanwhile (an edit of the agent mid-run changes its hash,
+    # and every container would then be observed twice: once to learn the agent is not this one's)
+    root = Path(os.environ.get("GPUGATE_BENCH_SRC") or REPO_ROOT)
+    if root != REPO_ROOT:
+        env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     began = time.time()
     result = subprocess.run([sys.executable, str(COUNTED_PYINFRA), str(count_file), "-y", "inventory.py",
-                             "deploy.py", *extra], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                             "deploy.py", *extra], cwd=root, env=env, capture_output=True, text=True,
                             timeout=600, stdin=subprocess.DEVNULL)
     ended = time.time()
     output = result.stdout + result.stderr
