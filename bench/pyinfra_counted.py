@@ -34,7 +34,7 @@ def label(raw: str) -> str:
     match = re.search(r"\b(observe|start|follow|wait|logpump)\b", tail)
     if "pct exec" in raw[:40]:
         return match.group(1) if match else "pct exec (inline program)"
-    if "python3 -c" in raw[:40]:
+    if "python3 -c" in raw[:40] or "python3 -S -c" in raw[:40]:
         return "GPU lock (Proxmox host)"
     return raw[:40]
 

@@ -13,7 +13,8 @@ TARGET_GATE_S = 0.150
 TARGET_RESTART_OVERHEAD_S = 0.8   # issue 11 (1.11 s before the transition was rebuilt)
 TARGET_COMMANDS = 3
 TARGET_SPEEDUP = 3.0              # issue 11 (2.02x before the rebuild)
-BEFORE = {"overhead_s": 1.11, "speedup": 2.02, "gate_s": 0.039}  # bench run of 2026-11-29, the old transition
+BEFORE = {"overhead_s": 1.11, "speedup": 2.02, "gate_s": 0.039,  # bench run of 2026-11-29, the old transition
+          "ansible_1s_restart_s": 3.11, "ansible_32_s": 7.65, "gpugate_startup_s": 0.31}
 
 METHOD_NAMES = {
     "gpugate": "gpugate `gpu.idle` wait (one command, polls in the container every 50 ms)",
@@ -123,6 +124,12 @@ def _restart(results: dict) -> list[str]:
         f"{verdict(g['overhead_median_s'] <= TARGET_RESTART_OVERHEAD_S)} ({sec(g['overhead_median_s'])}; "
         f"{BEFORE['overhead_s']:.2f} s with the transition before issue 11's rebuild).",
         "",
+        f"The machine's speed in this run, for comparing with the run before the rebuild (2026-11-29): the same "
+        f"Ansible playbook's restart (delays 1 s) took {sec(restart['ansible-1s']['wall_median_s'])} against "
+        f"{BEFORE['ansible_1s_restart_s']:.2f} s then, and gpugate's controller start (interpreter, pyinfra, "
+        f"inventory: the same pyinfra) {sec(_median_run(g['runs'])['startup_s'])} against "
+        f"{BEFORE['gpugate_startup_s']:.2f} s then.",
+        "",
         "Where the time goes (the trial with the median wall time of each):",
         "",
         f"- gpugate: {_breakdown_gpugate(_median_run(g['runs']))}",
@@ -165,6 +172,15 @@ def _rolling(results: dict) -> list[str]:
     ]
 
 
+def _labels(run: dict) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for call in run["calls"]:
+        if call["kind"] != "connect":
+            label = call.get("label", call["kind"])
+            counts[label] = counts.get(label, 0) + 1
+    return counts
+
+
 def _converged(results: dict) -> list[str]:
     c = results["converged"]
     rows = ["| containers | gpugate wall | Ansible wall | speedup | gpugate cmds/ct | Ansible cmds/ct | "
@@ -193,7 +209,12 @@ def _converged(results: dict) -> list[str]:
         f"{verdict(largest['gpugate_commands_per_container'] <= TARGET_COMMANDS)} "
         f"({largest['gpugate_commands_per_container']:.1f}); >= 3x faster than Ansible: "
         f"{verdict(largest['speedup'] >= TARGET_SPEEDUP)} ({largest['speedup']:.2f}x; {BEFORE['speedup']:.2f}x "
-        "with the transition before issue 11's rebuild).",
+        "with the transition before issue 11's rebuild). Each gpugate run's remote commands: "
+        + "; ".join(f"{size} containers: " + " | ".join(", ".join(
+            f"{n} {label}" for label, n in sorted(_labels(run).items())) for run in e["gpugate_runs"])
+            for size, e in c["sizes"].items())
+        + f". The playbook at {largest['containers']} containers took {sec(largest['ansible_wall_s'])} here against "
+        f"{BEFORE['ansible_32_s']:.2f} s in the run before the rebuild (the machine's load).",
         "",
         "Reading: gpugate needs one `observe` of the installed agent per container (the flag table of the "
         "container's SGLang is named in it, so no command of its own once the controller has that table) "
