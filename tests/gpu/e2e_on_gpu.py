@@ -536,14 +536,13 @@ def step_foreign(run: Run) -> dict:
 
 
 def step_crash_rollback(run: Run) -> dict:
-    # real GPUs: a memory fraction too small for the weights: each TP worker creates its CUDA context,
-    # loads its weights on the GPU, measures, and fails with SGLang's own "Not enough memory" (a crash
-    # during the load, as SGLang's profile_max_num_token raises it). Hiding the GPUs instead
-    # (CUDA_VISIBLE_DEVICES=99) is refused by the plan before the stop, so it never starts.
-    # simulated: the stand-in cannot parse its load time (the lab's crash at start)
-    simulated = run.simulated or run.cpu_real
-    changed = dict(run.flags_base, **({"kv-cache-dtype": "fp8_e4m3"} if simulated else {"mem-fraction-static": 0.01}))
-    crash_env = dict(run.server_env, **({"SGLANG_STANDIN_LOAD_S": "not-a-number"} if simulated else {}))
+    # The new server's main process fails right after its TP workers are ready (the stand-in cannot
+    # parse its load time): on real GPUs that is after every worker created its CUDA context, loaded its
+    # weights and took its KV pool, so the rollback's gate waits for real memory coming back. (A hidden
+    # GPU, CUDA_VISIBLE_DEVICES=99, is refused by the plan before the stop; a memory fraction of 0.01
+    # still fits the lab's tiny model on an H200, so it served: the first GPU run saw both.)
+    changed = dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"})
+    crash_env = dict(run.server_env, SGLANG_STANDIN_LOAD_S="not-a-number")
     before = run.ct_state()
     res = run.pyinfra("deploy.py", flags=changed, env=crash_env)
     figures = run.transition("6_crash_rollback", res)
