@@ -63,15 +63,15 @@ def in_container(lab, script: str) -> subprocess.CompletedProcess:
 
 def running_argv(lab) -> list[str]:
     """The server's argv as the kernel has it (the pid file is JSON or a bare pid)."""
-    out = in_container(lab, "p=$(sed -e 's/[^0-9].*\"pid\": *//' -e 's/[^0-9].*//' /run/gpugate/sglang-30000.pid); "
-                            "tr '\\0' '\\n' < /proc/$p/cmdline")
+    out = in_container(lab, "p=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[\"pid\"])' "
+                            "/run/gpugate/sglang-30000.pid); tr '\\0' '\\n' < /proc/$p/cmdline")
     assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()
 
 
 def main_pid(lab) -> str:
     out = in_container(lab, "cat /run/gpugate/sglang-30000.pid")
-    return re.findall(r"\d+", out.stdout)[0]
+    return str(json.loads(out.stdout)["pid"])  # the pid file also records the log pump's pid
 
 
 def test_the_first_plan_builds_the_table_in_the_container_once_and_says_so(lab):
