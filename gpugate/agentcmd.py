@@ -29,7 +29,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from gpugate.remote import pack
+from gpugate.remote import pack, parse_probe_output
 
 REMOTE_DIR = Path(__file__).resolve().parent / "remote"
 STATE_DIR = "/var/lib/gpugate"
@@ -308,14 +308,10 @@ def parse_output(stdout_lines: Iterable[str] | str | None) -> dict:
     if stdout_lines is None:
         return {"error": "no output from the agent"}
     lines = stdout_lines.splitlines() if isinstance(stdout_lines, str) else list(stdout_lines)
-    for line in reversed([str(line).strip() for line in lines]):
-        if line.startswith("{"):
-            try:
-                document = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(document, dict):
-                return document
+    try:
+        return parse_probe_output(str(line) for line in lines)
+    except ValueError:
+        pass
     text = " | ".join(str(line).strip() for line in lines if str(line).strip())
     return {"error": "no JSON document in the agent output: " + (text[-300:] or "(empty)")}
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gpugate.sglang_args import diff_flags, parse_argv
-from gpugate.spec import Spec, SpecError, gpu_set, redact_flags
+from gpugate.spec import Spec, SpecError, gpu_set, option_items, redact_flags
 
 OUTCOMES_OK = ("verified",)
 PROGRESS_EVERY_S = 3.0  # at most one progress line per step this often (the agent journals every 1.5 s)
@@ -279,13 +279,7 @@ def record_lines(server: Mapping[str, Any], record: Mapping[str, Any]) -> list[s
 
 
 def _pairs(args: list[str]) -> list[str]:
-    out: list[str] = []
-    for token in args:
-        if token.startswith("--") or not out:
-            out.append(token)
-        else:
-            out[-1] += " " + token
-    return out
+    return option_items(args)
 
 
 # ---------------------------------------------------------------- port change

@@ -149,6 +149,21 @@ def budgets(values: Mapping[str, Any] | None = None) -> dict[str, float]:
     return {key: float(given[key] if given.get(key) is not None else DEFAULTS[key]) for key in BUDGET_KEYS}
 
 
+
+def option_items(args: list[str]) -> list[str]:
+    """Arguments grouped one option (with its values) per item.
+
+    >>> option_items(["--tp-size", "8", "--disable-radix-cache", "--x", "a", "b"])
+    ['--tp-size 8', '--disable-radix-cache', '--x a b']
+    """
+    out: list[str] = []
+    for token in args:
+        if token.startswith("--") or not out:
+            out.append(token)
+        else:
+            out[-1] += " " + token
+    return out
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """One desired server, validated (build it with :func:`build_spec`). ``argv`` is the exact
@@ -224,14 +239,7 @@ class Spec:
     def display_args(self) -> list[str]:
         """The server's arguments after ``-m sglang.launch_server``, one option (with its values)
         per item, secrets ``***``: the lines of a first start's plan."""
-        args = redact_argv(list(self.argv))[3:]
-        out: list[str] = []
-        for token in args:
-            if token.startswith("--") or not out:
-                out.append(token)
-            else:
-                out[-1] += " " + token
-        return out
+        return option_items(redact_argv(list(self.argv))[3:])
 
 
 def _one_line(what: str, text: str) -> None:

@@ -157,13 +157,13 @@ def _keep_fleet_order() -> None:
     if isinstance(state.active_hosts, FleetOrderedHosts):
         return
     order = {host: index for index, host in enumerate(state.inventory)}
-    state.active_hosts = FleetOrderedHosts(sorted(state.active_hosts, key=lambda host: order.get(host, len(order))))
+    state.active_hosts = FleetOrderedHosts(sorted(state.active_hosts, key=lambda host: order.get(host, len(order))))  # type: ignore[assignment]  # pyinfra types it set[Host]; it only adds, discards and iterates
 
 
 _INTERRUPT: dict[str, Any] = {"installed": False, "book": None}
 
 
-_SIGNAL_WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "interrupted (SIGTERM)",
+_SIGNAL_WORDS: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "interrupted (SIGTERM)",
                  signal.SIGHUP: "interrupted (SIGHUP)"}
 
 
@@ -845,7 +845,7 @@ def _plan_under_dry() -> None:
 _server_operation = server
 
 
-@functools.wraps(_server_operation)
+@functools.wraps(_server_operation)  # type: ignore[no-redef]
 def server(*args: Any, **kwargs: Any) -> Any:  # noqa: F811 -- the operation, --dry aware
     _plan_under_dry()
     return _server_operation(*args, **kwargs)

@@ -632,6 +632,18 @@ def spec_secrets(spec):
 
 
 # ==================================================================================== package metadata
+def _dist_info_version(directory, name):
+    """The version an ``sglang-*.dist-info`` (or ``.egg-info``) entry of ``directory`` declares, else None."""
+    lower = name.lower()
+    if not (lower.startswith("sglang-") and (lower.endswith(".dist-info") or lower.endswith(".egg-info"))):
+        return None
+    meta = _read(os.path.join(directory, name, "METADATA")) or _read(os.path.join(directory, name, "PKG-INFO"))
+    for line in (meta or "").splitlines():
+        if line.startswith("Version:"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
 def sglang_version():
     """The installed SGLang's version from its dist-info/egg-info METADATA (never imports sglang)."""
     seen = set()
@@ -645,12 +657,9 @@ def sglang_version():
         except OSError:
             continue
         for name in names:
-            lower = name.lower()
-            if lower.startswith("sglang-") and (lower.endswith(".dist-info") or lower.endswith(".egg-info")):
-                meta = _read(os.path.join(directory, name, "METADATA")) or _read(os.path.join(directory, name, "PKG-INFO"))
-                for line in (meta or "").splitlines():
-                    if line.startswith("Version:"):
-                        return line.split(":", 1)[1].strip()
+            version = _dist_info_version(directory, name)
+            if version is not None:
+                return version
         if "sglang" in names:  # a source tree or the lab's stand-in: version.py, without importing
             for candidate in ("version.py", "__init__.py"):
                 text = _read(os.path.join(directory, "sglang", candidate)) or ""
@@ -684,15 +693,9 @@ def flag_table_key():
         except OSError:
             continue
         for name in sorted(names) if version is None else ():
-            lower = name.lower()
-            if lower.startswith("sglang-") and (lower.endswith(".dist-info") or lower.endswith(".egg-info")):
-                meta = _read(os.path.join(directory, name, "METADATA")) or _read(os.path.join(directory, name, "PKG-INFO"))
-                for line in (meta or "").splitlines():
-                    if line.startswith("Version:"):
-                        version = line.split(":", 1)[1].strip()
-                        break
-                if version is not None:
-                    break
+            version = _dist_info_version(directory, name)
+            if version is not None:
+                break
         if server_args is None and "sglang" in names:
             candidate = os.path.join(directory, "sglang", "srt", "server_args.py")
             if os.path.isfile(candidate):
