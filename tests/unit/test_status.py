@@ -7,6 +7,7 @@ import json
 import os
 import stat
 import threading
+import time
 
 from gpugate import runbooks as rb
 
@@ -161,8 +162,14 @@ def test_a_reader_never_sees_half_a_prometheus_file(tmp_path):
     seen, stop = set(), threading.Event()
 
     def read():
-        while not stop.is_set():
+        # time.sleep(0) yields: when an earlier test imported pyinfra's CLI, gevent has patched
+        # threading, this "thread" is a greenlet, and a loop that never yields would never let the
+        # writer below run (the suite hung here in CI).
+        for _ in range(1_000_000):
+            if stop.is_set():
+                return
             seen.add(len(path.read_text()))
+            time.sleep(0)
 
     reader = threading.Thread(target=read)
     reader.start()
