@@ -160,3 +160,14 @@ def module_lab(tmp_path_factory: pytest.TempPathFactory, name: str, hosts: int =
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Lab:
     """One lab (2 hosts x 8 GPUs, container 129 running on each) for the whole session (per xdist worker)."""
     yield from module_lab(tmp_path_factory, "gpugate-lab")
+
+
+def pytest_collection_finish(session):
+    """Importing ``pyinfra_cli`` gevent-patches the whole interpreter (subprocess, threading, socket). A
+    test module that does it at import time changes every other test of the session (``subprocess.run``
+    refuses ``stdin=None`` beside ``input=``, a thread becomes a greenlet that may never yield): CI saw
+    both. Refuse such a session at once, naming the cause."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("subprocess"):
+        raise pytest.UsageError("a test module gevent-patched the interpreter while being collected (an import "
+                                "of pyinfra_cli?): import it inside a test or in a child process")

@@ -848,6 +848,10 @@ _server_operation = server
 @functools.wraps(_server_operation)  # type: ignore[no-redef]
 def server(*args: Any, **kwargs: Any) -> Any:  # noqa: F811 -- the operation, --dry aware
     _plan_under_dry()
+    if kwargs.get("rolling") or kwargs.get("_serial"):
+        # Here, while the deploy file runs at prepare: with -y pyinfra runs the operation's body only at
+        # execution, after it has taken the order of the hosts it will visit.
+        _keep_fleet_order()
     return _server_operation(*args, **kwargs)
 
 

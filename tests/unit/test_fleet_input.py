@@ -9,11 +9,37 @@ import time
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pyinfra_cli.util import parse_cli_arg  # what `pyinfra --data key=value` makes of value
 
 from gpugate.fleet import (MAX_FLEET_BYTES, SETTINGS, FleetError, SettingsError, fleet_to_inventory, load_fleet,
                            validated_settings)
 from gpugate.runbooks import server_arguments
+
+
+def _pyinfra_parse_cli_arg():
+    """pyinfra's own ``--data`` value parser (pyinfra_cli.util.parse_cli_arg), loaded WITHOUT running
+    ``pyinfra_cli/__init__.py``: that file gevent-patches the whole interpreter (subprocess, threading,
+    socket), and an import at collection time would change every other test of the session."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    if "pyinfra_cli" in sys.modules:
+        return importlib.import_module("pyinfra_cli.util").parse_cli_arg
+    location = importlib.util.find_spec("pyinfra_cli").submodule_search_locations
+    package = types.ModuleType("pyinfra_cli")
+    package.__path__ = list(location)
+    sys.modules["pyinfra_cli"] = package
+    try:
+        return importlib.import_module("pyinfra_cli.util").parse_cli_arg
+    finally:  # later imports of pyinfra_cli get the real package
+        for name in [name for name in sys.modules if name == "pyinfra_cli" or name.startswith("pyinfra_cli.")]:
+            if name != "pyinfra_cli.util" or sys.modules[name] is None:
+                sys.modules.pop(name, None)
+        sys.modules.pop("pyinfra_cli.util", None)
+
+
+parse_cli_arg = _pyinfra_parse_cli_arg()  # what `pyinfra --data key=value` makes of value
 
 
 def cli(**values: str) -> dict:
