@@ -54,9 +54,15 @@ def run(lab, *extra: str, **kwargs) -> tuple[int, str]:
     return result.returncode, result.stdout + result.stderr
 
 
+def _default_hangup() -> None:
+    # as from a terminal: a test run under nohup would hand its ignored SIGHUP down to the controller
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def start(lab, *extra: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(pyinfra_argv(*deploy_args(*extra, **kwargs)), cwd=REPO_ROOT, env=lab.env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                            preexec_fn=_default_hangup)
 
 
 def read_until(process: subprocess.Popen, needle: str, timeout_s: float = 120) -> str:
