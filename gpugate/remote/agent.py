@@ -644,8 +644,8 @@ def _dist_info_version(directory, name):
     return None
 
 
-def sglang_version():
-    """The installed SGLang's version from its dist-info/egg-info METADATA (never imports sglang)."""
+def _path_listings():
+    """(directory, its entries) for each readable directory of sys.path, once each, in order."""
     seen = set()
     for entry in sys.path:
         directory = entry or "."
@@ -653,9 +653,14 @@ def sglang_version():
             continue
         seen.add(directory)
         try:
-            names = os.listdir(directory)
+            yield directory, os.listdir(directory)
         except OSError:
             continue
+
+
+def sglang_version():
+    """The installed SGLang's version from its dist-info/egg-info METADATA (never imports sglang)."""
+    for directory, names in _path_listings():
         for name in names:
             version = _dist_info_version(directory, name)
             if version is not None:
@@ -682,16 +687,8 @@ def flag_table_key():
     >>> flag_table_key()["key"]   # doctest: +SKIP
     '0.5.23-3f2a9c0d1e7b4a55'
     """
-    version, server_args, seen = None, None, set()
-    for entry in sys.path:
-        directory = entry or "."
-        if directory in seen or not os.path.isdir(directory):
-            continue
-        seen.add(directory)
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            continue
+    version, server_args = None, None
+    for directory, names in _path_listings():
         for name in sorted(names) if version is None else ():
             version = _dist_info_version(directory, name)
             if version is not None:
