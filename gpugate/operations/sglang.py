@@ -96,6 +96,13 @@ class RunBook(BaseStateCallback):
         self.watching: dict[str, Watch] = {}
         self.printed = False
 
+    def ended(self, name: str, outcome: str, refused: bool = False) -> None:
+        """A container this run no longer follows: its outcome, counted as failed (rolling stops on it)
+        or as refused (nothing touched)."""
+        self.watching.pop(name, None)
+        (self.refused if refused else self.failed).append(name)
+        self.outcomes[name] = outcome
+
     def stop_rolling(self, max_failures: int) -> bool:
         return len(self.failed) > max_failures
 
@@ -428,9 +435,7 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     stdin = agentcmd.start_stdin(doc, include_source=not job.observation.get("agent_installed", True))
     ran, answer, trouble = _run(host_obj, agentcmd.start_command(job.python), stdin=stdin, timeout=120)
     if trouble or not ran:
-        book.watching.pop(name, None)
-        book.failed.append(name)
-        book.outcomes[name] = "hand-off failed"
+        book.ended(name, "hand-off failed")
         _say(host_obj, job.port, f"the hand-off got no answer: {trouble}; the container may have begun run {run}: "
                                  f"see runbooks/status.py", error=True)
         return False
@@ -441,9 +446,7 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
                                  f"{' by ' + busy['by'] if busy.get('by') else ''}): following it instead")
         return _attach(host_obj, job, str(busy.get("run")))
     if not answer.get("ok"):
-        book.watching.pop(name, None)
-        book.refused.append(name)
-        book.outcomes[name] = "refused by the agent (nothing touched)"
+        book.ended(name, "refused by the agent (nothing touched)", refused=True)
         _say(host_obj, job.port, f"the agent refused the hand-off, nothing touched: {answer.get('error')}", error=True)
         _audit(job, host_obj, "outcome", "end", run=run, outcome="refused", message=answer.get("error"))
         return False
@@ -483,9 +486,7 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
         ran, answer, trouble = _run(host_obj, agentcmd.follow_command(job.python, run, offset, wait_s=FOLLOW_WAIT_S, batch=True),
                                     timeout=FOLLOW_WAIT_S + 60)
         if trouble and "is stopped" in trouble or trouble and "does not exist" in trouble:
-            book.watching.pop(name, None)
-            book.failed.append(name)
-            book.outcomes[name] = trouble
+            book.ended(name, trouble)
             _say(host_obj, job.port, f"{trouble}: following run {run} ends here (it was at "
                                      f"{narrator.doing(time.time())}); start the container and re-run", error=True)
             _audit(job, host_obj, "outcome", "end", run=run, outcome="container stopped", message=trouble)
@@ -494,9 +495,7 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
             misses += 1
             why = trouble or answer.get("error") or "no answer"
             if misses >= FOLLOW_RETRIES:
-                book.watching.pop(name, None)
-                book.failed.append(name)
-                book.outcomes[name] = "lost sight of the transition"
+                book.ended(name, "lost sight of the transition")
                 _say(host_obj, job.port, f"lost sight of run {run} ({why}); the transition continues in the container: "
                                          f"{narrator.doing(time.time())}; follow with runbooks/status.py", error=True)
                 return False
