@@ -56,10 +56,15 @@ def _watch_connections() -> None:
     from pyinfra import state as _state
     from pyinfra.context import ctx_state as _ctx_state
 
-    from gpugate.runbooks import watch_connections as _watch
+    from gpugate.report.fleet import watch_connections as _watch
+    from gpugate.report.status import status_when_unreachable as _status_rows
+
+    def _is_status(arg: str) -> bool:
+        return _os.path.basename(arg) == "status.py" and _os.path.basename(
+            _os.path.dirname(_os.path.abspath(arg))) == "runbooks"
 
     if _ctx_state.isset():
-        _watch(_state, _sys.argv)
+        _watch(_state, _status_rows if any(_is_status(arg) for arg in _sys.argv) else None)
 
 
 globals().update(_groups())

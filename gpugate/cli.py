@@ -245,17 +245,21 @@ def _lab(args: argparse.Namespace) -> int:
 def _check(path: str, version: str | None) -> int:
     """`gpugate check fleet.yaml`: one line per server, then its problems and warnings (issue 13)."""
     from gpugate import sglang_args  # noqa: PLC0415
-    from gpugate.fleet import load_fleet  # noqa: PLC0415
+    from gpugate.fleet import container_host_data, load_fleet  # noqa: PLC0415
+    from gpugate.settings import resolved  # noqa: PLC0415
 
     fleet = load_fleet(path)  # a fleet file that does not load is one error line (main)
     refused = 0
     for pve in fleet.hosts:
         for container in pve.containers:
-            spec = container.sglang
-            if spec is None or not spec.present:
+            if container.sglang is None:
                 continue
-            ok, lines = sglang_args.check_report(spec.flags, version or spec.version, spec.extra_args)
-            where = f"{pve.name} {container.vmid} :{spec.port or 30000}"
+            server = resolved(container_host_data(pve, container))
+            if not server["sglang_present"]:
+                continue
+            ok, lines = sglang_args.check_report(server["sglang_flags"], version or server["sglang_version"],
+                                                 server["sglang_extra_args"])
+            where = f"{pve.name} {container.vmid} :{server['sglang_port']}"
             print(f"{where}: {lines[0]}")
             for line in lines[1:]:
                 print(f"    {line}")

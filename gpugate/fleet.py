@@ -51,16 +51,15 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
-import reprlib
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import yaml
-from pyinfra.api.exceptions import PyinfraError
 
+from gpugate.settings import (SETTINGS, SSH_SETTINGS, data_keys, describe as _describe, env_name, env_value,
+                              server_keys, suggest as _suggest)
 from gpugate.sglang_args import FlagError, canonical_name, validate_flags
 
 __all__ = [
@@ -68,299 +67,22 @@ __all__ = [
     "Fleet",
     "PveHost",
     "Container",
-    "SglangSpec",
     "load_fleet",
     "parse_fleet",
     "fleet_to_inventory",
-    "validated_settings",
-    "SettingsError",
-    "SETTINGS",
     "MAX_FLEET_BYTES",
-    "SUPERVISORS",
     "LOCAL_HOST",
 ]
 
-SUPERVISORS = ("process", "systemd", "auto")  # auto: systemd where PID 1 is systemd (gpugate.spec)
 LOCAL_HOST = "@local"
-
-# pyinfra's SSH connector settings, written in fleet.yaml without the ssh_ prefix.
-SSH_SETTINGS = (
-    "hostname", "port", "user", "password", "key", "key_password", "allow_agent", "look_for_keys",
-    "forward_agent", "config_file", "known_hosts_file", "strict_host_key_checking",
-    "paramiko_connect_kwargs", "connect_retries", "connect_retry_min_delay",
-    "connect_retry_max_delay", "file_transfer_protocol",
-)
 _SSH_PATH_SETTINGS = ("key", "known_hosts_file", "config_file")
 
 MAX_FLEET_BYTES = 1 << 20  # 1 MiB: a fleet of a thousand containers is well under 200 KiB
 
 
-class SettingsError(PyinfraError, ValueError):
-    """A host data value (``--data``, group data, fleet.yaml ``data:``) that gpugate cannot use:
-    ``setting drain_timeout_s='abc': expected a number of seconds, got 'abc' (str)``.
-
-    A PyinfraError, so that pyinfra prints the message and no traceback."""
-
-    def __init__(self, key: str, value: Any, problem: str):
-        self.key = key
-        self.problem = problem
-        shown = "(not shown: a secret)" if key == "sglang_env" else _SHORT.repr(value)
-        super().__init__(f"setting {key}={shown}: {problem}")
-
-
-_TRUE = ("true", "yes", "1")
-_FALSE = ("false", "no", "0")
-
-
-def _to_bool(value: Any) -> bool:
-    """true/false/yes/no/1/0 (any case; YAML and pyinfra's --data give bools and ints already).
-
-    >>> _to_bool("no"), _to_bool(1), _to_bool("TRUE")
-    (False, True, True)
-    """
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ValueError(f"expected true or false (or yes/no, 1/0), got {_describe(value)}")
-
-
-def _to_number(value: Any) -> int | float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"expected a number, got {_describe(value)}")
-    if value < 0:
-        raise ValueError(f"must not be negative, got {value}")
-    return value
-
-
-def _to_count(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"expected a whole number, got {_describe(value)}")
-    if value < 0:
-        raise ValueError(f"must not be negative, got {value}")
-    return value
-
-
-def _to_port(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise ValueError(f"expected a port number 1..65535, got {_describe(value)}")
-    return value
-
-
-def _one_line(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"expected {what}, got {_describe(value)}")
-    if any(c in value for c in "\x00\n\r"):
-        raise ValueError(f"expected {what} on one line (no NUL or line breaks)")
-    return value
-
-
-def _to_optional_path(value: Any) -> str | None:
-    return None if value is None else _one_line(value, "a path")
-
-
-def _to_model_path(value: Any) -> str | None:
-    return None if value is None else _one_line(value, "a path or Hugging Face repo id")
-
-
-def _to_listen_host(value: Any) -> str:
-    text = _one_line(value, "an address to listen on")
-    if text.startswith("-") or any(c.isspace() for c in text):
-        raise ValueError(f"expected an address to listen on, got {_describe(value)}")
-    return text
-
-
-_PYTHON3 = re.compile(r"^(python|python3|python3\.\d+|pypy3|pypy3\.\d+)$")
-
-
-def _to_python(value: Any) -> str:
-    """The absolute path of a Python 3 interpreter in the container (its name says so: python,
-    python3, python3.12, pypy3; ``/bin/sh`` or ``python2`` is refused here, before any SSH).
-
-    >>> _to_python("/opt/venv/bin/python3")
-    '/opt/venv/bin/python3'
-    """
-    if not isinstance(value, str) or not value.startswith("/") or any(
-            c.isspace() or c == "\x00" for c in value):
-        raise ValueError(f"expected the absolute path of a Python 3 interpreter in the container, "
-                         f"got {_describe(value)}")
-    if not _PYTHON3.match(os.path.basename(value)):
-        raise ValueError(f"{value} is not a Python 3 interpreter (expected a path ending in python3, "
-                         f"python3.N or python, e.g. /usr/bin/python3 or /opt/venv/bin/python)")
-    return value
-
-
-def _to_supervisor(value: Any) -> str:
-    if value not in SUPERVISORS:
-        raise ValueError(f"expected one of {', '.join(SUPERVISORS)}, got {_describe(value)}")
-    return value
-
-
-def _to_flags(value: Any) -> dict:
-    # the flags themselves are validated by sglang.server (gpugate.sglang_args), against the
-    # container's SGLang version; here only the shape
-    if not isinstance(value, dict):
-        raise ValueError(f"expected a mapping of SGLang flags, got {_describe(value)}")
-    return dict(value)
-
-
-def _to_env(value: Any) -> dict[str, str]:
-    if not isinstance(value, dict):
-        raise ValueError(f"expected a mapping NAME: \"value\", got {type(value).__name__}")
-    env: dict[str, str] = {}
-    for name, item in value.items():
-        env[_env_name(name)] = _env_value(name, item)
-    return env
-
-
-def _env_name(name: Any) -> str:
-    if not isinstance(name, str) or not _ENV_NAME.match(name):
-        raise ValueError(f"{name!r}: environment variable names are letters, digits and _, "
-                         "not starting with a digit")
-    return name
-
-
-def _env_value(name: str, value: Any, named: bool = True) -> str:
-    """Env values are strings as written: YAML reads unquoted 0755 as 493 and 1.10 as 1.1, so any
-    other type is refused (the value itself is never shown: env values may be secrets)."""
-    prefix = f"{name}: " if named else ""
-    if not isinstance(value, str):
-        read_as = ("a boolean" if isinstance(value, bool) else "null" if value is None
-                   else "a number" if isinstance(value, (int, float)) else type(value).__name__)
-        raise ValueError(f"{prefix}YAML read this value as {read_as}, not as the text written "
-                         f"(0755 becomes 493, 1.10 becomes 1.1): quote it ({name}: \"...\")")
-    if any(c in value for c in "\x00\n\r"):
-        raise ValueError(f"{prefix}values cannot contain NUL or line breaks (one line per variable)")
-    return value
-
-
-def _to_version(value: Any) -> str:
-    if not isinstance(value, str) or not _VERSION.match(value):
-        raise ValueError(f"expected an SGLang version as a quoted string like \"0.5.23\" "
-                         f"(unquoted, YAML reads 0.5.10 as a number), got {_describe(value)}")
-    return value
-
-
-def _to_extra_args(value: Any) -> list[str]:
-    if not isinstance(value, list):
-        raise ValueError(f"expected a list of strings (argv items), got {_describe(value)}")
-    for item in value:
-        if not isinstance(item, str):
-            raise ValueError(f"expected strings (quote each item), got {_describe(item)}")
-        if any(c in item for c in "\x00\n\r"):
-            raise ValueError("argv items cannot contain NUL or line breaks")
-    return list(value)
-
-
-def _to_rank(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"expected 1 (the newest), 2, ..., got {_describe(value)}")
-    return value
-
-
-def _to_format(value: Any) -> str:
-    if value not in ("table", "json"):
-        raise ValueError(f"expected table or json, got {_describe(value)}")
-    return value
-
-
-def _to_text(value: Any) -> str:
-    return _one_line(value, "a string")
-
-
-_VERSION = re.compile(r"^[0-9]+(\.[0-9]+)*([.+-]?[A-Za-z0-9]+)*$")
-
-# Every host data key gpugate reads (group_data/all.py documents each), with its checker. A new
-# setting is added here, so that fleet.yaml, group data and --data accept it. ``data_key``: may be
-# set in fleet.yaml ``data:`` sections (sglang_* belong in the sglang: section instead).
-SETTINGS: dict[str, Callable[[Any], Any]] = {
-    "sglang_model_path": _to_model_path,
-    "sglang_present": _to_bool,
-    "sglang_supervisor": _to_supervisor,
-    "sglang_port": _to_port,
-    "sglang_host": _to_listen_host,
-    "sglang_flags": _to_flags,
-    "sglang_python": _to_python,
-    "sglang_env": _to_env,
-    "sglang_restarted": _to_bool,
-    "sglang_version": _to_version,
-    "sglang_extra_args": _to_extra_args,
-    "gpu_max_used_mib": _to_count,
-    "gpu_gate_timeout_s": _to_number,
-    "drain_timeout_s": _to_number,
-    "kill_grace_s": _to_number,
-    "start_timeout_s": _to_number,
-    "health_poll_s": _to_number,
-    "lock_wait_s": _to_number,
-    "rolling": _to_bool,
-    "max_failures": _to_count,
-    "end_other_gpu_holders": _to_bool,
-    "min_free_mib": _to_count,      # free space the log and state dirs need before a transition
-    "audit_log": _to_optional_path,
-    "pve_host": _to_text,
-    "pct_sudo": _to_bool,
-    "pct_clear_env": _to_bool,
-    "pct_binary": _to_text,
-    "pct_ssh_share": _to_count,
-    # the runbooks' own (--data on their command line)
-    "rollback_to": _to_rank,        # the rollback runbook: the k-th newest good spec (1 = newest)
-    "format": _to_format,
-    "prom": _to_optional_path,
-}
-# Keys that are no setting of gpugate's but are fine in host data: the @pct connector's (set from
-# the host name) and pyinfra's own (ssh_*, global arguments as _sudo, ...).
-_PASSTHROUGH = ("pct_vmid", "pct_local")
-_RUNBOOK_KEYS = ("rollback_to", "format", "prom")
-_DATA_KEYS = tuple(key for key in SETTINGS if not key.startswith("sglang_") and key not in ("pve_host",) + _RUNBOOK_KEYS)
-
-
-def _ssh_data_keys() -> tuple[str, ...]:
-    return tuple(f"ssh_{name}" for name in SSH_SETTINGS)
-
-
-def validated_settings(data: Any) -> dict[str, Any]:
-    """The host data gpugate reads, checked and normalised: the same rules as fleet.yaml for every
-    source (``--data``, group data, fleet.yaml). Booleans come from true/false/yes/no/1/0 only
-    (pyinfra's ``--data rolling=no`` is the string "no", which Python would call true); numbers
-    must be numbers; an unknown key is refused with a did-you-mean. Raises SettingsError.
-
-    ``data`` is pyinfra's ``host.data`` (or any mapping). Returns only the keys of SETTINGS that
-    are set; callers apply defaults (``gpugate.runbooks.server_arguments``).
-
-    >>> validated_settings({"rolling": "no", "drain_timeout_s": 30, "ssh_user": "root"})
-    {'drain_timeout_s': 30, 'rolling': False}
-    >>> validated_settings({"drain_timout_s": 30})
-    Traceback (most recent call last):
-    ...
-    gpugate.fleet.SettingsError: setting drain_timout_s=30: unknown setting (did you mean drain_timeout_s?)
-    """
-    items = data.dict() if callable(getattr(data, "dict", None)) else dict(data)
-    known = tuple(SETTINGS) + _PASSTHROUGH + _ssh_data_keys()
-    settings: dict[str, Any] = {}
-    for key in sorted(items, key=str):
-        value = items[key]
-        if not isinstance(key, str):
-            raise SettingsError(str(key), value, "setting names are strings")
-        if key.startswith("_"):
-            continue  # pyinfra's global arguments given as data (_sudo, _su_user, ...)
-        if key not in known:
-            raise SettingsError(key, value, f"unknown setting{_suggest(key, known)}")
-        if key in SETTINGS:
-            try:
-                settings[key] = SETTINGS[key](value)
-            except ValueError as error:
-                raise SettingsError(key, value, str(error)) from None
-    return settings
-
-
-_SGLANG_KEYS = ("model_path", "port", "host", "flags", "env", "present", "supervisor", "python",
-                "sglang_version", "extra_args")
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]*$")
 _GROUP_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _DATA_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class FleetError(ValueError):
@@ -375,27 +97,11 @@ class FleetError(ValueError):
 
 
 @dataclasses.dataclass
-class SglangSpec:
-    """The desired server of one container (flags validated and normalised)."""
-
-    model_path: str | None
-    port: int | None = None
-    host: str | None = None
-    flags: dict[str, Any] = dataclasses.field(default_factory=dict)
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
-    present: bool = True
-    supervisor: str | None = None
-    python: str | None = None
-    version: str | None = None          # sglang_version: the SGLang release in the container
-    extra_args: list[str] | None = None  # argv items passed through as written
-
-
-@dataclasses.dataclass
 class Container:
     vmid: int
     groups: list[str] = dataclasses.field(default_factory=list)
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
-    sglang: SglangSpec | None = None
+    sglang: dict[str, Any] | None = None   # the sglang: section as settings (host-data key -> checked value)
 
 
 @dataclasses.dataclass
@@ -560,30 +266,14 @@ class _Checker:
                                        "section (validated), not as data")
             if key.startswith("ssh_"):
                 raise self.fail(where, "write SSH settings in the host's ssh: section")
-            if key not in _DATA_KEYS:
-                raise self.fail(where, f"unknown setting{_suggest(key, _DATA_KEYS)}; "
-                                       f"settings: {', '.join(_DATA_KEYS)}")
+            if key not in data_keys():
+                raise self.fail(where, f"unknown setting{_suggest(key, data_keys())}; "
+                                       f"settings: {', '.join(data_keys())}")
             try:
-                checked[key] = SETTINGS[key](item)
+                checked[key] = SETTINGS[key].convert(item)
             except ValueError as error:
                 raise self.fail(where, str(error)) from None
         return checked
-
-
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 4, 4, 80, 80
-
-
-def _describe(value: Any) -> str:
-    """A value for an error message, bounded (a YAML alias bomb is a small file and a huge repr)."""
-    if value is None:
-        return "nothing (null)"
-    return f"{_SHORT.repr(value)} ({type(value).__name__})"
-
-
-def _suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _check_ssh(check: _Checker, raw: Any, entry: str, base_dir: Path, default_hostname: str) -> dict:
@@ -606,42 +296,40 @@ def _check_ssh(check: _Checker, raw: Any, entry: str, base_dir: Path, default_ho
     return ssh
 
 
-def _check_sglang(check: _Checker, raw: Any, entry: str) -> SglangSpec:
-    section = check.mapping(raw, entry, _SGLANG_KEYS)
-
-    def checked(key: str, convert: Callable[[Any], Any]) -> Any:
-        value = section.get(key)
-        if value is None:
-            return None
-        try:
-            return convert(value)
-        except ValueError as error:
-            raise check.fail(f"{entry}.{key}", str(error)) from None
-
-    present = checked("present", _to_bool)
-    present = True if present is None else present
-    model_path = checked("model_path", _to_model_path)
-    if model_path is None and present:
+def _check_sglang(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
+    """The sglang: section as settings (host-data key -> checked value), each key by its row of
+    gpugate.settings.SETTINGS; the flags validated here too, so a typo names its entry."""
+    rows = server_keys()
+    section = check.mapping(raw, entry, tuple(rows))
+    out: dict[str, Any] = {}
+    for key, value in section.items():
+        row = rows[key]
+        where = f"{entry}.{key}"
+        if key == "env":
+            env = {}
+            for name, item in check.mapping(value, where).items():
+                try:
+                    env[env_name(name)] = env_value(name, item, named=False)
+                except ValueError as error:
+                    raise check.fail(f"{where}.{name}", str(error)) from None
+            out[row.key] = env
+        elif key == "flags":
+            raw_flags = check.mapping(value, where)
+            try:
+                out[row.key] = validate_flags(raw_flags)
+            except FlagError as error:
+                raise check.fail(f"{where}.{_written_key(raw_flags, error.flag)}", error.message) from None
+        elif value is not None:
+            try:
+                out[row.key] = row.convert(value)
+            except ValueError as error:
+                raise check.fail(where, str(error)) from None
+    if out.get("sglang_present", True) and not out.get("sglang_model_path"):
         raise check.fail(f"{entry}.model_path", "missing: the model path or Hugging Face repo id to serve")
-
-    raw_flags = check.mapping(section.get("flags"), f"{entry}.flags")
-    try:
-        flags = validate_flags(raw_flags)
-    except FlagError as error:
-        raise check.fail(f"{entry}.flags.{_written_key(raw_flags, error.flag)}", error.message) from None
-
-    env: dict[str, str] = {}
-    for key, value in check.mapping(section.get("env"), f"{entry}.env").items():
-        where = f"{entry}.env.{key}"
-        try:
-            env[_env_name(key)] = _env_value(key, value, named=False)
-        except ValueError as error:
-            raise check.fail(where, str(error)) from None
-
-    return SglangSpec(model_path=model_path, port=checked("port", _to_port), host=checked("host", _to_listen_host),
-                      flags=flags, env=env, present=present, supervisor=checked("supervisor", _to_supervisor),
-                      python=checked("python", _to_python), version=checked("sglang_version", _to_version),
-                      extra_args=checked("extra_args", _to_extra_args))
+    out.setdefault("sglang_flags", {})
+    out.setdefault("sglang_env", {})
+    out.setdefault("sglang_present", True)
+    return out
 
 
 def _written_key(raw_flags: Mapping[Any, Any], canonical: str) -> str:
@@ -778,32 +466,15 @@ def pve_group_name(host_name: str) -> str:
 
 
 def container_host_data(host: PveHost, container: Container) -> dict[str, Any]:
-    """The pyinfra host data of one container: ssh_*, pct_vmid, sglang_*, then data overrides
-    (the Proxmox host's ``data``, then the container's)."""
+    """The pyinfra host data of one container: ssh_*, pct_vmid, then the Proxmox host's ``data``,
+    the container's sglang: section (settings by their host-data keys), the container's ``data``."""
     data: dict[str, Any] = {}
     if not host.is_local:
         data.update({f"ssh_{key}": value for key, value in host.ssh.items()})
     data["pct_vmid"] = container.vmid
     data["pve_host"] = host.name
-    spec = container.sglang
-    if spec is not None:
-        data["sglang_model_path"] = spec.model_path
-        data["sglang_flags"] = dict(spec.flags)
-        data["sglang_env"] = dict(spec.env)
-        data["sglang_present"] = spec.present
-        if spec.port is not None:
-            data["sglang_port"] = spec.port
-        if spec.host is not None:
-            data["sglang_host"] = spec.host
-        if spec.supervisor is not None:
-            data["sglang_supervisor"] = spec.supervisor
-        if spec.python is not None:
-            data["sglang_python"] = spec.python
-        if spec.version is not None:
-            data["sglang_version"] = spec.version
-        if spec.extra_args is not None:
-            data["sglang_extra_args"] = list(spec.extra_args)
     data.update(host.data)
+    data.update(container.sglang or {})  # a server setting (drain_timeout_s) is the server's own
     data.update(container.data)
     return data
 

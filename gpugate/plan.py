@@ -18,12 +18,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from gpugate.match import compare, interpreter_lines, running_command
 from gpugate.sglang_args import diff_flags, parse_argv
-from gpugate.spec import Spec, SpecError, gpu_set, option_items, redact_flags
+from gpugate.spec import Spec, option_items, redact_flags
 
 OUTCOMES_OK = ("verified",)
 PROGRESS_EVERY_S = 3.0  # at most one progress line per step this often (the agent journals every 1.5 s)
@@ -63,7 +63,7 @@ def gpu_text(gpus: Iterable[int] | None) -> str:
 
 
 def _compact(used: Mapping[str, Any] | Sequence[Any] | None) -> str:
-    from gpugate.runbooks import compact_mib
+    from gpugate.report.text import compact_mib
 
     if isinstance(used, Mapping):
         values = [used[key] for key in sorted(used, key=lambda k: int(k))]
@@ -108,82 +108,6 @@ def foreign_memory(gpu_doc: Mapping[str, Any], gpus: Iterable[int] | None = None
         if foreign > 0:
             out.append({"index": gpu.get("index"), "foreign_mib": foreign, "used_mib": used})
     return out
-
-
-def _running_command(server: Mapping[str, Any]) -> dict[str, Any] | None:
-    main = server.get("main")
-    if not server.get("running") or not main:
-        return None
-    parsed = parse_argv(main.get("argv") or [])
-    return {"model_path": parsed.model_path, "host": parsed.host, "port": parsed.port, "flags": parsed.flags,
-            "unknown": list(parsed.unknown), "python": (main.get("argv") or ["?"])[0]}
-
-
-def env_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
-    """Env differences, values never shown: against the running process's environment, by hash
-    (names the desired spec sets, and names a good spec had that the desired one drops)."""
-    from gpugate.agentcmd import env_hash
-
-    have = server.get("env_hashes") or {}
-    lines = []
-    for name, value in sorted(spec.env.items()):
-        if have.get(name) is None:
-            lines.append(f"+ env {name}=***")
-        elif have[name] != env_hash(value):
-            lines.append(f"~ env {name}=*** (value changed)")
-    for name in sorted(set(have) - set(spec.env)):
-        if have[name] is not None:
-            lines.append(f"- env {name}")
-    return lines
-
-
-def interpreter_lines(running: str | None, desired: str | None) -> list[str]:
-    """The interpreter change as a pair of lines that say what they are (a bare ``- python3`` reads
-    like a flag value); nothing when either side is unknown.
-
-    >>> interpreter_lines("/usr/bin/python3", "/opt/venv/bin/python3")
-    ['- interpreter /usr/bin/python3', '+ interpreter /opt/venv/bin/python3']
-    """
-    if not running or not desired or running == "?" or running == desired:
-        return []
-    return [f"- interpreter {running}", f"+ interpreter {desired}"]
-
-
-def diff_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
-    """What changes from the running command to the desired one, one line per argv change
-    (secrets ``***``), model path, host and interpreter included."""
-    running = _running_command(server)
-    if running is None:
-        return [f"+ {arg}" for arg in spec.display_args()]
-    lines: list[str] = interpreter_lines(running["python"], spec.python)
-    if running["model_path"] != spec.model_path:
-        lines += [f"- --model-path {running['model_path']}", f"+ --model-path {spec.model_path}"]
-    if (running["host"] or "127.0.0.1") != spec.host:
-        lines += [f"- --host {running['host'] or '127.0.0.1'}", f"+ --host {spec.host}"]
-    lines += diff_flags(redact_flags(running["flags"]), redact_flags(spec.flags)).lines(redact=True)
-    have_extra = running["unknown"]
-    if list(have_extra) != list(spec.extra_args):
-        if have_extra:
-            lines.append("- " + shlex.join(have_extra))
-        if spec.extra_args:
-            lines.append("+ " + shlex.join(spec.extra_args) + "  (extra_args, unchecked)")
-    return lines
-
-
-def runs_exactly(server: Mapping[str, Any], spec: Spec) -> bool:
-    """The running main's exact argv (by hash: secret values included) and environment (by value
-    hashes) are the desired spec's."""
-    from gpugate.agentcmd import argv_hash, env_hash
-
-    main = server.get("main") or {}
-    if not server.get("running") or main.get("argv_hash") != argv_hash(list(spec.argv)):
-        return False
-    have = server.get("env_hashes") or {}
-    if any(have.get(name) != env_hash(value) for name, value in spec.env.items()):
-        return False
-    if any(value is not None for name, value in have.items() if name not in spec.env):
-        return False
-    return (main.get("supervisor") or "process") == spec.supervisor
 
 
 def same_desired(record: Mapping[str, Any] | None, spec: Spec | None, port: int) -> bool:
@@ -254,7 +178,7 @@ def rollback_choice(server: Mapping[str, Any], k: int = 1) -> tuple[dict[str, An
 
 def record_lines(server: Mapping[str, Any], record: Mapping[str, Any]) -> list[str]:
     """The diff from what runs to a recorded spec (redacted on both sides)."""
-    running = _running_command(server)
+    running = running_command(server)
     target = parse_argv(list(record.get("argv") or []))
     if running is None:
         return [f"+ {arg}" for arg in _pairs(list(record.get("argv") or [])[3:])]
@@ -283,30 +207,6 @@ def _pairs(args: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------- port change
-def _main_gpus(cmdline: str) -> tuple[int, ...] | None:
-    try:
-        return gpu_set(parse_argv(cmdline.split()).flags)
-    except (SpecError, ValueError):
-        return None
-
-
-def replaced_servers(observation: Mapping[str, Any], spec: Spec) -> list[dict[str, Any]]:
-    """Servers of this container on OTHER ports whose GPUs overlap the desired server's: they must
-    stop first (a port change: 30000 -> 30001). Each as ``{"port", "pid", "cmdline", "gpus"}``.
-    Servers on other GPUs are left alone (two servers on disjoint halves)."""
-    server = observation.get("sglang") or {}
-    wanted = None if spec.gpus is None else set(spec.gpus)
-    out = []
-    for stray in server.get("strays") or []:
-        port = stray.get("port")
-        if not port or port == spec.port:
-            continue
-        gpus = _main_gpus(stray.get("cmdline") or "")
-        if wanted is None or gpus is None or wanted & set(gpus):
-            out.append({"port": port, "pid": stray.get("pid"), "cmdline": stray.get("cmdline") or "", "gpus": gpus})
-    return out
-
-
 def replaces_doc(replaced: Mapping[str, Any]) -> dict[str, Any]:
     """A SpecDoc naming the server to drain first. Its exact argv and env stay in the container:
     the agent captures them from /proc (and its history) before the stop, for the rollback."""
@@ -466,51 +366,30 @@ def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, r
         return Plan(action, (f"roll back to {why}",), lines=tuple(lines), steps=steps,
                     rollback_to={"running": True} if running else None, restart=True, last=last,
                     gpus=tuple(record["gpus"]) if record.get("gpus") is not None else None, target=record)
+    match = compare(observation, spec, port)
     if spec is None:
-        strays = server.get("strays") or []
-        mine = [s for s in strays if s.get("port") in (None, port)]
-        if running:
-            main = server.get("main") or {}
-            return Plan("stop", (f"sglang runs on :{port} (pid {main.get('pid')}) and should not",),
-                        steps=steps_for("stop", None, max_used_mib, budgets), rollback_to=None, last=last)
-        if mine:
-            return Plan("stop", (f"{len(mine)} stray sglang server part(s) of :{port} left in the container",),
-                        steps=steps_for("stop", None, max_used_mib, budgets), rollback_to=None, last=last)
-        return Plan("noop", (f"sglang on :{port} is absent, as desired",), last=last)
+        if match.verdict in ("should_not_run", "strays"):
+            return Plan("stop", match.why, steps=steps_for("stop", None, max_used_mib, budgets), rollback_to=None,
+                        last=last)
+        return Plan("noop", match.why, last=last)
 
-    replaced = replaced_servers(observation, spec)
+    replaced = list(match.replaced)
     replacing = tuple(int(r["port"]) for r in replaced)
     problems, notes = checks(observation, spec, max_used_mib=max_used_mib, min_free_mib=min_free_mib,
                              end_other_gpu_holders=end_other_gpu_holders, replacing=replacing)
     if len(replaced) > 1:
         problems.append("servers on :" + ", :".join(str(r["port"]) for r in replaced) + " use GPUs the desired server "
                         "needs; a deploy replaces at most one of them (stop the others first)")
-    exact = runs_exactly(server, spec)
-    serving = bool(server.get("serving"))
-    if exact and serving and not restart and not replaced:
+    if match.verdict == "as_desired" and not restart:
         return Plan("noop", (f"sglang on :{spec.port} already serves the desired spec ({spec_summary(server)})",),
                     last=last)
-    flag_lines, changed_env = diff_lines(server, spec), env_lines(server, spec)
-    lines = flag_lines + changed_env
-    reasons = []
-    if not running:
-        reasons.append(f"sglang is not running on :{spec.port}")
-        action = "start"
-    elif exact and not restart:
-        reasons.append(f"sglang on :{spec.port} runs the desired spec but does not serve ({health_text(server)}): "
+    lines = list(match.lines)
+    reasons = list(match.why)
+    action = "start" if match.verdict == "not_running" else "restart"
+    if match.verdict != "not_running" and match.exact:
+        reasons.append("restart requested (same spec)" if restart else
+                       f"sglang on :{spec.port} runs the desired spec but does not serve ({health_text(server)}): "
                        f"the agent waits for it, or restarts it when a worker is dead")
-        action = "restart"
-    elif exact:
-        reasons.append("restart requested (same spec)")
-        action = "restart"
-    else:
-        action = "restart"
-        if flag_lines:
-            reasons.append("the running flags differ from the desired flags")
-        if changed_env:
-            reasons.append("the server's environment differs")
-        if not lines:
-            reasons.append("the running command differs from the desired one (a secret value or the supervisor)")
     if replaced:
         reasons.append("port change: :" + ", :".join(str(p) for p in replacing) + f" -> :{spec.port}")
     strays = [s for s in server.get("strays") or [] if s.get("port") in (None, spec.port)]

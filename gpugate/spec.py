@@ -1,10 +1,12 @@
-"""The desired SGLang server as ONE value: a frozen ``Spec`` that owns its defaults, its validation,
-the argv (rendered once, here) and the GPUs it will use.
+"""The desired state of one container as ONE value: :class:`Desired` (the port, present or not,
+the budgets, the run's options) holding a frozen :class:`Spec` (the server: its validation, the
+argv rendered once, here, and the GPUs it will use).
 
-Everything the controller knows about "what should run" comes from here: ``deploy.py`` and the
-runbooks map host data to ``sglang.server``'s arguments (``gpugate.runbooks.server_arguments``, with
-the defaults of :data:`DEFAULTS`), the operation builds a :class:`Spec` with :func:`build_spec` and
-sends :meth:`Spec.doc` to the container's agent (docs/agent-protocol.md, ``SpecDoc``).
+Everything the controller knows about "what should run" comes from here: ``deploy.py``, the
+runbooks and the status build the container's Desired once from its host data
+(``gpugate.settings.desired_state``, with the defaults of the settings table), the operation takes
+it as it is and sends :meth:`Spec.doc` to the container's agent (docs/agent-protocol.md,
+``SpecDoc``); the status compares the same Spec with what runs (``gpugate.rules.match``).
 
 Example::
 
@@ -24,35 +26,23 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gpugate.settings import SETTINGS, SUPERVISORS, resolved
 from gpugate.sglang_args import (SECRET_MASK, FlagError, is_secret_value, redact_argv, render_argv,
                                  render_flag_args, secret_flag_options, validate_flags)
 
-__all__ = ["DEFAULTS", "BUDGET_KEYS", "Spec", "SpecError", "build_spec", "gpu_set", "redact_flags", "budgets"]
+__all__ = ["BUDGET_KEYS", "Desired", "desired_state", "Spec", "SpecError", "build_spec", "gpu_set", "redact_flags", "budgets"]
 
-# The one place defaults live: group_data/all.py and gpugate.runbooks.server_arguments take them
-# from here (so the docs, the inventory and the operation cannot disagree).
-DEFAULTS: dict[str, Any] = {
-    "port": 30000,                 # SGLang's own default port
-    "host": "127.0.0.1",           # --host: the address the server listens on in the container
-    "supervisor": "auto",          # "systemd" (a unit) where the container's PID 1 is systemd, else
-                                   # "process" (own session, pid file, log); or either, named
-    "python": "/usr/bin/python3",  # the interpreter that runs `-m sglang.launch_server`
-    "present": True,               # False: no server on the port
-    "max_used_mib": 64,            # the gate: a GPU is free at or under this many MiB (NVML v2)
-    "gate_timeout_s": 120.0,       # how long the gate waits for this server's GPUs after the stop
-    "drain_timeout_s": 60.0,       # SGLang's SIGTERM drain has no deadline: this is ours, then SIGKILL
-    "kill_grace_s": 10.0,          # after SIGKILL: how long the tree may take to vanish
-    "start_timeout_s": 2700.0,     # until healthy and generating (45 min: a cold TP8 load + CUDA graphs)
-    "generate_timeout_s": 30.0,    # the first real generation after /health turns 200
-    "min_free_mib": 64,            # free space the log and state directories need before a stop
-    "max_failures": 0,             # rolling restarts: stop after more failed containers than this
-}
+# The budgets the agent enforces (docs/agent-protocol.md, "start") -> the setting that gives each.
+BUDGET_SETTINGS = {"drain_timeout_s": "drain_timeout_s", "kill_grace_s": "kill_grace_s",
+                   "gate_timeout_s": "gpu_gate_timeout_s", "start_timeout_s": "start_timeout_s",
+                   "max_used_mib": "gpu_max_used_mib", "generate_timeout_s": "generate_timeout_s"}
+BUDGET_KEYS = tuple(BUDGET_SETTINGS)
 
-# The budgets the agent enforces (docs/agent-protocol.md, "start"), by their names in DEFAULTS.
-BUDGET_KEYS = ("drain_timeout_s", "kill_grace_s", "gate_timeout_s", "start_timeout_s", "max_used_mib",
-               "generate_timeout_s")
 
-SUPERVISORS = ("process", "systemd", "auto")
+def _default(key: str) -> Any:
+    return SETTINGS[key].default
+
+
 
 
 def resolve_supervisor(requested: str, container: Mapping[str, Any] | None) -> str:
@@ -140,14 +130,14 @@ def gpu_set(flags: Mapping[str, Any], env: Mapping[str, Any] | None = None) -> t
 
 
 def budgets(values: Mapping[str, Any] | None = None) -> dict[str, float]:
-    """The agent's budgets: :data:`DEFAULTS` overridden by ``values`` (names of BUDGET_KEYS).
+    """The agent's budgets (names of BUDGET_KEYS): the settings' defaults overridden by ``values``.
 
     >>> budgets({"drain_timeout_s": 5})["drain_timeout_s"], budgets()["max_used_mib"]
     (5.0, 64.0)
     """
     given = dict(values or {})
-    return {key: float(given[key] if given.get(key) is not None else DEFAULTS[key]) for key in BUDGET_KEYS}
-
+    return {key: float(given[key] if given.get(key) is not None else _default(setting))
+            for key, setting in BUDGET_SETTINGS.items()}
 
 
 def option_items(args: list[str]) -> list[str]:
@@ -174,9 +164,9 @@ class Spec:
     port: int
     flags: Mapping[str, Any]        # normalised (canonical names, typed values)
     env: Mapping[str, str]
-    host: str = DEFAULTS["host"]
-    supervisor: str = DEFAULTS["supervisor"]
-    python: str = DEFAULTS["python"]
+    host: str = SETTINGS["sglang_host"].default
+    supervisor: str = SETTINGS["sglang_supervisor"].default
+    python: str = SETTINGS["sglang_python"].default
     extra_args: tuple[str, ...] = ()
     sglang_version: str | None = None
     argv: tuple[str, ...] = ()
@@ -247,7 +237,7 @@ def _one_line(what: str, text: str) -> None:
         raise SpecError(f"{what} must be one line (no newline, carriage return or NUL)")
 
 
-def build_spec(model_path: str | None, port: int = DEFAULTS["port"], flags: Mapping[str, Any] | None = None,
+def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].default, flags: Mapping[str, Any] | None = None,
                env: Mapping[str, Any] | None = None, *, host: str | None = None, supervisor: str | None = None,
                python: str | None = None, extra_args: Sequence[str] | None = None,
                sglang_version: str | None = None, table: Any = None) -> Spec:
@@ -263,9 +253,9 @@ def build_spec(model_path: str | None, port: int = DEFAULTS["port"], flags: Mapp
     ...
     gpugate.spec.SpecError: --kv-cache-dtype: ...
     """
-    host = DEFAULTS["host"] if host is None else host
-    supervisor = DEFAULTS["supervisor"] if supervisor is None else supervisor
-    python = DEFAULTS["python"] if python is None else python
+    host = _default("sglang_host") if host is None else host
+    supervisor = _default("sglang_supervisor") if supervisor is None else supervisor
+    python = _default("sglang_python") if python is None else python
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise SpecError(f"port must be an integer in 1..65535, got {port!r}")
     if not isinstance(model_path, str) or not model_path.strip():
@@ -320,3 +310,76 @@ def build_spec(model_path: str | None, port: int = DEFAULTS["port"], flags: Mapp
     return Spec(model_path=model_path, port=port, flags=dict(normal), env=clean_env, host=host,
                 supervisor=supervisor, python=python, extra_args=extras, sglang_version=sglang_version,
                 argv=argv, gpus=gpus, warnings=tuple(warnings))
+
+
+@dataclasses.dataclass(frozen=True)
+class Desired:
+    """One container's desired state, built once from its settings (gpugate.settings.desired_state).
+    ``spec`` is the server (None when none should run, or when ``problem`` says why the values make
+    none: that container is refused, nothing touched)."""
+
+    port: int
+    present: bool
+    python: str
+    spec: Spec | None
+    budgets: Mapping[str, float]
+    problem: str | None = None
+    flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # as written: re-checked per version
+    sglang_version: str | None = None
+    min_free_mib: int = SETTINGS["min_free_mib"].default
+    end_other_gpu_holders: bool = False
+    rolling: bool = False
+    max_failures: int = SETTINGS["max_failures"].default
+    audit_log: str | None = None
+    restarted: bool = False
+    rollback_to: int = 1
+
+    @property
+    def max_used_mib(self) -> int:
+        return int(self.budgets["max_used_mib"])
+
+    def observe_args(self) -> dict[str, Any]:
+        """What the agent's observe is asked (docs/agent-protocol.md, "observe"): the port, and for
+        a desired server the env names whose value hashes it reports, its model path, GPUs and host.
+        The deploy and the status ask the same, so they see the same."""
+        args: dict[str, Any] = {"port": self.port}
+        if self.spec is not None:
+            args.update(env_names=sorted(self.spec.env), model_path=self.spec.model_path,
+                        gpus=list(self.spec.gpus) if self.spec.gpus is not None else None, host=self.spec.host)
+            if self.spec.secret_flags():
+                args["secret_flags"] = self.spec.secret_flags()
+        return args
+
+
+def desired_state(data: Any) -> Desired:
+    """The container's desired state from its host data (pyinfra's ``host.data`` or any mapping),
+    built once: gpugate.settings.SettingsError for a value that cannot be used (the whole run stops
+    before any host is touched); a server that the values do not make (no model path, a flag SGLang
+    refuses) is the Desired's ``problem``, so that only this container is refused.
+
+    >>> desired = desired_state({"sglang_model_path": "/m", "sglang_flags": {"tp": 2}, "drain_timeout_s": 5})
+    >>> desired.spec.argv[-2:], desired.budgets["drain_timeout_s"], desired.present
+    (('--tp-size', '2'), 5.0, True)
+    >>> desired_state({"sglang_present": "false"}).present, desired_state({}).problem
+    (False, 'model_path is required (a directory in the container or a repo id)')
+    """
+    values = resolved(data)
+    port = int(values["sglang_port"])
+    present = bool(values["sglang_present"])
+    spec: Spec | None = None
+    problem = None
+    if present:
+        try:
+            spec = build_spec(values["sglang_model_path"], port, values["sglang_flags"], values["sglang_env"],
+                              host=values["sglang_host"], supervisor=values["sglang_supervisor"],
+                              python=values["sglang_python"], extra_args=values["sglang_extra_args"],
+                              sglang_version=values["sglang_version"])
+        except SpecError as error:
+            problem = str(error)
+    return Desired(port=port, present=present, python=values["sglang_python"], spec=spec,
+                   budgets=budgets({key: values[setting] for key, setting in BUDGET_SETTINGS.items()}),
+                   problem=problem, flags=dict(values["sglang_flags"] or {}),
+                   sglang_version=values["sglang_version"], min_free_mib=int(values["min_free_mib"]),
+                   end_other_gpu_holders=bool(values["end_other_gpu_holders"]), rolling=bool(values["rolling"]),
+                   max_failures=int(values["max_failures"]), audit_log=values["audit_log"],
+                   restarted=bool(values["sglang_restarted"]), rollback_to=int(values["rollback_to"]))

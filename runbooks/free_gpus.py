@@ -16,22 +16,21 @@ from pyinfra import host
 
 from gpugate.facts.sglang import SglangObservation
 from gpugate.operations import gpu
-from gpugate.runbooks import free_gpus_refusal, refused
+from gpugate.report.holders import free_gpus_refusal
+from gpugate.spec import desired_state
 
-data = host.data
-port = data.get("sglang_port", 30000)
-max_used_mib = data.get("gpu_max_used_mib", 64)
-observation = host.get_fact(SglangObservation, port=port, python=data.get("sglang_python", "/usr/bin/python3"))
-reason = free_gpus_refusal(observation.get("sglang") or {}, observation.get("gpu") or {}, max_used_mib,
-                           host.name, port)
+desired = desired_state(host.data)
+observation = host.get_fact(SglangObservation, port=desired.port, python=desired.python)
+reason = free_gpus_refusal(observation.get("sglang") or {}, observation.get("gpu") or {}, desired.max_used_mib,
+                           host.name, desired.port)
 if reason:
-    refused(name="Free the container's GPUs", reason=reason)
+    gpu.refused(name="Free the container's GPUs", reason=reason)
 else:
     gpu.idle(
         name="Free the container's GPUs (end its GPU processes)",
-        max_used_mib=max_used_mib,
-        timeout=data.get("gpu_gate_timeout_s", 120),
+        max_used_mib=desired.max_used_mib,
+        timeout=desired.budgets["gate_timeout_s"],
         kill=True,
-        kill_grace_s=data.get("kill_grace_s", 10),
-        audit_log=data.get("audit_log"),
+        kill_grace_s=desired.budgets["kill_grace_s"],
+        audit_log=desired.audit_log,
     )

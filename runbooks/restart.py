@@ -6,21 +6,18 @@
     pyinfra -y inventory.py runbooks/restart.py --limit '@pct/pve1:129' \
         --data 'sglang_flags={"tp": 8, "disable-radix-cache": true}'
 
-sglang.server(restarted=True) with the desired state from the inventory (as deploy.py): the agent
+sglang.server with the desired state, restarted, from the inventory (as deploy.py): the agent
 stops the server (drain, SIGKILL of its tree, sweep), gates its GPUs, starts it, waits until it
 generates, verifies it; a failure rolls back to the server that ran. The same spec again adds
 nothing to the history of good specs. See docs/runbooks.md.
 """
 
+fromimport dataclasses
+
 from pyinfra import host
 
 from gpugate.operations import sglang
-from gpugate.runbooks import server_arguments
+from gpugate.spec import desired_state
 
-arguments = server_arguments(host.data)
-sglang.server(
-    name=f"Restart SGLang on :{arguments['port']}",
-    restarted=True,
-    _serial=arguments["rolling"],
-    **arguments,
-)
+desired = dataclasses.replace(desired_state(host.data), restarted=True)
+sglang.server(name=f"Restart SGLang on :{desired.port}", desired=desired, _serial=desired.rolling)

@@ -14,13 +14,9 @@ change fleet.yaml if the rollback is meant to stay. See docs/runbooks.md.
 
 from pyinfra import host
 
-from gpugate.fleet import validated_settings
 from gpugate.operations import sglang
-from gpugate.runbooks import server_arguments
+from gpugate.spec import desired_state
 
-arguments = server_arguments(host.data)
-settings = validated_settings(host.data)
-sglang.server(
-    name=f"Roll back SGLang on :{arguments['port']} to a good spec from its history",
-    **dict(arguments, present=True, restore_previous=True, rollback_to=settings.get("rollback_to") or 1),
-)
+desired = desired_state(host.data)
+sglang.server(name=f"Roll back SGLang on :{desired.port} to a good spec from its history", desired=desired,
+              restore_previous=True)

@@ -17,32 +17,27 @@ is installed); pyinfra runs this file for all containers at once. See docs/runbo
 
 from pyinfra import host, state
 
-from gpugate.agentcmd import argv_hash
-from gpugate.runbooks import (desired_spec, fleet_report, publish_status, status_observation, status_row,
-                              unreachable_row)
+from gpugate.facts.sglang import SglangObservationOnce
+from gpugate.report.fleet import fleet_report
+from gpugate.report.status import publish_status, status_row, unreachable_row
+from gpugate.spec import desired_state
 
 
 def _unreachable(target, reason):
-    data = target.data
-    return unreachable_row(data.get("pve_host") or target.name, data.get("pct_vmid"), reason,
-                           present=data.get("sglang_present", True), desired_model=data.get("sglang_model_path"),
-                           port=data.get("sglang_port", 30000))
+    return unreachable_row(target.data.get("pve_host") or target.name, target.data.get("pct_vmid"), reason,
+                           desired_state(target.data))
 
 
 def _publish(rows):
     # returns None: FleetReport prints what it is given; publish_status prints (and writes --data prom=PATH)
-    publish_status(rows, output_format=data.get("format", "table"), prom_path=data.get("prom"))
+    publish_status(rows, output_format=host.data.get("format", "table"), prom_path=host.data.get("prom"))
     return None
 
 
-data = host.data
-observation = status_observation(host)  # pyinfra runs this file for every host at once
-spec = desired_spec(data)  # None: no server desired, or data that make none (the row still shows)
-row = status_row(data.get("pve_host") or host.name, data.get("pct_vmid"), observation,
-                 desired_flags=data.get("sglang_flags") or {}, desired_model=data.get("sglang_model_path"),
-                 present=data.get("sglang_present", True), port=data.get("sglang_port", 30000),
-                 max_used_mib=data.get("gpu_max_used_mib", 64), desired_env=data.get("sglang_env") or {},
-                 desired_argv_hash=argv_hash(list(spec.argv)) if spec is not None else None)
+desired = desired_state(host.data)  # the same desired state, built the same way, as deploy.py's
+# pyinfra runs this file for every host at once; the observe asks what the deploy's asks
+observation = dict(host.get_fact(SglangObservationOnce, python=desired.python, **desired.observe_args()))
+row = status_row(host.data.get("pve_host") or host.name, host.data.get("pct_vmid"), observation, desired)
 fleet_report(state, "status", _publish, missing=_unreachable).add(host.name, row)
 if not row["ok"]:
     # Not as desired: the run's exit status says so (pyinfra exits 1 when a host failed). Nothing

@@ -16,7 +16,9 @@ from pyinfra.api import StringCommand
 
 from gpugate.connectors.pct import PctConnector
 from gpugate.facts.gpu import HostGpuProcesses
-from gpugate.runbooks import fleet_report, natural_key, render_holders
+from gpugate.report.fleet import fleet_report
+from gpugate.report.holders import render_holders
+from gpugate.report.text import natural_key
 
 
 def pve_host_of(target) -> str:

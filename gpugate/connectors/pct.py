@@ -57,6 +57,7 @@ from pyinfra.connectors.util import (
 )
 
 from gpugate.claims import LOCK_DIR, busy_message, gpu_ranges
+from gpugate.settings import SETTINGS
 
 if TYPE_CHECKING:
     from pyinfra.api.arguments import ConnectorArguments
@@ -77,10 +78,10 @@ HOST_MKTEMP = 'mktemp "${TMPDIR:-/tmp}/pyinfra-pct.XXXXXXXXXX"'
 STATUS_CHECK_MARKER = "pct-status-exit:"
 LIST_CHECK_MARKER = "pct-list-exit:"
 
-# Containers of one Proxmox host that share one SSH connection. Each uses at most two SSH sessions
-# at once (a command's channel and its SFTP channel), and sshd allows 10 per connection by default
-# (MaxSessions), so 4 containers stay below it.
-DEFAULT_CONTAINERS_PER_CONNECTION = 4
+# Containers of one Proxmox host that share one SSH connection (the pct_ssh_share setting). Each
+# uses at most two SSH sessions at once (a command's channel and its SFTP channel), and sshd allows
+# 10 per connection by default (MaxSessions), so 4 containers stay below it.
+DEFAULT_CONTAINERS_PER_CONNECTION = SETTINGS["pct_ssh_share"].default
 
 
 class PctConnectorData(TypedDict):
@@ -98,20 +99,9 @@ connector_data_meta: dict[str, DataMeta] = {
         "Run pct on this machine instead of over SSH (set by the name @pct/@local:<vmid>)",
         False,
     ),
-    "pct_binary": DataMeta("The pct command on the Proxmox host", "pct"),
-    "pct_sudo": DataMeta(
-        "Run pct with `sudo -n` on the host (default: when ssh_user is set and not root)",
-    ),
-    "pct_clear_env": DataMeta(
-        "Give commands the container's own environment (`env -i PATH=...`), "
-        "not pct's PATH and the SSH session's variables",
-        True,
-    ),
-    "pct_ssh_share": DataMeta(
-        "How many containers of one Proxmox host share one SSH connection in a run "
-        "(1: one connection per container)",
-        DEFAULT_CONTAINERS_PER_CONNECTION,
-    ),
+    # the settings' own rows (gpugate.settings): one doc and one default each
+    **{key: DataMeta(SETTINGS[key].doc[:1].upper() + SETTINGS[key].doc[1:], SETTINGS[key].default)
+       for key in ("pct_binary", "pct_sudo", "pct_clear_env", "pct_ssh_share")},
 }
 
 

@@ -6,7 +6,8 @@ running transition and the history of good specs, the GPU probe, and the contain
 PID 1, port and GPU holders). The command is a short invocation of the installed agent
 (``/var/lib/gpugate/agent-<sha256>.py``); when this controller's agent is not installed it answers
 ``{"agent_missing": true}`` and ``SglangObservationInline`` observes once with the agent sent
-inline (read-only: installs nothing; the hand-off installs it). :func:`observe` does both.
+inline (read-only: installs nothing; the hand-off installs it). ``SglangObservationOnce`` does
+both in one command (the status's).
 
 ``SglangServer``: the ``sglang`` part alone, with the running argv parsed (``command``).
 
@@ -17,11 +18,11 @@ there, env values as hashes).
 
 .. code:: python
 
-    from gpugate.facts.sglang import SglangServer, observe
+    from gpugate.facts.sglang import SglangObservationOnce, SglangServer
     server = host.get_fact(SglangServer, port=30000)
     if server["running"]:
         print(server["main"]["pid"], server["command"]["flags"], server["serving"])
-    observation = observe(host, port=30000)   # with the inline fallback
+    observation = host.get_fact(SglangObservationOnce, port=30000)   # with the inline fallback
 
 or from the CLI: ``pyinfra inventory.py fact gpugate.facts.sglang.SglangServer port=30000``
 """
@@ -141,20 +142,29 @@ class SglangServer(FactBase):
         return server
 
 
-def observe(host: Any, python: str = DEFAULT_PYTHON, **kwargs: Any) -> dict[str, Any]:
-    """The observation of ``host``'s container: the installed agent, else once inline. Adds
-    ``agent_installed`` (False: the hand-off must carry the agent's source).
+def observe_once_command(python: str | None, args: Mapping[str, Any]) -> str:
+    """ONE remote command for the agent's observe: the installed agent, and in the same shell, when
+    it answers ``agent_missing``, the agent sent inline (read-only). The status pays one round trip
+    per container whether or not a deploy installed the agent there.
 
-    .. code:: python
-
-        observation = observe(host, port=30000, env_names=["HF_TOKEN"])
+    >>> "agent_missing" in observe_once_command("/usr/bin/python3", {"port": 30000})
+    True
     """
-    doc = host.get_fact(SglangObservation, python=python, **kwargs)
-    installed = not doc.get("agent_missing")
-    if not installed:
-        doc = host.get_fact(SglangObservationInline, python=python, **kwargs)
-    doc["agent_installed"] = installed
-    return doc
+    installed = agentcmd.observe_command(python, args)
+    inline = agentcmd.inline_observe_command(python, args)
+    return (f"out=$({installed}); case \"$out\" in *'\"agent_missing\"'*) {inline} ;; "
+            f"*) printf '%s\\n' \"$out\" ;; esac")
+
+
+class SglangObservationOnce(SglangObservation):
+    """The agent's observation in one command (observe_once_command): the status's fact, asked
+    what the deploy asks (``gpugate.spec.Desired.observe_args``), so both see the same."""
+
+    def command(self, port: int = 30000, env_names=(), model_path: str | None = None, gpus=None,
+                tail_lines: int = 0, generate: bool = False, python: str = DEFAULT_PYTHON, secret_flags=(),
+                host: str | None = None):
+        return StringCommand(observe_once_command(python, observe_args(
+            port, env_names, model_path, gpus, tail_lines, generate, secret_flags, host)))
 
 
 # ---------------------------------------------------------------- SGLang's own flag table (issue 13)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from pyinfra import host, logger, state
 from pyinfra.api import FunctionCommand, OperationError, operation
@@ -137,7 +138,7 @@ def wait_for_idle_in_chunks(host, max_used_mib: int = 64, timeout: float = 120.0
 
 def progress_text(waited_s: float, timeout: float, decision: GateDecision) -> str:
     """``gate: 6 s of 120 s: GPU MiB 4096 x8; 1 holder(s) left: 55 python3 hold.py``"""
-    from gpugate.runbooks import compact_mib
+    from gpugate.report.text import compact_mib
 
     used = (decision.timing or {}).get("used_mib") or []
     text = f"gate: {waited_s:.0f} s of {timeout:g} s: GPU MiB {compact_mib(used)}"
@@ -274,3 +275,27 @@ def idle(
     yield FunctionCommand(
         _wait_for_idle_command, (max_used_mib, timeout, poll_interval_s, ignore), {"audit_log": audit_log}
     )
+
+
+def _fail_host(state: Any, host: Any, reason: str) -> bool:
+    host.log_styled(reason, fg="red", log_func=logger.error)
+    return False
+
+
+@operation(is_idempotent=False)
+def refused(reason: str):
+    """
+    Touch nothing and fail this host with ``reason`` (the other hosts go on). The reason is
+    printed while preparing (so ``--dry`` shows it) and again when the host fails.
+
+    + reason: what the operator reads: why nothing was done and what to do instead
+
+    **Example:**
+
+    .. code:: python
+
+        refused(name="Free the GPUs", reason="memory held from outside the container ...")
+    """
+    if not state.is_executing:
+        host.log_styled(reason, fg="yellow", log_func=logger.warning)
+    yield FunctionCommand(_fail_host, (reason,), {})

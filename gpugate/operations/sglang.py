@@ -33,7 +33,8 @@ from gpugate import agentcmd
 from gpugate.facts.sglang import SglangObservation, SglangObservationInline, flag_table, observation_from
 from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, same_desired
 from gpugate.sglang_args import choose_table, flag_warnings, redact_argv
-from gpugate.spec import DEFAULTS, Spec, SpecError, budgets as make_budgets, build_spec, redact_flags, resolve_supervisor
+from gpugate.match import for_container
+from gpugate.spec import Desired, Spec, SpecError, build_spec, redact_flags
 
 FOLLOW_WAIT_S = 3.0       # one follow command waits up to this long for new journal events
 FOLLOW_RETRIES = 3        # consecutive failed follow commands before the controller gives up watching
@@ -664,98 +665,47 @@ def _story(observation: Mapping[str, Any], plan: Plan, spec: Spec | None) -> dic
 
 # ---------------------------------------------------------------- the operation
 @operation()
-def server(
-    port: int = DEFAULTS["port"],
-    model_path: str | None = None,
-    flags: Mapping[str, Any] | None = None,
-    env: Mapping[str, Any] | None = None,
-    present: bool = True,
-    supervisor: str = DEFAULTS["supervisor"],
-    max_used_mib: int = DEFAULTS["max_used_mib"],
-    gate_timeout: float = DEFAULTS["gate_timeout_s"],
-    drain_timeout: float = DEFAULTS["drain_timeout_s"],
-    kill_grace: float = DEFAULTS["kill_grace_s"],
-    start_timeout: float = DEFAULTS["start_timeout_s"],
-    python: str = DEFAULTS["python"],
-    restarted: bool = False,
-    lock_wait: float = 0,
-    restore_previous: bool = False,
-    audit_log: str | None = None,
-    listen_host: str = DEFAULTS["host"],
-    extra_args: Sequence[str] | None = None,
-    sglang_version: str | None = None,
-    rollback_to: int | None = None,
-    end_other_gpu_holders: bool = False,
-    min_free_mib: int = DEFAULTS["min_free_mib"],
-    rolling: bool = False,
-    max_failures: int = DEFAULTS["max_failures"],
-):
+def server(desired: Desired, restore_previous: bool = False):
     """
-    Run (or not) an SGLang server with exactly this spec, gated on its GPUs; the container's agent
+    Run (or not) the container's desired SGLang server, gated on its GPUs; the container's agent
     runs the transition to its end and rolls back to the last good spec on any failure.
 
-    + port: the server's port (one server per port and container)
-    + model_path: ``--model-path`` (a directory in the container, or a repo id)
-    + flags: SGLang flags as data, ``{"tp": 8, "kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True}``
-    + env: the server's environment (written 0600 in the container; values never printed)
-    + present: False stops the server (drain, kill, sweep)
-    + supervisor: ``process`` (own session, pid file, log) or ``systemd`` (a unit from templates/)
-    + max_used_mib: the gate: a GPU is free at or under this many MiB (NVML v2)
-    + gate_timeout: seconds to wait for the server's GPUs to be free after the stop
-    + drain_timeout: seconds of SGLang's SIGTERM drain before SIGKILL of the server's tree
-    + kill_grace: seconds for the tree to vanish after SIGKILL
-    + start_timeout: seconds until healthy and generating (45 min covers a cold TP8 load)
-    + python: the interpreter in the container (``python -m sglang.launch_server``)
-    + restarted: restart even when the desired spec already serves (adds nothing to the history)
-    + lock_wait: kept for compatibility; a transition that runs is attached to, not waited for
+    + desired: the container's desired state (``gpugate.spec.desired_state(host.data)``: the server's
+      Spec, present or not, the budgets, the run's options; every setting is a row of
+      gpugate.settings.SETTINGS)
     + restore_previous: run a good spec from the container's history instead (the rollback runbook):
-      the ``rollback_to``-th newest (default 1) that differs from the running one
-    + audit_log: the audit file on the control machine (default ``$GPUGATE_AUDIT_LOG`` or ``./audit.jsonl``)
-    + listen_host: ``--host``, the address the server listens on
-    + extra_args: argv elements appended verbatim, unchecked (a warning says so)
-    + sglang_version: the SGLang version the container must have (checked before anything stops)
-    + rollback_to: with ``restore_previous``: which good spec (1 = newest unlike the running one)
-    + end_other_gpu_holders: let the agent end other processes with memory on this server's GPUs
-    + min_free_mib: free space the log and state directories need
-    + rolling: this operation runs one container at a time (``_serial``): stop after the first failures
-    + max_failures: with ``rolling``: stop once more containers than this have failed
+      the ``desired.rollback_to``-th newest (default 1) that differs from the running one
 
     Everything that can be checked before the stop is checked first; a failed check touches
     nothing and the running server keeps running. Exit status: non-zero unless every container
-    ended ``verified`` (or had nothing to do).
+    ended ``verified`` (or had nothing to do). ``desired.rolling``: this operation runs one
+    container at a time (``_serial``) and stops once more than ``desired.max_failures`` failed.
 
     **Example:**
 
     .. code:: python
 
+        from pyinfra import host
         from gpugate.operations import sglang
+        from gpugate.spec import desired_state
 
-        sglang.server(
-            name="Serve Kimi with an fp8 KV cache",
-            model_path="/opt/models/kimi", port=30000,
-            flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3", "mem-fraction-static": 0.88},
-        )
-        sglang.server(name="Back to the spec before", port=30000, restore_previous=True)
+        sglang.server(name="The desired SGLang server", desired=desired_state(host.data))
+        sglang.server(name="Back to the spec before", desired=desired_state(host.data), restore_previous=True)
     """
     book = _runbook()
     _install_interrupt_handler(book)
-    restoring = bool(restore_previous) and present
-    if rolling:
+    port, python = desired.port, desired.python
+    restoring = bool(restore_previous)
+    if desired.rolling:
         _keep_fleet_order()
-    if state.is_executing and rolling and book.stop_rolling(int(max_failures)):
+    if state.is_executing and desired.rolling and book.stop_rolling(desired.max_failures):
         # a rolling restart that already failed: not even observed
-        yield FunctionCommand(_execute, (Job(Plan("noop", ()), None, port, python, {}, {}, audit_log, True,
-                                             int(max_failures), False, [], {}),), {})
+        yield FunctionCommand(_execute, (Job(Plan("noop", ()), None, port, python, {}, {}, desired.audit_log, True,
+                                             desired.max_failures, False, [], {}),), {})
         return
-    try:
-        spec = None
-        if present and not restoring:
-            spec = build_spec(model_path, port, flags, env, host=listen_host, supervisor=supervisor, python=python,
-                              extra_args=extra_args, sglang_version=sglang_version)
-        elif isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-            raise SpecError(f"port must be an integer in 1..65535, got {port!r}")
-    except SpecError as error:
-        yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {error}", port)
+    spec = None if restoring else desired.spec
+    if desired.problem and not restoring:
+        yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {desired.problem}", port)
         return
     overlaps = _claim_overlaps(host, spec) if spec is not None else []
     if overlaps:  # the desired state itself is contradictory: nothing to observe, nothing to touch
@@ -764,30 +714,26 @@ def server(
                            f"base-gpu-id, CUDA_VISIBLE_DEVICES; or sglang_present: false for one)", port)
         return
 
-    observed_args: dict[str, Any] = {"port": port}
-    if spec is not None:
-        observed_args.update(env_names=sorted(spec.env), model_path=spec.model_path,
-                             gpus=list(spec.gpus) if spec.gpus is not None else None, host=spec.host)
+    observed_args = desired.observe_args() if spec is not None else {"port": port}
     observation, trouble = _observe(host, python, observed_args)
     if trouble or observation is None:
         yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {trouble}", port)
         return
-    if spec is not None and spec.supervisor == "auto":  # systemd where the container's PID 1 is systemd
-        spec = dataclasses.replace(spec, supervisor=resolve_supervisor("auto", observation.get("container")))
+    spec = for_container(spec, observation)  # auto: systemd where the container's PID 1 is systemd
     if spec is not None:  # the flags again, against the table of the SGLang that will run (issue 13)
         try:
-            spec = _spec_for_version(host, python, spec, flags, sglang_version, observation)
+            spec = _spec_for_version(host, python, spec, desired.flags, desired.sglang_version, observation)
         except SpecError as error:
             yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {error}", port)
             return
 
-    budget = make_budgets({"drain_timeout_s": drain_timeout, "kill_grace_s": kill_grace,
-                           "gate_timeout_s": gate_timeout, "start_timeout_s": start_timeout,
-                           "max_used_mib": max_used_mib})
-    plan_args: dict[str, Any] = dict(port=port, restart=bool(restarted),
-                                     rollback_k=(int(rollback_to or 1) if restoring else None),
-                                     max_used_mib=int(max_used_mib), min_free_mib=int(min_free_mib),
-                                     end_other_gpu_holders=bool(end_other_gpu_holders), budgets=budget)
+    budget = dict(desired.budgets)
+    max_used_mib, restarted = desired.max_used_mib, desired.restarted
+    end_other_gpu_holders = desired.end_other_gpu_holders
+    plan_args: dict[str, Any] = dict(port=port, restart=restarted,
+                                     rollback_k=desired.rollback_to if restoring else None,
+                                     max_used_mib=max_used_mib, min_free_mib=desired.min_free_mib,
+                                     end_other_gpu_holders=end_other_gpu_holders, budgets=budget)
     plan = make_plan(observation, spec, **plan_args)
     lines = plan_lines(plan, port)
     show = not state.is_executing or not state.check_for_changes  # once: at prepare, or at execute under -y
@@ -804,10 +750,10 @@ def server(
     if show:
         for line in lines:
             host.log(line)
-    end_pids = _end_pids(observation, spec, bool(end_other_gpu_holders))
-    job = Job(plan, spec, port, python, budget, observation, audit_log, bool(rolling), int(max_failures),
-              bool(restarted), end_pids, _story(observation, plan, spec), observe_args=observed_args,
-              plan_args=plan_args, restoring=restoring, end_other_gpu_holders=bool(end_other_gpu_holders))
+    end_pids = _end_pids(observation, spec, end_other_gpu_holders)
+    job = Job(plan, spec, port, python, budget, observation, desired.audit_log, desired.rolling,
+              desired.max_failures, restarted, end_pids, _story(observation, plan, spec), observe_args=observed_args,
+              plan_args=plan_args, restoring=restoring, end_other_gpu_holders=end_other_gpu_holders)
     yield FunctionCommand(_execute, (job,), {})
 
 
@@ -847,7 +793,8 @@ _server_operation = server
 @functools.wraps(_server_operation)  # type: ignore[no-redef]
 def server(*args: Any, **kwargs: Any) -> Any:  # noqa: F811 -- the operation, --dry aware
     _plan_under_dry()
-    if kwargs.get("rolling") or kwargs.get("_serial"):
+    desired = kwargs.get("desired", args[0] if args else None)
+    if getattr(desired, "rolling", False) or kwargs.get("_serial"):
         # Here, while the deploy file runs at prepare: with -y pyinfra runs the operation's body only at
         # execution, after it has taken the order of the hosts it will visit.
         _keep_fleet_order()

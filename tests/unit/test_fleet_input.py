@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpugate.fleet import (MAX_FLEET_BYTES, SETTINGS, FleetError, SettingsError, fleet_to_inventory, load_fleet,
-                           validated_settings)
-from gpugate.runbooks import server_arguments
+from gpugate.fleet import MAX_FLEET_BYTES, FleetError, fleet_to_inventory, load_fleet
+from gpugate.settings import SETTINGS, SettingsError, validated_settings
+from gpugate.spec import desired_state
 
 
 def _pyinfra_parse_cli_arg():
@@ -54,7 +54,7 @@ def cli(**values: str) -> dict:
 ])
 def test_booleans_from_the_command_line_mean_what_they_say(text, expected):
     assert validated_settings(cli(rolling=text)) == {"rolling": expected}
-    assert server_arguments(cli(sglang_present=text))["present"] is expected
+    assert desired_state(cli(sglang_present=text)).present is expected
 
 
 @pytest.mark.parametrize(("values", "message"), [
@@ -71,7 +71,7 @@ def test_booleans_from_the_command_line_mean_what_they_say(text, expected):
 ])
 def test_bad_command_line_values_are_refused_naming_the_setting(values, message):
     with pytest.raises(SettingsError) as caught:
-        server_arguments(cli(**values))
+        desired_state(cli(**values))
     assert message in str(caught.value)
 
 

@@ -1,14 +1,35 @@
-"""The runbooks' pure parts (gpugate/runbooks.py): the status and who-holds tables, the
+"""The runbooks' pure parts (gpugate/report/): the status and who-holds tables, the
 free_gpus refusal, the rollback spec. No network; documents shaped like the probes' output."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpugate import runbooks as rb
+import types
 
-ARGV = ["/usr/bin/python3", "-m", "sglang.launch_server", "--model-path", "/opt/models/kimi",
-        "--port", "30000", "--tp-size", "8"]
+from gpugate import agentcmd
+from gpugate.report import fleet, holders, prometheus, status, text
+from gpugate.spec import desired_state
+
+
+def _status_row(host, vmid, observation, flags, model, present=True, port=30000, max_used_mib=64, desired_env=None):
+    """The status row of a container whose host data say these flags, model, env and present."""
+    data = {"sglang_flags": dict(flags or {}), "sglang_model_path": model, "sglang_present": present,
+            "sglang_port": port, "gpu_max_used_mib": max_used_mib, "sglang_env": dict(desired_env or {})}
+    return status.status_row(host, vmid, observation, desired_state(data))
+
+
+def _argv(model, flags):
+    """The argv sglang.server renders for a model and flags (what the agent then sees running)."""
+    from gpugate.spec import build_spec
+
+    return list(build_spec(model, 30000, {"tp": 8} if flags is None else flags).argv)
+
+rb = types.SimpleNamespace(**{name: getattr(module, name) for module in (text, fleet, holders, prometheus, status)
+                              for name in dir(module) if not name.startswith("__")})
+rb.status_row = _status_row
+
+ARGV = _argv("/opt/models/kimi", None)
 
 
 def gpu_doc(used=(0,) * 8, holders=(), per_process=True, source="nvml"):
@@ -27,9 +48,12 @@ def workers(n=8, mib=86000):
              "used_mib": mib} for i in range(n)]
 
 
-def serving(flags=None, health=200, listening=True, argv=ARGV, lock=None):
+def serving(flags=None, health=200, listening=True, argv=None, lock=None):
+    argv = argv or _argv("/opt/models/kimi", flags)
     return {"port": 30000, "running": True, "listening": listening, "lock": lock,
-            "main": {"pid": 60, "pgid": 60, "argv": argv, "state": "S", "age_s": 300},
+            "serving": health == 200 and listening,
+            "main": {"pid": 60, "pgid": 60, "argv": argv, "argv_hash": agentcmd.argv_hash(argv), "state": "S",
+                     "age_s": 300},
             "command": {"model_path": "/opt/models/kimi", "host": "127.0.0.1", "port": 30000,
                         "flags": flags or {"tp-size": 8}, "unknown": []},
             "health": {"health": health, "health_error": None}, "strays": []}
@@ -85,7 +109,7 @@ def _spec_server(flags, api_key_seen="***"):
     from gpugate.spec import build_spec
 
     spec = build_spec("/opt/models/kimi", 30000, flags)
-    server = serving({"tp-size": 4, "api-key": api_key_seen}, argv=ARGV)
+    server = serving({"tp-size": 4, "api-key": api_key_seen})
     server["main"]["argv_hash"] = argv_hash(list(spec.argv))
     return server
 
@@ -98,12 +122,11 @@ def test_secret_flag_values_never_reach_the_table():
     desired_hash = argv_hash(list(build_spec("/opt/models/kimi", 30000, desired).argv))
     # after a verified deploy of these flags (deploy says "No changes"): serving as desired
     same = rb.status_row("pve1", 129, {"sglang": _spec_server(desired), "gpu": gpu_doc()}, desired,
-                         "/opt/models/kimi", desired_argv_hash=desired_hash)
+                         "/opt/models/kimi")
     assert (same["verdict"], same["flags"], same["ok"]) == ("serving as desired", "=", True)
     # the api key changed in the fleet: drifted, told by the argv's hash, never by the value
     changed = rb.status_row("pve1", 129, {"sglang": _spec_server({"tp": 4, "api-key": "sk-old-hunter2"}),
-                                          "gpu": gpu_doc()}, desired, "/opt/models/kimi",
-                            desired_argv_hash=desired_hash)
+                                          "gpu": gpu_doc()}, desired, "/opt/models/kimi")
     assert changed["verdict"] == "drifted: a secret flag value differs (by the argv's hash)"
     # a running value seen in clear (an older agent) is still masked
     clear = rb.status_row("pve1", 129, {"sglang": serving({"tp-size": 4, "api-key": "hunter2"}), "gpu": gpu_doc()},
@@ -256,10 +279,11 @@ def test_free_gpus_refuses_memory_held_from_outside_and_points_to_who_holds_gpus
 
 # ------------------------------------------------------------------ shared
 
-def test_server_arguments_are_deploy_py_s():
-    args = rb.server_arguments({"sglang_port": 30001, "sglang_flags": {"tp": 8}, "drain_timeout_s": 5})
-    assert args["port"] == 30001 and args["flags"] == {"tp": 8} and args["drain_timeout"] == 5
-    assert args["present"] is True and args["gate_timeout"] == 120 and "restarted" not in args
-    assert args["audit_log"] is None  # the audit file: $GPUGATE_AUDIT_LOG or ./audit.jsonl
-    assert rb.server_arguments({"audit_log": "/srv/audit.jsonl"})["audit_log"] == "/srv/audit.jsonl"
+def test_the_desired_state_is_deploy_py_s():
+    args = desired_state({"sglang_port": 30001, "sglang_flags": {"tp": 8}, "drain_timeout_s": 5,
+                          "sglang_model_path": "/m"})
+    assert args.port == 30001 and args.flags == {"tp": 8} and args.budgets["drain_timeout_s"] == 5
+    assert args.present is True and args.budgets["gate_timeout_s"] == 120 and args.restarted is False
+    assert args.audit_log is None  # the audit file: $GPUGATE_AUDIT_LOG or ./audit.jsonl
+    assert desired_state({"audit_log": "/srv/audit.jsonl"}).audit_log == "/srv/audit.jsonl"
 

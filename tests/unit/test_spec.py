@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from gpugate import spec as spec_mod
-from gpugate.spec import DEFAULTS, SpecError, build_spec, gpu_set
+from gpugate.settings import SETTINGS
+from gpugate.spec import SpecError, build_spec, gpu_set
 
 
 def test_the_argv_is_rendered_once_with_the_host_and_the_flags_sorted():
@@ -44,13 +45,14 @@ def test_defaults_live_in_one_place_and_group_data_takes_them():
     from pathlib import Path
 
     data = runpy.run_path(str(Path(__file__).resolve().parents[2] / "group_data" / "all.py"))
-    assert data["sglang_port"] == DEFAULTS["port"] and data["sglang_host"] == DEFAULTS["host"]
-    assert data["drain_timeout_s"] == DEFAULTS["drain_timeout_s"]
-    from gpugate.runbooks import server_arguments
+    assert data["sglang_port"] == SETTINGS["sglang_port"].default and data["sglang_host"] == SETTINGS["sglang_host"].default
+    assert data["drain_timeout_s"] == SETTINGS["drain_timeout_s"].default
+    from gpugate.spec import desired_state
 
-    arguments = server_arguments({})
-    assert arguments["listen_host"] == DEFAULTS["host"] and arguments["start_timeout"] == DEFAULTS["start_timeout_s"]
-    assert server_arguments({"sglang_host": "0.0.0.0"})["listen_host"] == "0.0.0.0"
+    desired = desired_state({"sglang_model_path": "/m"})
+    assert desired.spec.host == SETTINGS["sglang_host"].default
+    assert desired.budgets["start_timeout_s"] == SETTINGS["start_timeout_s"].default
+    assert desired_state({"sglang_model_path": "/m", "sglang_host": "0.0.0.0"}).spec.host == "0.0.0.0"
 
 
 @pytest.mark.parametrize("kwargs, expected", [

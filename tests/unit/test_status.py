@@ -1,4 +1,4 @@
-"""The status to page on (gpugate/runbooks.py): verdicts from recorded agent observations, the JSON
+"""The status to page on (gpugate/report/): verdicts from recorded agent observations, the JSON
 document, the Prometheus textfile, unreachable hosts. No network."""
 
 from __future__ import annotations
@@ -9,7 +9,29 @@ import stat
 import threading
 import time
 
-from gpugate import runbooks as rb
+import types
+
+from gpugate import agentcmd
+from gpugate.report import fleet, holders, prometheus, status, text
+from gpugate.spec import desired_state
+
+
+def _status_row(host, vmid, observation, flags, model, present=True, port=30000, max_used_mib=64, desired_env=None):
+    """The status row of a container whose host data say these flags, model, env and present."""
+    data = {"sglang_flags": dict(flags or {}), "sglang_model_path": model, "sglang_present": present,
+            "sglang_port": port, "gpu_max_used_mib": max_used_mib, "sglang_env": dict(desired_env or {})}
+    return status.status_row(host, vmid, observation, desired_state(data))
+
+
+def _argv(model, flags):
+    """The argv sglang.server renders for a model and flags (what the agent then sees running)."""
+    from gpugate.spec import build_spec
+
+    return list(build_spec(model, 30000, {"tp": 8} if flags is None else flags).argv)
+
+rb = types.SimpleNamespace(**{name: getattr(module, name) for module in (text, fleet, holders, prometheus, status)
+                              for name in dir(module) if not name.startswith("__")})
+rb.status_row = _status_row
 
 ARGV = ["/usr/bin/python3", "-m", "sglang.launch_server", "--model-path", "/opt/models/lab-model",
         "--port", "30000", "--tp-size", "8"]
@@ -38,13 +60,15 @@ def record(argv, at, by="ana@ops", tokens=None):
 def observation(running=True, serving=True, flags=None, transition=None, history=None, used=None, holders=None,
                 dead=0):
     """An observe document as the agent prints it (docs/agent-protocol.md), `command` added by the fact."""
-    server = {"port": 30000, "running": running, "serving": running and serving, "strays": [],
+    server = {"port": 30000, "running": running, "serving": running and serving and not dead, "strays": [],
               "health": {"health": 200 if running and serving else None, "health_error": None if running
                          else "port 30000 not listening"},
               "listening": running, "transition": transition, "history": history or {"good": [], "failed": []},
               "lock": {"held": bool(transition and transition.get("active")), "run": None}}
     if running:
-        server["main"] = {"pid": 60, "pgid": 60, "state": "S", "age_s": 300, "argv": ARGV}
+        argv = _argv("/opt/models/lab-model", flags)
+        server["main"] = {"pid": 60, "pgid": 60, "state": "S", "age_s": 300, "argv": argv,
+                          "argv_hash": agentcmd.argv_hash(argv)}
         server["command"] = {"model_path": "/opt/models/lab-model", "host": "127.0.0.1", "port": 30000,
                              "flags": flags or {"tp-size": 8}, "unknown": []}
         server["workers"] = {"expected": 8, "alive": 8 - dead, "dead": dead}
@@ -59,8 +83,8 @@ def observation(running=True, serving=True, flags=None, transition=None, history
 
 
 def row_for(doc, desired=None, present=True):
-    return rb.status_row("pve1", 129, doc, {"tp": 8} if desired is None else desired, "/opt/models/lab-model",
-                         present=present)
+    return _status_row("pve1", 129, doc, {"tp": 8} if desired is None else desired, "/opt/models/lab-model",
+                       present=present)
 
 
 def test_each_verdict_from_a_recorded_observation():
@@ -115,7 +139,7 @@ def test_history_shows_the_newest_entries_with_what_changed_and_the_capacity():
 
 def test_table_has_a_row_for_an_unreachable_host_and_says_how_many_are_not_as_desired():
     rows = [row_for(observation()), row_for(observation(), {"tp": 8, "disable-radix-cache": True}),
-            rb.unreachable_row("pve2", 129, "Unable to connect to port 22 on 10.0.0.2")]
+            rb.unreachable_row("pve2", 129, "Unable to connect to port 22 on 10.0.0.2", desired_state({}))]
     text = rb.render_status(rows)
     lines = text.splitlines()
     assert lines[0].split()[:4] == ["HOST", "VMID", "PORT", "VERDICT"]
@@ -126,7 +150,7 @@ def test_table_has_a_row_for_an_unreachable_host_and_says_how_many_are_not_as_de
 
 def test_json_is_one_document_and_publish_says_whether_all_is_well(tmp_path):
     printed = []
-    all_well = rb.publish_status([row_for(observation()), rb.unreachable_row("pve2", 129, "timed out")],
+    all_well = rb.publish_status([row_for(observation()), rb.unreachable_row("pve2", 129, "timed out", desired_state({}))],
                                  output_format="json", out=printed.append)
     assert all_well is False and len(printed) == 1
     doc = json.loads(printed[0])
@@ -138,7 +162,7 @@ def test_json_is_one_document_and_publish_says_whether_all_is_well(tmp_path):
 def test_prometheus_textfile_is_written_atomically_with_every_series(tmp_path):
     path = tmp_path / "gpugate.prom"
     failed = {"run": "r8", "outcome": "rolled_back", "began": 10, "updated": 52.5, "active": False}
-    rows = [row_for(observation(transition=failed)), rb.unreachable_row("pve2", 129, 'say "why"')]
+    rows = [row_for(observation(transition=failed)), rb.unreachable_row("pve2", 129, 'say "why"', desired_state({}))]
     rb.publish_status(rows, prom_path=str(path), out=lambda text: None)
     text = path.read_text()
     labels = 'host="pve1",vmid="129",port="30000"'
@@ -207,7 +231,7 @@ def test_the_report_gets_a_row_for_each_host_that_never_connected():
     state._gpugate_connect_errors.host_connect_error(state, hosts[1], OSError("Unable to connect to port 22"))
     printed = []
     report = rb.FleetReport(lambda rows: rb.render_status(rows), out=printed.append,
-                            missing=lambda host, why: rb.unreachable_row(host.data["pve_host"], 129, why))
+                            missing=lambda host, why: rb.unreachable_row(host.data["pve_host"], 129, why, desired_state({})))
     report.add("@pct/pve1:129", row_for(observation()))
     report.host_disconnect(state, hosts[0])
     assert len(printed) == 1

@@ -1,0 +1,235 @@
+"""Running == desired, decided once: :func:`compare` takes the agent's observation of a container
+and its desired state, and says whether what runs is what should run, and if not, how it differs.
+
+The plan (gpugate.plan.make_plan: nothing to do, start, restart, stop) and the status
+(gpugate.report.status: serving as desired, drifted, down but desired, stopped as desired) both
+call it, so the status can never call "as desired" what the deploy would restart, nor "drifted"
+what the deploy leaves alone.
+
+What counts (docs/transition.md, "As desired"): the running main's exact argv (by its hash: secret
+values included), the value of every env variable the spec sets (by hash) and no variable a good
+spec had that the spec drops, the supervisor, the port, and no other server of this container on
+the spec's GPUs (a port change). A server that runs exactly the spec but does not serve is "not
+serving" (the deploy waits for it or restarts it).
+
+Example::
+
+    >>> from gpugate.spec import build_spec
+    >>> spec = build_spec("/m", 30000, {"tp": 2})
+    >>> compare({"sglang": {"running": False}}, spec).verdict
+    'not_running'
+    >>> compare({"sglang": {"running": False}}, None).verdict
+    'absent'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+from gpugate.spec import Spec, SpecError, gpu_set, redact_flags, resolve_supervisor
+from gpugate.sglang_args import diff_flags, parse_argv
+
+__all__ = ["Match", "compare", "VERDICTS"]
+
+VERDICTS = {
+    "as_desired": "the desired server runs and serves",
+    "absent": "no server runs, and none should",
+    "should_not_run": "a server runs and none should",
+    "strays": "stray server parts of this port run, and no server should",
+    "not_running": "no server runs, and one should",
+    "not_serving": "the desired server runs but does not serve",
+    "differs": "a server runs that is not the desired one",
+}
+OK_VERDICTS = ("as_desired", "absent")
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """What :func:`compare` found. ``lines``: the plan's diff (``- --kv-cache-dtype auto``, ``+ env
+    HF_TOKEN=***``), secrets ``***``; ``flag_items``: the same flag differences in the status's
+    short form (``--kv-cache-dtype auto->fp8_e4m3``, ``+--disable-radix-cache``); ``why``: the
+    reasons in words; ``replaced``: servers of other ports on the spec's GPUs (a port change)."""
+
+    verdict: str
+    why: tuple[str, ...] = ()
+    lines: tuple[str, ...] = ()
+    flag_items: tuple[str, ...] = ()
+    replaced: tuple[Mapping[str, Any], ...] = ()
+    exact: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict in OK_VERDICTS
+
+
+def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None = None) -> Match:
+    """Whether what runs in the container (the agent's observe document) is ``spec`` (None: no
+    server should run on ``port``). ``spec.supervisor`` resolved for this container first
+    (:func:`for_container`), as the deploy runs it."""
+    server = observation.get("sglang") or {}
+    running = bool(server.get("running"))
+    if spec is None:
+        if running:
+            main = server.get("main") or {}
+            return Match("should_not_run", (f"sglang runs on :{port} (pid {main.get('pid')}) and should not",))
+        strays = [s for s in server.get("strays") or [] if s.get("port") in (None, port)]
+        if strays:
+            return Match("strays", (f"{len(strays)} stray sglang server part(s) of :{port} left in the container",))
+        return Match("absent", (f"sglang on :{port} is absent, as desired",))
+    replaced = tuple(replaced_servers(observation, spec))
+    if not running:
+        return Match("not_running", (f"sglang is not running on :{spec.port}",), replaced=replaced,
+                     lines=tuple(diff_lines(server, spec) + env_lines(server, spec)))
+    exact = runs_exactly(server, spec)
+    if exact and not replaced:
+        if server.get("serving"):
+            return Match("as_desired", exact=True)
+        return Match("not_serving", exact=True)
+    flag_lines, changed_env = diff_lines(server, spec), env_lines(server, spec)
+    why = []
+    if flag_lines:
+        why.append("the running flags differ from the desired flags")
+    if changed_env:
+        why.append("the server's environment differs")
+    if not exact and not flag_lines and not changed_env:
+        why.append("the running command differs from the desired one (a secret value or the supervisor)")
+    return Match("differs", tuple(why), lines=tuple(flag_lines + changed_env),
+                 flag_items=tuple(flag_items(server, spec)), replaced=replaced, exact=exact)
+
+
+def for_container(spec: Spec | None, observation: Mapping[str, Any]) -> Spec | None:
+    """``spec`` with its supervisor as this container runs it (``auto``: systemd where the agent saw
+    PID 1 is systemd, else process)."""
+    if spec is None or spec.supervisor != "auto":
+        return spec
+    return dataclasses.replace(spec, supervisor=resolve_supervisor("auto", observation.get("container")))
+
+
+# ---------------------------------------------------------------- the parts
+def running_command(server: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The running main's command as SGLang reads it (model, host, port, flags, what it does not know)."""
+    main = server.get("main")
+    if not server.get("running") or not main:
+        return None
+    parsed = parse_argv(main.get("argv") or [])
+    return {"model_path": parsed.model_path, "host": parsed.host, "port": parsed.port, "flags": parsed.flags,
+            "unknown": list(parsed.unknown), "python": (main.get("argv") or ["?"])[0]}
+
+
+def runs_exactly(server: Mapping[str, Any], spec: Spec) -> bool:
+    """The running main's exact argv (by hash: secret values included) and environment (by value
+    hashes) are the desired spec's, under the spec's supervisor."""
+    from gpugate.agentcmd import argv_hash, env_hash
+
+    main = server.get("main") or {}
+    if not server.get("running") or main.get("argv_hash") != argv_hash(list(spec.argv)):
+        return False
+    have = server.get("env_hashes") or {}
+    if any(have.get(name) != env_hash(value) for name, value in spec.env.items()):
+        return False
+    if any(value is not None for name, value in have.items() if name not in spec.env):
+        return False
+    return (main.get("supervisor") or "process") == spec.supervisor
+
+
+def env_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
+    """Env differences, values never shown: against the running process's environment, by hash
+    (names the desired spec sets, and names a good spec had that the desired one drops)."""
+    from gpugate.agentcmd import env_hash
+
+    have = server.get("env_hashes") or {}
+    lines = []
+    for name, value in sorted(spec.env.items()):
+        if have.get(name) is None:
+            lines.append(f"+ env {name}=***")
+        elif have[name] != env_hash(value):
+            lines.append(f"~ env {name}=*** (value changed)")
+    for name in sorted(set(have) - set(spec.env)):
+        if have[name] is not None:
+            lines.append(f"- env {name}")
+    return lines
+
+
+def interpreter_lines(running: str | None, desired: str | None) -> list[str]:
+    """The interpreter change as a pair of lines that say what they are (a bare ``- python3`` reads
+    like a flag value); nothing when either side is unknown.
+
+    >>> interpreter_lines("/usr/bin/python3", "/opt/venv/bin/python3")
+    ['- interpreter /usr/bin/python3', '+ interpreter /opt/venv/bin/python3']
+    """
+    if not running or not desired or running == "?" or running == desired:
+        return []
+    return [f"- interpreter {running}", f"+ interpreter {desired}"]
+
+
+def diff_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
+    """What changes from the running command to the desired one, one line per argv change
+    (secrets ``***``), model path, host and interpreter included."""
+    running = running_command(server)
+    if running is None:
+        return [f"+ {arg}" for arg in spec.display_args()]
+    lines: list[str] = interpreter_lines(running["python"], spec.python)
+    if running["model_path"] != spec.model_path:
+        lines += [f"- --model-path {running['model_path']}", f"+ --model-path {spec.model_path}"]
+    if (running["host"] or "127.0.0.1") != spec.host:
+        lines += [f"- --host {running['host'] or '127.0.0.1'}", f"+ --host {spec.host}"]
+    lines += diff_flags(redact_flags(running["flags"]), redact_flags(spec.flags)).lines(redact=True)
+    have_extra = running["unknown"]
+    if list(have_extra) != list(spec.extra_args):
+        if have_extra:
+            lines.append("- " + shlex.join(have_extra))
+        if spec.extra_args:
+            lines.append("+ " + shlex.join(spec.extra_args) + "  (extra_args, unchecked)")
+    return lines
+
+
+def flag_items(server: Mapping[str, Any], spec: Spec) -> list[str]:
+    """The differences of :func:`diff_lines` in the status's short form, one item each:
+    ``--kv-cache-dtype auto->fp8_e4m3``, ``+--disable-radix-cache``, ``model /m desired``,
+    ``host 0.0.0.0 desired``, ``interpreter /opt/venv/bin/python3 desired``, ``unknown args: ...``."""
+    from gpugate.report.text import flag_differences
+
+    running = running_command(server)
+    if running is None:
+        return []
+    items = []
+    if running["model_path"] != spec.model_path:
+        items.append(f"model {spec.model_path} desired")
+    if (running["host"] or "127.0.0.1") != spec.host:
+        items.append(f"host {spec.host} desired")
+    if running["python"] not in ("?", spec.python):
+        items.append(f"interpreter {spec.python} desired")
+    items += flag_differences(running["flags"], spec.flags)
+    if list(running["unknown"]) != list(spec.extra_args):
+        if running["unknown"]:
+            items.append("unknown args: " + " ".join(running["unknown"]))
+        if spec.extra_args:
+            items.append("extra_args desired: " + " ".join(spec.extra_args))
+    return items
+
+
+def _main_gpus(cmdline: str) -> tuple[int, ...] | None:
+    try:
+        return gpu_set(parse_argv(cmdline.split()).flags)
+    except (SpecError, ValueError):
+        return None
+
+
+def replaced_servers(observation: Mapping[str, Any], spec: Spec) -> list[dict[str, Any]]:
+    """Servers of this container on OTHER ports whose GPUs overlap the desired server's: they must
+    stop first (a port change: 30000 -> 30001). Each as ``{"port", "pid", "cmdline", "gpus"}``.
+    Servers on other GPUs are left alone (two servers on disjoint halves)."""
+    server = observation.get("sglang") or {}
+    wanted = None if spec.gpus is None else set(spec.gpus)
+    out = []
+    for stray in server.get("strays") or []:
+        port = stray.get("port")
+        if not port or port == spec.port:
+            continue
+        gpus = _main_gpus(stray.get("cmdline") or "")
+        if wanted is None or gpus is None or wanted & set(gpus):
+            out.append({"port": port, "pid": stray.get("pid"), "cmdline": stray.get("cmdline") or "", "gpus": gpus})
+    return out

@@ -1,0 +1,414 @@
+"""The status to page on (runbooks/status.py): one row per desired server with a verdict, from the
+agent's observation and the container's desired state. The verdict comes from
+gpugate.match.compare, the function the deploy's plan decides by, so the status calls "as desired"
+exactly what the deploy leaves alone.
+
+Example::
+
+    row = status_row("pve1", 129, observation, desired_state(host.data))
+    publish_status([row])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+import re
+from typing import Any, TypedDict
+
+from pyinfra import logger
+
+from gpugate.match import compare, for_container
+from gpugate.plan import foreign_memory
+from gpugate.report.fleet import connect_errors
+from gpugate.report.prometheus import status_prometheus, write_atomically
+from gpugate.report.text import (age_text, compact_mib, epoch_of, flag_differences, format_table, index_ranges,
+                                 natural_key, when_text)
+from gpugate.spec import Desired, SpecError, desired_state, gpu_set
+
+# ---------------------------------------------------------------- status
+
+
+class StatusRow(TypedDict, total=False):
+    host: str          # the Proxmox host (fleet.yaml name)
+    vmid: Any
+    port: int
+    kind: str          # serving | drifted | down | stopped | transition_running | transition_failed | gpu_held
+                       # | unreachable | unknown (see VERDICT_KINDS)
+    ok: bool           # as desired: nothing to page about
+    verdict: str       # the kind in words, with why: "drifted: --kv-cache-dtype auto->fp8_e4m3"
+    desired: bool      # a server should run here (sglang_present)
+    up: bool           # it serves: main alive, /health 200, every scheduler alive
+    drifted: bool      # it runs with other flags or another model than desired (or should not run)
+    server: str        # serving | starting | loading | unhealthy | stopped | probe failed (+ pid, age)
+    health: str        # what /health said, or why it could not answer
+    model: str
+    flags: str         # the flags that differ from the desired ones ("=" none, "-" not running)
+    gpu_mib: str       # per-GPU used MiB (NVML v2), compacted
+    gpu_used: list[Any]  # per-GPU used MiB in GPU order (None: unreadable); [] when unknown
+    holders: str       # GPU processes in the container, and memory held from outside it
+    transition: dict[str, Any]   # the latest transition: run, active, step, outcome, began, updated, duration_s
+    last_change: str   # the latest transition in a few words
+    history: list[str]  # newest entries of the history, one line each
+    problems: list[str]
+
+
+VERDICT_KINDS = {
+    "serving": "serving as desired", "drifted": "drifted", "down": "down but desired",
+    "stopped": "stopped as desired", "transition_running": "transition running",
+    "transition_failed": "transition failed", "gpu_held": "GPU memory held with no holder in the container",
+    "unreachable": "unreachable", "unknown": "unknown", "invalid": "desired state invalid",
+}
+OK_KINDS = ("serving", "stopped")
+FAILED_OUTCOMES = ("rolled_back", "nothing_serves", "interrupted")
+
+STATUS_COLUMNS = [
+    ("host", "HOST"), ("vmid", "VMID"), ("port", "PORT"), ("verdict", "VERDICT"), ("server", "SERVER"),
+    ("model", "MODEL"), ("gpu_mib", "GPU MiB"), ("holders", "GPU HOLDERS"), ("last_change", "LAST CHANGE"),
+]
+
+
+def server_state(server: Mapping[str, Any]) -> tuple[str, str]:
+    """(state, health) of the server from the server document (the agent's observe ``sglang``)."""
+    if "error" in server:
+        return "probe failed", str(server["error"])[:80]
+    health = server.get("health") or {}
+    code = health.get("health")
+    if not server.get("running"):
+        strays = server.get("strays") or []
+        state = f"stopped, {len(strays)} stray sglang process(es)" if strays else "stopped"
+        return state, "-"
+    main = server.get("main") or {}
+    age = age_text(main.get("age_s"))
+    workers = server.get("workers") or {}
+    if workers.get("dead"):
+        state = f"unhealthy ({workers['dead']} of {workers.get('expected', '?')} schedulers dead)"
+    elif code == 200:
+        state = "serving"
+    elif code == 503:
+        state = "starting"
+    elif not server.get("listening"):
+        state = "loading"
+    else:
+        state = "unhealthy"
+    state += f" pid {main.get('pid')}" + (f" up {age}" if age else "")
+    if main.get("state") in ("D", "Z", "T"):
+        state += f" [{main['state']}]"
+    if code is not None:
+        text = f"/health {code}"
+    else:
+        text = str(health.get("health_error") or "no answer")
+    return state, text
+
+
+def foreign_mib(gpu_doc: Mapping[str, Any]) -> dict[int, int]:
+    """GPU index -> MiB in use that no process of the container accounts for (the host's or
+    another container's: NVML in a container lists only its own processes); the same reading as
+    sglang.server's pre-stop check (gpugate.plan.foreign_memory)."""
+    return {int(gpu["index"]): int(gpu["foreign_mib"]) for gpu in foreign_memory(gpu_doc)}
+
+
+def holders_text(gpu_doc: Mapping[str, Any]) -> str:
+    """``9 in ct (sglang::scheduler_TP0..7, python3)``, ``none``, and memory held from outside."""
+    if "source" not in gpu_doc:
+        return f"GPU probe failed: {gpu_doc.get('error', '?')}"[:80]
+    holders = gpu_doc.get("holders") or []
+    parts = []
+    if holders:
+        parts.append(f"{len(holders)} in ct ({_names(holders)})")
+    foreign = foreign_mib(gpu_doc)
+    if foreign:
+        parts.append(f"OUTSIDE the ct: {sum(foreign.values())} MiB on GPU {index_ranges(sorted(foreign))}")
+    stuck = [h for h in holders if h.get("state") in ("D", "Z")]
+    if stuck:
+        parts.append(f"{len(stuck)} stuck (D/Z)")
+    return "; ".join(parts) or "none"
+
+
+def _names(holders: Sequence[Mapping[str, Any]]) -> str:
+    """Holder command names, TP ranks folded: ``sglang::scheduler_TP0..7``."""
+    names: list[str] = []
+    ranks: dict[str, list[int]] = {}
+    for holder in holders:
+        first = (holder.get("cmdline") or holder.get("comm") or "?").split()[0]
+        first = os.path.basename(first) if first.startswith("/") else first
+        match = re.match(r"^(.*?)(\d+)$", first)
+        if match and "TP" in match.group(1):
+            ranks.setdefault(match.group(1), []).append(int(match.group(2)))
+            if match.group(1) not in names:
+                names.append(match.group(1))
+        elif first not in names:
+            names.append(first)
+    out = []
+    for name in names:
+        if name in ranks:
+            numbers = sorted(ranks[name])
+            out.append(f"{name}{numbers[0]}..{numbers[-1]}" if len(numbers) > 1 else f"{name}{numbers[0]}")
+        else:
+            out.append(name)
+    return ", ".join(out)
+
+
+def transition_summary(server: Mapping[str, Any]) -> dict[str, Any]:
+    """The latest transition from the agent's ``transition`` (or the history's ``last``):
+    run, active, step, outcome, reasons, began, updated, duration_s (ended runs), by. {} when none."""
+    transition = server.get("transition")
+    last = (server.get("history") or {}).get("last") if isinstance(server.get("history"), Mapping) else None
+    source = transition if isinstance(transition, Mapping) else last if isinstance(last, Mapping) else None
+    if not source:
+        return {}
+    summary = {key: source.get(key) for key in ("run", "active", "step", "phase", "outcome", "reasons", "message",
+                                                  "began", "updated", "by", "at") if source.get(key) is not None}
+    began, updated = epoch_of(source.get("began")), epoch_of(source.get("updated"))
+    if began is not None and updated is not None and not source.get("active"):
+        summary["duration_s"] = round(max(0.0, updated - began), 3)
+    return summary
+
+
+def _record_flags(record: Mapping[str, Any]) -> dict[str, Any]:
+    argv = record.get("argv")
+    if not isinstance(argv, list):
+        return {}
+    from gpugate.sglang_args import parse_argv  # noqa: PLC0415 -- only the history needs the parser
+
+    return dict(parse_argv(argv).flags)
+
+
+def history_lines(server: Mapping[str, Any], limit: int = 3) -> list[str]:
+    """The newest entries of the container's history (good and failed, newest first), one line
+    each, a good entry with what changed against the one before it and its KV capacity:
+    ``2026-11-30 21:58Z good by ana@ops: --kv-cache-dtype auto->fp8_e4m3 (KV cache 319,488 tokens)``."""
+    history = server.get("history")
+    if not isinstance(history, Mapping):
+        return []
+    good = [r for r in history.get("good") or [] if isinstance(r, Mapping)]
+    entries: list[tuple[float, str]] = []
+    for index, record in enumerate(good):
+        older = good[index + 1] if index + 1 < len(good) else None
+        what = ", ".join(flag_differences(_record_flags(older), _record_flags(record))) if older else "first good spec"
+        capacity = record.get("capacity")
+        tokens = capacity.get("max_total_num_tokens") if isinstance(capacity, Mapping) else None
+        extra = f" (KV cache {tokens:,} tokens)" if isinstance(tokens, int) else ""
+        entries.append((epoch_of(record.get("at")) or 0.0,
+                        f"{when_text(record.get('at'))} good by {record.get('by') or '?'}: {what or 'same flags'}{extra}"))
+    for record in history.get("failed") or []:
+        if isinstance(record, Mapping):
+            entries.append((epoch_of(record.get("at")) or 0.0, f"{when_text(record.get('at'))} FAILED by "
+                            f"{record.get('by') or '?'}: {str(record.get('reason') or '?')[:120]}"))
+    entries.sort(key=lambda entry: entry[0], reverse=True)
+    return [text for _at, text in entries[:limit]]
+
+
+def _verdict(kind: str, why: str = "") -> str:
+    return VERDICT_KINDS[kind] + (f": {why}" if why else "")
+
+
+def own_gpus(desired: Desired, gpu_doc: Mapping[str, Any]) -> set[int]:
+    """The GPUs the desired server uses (its Spec's), as indexes of the container's GPU document;
+    every GPU of the document when the set cannot be told (UUIDs, no server desired).
+
+    >>> from gpugate.settings import desired_state
+    >>> desired = desired_state({"sglang_model_path": "/m", "sglang_flags": {"tp": 4, "base-gpu-id": 4}})
+    >>> sorted(own_gpus(desired, {"gpus": [{"index": i} for i in range(8)]}))
+    [4, 5, 6, 7]
+    """
+    if desired.spec is not None and desired.spec.gpus is not None:
+        return set(desired.spec.gpus)
+    if desired.spec is None and desired.flags:
+        try:  # the memory a killed server of these flags left behind is still this server's
+            return set(gpu_set(desired.flags))
+        except SpecError:
+            pass
+    return {int(gpu["index"]) for gpu in gpu_doc.get("gpus") or [] if gpu.get("index") is not None}
+
+
+def drift_items(match: Any, server: Mapping[str, Any], desired: Desired) -> list[str]:
+    """What the status says a differing server differs in, from the same comparison the deploy
+    plans by: flags in short form (``+--disable-radix-cache``), model, host, interpreter, extra
+    args; else the environment, a secret flag value or the supervisor, which have no value to show."""
+    items = list(match.flag_items)
+    if not items:
+        env = [line[2:].split("=")[0].split(" (")[0] for line in match.lines if " env " in f" {line}"]
+        if env:
+            items.append("environment differs: " + ", ".join(env))
+        elif match.replaced:
+            items.append("port change: :" + ", :".join(str(r["port"]) for r in match.replaced)
+                         + f" -> :{desired.port}")
+        elif desired.spec is not None and desired.spec.secret_flags() or any(
+                value == "***" for value in ((server.get("command") or {}).get("flags") or {}).values()):
+            items.append("a secret flag value differs (by the argv's hash)")
+        else:
+            supervisor = (server.get("main") or {}).get("supervisor") or "process"
+            items.append(f"supervisor {supervisor} runs, {desired.spec.supervisor if desired.spec else '?'} desired")
+    return items
+
+
+def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: Desired) -> StatusRow:
+    """One row of the status from the agent's observation and the container's desired state
+    (gpugate.settings.desired_state of its host data), with a verdict; the first that applies:
+
+    - transition running (the agent holds the lock): ``transition running: stop since ...``;
+    - the latest transition failed (rolled_back, nothing_serves, interrupted): ``transition failed: ...``
+      (a later verified run clears it);
+    - the desired state makes no server (a flag SGLang refuses, no model path): ``desired state invalid``;
+    - what gpugate.match.compare says, the function the deploy plans by: serving as desired;
+      drifted (what differs: flags, model, host, interpreter, env, a secret, supervisor; or should
+      not run); down but desired (not running, or the desired server does not serve: loading,
+      /health 503, dead schedulers); stopped as desired;
+    - no server runs: GPU memory held with no holder in the container on the server's OWN GPUs
+      (the stuck memory of a killed server; a neighbour container's server on other GPUs is no
+      verdict), before down but desired / stopped as desired.
+
+    ``ok`` is true for serving as desired and stopped as desired only: exactly when the deploy
+    would change nothing.
+    """
+    server = observation.get("sglang") or {"error": observation.get("error") or "no server section"}
+    gpu_doc = observation.get("gpu") or {}
+    port = desired.port
+    present = desired.present
+    state, health = server_state(server)
+    lock = server.get("lock")
+    if isinstance(lock, Mapping) and (lock.get("owner") or lock.get("held")):
+        state += f" (locked: {lock.get('owner') or lock.get('run') or '?'}, {lock.get('step') or 'pid %s' % lock.get('pid')})"
+    command = server.get("command") or {}
+    running_model = command.get("model_path")
+    desired_model = desired.spec.model_path if desired.spec is not None else None
+    model = running_model or desired_model
+    running = bool(server.get("running"))
+    serving = bool(server.get("serving")) if "serving" in server else state.startswith("serving")
+    serving = serving and not (server.get("workers") or {}).get("dead")
+    gpus = gpu_doc.get("gpus") or []
+    readable = "source" in gpu_doc
+    gpu_mib = compact_mib([gpu.get("used_mib") for gpu in gpus]) if readable else "?"
+    problems = []
+    if gpu_doc.get("source") in (None, "none"):  # errors of a fallback that answered are not problems
+        problems = [f"{error.get('source')}: {error.get('message')}" for error in gpu_doc.get("errors") or []
+                    if isinstance(error, Mapping)]
+    problems += [f"GPU {gpu.get('index')}: {gpu['error']}" for gpu in gpus if gpu.get("error")]
+    transition = transition_summary(server)
+    # only the server's own GPUs: a neighbour container's healthy server holds memory on its GPUs,
+    # which this container's NVML sees as held from outside (the lab's 129 on 0-3, 130 on 4-7)
+    mine = own_gpus(desired, gpu_doc)
+    held = ({index: mib for index, mib in foreign_mib(gpu_doc).items() if mib > desired.max_used_mib and index in mine}
+            if readable else {})
+    spec = for_container(desired.spec, observation)
+    match = compare(observation, spec, port) if "error" not in server and not desired.problem else None
+    flags_text = "-"
+    if running and match is not None:
+        flags_text = ("should not run" if match.verdict == "should_not_run"
+                      else ", ".join(drift_items(match, server, desired)) if match.verdict == "differs" else "=")
+
+    if "error" in server:
+        kind, why = "unknown", f"probe failed: {str(server['error'])[:100]}"
+    elif transition.get("active"):
+        kind, why = "transition_running", (f"{transition.get('step') or '?'} (run {transition.get('run')}"
+                                          f"{', since ' + when_text(transition.get('began')) if transition.get('began') else ''})")
+    elif transition.get("outcome") in FAILED_OUTCOMES:
+        reasons = transition.get("reasons")
+        detail = ("; ".join(f"{k}: {v}" for k, v in reasons.items()) if isinstance(reasons, Mapping)
+                  else str(reasons or transition.get("message") or ""))
+        kind, why = "transition_failed", f"{transition['outcome']} (run {transition.get('run')}): {detail}"[:160]
+    elif match is None:
+        kind, why = "invalid", str(desired.problem)[:160]
+    elif match.verdict == "should_not_run":
+        kind, why = "drifted", "runs but should not"
+    elif match.verdict == "differs":
+        kind, why = "drifted", flags_text
+    elif match.verdict == "not_serving":
+        kind, why = "down", state.split(" pid")[0] + (f", {health}" if health not in ("-", "") else "")
+    elif match.verdict == "as_desired":
+        kind, why = "serving", ""
+    elif held:
+        kind, why = "gpu_held", f"{sum(held.values())} MiB on GPU {index_ranges(sorted(held))}"
+    elif match.verdict == "strays":
+        kind, why = "drifted", "stray server parts run but no server should"
+    elif present:
+        kind, why = "down", "no server runs" + (f" (last: {transition['outcome']})" if transition.get("outcome") else "")
+    else:
+        kind, why = "stopped", ""
+    last_change = ""
+    if transition:
+        last_change = (f"{transition.get('outcome') or transition.get('step') or '?'} "
+                       f"{when_text(transition.get('updated') or transition.get('at'))}")
+        if transition.get("by"):
+            last_change += f" by {transition['by']}"
+    return StatusRow(
+        host=host, vmid=vmid, port=int(server.get("port") or port), kind=kind, ok=kind in OK_KINDS,
+        verdict=_verdict(kind, why), desired=bool(present), up=running and serving,
+        drifted=kind == "drifted", server=state, health=health,
+        model=os.path.basename(model.rstrip("/")) if model and model.startswith("/") else model or "-",
+        flags=flags_text, gpu_mib=gpu_mib, gpu_used=[gpu.get("used_mib") for gpu in gpus] if readable else [],
+        holders=holders_text(gpu_doc), transition=transition, last_change=last_change,
+        history=history_lines(server), problems=problems)
+
+
+def unreachable_row(host: str, vmid: Any, reason: str, desired: Desired) -> StatusRow:
+    """The row of a container whose Proxmox host could not be reached: no figures, only why."""
+    model = (desired.spec.model_path if desired.spec is not None else None) or "-"
+    present, port = desired.present, desired.port
+    return StatusRow(host=host, vmid=vmid, port=port, kind="unreachable", ok=False,
+                     verdict=_verdict("unreachable", reason), desired=bool(present), up=False, drifted=False,
+                     server="-", health="-", model=os.path.basename(model.rstrip("/")) if model.startswith("/") else model,
+                     flags="-", gpu_mib="-", gpu_used=[], holders="-", transition={}, last_change="",
+                     history=[], problems=[])
+
+
+def render_status(rows: Sequence[StatusRow]) -> str:
+    """The status table, a summary line, the newest history entries per container, then one
+    line per problem (GPU probe errors)."""
+    text = format_table(STATUS_COLUMNS, rows)
+    bad = [row for row in rows if not row.get("ok")]
+    counts: dict[str, int] = {}
+    for row in bad:
+        counts[row.get("kind", "unknown")] = counts.get(row.get("kind", "unknown"), 0) + 1
+    summary = f"{len(rows)} server(s): {len(rows) - len(bad)} as desired"
+    if bad:
+        summary += f", {len(bad)} NOT (" + ", ".join(f"{VERDICT_KINDS[k]} {n}" for k, n in sorted(counts.items())) + ")"
+    text += "\n" + summary
+    history = [f"  {row['host']}:{row['vmid']}  {line}" for row in rows for line in row.get("history") or []]
+    if history:
+        text += "\nhistory (newest first):\n" + "\n".join(history)
+    notes = [f"  {row['host']}:{row['vmid']}: {problem}" for row in rows for problem in row.get("problems") or []]
+    return text + ("\nproblems:\n" + "\n".join(notes) if notes else "")
+
+
+def status_document(rows: Sequence[StatusRow]) -> dict[str, Any]:
+    """What ``--data format=json`` prints: ONE document, ``ok`` false when any row is not as desired."""
+    return {"ok": all(row.get("ok") for row in rows), "generated_at": time.time(),
+            "summary": {kind: sum(1 for row in rows if row.get("kind") == kind) for kind in VERDICT_KINDS
+                        if any(row.get("kind") == kind for row in rows)},
+            "servers": [dict(row) for row in rows]}
+
+
+def status_when_unreachable(state: Any) -> None:
+    """The status runbook's output when no host of the run could be reached (one unreachable row each)."""
+    errors = connect_errors(state)
+    hosts = [h for h in state.inventory if state.is_host_in_limit(h)]
+    rows = [unreachable_row(h.data.get("pve_host") or h.name, h.data.get("pct_vmid"),
+                            errors.get(h.name) or "could not connect", desired_state(h.data)) for h in hosts]
+    first = hosts[0].data if hosts else {}
+    publish_status(rows, output_format=first.get("format", "table"), prom_path=first.get("prom"))
+
+
+def publish_status(rows: Sequence[StatusRow], output_format: str = "table", prom_path: str | None = None,
+                   out: Callable[[str], None] | None = None) -> bool:
+    """Print the status (``table`` or ``json``) and write the Prometheus file when asked; returns
+    True when every row is as desired."""
+    rows = sorted(rows, key=lambda row: (natural_key(str(row.get("host"))), natural_key(str(row.get("vmid")))))
+    emit = out or (lambda text: print(text, flush=True))
+    # The report first: a Prometheus path that cannot be written must not cost the operator the table
+    if output_format == "json":
+        emit(json.dumps(status_document(rows), default=str))
+    else:
+        emit(render_status(rows))
+    if prom_path:
+        try:
+            write_atomically(prom_path, status_prometheus(rows))
+        except OSError as error:
+            logger.error(f"gpugate: cannot write the Prometheus file {prom_path}: {error.strerror or error}")
+            return False
+    return all(row.get("ok") for row in rows)
+
+

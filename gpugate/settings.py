@@ -1,0 +1,389 @@
+"""Every setting gpugate reads, once: one :class:`Setting` row each in :data:`SETTINGS`.
+
+A row names the host-data key (``--data``, group data, fleet.yaml ``data:``), the key in
+fleet.yaml's ``sglang:`` section where the setting belongs to the server, its converter (the one
+check for every source), its default and one line of doc. fleet.yaml, group_data/all.py, the
+deploy, the runbooks, the @pct connector and ``--data`` validation all read this table; nothing
+else holds a default or a converter.
+
+From host data to the desired server: :func:`gpugate.spec.desired_state` checks every value (here)
+and builds the container's :class:`gpugate.spec.Desired` once (the operation and the status take
+it as it is).
+
+Example::
+
+    >>> validated_settings({"rolling": "no", "drain_timeout_s": 30, "ssh_user": "root"})
+    {'drain_timeout_s': 30, 'rolling': False}
+    >>> SETTINGS["sglang_host"].fleet_key, SETTINGS["sglang_host"].default
+    ('host', '127.0.0.1')
+
+Adding a setting: one row here (with ``fleet_key`` when it may be written in the ``sglang:``
+section), plus the field of :class:`gpugate.spec.Desired` or :class:`gpugate.spec.Spec` that
+carries it (plus the agent, where it acts on it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import reprlib
+from typing import Any, Callable
+
+from pyinfra.api.exceptions import PyinfraError
+
+__all__ = ["Setting", "SETTINGS", "SettingsError", "validated_settings", "resolved", "defaults",
+           "server_keys", "data_keys", "SUPERVISORS", "to_bool"]
+
+SUPERVISORS = ("process", "systemd", "auto")  # auto: systemd where PID 1 is systemd (gpugate.spec)
+
+
+class SettingsError(PyinfraError, ValueError):
+    """A host data value (``--data``, group data, fleet.yaml ``data:``) that gpugate cannot use:
+    ``setting drain_timeout_s='abc': expected a number, got 'abc' (str)``.
+
+    A PyinfraError, so that pyinfra prints the message and no traceback."""
+
+    def __init__(self, key: str, value: Any, problem: str):
+        self.key = key
+        self.problem = problem
+        shown = "(not shown: a secret)" if key == "sglang_env" else _SHORT.repr(value)
+        super().__init__(f"setting {key}={shown}: {problem}")
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 4, 4, 80, 80
+
+
+def describe(value: Any) -> str:
+    """A value for an error message, bounded (a YAML alias bomb is a small file and a huge repr)."""
+    if value is None:
+        return "nothing (null)"
+    return f"{_SHORT.repr(value)} ({type(value).__name__})"
+
+
+def suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+# ---------------------------------------------------------------- converters (one per kind of value)
+_TRUE = ("true", "yes", "1")
+_FALSE = ("false", "no", "0")
+
+
+def to_bool(value: Any) -> bool:
+    """true/false/yes/no/1/0 (any case; YAML and pyinfra's --data give bools and ints already).
+
+    >>> to_bool("no"), to_bool(1), to_bool("TRUE")
+    (False, True, True)
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"expected true or false (or yes/no, 1/0), got {describe(value)}")
+
+
+def to_number(value: Any) -> int | float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"expected a number, got {describe(value)}")
+    if value < 0:
+        raise ValueError(f"must not be negative, got {value}")
+    return value
+
+
+def to_count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected a whole number, got {describe(value)}")
+    if value < 0:
+        raise ValueError(f"must not be negative, got {value}")
+    return value
+
+
+def to_port(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ValueError(f"expected a port number 1..65535, got {describe(value)}")
+    return value
+
+
+def one_line(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected {what}, got {describe(value)}")
+    if any(c in value for c in "\x00\n\r"):
+        raise ValueError(f"expected {what} on one line (no NUL or line breaks)")
+    return value
+
+
+def to_optional_path(value: Any) -> str | None:
+    return None if value is None else one_line(value, "a path")
+
+
+def to_model_path(value: Any) -> str | None:
+    return None if value is None else one_line(value, "a path or Hugging Face repo id")
+
+
+def to_listen_host(value: Any) -> str:
+    text = one_line(value, "an address to listen on")
+    if text.startswith("-") or any(c.isspace() for c in text):
+        raise ValueError(f"expected an address to listen on, got {describe(value)}")
+    return text
+
+
+_PYTHON3 = re.compile(r"^(python|python3|python3\.\d+|pypy3|pypy3\.\d+)$")
+
+
+def to_python(value: Any) -> str:
+    """The absolute path of a Python 3 interpreter in the container (its name says so: python,
+    python3, python3.12, pypy3; ``/bin/sh`` or ``python2`` is refused here, before any SSH).
+
+    >>> to_python("/opt/venv/bin/python3")
+    '/opt/venv/bin/python3'
+    """
+    if not isinstance(value, str) or not value.startswith("/") or any(
+            c.isspace() or c == "\x00" for c in value):
+        raise ValueError(f"expected the absolute path of a Python 3 interpreter in the container, "
+                         f"got {describe(value)}")
+    if not _PYTHON3.match(os.path.basename(value)):
+        raise ValueError(f"{value} is not a Python 3 interpreter (expected a path ending in python3, "
+                         f"python3.N or python, e.g. /usr/bin/python3 or /opt/venv/bin/python)")
+    return value
+
+
+def to_supervisor(value: Any) -> str:
+    if value not in SUPERVISORS:
+        raise ValueError(f"expected one of {', '.join(SUPERVISORS)}, got {describe(value)}")
+    return value
+
+
+def to_flags(value: Any) -> dict:
+    # the flags themselves are validated by the engine (gpugate.engine.sglang.flags), against the
+    # container's SGLang version; here only the shape
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping of SGLang flags, got {describe(value)}")
+    return dict(value)
+
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def env_name(name: Any) -> str:
+    if not isinstance(name, str) or not ENV_NAME.match(name):
+        raise ValueError(f"{name!r}: environment variable names are letters, digits and _, "
+                         "not starting with a digit")
+    return name
+
+
+def env_value(name: str, value: Any, named: bool = True) -> str:
+    """Env values are strings as written: YAML reads unquoted 0755 as 493 and 1.10 as 1.1, so any
+    other type is refused (the value itself is never shown: env values may be secrets)."""
+    prefix = f"{name}: " if named else ""
+    if not isinstance(value, str):
+        read_as = ("a boolean" if isinstance(value, bool) else "null" if value is None
+                   else "a number" if isinstance(value, (int, float)) else type(value).__name__)
+        raise ValueError(f"{prefix}YAML read this value as {read_as}, not as the text written "
+                         f"(0755 becomes 493, 1.10 becomes 1.1): quote it ({name}: \"...\")")
+    if any(c in value for c in "\x00\n\r"):
+        raise ValueError(f"{prefix}values cannot contain NUL or line breaks (one line per variable)")
+    return value
+
+
+def to_env(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping NAME: \"value\", got {type(value).__name__}")
+    return {env_name(name): env_value(name, item) for name, item in value.items()}
+
+
+_VERSION = re.compile(r"^[0-9]+(\.[0-9]+)*([.+-]?[A-Za-z0-9]+)*$")
+
+
+def to_version(value: Any) -> str:
+    if not isinstance(value, str) or not _VERSION.match(value):
+        raise ValueError(f"expected an SGLang version as a quoted string like \"0.5.23\" "
+                         f"(unquoted, YAML reads 0.5.10 as a number), got {describe(value)}")
+    return value
+
+
+def to_extra_args(value: Any) -> list[str]:
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list of strings (argv items), got {describe(value)}")
+    for item in value:
+        if not isinstance(item, str):
+            raise ValueError(f"expected strings (quote each item), got {describe(item)}")
+        if any(c in item for c in "\x00\n\r"):
+            raise ValueError("argv items cannot contain NUL or line breaks")
+    return list(value)
+
+
+def to_rank(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"expected 1 (the newest), 2, ..., got {describe(value)}")
+    return value
+
+
+def to_format(value: Any) -> str:
+    if value not in ("table", "json"):
+        raise ValueError(f"expected table or json, got {describe(value)}")
+    return value
+
+
+def to_text(value: Any) -> str:
+    return one_line(value, "a string")
+
+
+# ---------------------------------------------------------------- the table
+# Where a setting may be written. server: the container's sglang: section of fleet.yaml (its
+# fleet_key) or --data under its host-data key, never a data: section (the section validates it as
+# part of the server); data: also data: sections of fleet.yaml and group data; run: --data of one
+# run only (a runbook's choice, a one-off restart); fleet: set by the fleet file itself.
+SCOPES = ("server", "data", "run", "fleet")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One setting: where it is written, how it is checked, its default, what it means."""
+
+    key: str                          # host-data key: --data KEY=..., group data, fleet.yaml data:
+    convert: Callable[[Any], Any]     # the one check (ValueError naming the problem), for every source
+    default: Any
+    doc: str
+    scope: str = "data"               # see SCOPES
+    fleet_key: str | None = None      # the key in fleet.yaml's sglang: section (server settings)
+
+
+def _rows(*rows: Setting) -> dict[str, Setting]:
+    return {row.key: row for row in rows}
+
+
+SETTINGS: dict[str, Setting] = _rows(
+    # --- the server (fleet.yaml's sglang: section) ---
+    Setting("sglang_model_path", to_model_path, None,
+            "the model path or Hugging Face repo id (required when present)", "server", "model_path"),
+    Setting("sglang_port", to_port, 30000, "the server's port (SGLang's own default)", "server", "port"),
+    Setting("sglang_host", to_listen_host, "127.0.0.1",
+            "--host: the address the server listens on inside the container", "server", "host"),
+    Setting("sglang_flags", to_flags, {}, "SGLang flags as data (validated against the container's SGLang)",
+            "server", "flags"),
+    Setting("sglang_env", to_env, {}, "the server's environment (file mode 0600; values never printed)",
+            "server", "env"),
+    Setting("sglang_present", to_bool, True, "false: no server on this port (stopped, its GPUs swept)",
+            "server", "present"),
+    Setting("sglang_supervisor", to_supervisor, "auto",
+            "auto: systemd where the container's PID 1 is systemd, else process; or name one", "server",
+            "supervisor"),
+    Setting("sglang_python", to_python, "/usr/bin/python3",
+            "the interpreter in the container that runs `-m sglang.launch_server`", "server", "python"),
+    Setting("sglang_version", to_version, None,
+            "the SGLang release the container must have (its flag table); quoted", "server", "sglang_version"),
+    Setting("sglang_extra_args", to_extra_args, [], "argv items passed through as written, unchecked",
+            "server", "extra_args"),
+    # --- the GPU gate (this server's GPUs only) ---
+    Setting("gpu_max_used_mib", to_count, 64, "a GPU counts as free at or under this many MiB used (NVML v2)"),
+    Setting("gpu_gate_timeout_s", to_number, 120.0, "how long the gate waits for the server's GPUs after the stop"),
+    # --- the transition (run to its end by the agent in the container) ---
+    Setting("drain_timeout_s", to_number, 60.0,
+            "SGLang's SIGTERM drain has no deadline: this is ours, then SIGKILL", "data", "drain_timeout_s"),
+    Setting("kill_grace_s", to_number, 10.0, "after SIGKILL of the server's tree: how long it may take to vanish"),
+    Setting("start_timeout_s", to_number, 2700.0,
+            "until healthy and generating (45 min: a cold TP8 load with CUDA graphs)"),
+    Setting("generate_timeout_s", to_number, 30.0, "the first real generation after /health turns 200"),
+    Setting("min_free_mib", to_count, 64, "free MiB the log and state dirs need, checked before the stop"),
+    Setting("end_other_gpu_holders", to_bool, False,
+            "true: the agent may end other processes with memory on this server's GPUs"),
+    Setting("rolling", to_bool, False, "true: one container at a time; the rest keep serving"),
+    Setting("max_failures", to_count, 0, "rolling: stop after more failed containers than this"),
+    Setting("audit_log", to_optional_path, None,
+            "audit file on the control machine; None: $GPUGATE_AUDIT_LOG or ./audit.jsonl"),
+    # --- the @pct connector (gpugate.connectors.pct) ---
+    Setting("pct_binary", to_text, "pct", "the pct command on the Proxmox host"),
+    Setting("pct_sudo", to_bool, None,
+            "run pct with `sudo -n` on the host (default: when ssh_user is set and not root)"),
+    Setting("pct_clear_env", to_bool, True,
+            "give commands the container's own environment (`env -i PATH=...`), not pct's PATH and "
+            "the SSH session's variables"),
+    Setting("pct_ssh_share", to_count, 4,
+            "how many containers of one Proxmox host share one SSH connection in a run "
+            "(1: one connection per container)"),
+    # --- one run's choices (--data on the command line) ---
+    Setting("sglang_restarted", to_bool, False, "restart even when the desired spec already serves", "run"),
+    Setting("rollback_to", to_rank, 1, "the rollback runbook: the k-th newest good spec (1 = newest)", "run"),
+    Setting("format", to_format, "table", "the status runbook: table or json", "run"),
+    Setting("prom", to_optional_path, None, "the status runbook: also write a Prometheus textfile here", "run"),
+    # --- set by the fleet file ---
+    Setting("pve_host", to_text, None, "the Proxmox host's name in fleet.yaml", "fleet"),
+)
+
+# Keys that are no setting of gpugate's but are fine in host data: the @pct connector's (set from
+# the host name) and pyinfra's own (ssh_*, global arguments as _sudo, ...).
+PASSTHROUGH = ("pct_vmid", "pct_local")
+SSH_SETTINGS = (
+    "hostname", "port", "user", "password", "key", "key_password", "allow_agent", "look_for_keys",
+    "forward_agent", "config_file", "known_hosts_file", "strict_host_key_checking",
+    "paramiko_connect_kwargs", "connect_retries", "connect_retry_min_delay",
+    "connect_retry_max_delay", "file_transfer_protocol",
+)
+
+
+def defaults(scope: str | None = None) -> dict[str, Any]:
+    """Host-data key -> default, of every row (or of one scope): what group_data/all.py exposes.
+
+    >>> defaults("server")["sglang_port"], defaults()["drain_timeout_s"]
+    (30000, 60.0)
+    """
+    return {row.key: _copy(row.default) for row in SETTINGS.values() if scope is None or row.scope == scope}
+
+
+def _copy(value: Any) -> Any:
+    return dict(value) if isinstance(value, dict) else list(value) if isinstance(value, list) else value
+
+
+def server_keys() -> dict[str, Setting]:
+    """fleet.yaml sglang: key -> row (the keys the sglang: section accepts)."""
+    return {row.fleet_key: row for row in SETTINGS.values() if row.fleet_key}
+
+
+def data_keys() -> tuple[str, ...]:
+    """The settings a fleet.yaml (or group) ``data:`` section accepts."""
+    return tuple(row.key for row in SETTINGS.values() if row.scope == "data")
+
+
+def validated_settings(data: Any) -> dict[str, Any]:
+    """The host data gpugate reads, checked and normalised: the same rules as fleet.yaml for every
+    source (``--data``, group data, fleet.yaml). Booleans come from true/false/yes/no/1/0 only
+    (pyinfra's ``--data rolling=no`` is the string "no", which Python would call true); numbers
+    must be numbers; an unknown key is refused with a did-you-mean. Raises SettingsError.
+
+    ``data`` is pyinfra's ``host.data`` (or any mapping). Returns only the keys that are set;
+    :func:`resolved` applies the defaults.
+
+    >>> validated_settings({"drain_timout_s": 30})
+    Traceback (most recent call last):
+    ...
+    gpugate.settings.SettingsError: setting drain_timout_s=30: unknown setting (did you mean drain_timeout_s?)
+    """
+    items = data.dict() if callable(getattr(data, "dict", None)) else dict(data)
+    known = tuple(SETTINGS) + PASSTHROUGH + tuple(f"ssh_{name}" for name in SSH_SETTINGS)
+    settings: dict[str, Any] = {}
+    for key in sorted(items, key=str):
+        value = items[key]
+        if not isinstance(key, str):
+            raise SettingsError(str(key), value, "setting names are strings")
+        if key.startswith("_"):
+            continue  # pyinfra's global arguments given as data (_sudo, _su_user, ...)
+        if key not in known:
+            raise SettingsError(key, value, f"unknown setting{suggest(key, known)}")
+        if key in SETTINGS and not (value is None and SETTINGS[key].default is None):
+            try:
+                settings[key] = SETTINGS[key].convert(value)
+            except ValueError as error:
+                raise SettingsError(key, value, str(error)) from None
+    return settings
+
+
+def resolved(data: Any) -> dict[str, Any]:
+    """Every setting: the checked value where one is set, else the row's default."""
+    given = validated_settings(data)
+    return {key: given[key] if key in given else _copy(row.default) for key, row in SETTINGS.items()}
