@@ -12,7 +12,7 @@ generates, verifies it; a failure rolls back to the server that ran. The same sp
 nothing to the history of good specs. See docs/runbooks.md.
 """
 
-fromimport dataclasses
+import dataclasses
 
 from pyinfra import host
 

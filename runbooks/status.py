@@ -30,14 +30,15 @@ def _unreachable(target, reason):
 
 def _publish(rows):
     # returns None: FleetReport prints what it is given; publish_status prints (and writes --data prom=PATH)
-    publish_status(rows, output_format=host.data.get("format", "table"), prom_path=host.data.get("prom"))
+    publish_status(rows, output_format=data.get("format", "table"), prom_path=data.get("prom"))
     return None
 
 
-desired = desired_state(host.data)  # the same desired state, built the same way, as deploy.py's
+data = host.data  # this host's: _publish runs later, from a callback, outside the host's context
+desired = desired_state(data)  # the same desired state, built the same way, as deploy.py's
 # pyinfra runs this file for every host at once; the observe asks what the deploy's asks
 observation = dict(host.get_fact(SglangObservationOnce, python=desired.python, **desired.observe_args()))
-row = status_row(host.data.get("pve_host") or host.name, host.data.get("pct_vmid"), observation, desired)
+row = status_row(data.get("pve_host") or host.name, data.get("pct_vmid"), observation, desired)
 fleet_report(state, "status", _publish, missing=_unreachable).add(host.name, row)
 if not row["ok"]:
     # Not as desired: the run's exit status says so (pyinfra exits 1 when a host failed). Nothing
