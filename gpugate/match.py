@@ -84,6 +84,10 @@ def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None 
         return Match("not_running", (f"sglang is not running on :{spec.port}",), replaced=replaced,
                      lines=tuple(diff_lines(server, spec) + env_lines(server, spec)))
     exact = runs_exactly(server, spec)
+    have, pinned = server.get("sglang_version"), spec.sglang_version
+    if pinned and have and have != pinned:  # the deploy refuses it: it can never be as desired
+        return Match("differs", (f"the container has SGLang {have}; sglang_version pins {pinned}",),
+                     flag_items=(f"SGLang {have} in the container, {pinned} pinned",), replaced=replaced, exact=exact)
     if exact and not replaced:
         if server.get("serving"):
             return Match("as_desired", exact=True)
