@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from gpugate.lab import core
-from gpugate.sglang_args import render_argv
+from gpugate.engine.sglang.flags import render_argv
 
 MODEL_PATH = "/opt/models/lab-model"
 PORT = 30000

@@ -86,7 +86,7 @@ def measure(before: str, n: int) -> dict:
     from bench.benchlab import BenchLab, tool_path
     from gpugate.lab import core
     from gpugate.facts.sglang import flag_table_command
-    from gpugate import sglang_args
+    from gpugate.engine.sglang import flags as sglang_args
 
     work = Path(tempfile.mkdtemp(prefix="gpugate-costs-"))
     old = work / "before"

@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                          % ",".join(map(str, core.DEFAULT_VMIDS)))
     up.add_argument("--sglang-version", default=None, metavar="VERSION",
                     help="the SGLang release the stand-in is: it takes exactly that release's flags (a "
-                         "snapshot in gpugate/flagtables; default the newest); applies to existing containers too")
+                         "snapshot in gpugate/engine/sglang/flagtables; default the newest); applies to existing containers too")
     _add_dir(up, top_level=False)
     down = sub.add_parser("down", help="stop every lab host (state, keys and the fleet file are kept)")
     _add_dir(down, top_level=False)
@@ -244,7 +244,7 @@ def _lab(args: argparse.Namespace) -> int:
 
 def _check(path: str, version: str | None) -> int:
     """`gpugate check fleet.yaml`: one line per server, then its problems and warnings (issue 13)."""
-    from gpugate import sglang_args  # noqa: PLC0415
+    from gpugate.engine.sglang import flags as sglang_args  # noqa: PLC0415
     from gpugate.fleet import container_host_data, load_fleet  # noqa: PLC0415
     from gpugate.settings import resolved  # noqa: PLC0415
 

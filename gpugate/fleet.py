@@ -60,7 +60,7 @@ import yaml
 
 from gpugate.settings import (SETTINGS, SSH_SETTINGS, data_keys, describe as _describe, env_name, env_value,
                               server_keys, suggest as _suggest)
-from gpugate.sglang_args import FlagError, canonical_name, validate_flags
+from gpugate.engine.sglang.flags import FlagError, canonical_name, validate_flags
 
 __all__ = [
     "FleetError",

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpugate.spec import Spec, SpecError, gpu_set, redact_flags, resolve_supervisor
-from gpugate.sglang_args import diff_flags, parse_argv
+from gpugate.engine.sglang.flags import diff_flags, parse_argv
 
 __all__ = ["Match", "compare", "VERDICTS"]
 

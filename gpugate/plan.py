@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gpugate.match import compare, interpreter_lines, running_command
-from gpugate.sglang_args import diff_flags, parse_argv
+from gpugate.engine.sglang.flags import diff_flags, parse_argv
 from gpugate.spec import Spec, option_items, redact_flags
 
 OUTCOMES_OK = ("verified",)

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpugate.settings import SETTINGS, SUPERVISORS, resolved
-from gpugate.sglang_args import (SECRET_MASK, FlagError, is_secret_value, redact_argv, render_argv,
+from gpugate.engine.sglang.flags import (SECRET_MASK, FlagError, is_secret_value, redact_argv, render_argv,
                                  render_flag_args, secret_flag_options, validate_flags)
 
 __all__ = ["BUDGET_KEYS", "Desired", "desired_state", "Spec", "SpecError", "build_spec", "gpu_set", "redact_flags", "budgets"]
@@ -194,7 +194,7 @@ class Spec:
 
     def expect_info(self) -> dict[str, Any]:
         """The /get_server_info keys and values this server must report (checked at verify)."""
-        from gpugate.sglang_args import server_info_view
+        from gpugate.engine.sglang.flags import server_info_view
 
         # secret values are never expected by value (the failure message would show them); a
         # JSON-text flag is expected as the exact text SGLang keeps (server_info_view)
@@ -242,7 +242,7 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
                python: str | None = None, extra_args: Sequence[str] | None = None,
                sglang_version: str | None = None, table: Any = None) -> Spec:
     """Validate the desired server completely (no host needed) and render its argv once; raise
-    SpecError naming the problem. ``table``: a per-version flag table (gpugate.sglang_args,
+    SpecError naming the problem. ``table``: a per-version flag table (gpugate.engine.sglang.flags,
     H3) to validate against instead of the built-in one. ``extra_args``: argv elements passed
     verbatim after the flags, unchecked (a warning says so).
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Make gpugate's snapshot of SGLang's flags for one release, from the real wheel on PyPI.
 
-    python3 scripts/sglang_flags_snapshot.py 0.5.23 [--torch SPEC] [--out gpugate/flagtables]
+    python3 scripts/sglang_flags_snapshot.py 0.5.23 [--torch SPEC] [--out gpugate/engine/sglang/flagtables]
 
 1. ``pip download sglang==VERSION --no-deps``: the real wheel.
 2. Unpack it into a temporary target and run gpugate/remote/flag_table.py there (the builder that
@@ -11,7 +11,7 @@
    each ``ModuleNotFoundError`` names the next one; it is installed with pip, pinned as the wheel's
    ``Requires-Dist`` pins it (``--torch`` says where torch comes from: a CPU build is enough, e.g.
    ``--torch /opt/wheels/torch-2.13.0+cpu-...whl``).
-4. The table goes to ``gpugate/flagtables/sglang-VERSION.json`` with the version, the sha256 of
+4. The table goes to ``gpugate/engine/sglang/flagtables/sglang-VERSION.json`` with the version, the sha256 of
    server_args.py, the number of option names, and what was installed and what was stubbed.
 
 Every install is ``--no-deps``: a dependency that an import needs shows up as the next missing module
@@ -53,7 +53,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILDER = ROOT / "gpugate" / "remote" / "flag_table.py"
-OUT_DIR = ROOT / "gpugate" / "flagtables"
+OUT_DIR = ROOT / "gpugate" / "engine" / "sglang" / "flagtables"
 STUBBED = ("torchvision",)
 # import name -> distribution name, where they differ
 DISTRIBUTIONS = {"zmq": "pyzmq", "PIL": "pillow", "yaml": "pyyaml", "google": "protobuf", "cv2": "opencv-python",

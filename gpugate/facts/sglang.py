@@ -35,7 +35,7 @@ from typing import Any
 from pyinfra.api import FactBase, StringCommand
 
 from gpugate import agentcmd
-from gpugate.sglang_args import parse_argv
+from gpugate.engine.sglang.flags import parse_argv
 
 DEFAULT_PYTHON = "/usr/bin/python3"
 
@@ -221,7 +221,7 @@ def flag_table(host: Any, python: str = DEFAULT_PYTHON, say=None, run=None,
     """The container's flag table document (the SglangFlagTable fact), in the fewest commands: a read
     first; when no table is cached for the installed version, ``say`` is told
     "building SGLang's flag table in the container (first time for <version>)" and the build runs.
-    A table received is kept in the controller's cache (gpugate.sglang_args.remember_table), so that
+    A table received is kept in the controller's cache (gpugate.engine.sglang.flags.remember_table), so that
     later runs tell the container not to send it again. ``run``: a function running a command in
     the container and returning its JSON answer (the operation's own runner); default the fact.
     ``observation``: the agent's observe document; when its ``sglang.flag_table`` names a table this
@@ -232,7 +232,7 @@ def flag_table(host: Any, python: str = DEFAULT_PYTHON, say=None, run=None,
         doc = flag_table(host, say=host.log)
         table, note = sglang_args.choose_table(doc, pinned="0.5.23")
     """
-    from gpugate import sglang_args  # noqa: PLC0415
+    from gpugate.engine.sglang import flags as sglang_args  # noqa: PLC0415
 
     known = sglang_args.known_table_keys()
     seen = ((observation or {}).get("sglang") or {}).get("flag_table") or {}

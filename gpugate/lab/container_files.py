@@ -10,7 +10,7 @@ Everything installed is stdlib-only Python run by the container's /usr/bin/pytho
     usr/lib/python3/dist-packages/sglang/...             (gpugate/lab/standin/sglang; bench_serving.py
                                                           is the benchmark client)
     .../sglang/srt/flag_table.json, sglang/_version.py   (the snapshot of ONE SGLang release's flags,
-                                                          gpugate/flagtables/sglang-<version>.json:
+                                                          gpugate/engine/sglang/flagtables/sglang-<version>.json:
                                                           the stand-in's parser; never gpugate's
                                                           own sglang_args.py)
     usr/lib/python3/dist-packages/sglang-<version>.dist-info/METADATA   (the version, as pip writes it)
@@ -53,12 +53,12 @@ def _copy(src: Path, dst: Path) -> None:
 def snapshot_file(version: str | None = None) -> Path:
     """gpugate's snapshot of SGLang ``version``'s flags (default: the newest); LookupError naming
     the versions there are."""
-    folder = PACKAGE_DIR / "flagtables"
+    folder = PACKAGE_DIR / "engine" / "sglang" / "flagtables"
     found = {p.name[len("sglang-"):-len(".json")]: p for p in folder.glob("sglang-*.json")}
     if not found:
         raise LookupError(f"no SGLang flag snapshot in {folder}")
     if version is None:
-        from gpugate.sglang_args import snapshot_versions  # noqa: PLC0415 -- version order only
+        from gpugate.engine.sglang.flags import snapshot_versions  # noqa: PLC0415 -- version order only
         version = snapshot_versions(folder)[-1]
     if version not in found:
         raise LookupError(f"no snapshot of SGLang {version}; the lab's stand-in can be "
@@ -100,7 +100,7 @@ def install_container_extras(usr_upper: Path, sglang_version: str | None = None)
     """Write the lab's nvidia-smi, pynvml and sglang stand-in into a container's /usr upper dir.
 
     ``sglang_version``: the SGLang release whose flags the stand-in takes (a snapshot in
-    gpugate/flagtables); default the lab's choice (``lab_sglang_version``), else the newest.
+    gpugate/engine/sglang/flagtables); default the lab's choice (``lab_sglang_version``), else the newest.
     Idempotent: rewrites the files each time (a lab upgrade reaches existing containers).
     """
     usr_upper = Path(usr_upper)

@@ -333,11 +333,10 @@ def _apply_gpu_mode(hdir: Path, binding: dict | None, vmids: list[int]) -> None:
     if binding and binding.get("nvidia_smi"):
         realgpu.write_host_tools(hdir, binding, "")
     standin = Path(container.__file__).resolve().parent / "standin" / "sglang"
-    server_args = Path(PACKAGE_ROOT) / "gpugate" / "sglang_args.py"
     for vmid in vmids:
         cdir = container.ct_dir(hdir, vmid)
         if binding:
-            realgpu.install_real_extras(cdir, binding, standin, server_args)
+            realgpu.install_real_extras(cdir, binding, standin)
         else:
             realgpu.remove_real_extras(cdir)
 

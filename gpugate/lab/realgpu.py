@@ -298,7 +298,7 @@ def env_upper(cdir: Path) -> Path:
     return Path(cdir) / "torchenv-upper"
 
 
-def install_real_extras(cdir: Path, binding: dict, standin_dir: Path, server_args: Optional[Path]) -> None:
+def install_real_extras(cdir: Path, binding: dict, standin_dir: Path) -> None:
     """Per container, outside it: the real pynvml and nvidia-smi in its /usr overlay, the stand-in in
     its torch env overlay, and the marker that puts the stand-in in real mode. Idempotent."""
     cdir = Path(cdir)
@@ -330,7 +330,6 @@ def install_real_extras(cdir: Path, binding: dict, standin_dir: Path, server_arg
         # the stand-in's parser: a snapshot of one SGLang release's flags (never gpugate's sglang_args)
         from gpugate.lab import container_files  # noqa: PLC0415
         container_files.install_flag_table(sglang_dst, target, container_files.lab_sglang_version(cdir))
-        del server_args  # kept in the signature for callers; the snapshot replaced it
         # the stand-in's driver shim falls back to the lab package's gpusim: make it importable too
         gpusim_src = Path(standin_dir).resolve().parent.parent / "gpusim.py"
         if gpusim_src.exists():

@@ -32,7 +32,7 @@ from pyinfra.context import host, state
 from gpugate import agentcmd
 from gpugate.facts.sglang import SglangObservation, SglangObservationInline, flag_table, observation_from
 from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, same_desired
-from gpugate.sglang_args import choose_table, flag_warnings, redact_argv
+from gpugate.engine.sglang.flags import choose_table, flag_warnings, redact_argv
 from gpugate.match import for_container
 from gpugate.spec import Desired, Spec, SpecError, build_spec, redact_flags
 
@@ -290,7 +290,7 @@ def _spec_for_version(host_obj: Any, python: str, spec: Spec, flags: Mapping[str
                       pinned: str | None, observation: Mapping[str, Any] | None = None) -> Spec:
     """``spec`` validated again against SGLang's own flag table for this container (the container's,
     built once and cached there; else the pinned version's snapshot; else the newest: see
-    gpugate.sglang_args.choose_table). SpecError names the flag and the version; the table used and
+    gpugate.engine.sglang.flags.choose_table). SpecError names the flag and the version; the table used and
     SGLang's deprecation warnings join the spec's warnings (the plan's notes)."""
     show = not state.is_executing or not state.check_for_changes
 
@@ -619,10 +619,10 @@ def _end_pids(observation: Mapping[str, Any], spec: Spec | None, end_other_gpu_h
 
 
 def _capacity(job: Job, narrator: Narrator) -> dict[str, Any]:
-    """The effect the server reports (gpugate.capacity, when present): before from the observation,
+    """The effect the server reports (gpugate.engine.sglang.capacity, when present): before from the observation,
     after from the agent's verify."""
     try:
-        from gpugate.capacity import capacity_from_server_info, capacity_line
+        from gpugate.engine.sglang.capacity import capacity_from_server_info, capacity_line
     except ImportError:
         return {}
     before_info = ((job.observation.get("sglang") or {}).get("server_info") or {}).get("args") or None

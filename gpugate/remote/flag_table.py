@@ -14,7 +14,7 @@ Three callers, one builder:
   server_args.py>.json``. Later runs only read that file. The cache write is the one write a fact
   of gpugate makes (docs/flags.md says why);
 - ``scripts/sglang_flags_snapshot.py`` runs ``python3 flag_table.py --help-text`` against a wheel
-  unpacked into a temporary target, to make the snapshots shipped in gpugate/flagtables/;
+  unpacked into a temporary target, to make the snapshots shipped in gpugate/engine/sglang/flagtables/;
 - the lab's stand-in is importable as ``sglang.srt.server_args``, so the same code builds a table
   from it in a lab container.
 

@@ -171,7 +171,7 @@ def _record_flags(record: Mapping[str, Any]) -> dict[str, Any]:
     argv = record.get("argv")
     if not isinstance(argv, list):
         return {}
-    from gpugate.sglang_args import parse_argv  # noqa: PLC0415 -- only the history needs the parser
+    from gpugate.engine.sglang.flags import parse_argv  # noqa: PLC0415 -- only the history needs the parser
 
     return dict(parse_argv(argv).flags)
 

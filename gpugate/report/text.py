@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from typing import Any, Optional
 
 from gpugate.spec import redact_flags
-from gpugate.sglang_args import SECRET_MASK, diff_flags, is_secret_value
+from gpugate.engine.sglang.flags import SECRET_MASK, diff_flags, is_secret_value
 
 # ---------------------------------------------------------------- tables
 

@@ -22,7 +22,7 @@ from pyinfra.api import Config, Inventory, State
 
 from gpugate import agentcmd
 from gpugate.fleet import fleet_to_inventory, load_fleet
-from gpugate.sglang_args import render_argv, validate_flags
+from gpugate.engine.sglang.flags import render_argv, validate_flags
 from tests.conftest import REPO_ROOT, module_lab
 from tests.e2e.lab_processes import (ct_sh, start_bench_client, start_gpu_monitor, start_in_container,
                                      start_shared_group_server, wait_for)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.sglang_args import FlagError, validate_flags
+from gpugate.engine.sglang.flags import FlagError, validate_flags
 from tests.conftest import REPO_ROOT, lab_unavailable_reason, start_lab
 
 pytestmark = [pytest.mark.lab]

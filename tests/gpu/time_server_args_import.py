@@ -24,7 +24,7 @@ Prints, and writes to ``--out`` (JSON): the wheel's size, the import time of 3 r
 interpreters (the first after unpacking: cold page cache for sglang's files; torch's may be warm),
 with ``CUDA_VISIBLE_DEVICES=""`` as gpugate's builder sets it, and once without; the whole builder run
 (gpugate/remote/flag_table.py: import + add_cli_args + describe); and whether the table equals
-gpugate/flagtables/sglang-<version>.json (choice lists compared as sets: SGLang builds some from
+gpugate/engine/sglang/flagtables/sglang-<version>.json (choice lists compared as sets: SGLang builds some from
 sets). A module that is missing is named (exit 2): carry its wheel in ``--deps`` too.
 """
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         table = json.loads(built.stdout.strip().splitlines()[-1])
         report.update(version=table["sglang_version"], option_count=table["option_count"],
                       server_args_sha256=table["server_args_sha256"], builder_import_s=table.get("import_s"))
-        snapshot_path = ROOT / "gpugate" / "flagtables" / f"sglang-{table['sglang_version']}.json"
+        snapshot_path = ROOT / "gpugate" / "engine" / "sglang" / "flagtables" / f"sglang-{table['sglang_version']}.json"
         if snapshot_path.is_file():
             snapshot = json.loads(snapshot_path.read_text())
             mine, theirs = comparable(table["actions"]), comparable(snapshot["actions"])

@@ -116,7 +116,7 @@ def test_a_run_of_another_controller_version_is_followed_with_this_agent_install
     import hashlib
 
     from gpugate.remote import pack
-    from gpugate.sglang_args import render_argv, validate_flags
+    from gpugate.engine.sglang.flags import render_argv, validate_flags
     from tests.faults.conftest import pyinfra as streamed_pyinfra
 
     other = agentcmd.agent_source() + "\n# another controller version\n"

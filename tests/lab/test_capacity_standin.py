@@ -1,4 +1,4 @@
-"""The stand-in's /get_server_info capacity figures follow SGLang's formula, and gpugate.capacity reads them
+"""The stand-in's /get_server_info capacity figures follow SGLang's formula, and gpugate.engine.sglang.capacity reads them
 (real stand-in processes on the simulated driver)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 from gpusim_helpers import (RESERVED_MIB, TOTAL_MIB, http_json, http_status, installed, model_dir,  # noqa: F401
                             sim, start_standin, wait_until)
 
-from gpugate.capacity import capacity_from_server_info, capacity_line
+from gpugate.engine.sglang.capacity import capacity_from_server_info, capacity_line
 
 # a TinyLlama-sized model: fits a 10000 MiB simulated GPU at tp 2
 SMALL_MODEL = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 16, "num_attention_heads": 16,

@@ -1,8 +1,8 @@
-"""gpugate.capacity: the figures an operator compares, read from SGLang's /get_server_info shapes."""
+"""gpugate.engine.sglang.capacity: the figures an operator compares, read from SGLang's /get_server_info shapes."""
 
 from __future__ import annotations
 
-from gpugate.capacity import capacity_from_server_info, capacity_line
+from gpugate.engine.sglang.capacity import capacity_from_server_info, capacity_line
 
 # the shape of SGLang 0.5's /get_server_info (server args, scheduler handshake, internal states), trimmed
 SERVER_INFO = {

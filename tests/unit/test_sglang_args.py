@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpugate.sglang_args import (
+from gpugate.engine.sglang.flags import (
     SNAPSHOT_DIR,
     SPECS,
     FlagError,
@@ -380,7 +380,7 @@ def test_module_is_stdlib_only_for_lab_containers():
     # The system python of a lab container has no pyinfra and no third-party packages.
     code = ("import sys, runpy; sys.modules['yaml']=None; sys.modules['pyinfra']=None;"
             "ns = runpy.run_path(sys.argv[1]); print(ns['validate_flags']({'tp': 2}))")
-    from gpugate import sglang_args
+    from gpugate.engine.sglang import flags as sglang_args
     out = subprocess.run([sys.executable, "-I", "-c", code, sglang_args.__file__], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "{'tp-size': 2}"

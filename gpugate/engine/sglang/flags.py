@@ -5,7 +5,7 @@ The flag set is SGLang's own, never a table written by hand (docs/flags.md):
 - a ``FlagTable`` is built from SGLang's parser (``ServerArgs.add_cli_args``) by
   gpugate/remote/flag_table.py: in the container, for the SGLang installed there (the
   ``SglangFlagTable`` fact, cached in ``/var/lib/gpugate/sglang-flags/``), or from a release's wheel
-  (scripts/sglang_flags_snapshot.py -> the snapshots in gpugate/flagtables/);
+  (scripts/sglang_flags_snapshot.py -> the snapshots in gpugate/engine/sglang/flagtables/);
 - ``table=None`` everywhere means the union of the snapshots: "a flag of some SGLang release gpugate
   has a snapshot of". It is what a fleet file is checked against when no version is known yet; the
   plan checks the flags again against the table of the SGLang that will run (``choose_table``);
