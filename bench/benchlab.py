@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from gpugate.lab import core
+from gpugate_lab import core
 from gpugate.engine.sglang.flags import render_argv
 
 MODEL_PATH = "/opt/models/lab-model"

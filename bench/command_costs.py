@@ -84,7 +84,7 @@ def summary(samples: dict) -> dict:
 
 def measure(before: str, n: int) -> dict:
     from bench.benchlab import BenchLab, tool_path
-    from gpugate.lab import core
+    from gpugate_lab import core
     from gpugate.facts.sglang import flag_table_command
     from gpugate.engine.sglang import flags as sglang_args
 
@@ -111,7 +111,7 @@ def measure(before: str, n: int) -> dict:
         was, now = commands_of(old), commands_of(REPO_ROOT)
         for cmds in (was, now):  # both agents installed side by side (content-addressed)
             in_ct(cmds["start"], cmds["stdin"])
-        for name, src in (("pynvml.py", "gpugate/lab/pynvml_sim/pynvml.py"), ("gpugate_gpusim.py", "gpugate/lab/gpusim.py")):
+        for name, src in (("pynvml.py", "lab/gpugate_lab/pynvml_sim/pynvml.py"), ("gpugate_gpusim.py", "lab/gpugate_lab/gpusim.py")):
             data = base64.b64encode((old / src).read_bytes()).decode()
             in_ct(f"mkdir -p /root/old-nvml && echo {data} | base64 -d > /root/old-nvml/{name}")
         # bytecode of both pynvml copies, as a first import over SSH writes it
@@ -134,7 +134,7 @@ def measure(before: str, n: int) -> dict:
         samples = json.loads(out.stdout.strip().splitlines()[-1])
         hdir = str(core.host_dir(lab.dir, ct.host))
         pct = lambda root: ["python3", "-S", "-E", "-c", f"import sys; sys.path.insert(0, {str(root)!r}); "  # noqa: E731
-                            f"from gpugate.lab.pct import main; sys.exit(main(sys.argv[1:], host_dir={hdir!r}))",
+                            f"from gpugate_lab.pct import main; sys.exit(main(sys.argv[1:], host_dir={hdir!r}))",
                             "exec", str(ct.vmid), "--", "true"]
         host_variants = {"pct exec 129 -- true, before": pct(old), "pct exec 129 -- true, after": pct(REPO_ROOT)}
         out = subprocess.run(host + ["python3", "-c", HARNESS, json.dumps(host_variants), str(n), "argv"],

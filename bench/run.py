@@ -38,7 +38,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench import report  # noqa: E402
 from bench.benchlab import BenchLab, Container, machine, server_argv  # noqa: E402
-from gpugate.lab import core  # noqa: E402
+from gpugate_lab import core  # noqa: E402
 from bench.tools import (  # noqa: E402
     gpugate_host,
     read_events,

@@ -172,7 +172,7 @@ def summarize_ansible(events: list[dict], began: float, ended: float) -> dict:
 
 def shell_check_argv(lab: BenchLab, ct: Container, max_mib: int = 64) -> list[str]:
     """ssh to the Proxmox host, then the hand-run loop inside the container."""
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     script = SHELL_CHECK.format(max_mib=max_mib)
     return core.ssh_argv(lab.dir, ct.host) + [f"pct exec {ct.vmid} -- sh -c '{script}'"]

@@ -28,9 +28,21 @@ from typing import NoReturn
 
 import gpugate
 from gpugate import resources
-from gpugate.lab import core
+
+try:  # the local lab is its own package (lab/ in a checkout), out of the product wheel
+    from gpugate_lab import core
+except ImportError:  # pragma: no cover - an installed wheel without the lab
+    core = None  # type: ignore[assignment]
+
+LAB_MISSING = ("the local lab is not installed: it is its own package, in a checkout's lab/ "
+               "(`pip install -e lab/`; scripts/bootstrap does it)")
 
 PYINFRA_COMMANDS = ("deploy", "runbook")
+
+
+class CommandError(Exception):
+    """A command line gpugate cannot run; str() says why, in one line."""
+
 READ_ONLY_RUNBOOKS = ("status", "who_holds_gpus")
 
 
@@ -111,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="check every server against this release's snapshot instead")
 
     lab = top.add_parser("lab", help="the local lab of simulated Proxmox GPU hosts")
+    if core is None:  # `gpugate lab ...` says how to install it (_lab), whatever follows
+        lab.add_argument("rest", nargs=argparse.REMAINDER)
+        return parser
     _add_dir(lab, top_level=True)
     sub = lab.add_subparsers(dest="action", required=True, metavar="ACTION")
     up = sub.add_parser("up", help="start the lab, or bring a stopped one back (a running host is left as it is)")
@@ -163,12 +178,12 @@ def pyinfra_argv(command: str, args: Sequence[str]) -> list[str]:
         target, rest = project / "deploy.py", list(args)
     else:
         if not args or args[0].startswith("-"):
-            raise core.LabError("which runbook? gpugate runbook NAME [PYINFRA_ARGS...]; NAME is one of: "
+            raise CommandError("which runbook? gpugate runbook NAME [PYINFRA_ARGS...]; NAME is one of: "
                                 + ", ".join(resources.runbook_names()))
         name = args[0].removesuffix(".py")
         target, rest = project / "runbooks" / f"{name}.py", list(args[1:])
         if not target.is_file():
-            raise core.LabError(f"no runbook {args[0]!r}; runbooks: " + ", ".join(resources.runbook_names()))
+            raise CommandError(f"no runbook {args[0]!r}; runbooks: " + ", ".join(resources.runbook_names()))
         if name in READ_ONLY_RUNBOOKS and not {"-y", "--yes", "--dry"} & set(rest):
             # read-only: nothing to confirm, and pyinfra's prompt for an unreachable host would hold the
             # report back (the status reports that host instead)
@@ -186,12 +201,14 @@ def _lab_host(lab_dir: Path, name: str) -> str:
 
 
 def _lab(args: argparse.Namespace) -> int:
+    if core is None:
+        raise CommandError(LAB_MISSING)
     lab_dir = (args.dir or core.default_lab_dir()).resolve()
     if args.action == "up":
         started = time.monotonic()
         binding = None
         if args.gpus == "real":
-            from gpugate.lab import realgpu  # noqa: PLC0415
+            from gpugate_lab import realgpu  # noqa: PLC0415
 
             try:
                 binding = realgpu.discover()
@@ -199,7 +216,7 @@ def _lab(args: argparse.Namespace) -> int:
                 raise core.LabError(f"--gpus real: {exc}") from None
         gpus = core.DEFAULT_GPUS if binding else args.gpus
         if args.sglang_version or not (lab_dir / "sglang-version").exists():
-            from gpugate.lab import container_files  # noqa: PLC0415
+            from gpugate_lab import container_files  # noqa: PLC0415
 
             try:
                 container_files.set_sglang_version(lab_dir, args.sglang_version)
@@ -222,7 +239,7 @@ def _lab(args: argparse.Namespace) -> int:
         print(json.dumps(state, indent=2) if args.json else core.format_status(state), end="\n" if args.json else "")
         return 0
     if args.action == "fault":
-        from gpugate.lab import faults  # noqa: PLC0415 -- only this action needs the fault machinery
+        from gpugate_lab import faults  # noqa: PLC0415 -- only this action needs the fault machinery
 
         try:  # a misspelt fault is named (with the likely one) before the host is looked up
             faults.parse_fault(args.name, args.clear)
@@ -286,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.group == "check":
             return _check(args.fleet or os.environ.get("GPUGATE_FLEET") or "fleet.yaml", args.sglang_version)
         return _lab(args)
-    except (core.LabError, ValueError, OSError) as exc:
+    except (CommandError, ValueError, OSError, *((core.LabError,) if core is not None else ())) as exc:
         # A mistyped command gets one line, never a traceback.
         print(f"gpugate: {exc}", file=sys.stderr)
         return 1

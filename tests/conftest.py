@@ -78,7 +78,7 @@ class Lab:
 
     def ssh_argv(self, host: str) -> list[str]:
         """ssh command line (key auth, host key checked against the lab's known_hosts)."""
-        from gpugate.lab import core
+        from gpugate_lab import core
 
         return core.ssh_argv(self.dir, host)
 
@@ -94,7 +94,7 @@ class Lab:
 
     def host_exec(self, host: str, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """Run argv inside a lab host without SSH (nsenter into its namespaces); faster for setup."""
-        from gpugate.lab import core
+        from gpugate_lab import core
 
         return subprocess.run(core.host_exec_argv(self.dir, host) + list(argv), capture_output=True,
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)
@@ -113,13 +113,13 @@ class Lab:
                               timeout=timeout, stdin=subprocess.DEVNULL)
 
     def fault(self, host: str, vmid: int, name: str, clear: bool = False) -> str:
-        from gpugate.lab import faults
+        from gpugate_lab import faults
 
         return faults.apply_fault(self.dir, host, vmid, name, clear=clear)
 
 
 def start_lab(lab_dir: Path, hosts: int = LAB_HOSTS, gpus: int = LAB_GPUS, vmids: tuple[int, ...] = (129,)) -> Lab:
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     state = core.up(lab_dir, hosts=hosts, gpus=gpus, vmids=vmids)
     return Lab(
@@ -147,7 +147,7 @@ def module_lab(tmp_path_factory: pytest.TempPathFactory, name: str, hosts: int =
     reason = lab_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     lab_dir = tmp_path_factory.mktemp(name)
     try:

@@ -44,7 +44,7 @@ NEIGHBOUR_VMIDS = (131, 132)  # running too: containers that share pve1's SSH co
 
 
 def _lab_core():
-    return pytest.importorskip("gpugate.lab.core")
+    return pytest.importorskip("gpugate_lab.core")
 
 
 def start_lab(lab_dir: Path) -> dict:

@@ -32,7 +32,7 @@ def lab(tmp_path_factory):
     reason = lab_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    from gpugate.lab import container_files, core
+    from gpugate_lab import container_files, core
 
     lab_dir = tmp_path_factory.mktemp("lab-flags")
     container_files.set_sglang_version(lab_dir, "0.5.23")  # what `gpugate lab up --sglang-version 0.5.23` does
@@ -166,7 +166,7 @@ def test_with_the_older_snapshot_fp4_e2m1_is_accepted(lab):
     with pytest.raises(FlagError, match="not one of .* in SGLang 0.5.23"):
         validate_flags({"kv-cache-dtype": "fp4_e2m1"}, "0.5.23")
     assert validate_flags({"kv-cache-dtype": "fp4_e2m1"}, "0.5.10") == {"kv-cache-dtype": "fp4_e2m1"}
-    from gpugate.lab import container_files
+    from gpugate_lab import container_files
 
     container_files.set_sglang_version(lab.dir, "0.5.10")  # the lab's containers become SGLang 0.5.10
     result = deploy(lab, {**BASE, "kv-cache-dtype": "fp4_e2m1", "cuda-graph-max-bs": 256})

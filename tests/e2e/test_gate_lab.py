@@ -306,7 +306,7 @@ def measure_once(lab, hold_mib: int = 4096, host=None, kill_after_s: float = 0.5
 def bench(runs: int) -> dict:
     import tempfile
 
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     lab_dir = Path(tempfile.mkdtemp(prefix="lab-gate-bench-"))
     lab = start_lab(lab_dir, hosts=1, gpus=8)

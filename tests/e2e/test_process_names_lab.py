@@ -72,7 +72,7 @@ def server_tree(processes: list[list]) -> set[int]:
 def test_no_gpugate_process_but_the_server_names_sglang_and_pkill_ends_only_the_server(lab):
     first = lab.pyinfra("inventory.py", "deploy.py", *DATA)
     assert first.returncode == 0, first.stdout + first.stderr
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     watcher = subprocess.Popen(core.host_exec_argv(lab.dir, "pve1") + ["python3", "-c", WATCHER],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -185,7 +185,7 @@ print(json.dumps({"samples": samples, "ours": ours, "seen": {k: sorted(v) for k,
 
 def test_secrets_never_appear_in_any_command_line_on_the_host(lab):
     import subprocess
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     watcher = subprocess.Popen(core.host_exec_argv(lab.dir, "pve1") + ["python3", "-c", CMDLINE_WATCHER,
                                                                         "secret-canary", "sk-canary-key"],

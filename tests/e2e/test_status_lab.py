@@ -69,7 +69,7 @@ def test_json_is_one_document_and_the_prometheus_file_is_written(lab, tmp_path):
 
 
 def _kill_host(lab, name: str) -> None:
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     pid = core.host_init_pid(lab.dir, name)
     os.kill(pid, signal.SIGKILL)

@@ -29,7 +29,7 @@ def lab(tmp_path_factory):
     if not os.path.exists("/lib/systemd/systemd"):
         pytest.skip("no /lib/systemd/systemd on this machine (scripts/bootstrap installs it)")
     for lab in module_lab(tmp_path_factory, "lab-systemd", hosts=1, gpus=8):
-        from gpugate.lab import container, core
+        from gpugate_lab import container, core
 
         assert lab.pct("pve1", "stop", "129").returncode == 0
         container.set_init_flavour(core.host_dir(lab.dir, "pve1"), 129, "systemd")

@@ -78,7 +78,7 @@ def test_the_installed_runbook_runs_against_the_lab(installed, tmp_path):
     reason = lab_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     lab = start_lab(tmp_path / "lab", hosts=1)
     try:

@@ -161,7 +161,7 @@ class Bystanders:
     (outside every container), one in a sibling container. The tool must never touch them."""
 
     def __init__(self, lab: Lab, host: str = "pve1", sibling_vmid: int = 130):
-        from gpugate.lab import core
+        from gpugate_lab import core
 
         self.lab = lab
         core.add_container(lab.dir, host, sibling_vmid)

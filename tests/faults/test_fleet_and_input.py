@@ -95,7 +95,7 @@ def test_rolling_restart_of_8_hosts_stops_at_the_first_failure(lab, fleet_servin
 
 
 def test_stopped_container_and_unknown_vmid_fail_alone(lab, fleet_serving, tmp_path):
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     core.add_container(lab.dir, "pve1", 131, start=False)
     ssh = ssh_line(lab, "pve1")

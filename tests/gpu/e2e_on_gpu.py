@@ -107,7 +107,7 @@ if mode == "nvml":
         return [pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2).used >> 20 for h in handles]
 else:
     sys.path.insert(0, arg.split("::")[0])
-    from gpugate.lab.core import gpu_usage
+    from gpugate_lab.core import gpu_usage
     from pathlib import Path
     gdir = Path(arg.split("::")[1])
     def read():
@@ -206,7 +206,7 @@ class Run:
 
     # ------------------------------------------------------------ the lab, the container, the GPUs
     def host_exec(self) -> list[str]:
-        from gpugate.lab import core
+        from gpugate_lab import core
 
         return core.host_exec_argv(LAB_DIR, HOST)
 
@@ -391,7 +391,7 @@ def summary_of(res: dict, n: int = 4000) -> dict:
 
 
 def step_lab_up(run: Run) -> dict:
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     if LAB_DIR.exists():  # a fresh lab: no history of an earlier run in the containers
         core.down(LAB_DIR)
@@ -399,7 +399,7 @@ def step_lab_up(run: Run) -> dict:
     argv = [sys.executable, "-m", "gpugate.cli", "lab", "--dir", str(LAB_DIR), "up", "--hosts", "1"]
     argv += ["--gpus", "1", "--gpu-mib", "143771"] if run.simulated else ["--gpus", "real"]
     if run.cpu_real:  # the real-mode stand-in (torch env, model, forward pass) on this CPU; GPUs simulated
-        from gpugate.lab import realgpu
+        from gpugate_lab import realgpu
 
         binding = {"mode": "real", "device": "cpu", "devices": [], "binds": [], "links": [], "ld_dirs": [],
                    "nvidia_smi": None, "gpus": [], "torch_env": realgpu.find_torch_env(run.cpu_real)}
@@ -475,7 +475,7 @@ def step_converged(run: Run) -> dict:
 
 def kill_chain(run: Run, chain: str) -> dict:
     """The chain over SSH on the lab host, as typed; what it reached and what the GPU read after."""
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     before_ps = run.host_ps()
     state_before = run.ct_state()
@@ -673,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         run.doc["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         run.save()
         if os.environ.get("GPUGATE_E2E_KEEP_LAB") != "1":
-            from gpugate.lab import core
+            from gpugate_lab import core
 
             try:
                 core.down(LAB_DIR)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.lab import core, faults, realgpu
+from gpugate_lab import core, faults, realgpu
 from tests.conftest import REPO_ROOT, lab_unavailable_reason
 
 FAKE_SMI = """#!/bin/sh

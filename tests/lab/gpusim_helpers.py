@@ -24,7 +24,7 @@ from typing import Callable, List, Optional
 
 import pytest
 
-from gpugate.lab import container_files, gpusim
+from gpugate_lab import container_files, gpusim
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 GPU_COUNT = 4
@@ -74,7 +74,7 @@ def sim(tmp_path, monkeypatch) -> Sim:
                       release_delay_s=0.05)
     monkeypatch.setenv("GPUGATE_SIM_DIR", str(gpu_dir))
     monkeypatch.setenv("GPUGATE_LAB_CTL", str(ctl_dir))
-    driver = subprocess.Popen([sys.executable, "-m", "gpugate.lab.gpusim", "driver", str(gpu_dir)])
+    driver = subprocess.Popen([sys.executable, "-m", "gpugate_lab.gpusim", "driver", str(gpu_dir)])
     yield Sim(lab, gpu_dir, ctl_dir, driver)
     driver.terminate()
     driver.wait(timeout=5)
@@ -98,7 +98,7 @@ def container_env(sim: Sim, usr: Path, **extra: str) -> dict:
 
 def hold(sim: Sim, gpu: str = "0", mib: int = 1000, prefix: Optional[List[str]] = None) -> subprocess.Popen:
     """Start a process that holds memory (gpusim hold) and wait until it does."""
-    proc = subprocess.Popen((prefix or []) + [sys.executable, "-m", "gpugate.lab.gpusim", "hold", "--gpu", gpu,
+    proc = subprocess.Popen((prefix or []) + [sys.executable, "-m", "gpugate_lab.gpusim", "hold", "--gpu", gpu,
                                               "--mib", str(mib), "--sim-dir", str(sim.gpu_dir)],
                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     line = proc.stdout.readline().decode()

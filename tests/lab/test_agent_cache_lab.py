@@ -28,7 +28,7 @@ def lab(tmp_path_factory):
 
 
 def ct(lab, script: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     argv = core.host_exec_argv(lab.dir, "pve1") + ["pct", "exec", "129", "--", "sh", "-c", script]
     return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=120,

@@ -38,7 +38,7 @@ def lab(tmp_path_factory):
 # ------------------------------------------------------------------------------------------ helpers
 def ct(lab, script: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     """A shell script in container 129 (lab host's namespaces + pct exec, no SSH)."""
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     argv = core.host_exec_argv(lab.dir, "pve1") + ["pct", "exec", "129", "--", "sh", "-c", script]
     return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout,

@@ -17,7 +17,7 @@ def test_the_benchmark_never_touches_the_users_lab_and_leaves_nothing(tmp_path, 
         pytest.skip(reason)
     from bench.benchlab import BenchLab
     from bench.run import own_lab
-    from gpugate.lab import core
+    from gpugate_lab import core
 
     users = start_lab(tmp_path / "users-lab", hosts=1)
     monkeypatch.setenv("GPUGATE_LAB_DIR", str(users.dir))

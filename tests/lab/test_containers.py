@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from gpugate.lab.core import add_container
+from gpugate_lab.core import add_container
 
 pytestmark = pytest.mark.lab
 

@@ -10,7 +10,7 @@ import pytest
 from gpusim_helpers import (GPU_COUNT, HOST, TOTAL_MIB, VMID, http_status, installed, model_dir,  # noqa: F401
                             pid_alive, sim, start_standin, wait_until)
 
-from gpugate.lab import faults, gpusim
+from gpugate_lab import faults, gpusim
 
 
 def apply(sim, name, clear=False):

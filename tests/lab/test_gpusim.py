@@ -12,7 +12,7 @@ import textwrap
 import pytest
 from gpusim_helpers import GPU_COUNT, RESERVED_MIB, TOTAL_MIB, hold, pid_alive, sim, wait_until  # noqa: F401
 
-from gpugate.lab import gpusim
+from gpugate_lab import gpusim
 
 
 def test_setup_host_writes_driver_layout_with_stable_uuids(tmp_path):
@@ -117,7 +117,7 @@ def test_forked_child_keeps_memory_after_its_parent_is_killed(sim):
     """A worker that inherited the allocation (an orphan) keeps the memory, as a real device fd does."""
     code = textwrap.dedent("""
         import os, sys, time
-        from gpugate.lab import gpusim
+        from gpugate_lab import gpusim
         gpusim.allocate(3, 1234, sys.argv[1])
         child = os.fork()
         if child == 0:
@@ -141,7 +141,7 @@ def test_forked_child_keeps_memory_after_its_parent_is_killed(sim):
 
 INNER = textwrap.dedent("""
     import json, sys
-    from gpugate.lab import gpusim
+    from gpugate_lab import gpusim
     gpusim.allocate(0, 500, sys.argv[1])
     print(json.dumps({"procs": gpusim.list_processes(0, gpu_dir=sys.argv[1]),
                       "used": gpusim.memory_info(0, sys.argv[1]).used_mib, "pid": __import__("os").getpid()}),

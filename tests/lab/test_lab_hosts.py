@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpugate.lab import core
+from gpugate_lab import core
 
 # ---------------------------------------------------------------- pure helpers (no lab)
 
@@ -52,7 +52,7 @@ def test_each_host_is_its_own_machine_over_ssh(lab):
     for host in ("pve1", "pve2"):
         out = lab.ssh(host, "hostname; tr '\\0' ' ' </proc/1/cmdline; echo; which pct").stdout.splitlines()
         assert out[0] == host
-        assert "gpugate.lab.hostinit" in out[1] and f" {host} " in out[1]
+        assert "gpugate_lab.hostinit" in out[1] and f" {host} " in out[1]
         assert out[2].endswith(f"/hosts/{host}/bin/pct")
 
 

@@ -8,7 +8,7 @@ import subprocess
 from gpusim_helpers import (GPU_COUNT, RESERVED_MIB, SYSTEM_PYTHON, TOTAL_MIB, container_env, hold,  # noqa: F401
                             installed, sim)
 
-from gpugate.lab import nvidia_smi
+from gpugate_lab import nvidia_smi
 
 
 def smi(*args: str):

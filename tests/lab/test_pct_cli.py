@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from gpugate.lab import container
-from gpugate.lab.core import add_container
-from gpugate.lab.pct import ParseError, parse_args
+from gpugate_lab import container
+from gpugate_lab.core import add_container
+from gpugate_lab.pct import ParseError, parse_args
 
 STOPPED = 130  # created on pve1 by the module fixture, never started
 

@@ -14,7 +14,7 @@ import pynvml as real  # nvidia-ml-py, the binding the probe uses on real machin
 import pytest
 from gpusim_helpers import RESERVED_MIB, SYSTEM_PYTHON, TOTAL_MIB, container_env, hold, installed, sim  # noqa: F401
 
-from gpugate.lab import container_files
+from gpugate_lab import container_files
 
 MIB = 1024 * 1024
 API = ["nvmlInit", "nvmlInitWithFlags", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",

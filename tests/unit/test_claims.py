@@ -142,7 +142,7 @@ def test_a_dead_holder_frees_its_gpus(holders):
 
 def test_the_lab_fleet_claims_no_gpu_twice_and_the_old_one_did(tmp_path):
     from gpugate.fleet import fleet_to_inventory, load_fleet
-    from gpugate.lab.core import fleet_document, render_fleet_yaml
+    from gpugate_lab.core import fleet_document, render_fleet_yaml
 
     path = tmp_path / "fleet.yaml"
     path.write_text(render_fleet_yaml(fleet_document(tmp_path, [("pve1", 2201)], {"pve1": [129, 130, 131]})))

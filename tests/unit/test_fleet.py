@@ -199,7 +199,7 @@ def test_the_server_interpreter_can_be_chosen_per_container(tmp_path):
 
 
 def test_the_fleet_file_the_lab_writes_loads(tmp_path):
-    from gpugate.lab.core import fleet_document, render_fleet_yaml
+    from gpugate_lab.core import fleet_document, render_fleet_yaml
 
     doc = fleet_document(tmp_path, [("pve1", 2201), ("pve2", 2202)], {"pve1": [129, 130], "pve2": [131]})
     path = write(tmp_path, render_fleet_yaml(doc))

@@ -1,6 +1,6 @@
 """The init of one lab host: PID 1 of the host's own PID, mount, UTS and cgroup namespaces.
 
-Started by ``gpugate lab up`` (gpugate.lab.core) as::
+Started by ``gpugate lab up`` (gpugate_lab.core) as::
 
     python -S -E -c BOOT <lab_dir> <host> <cgroup_dir or "">
 
@@ -8,7 +8,7 @@ The launcher process joins the host's cgroup, unshares the namespaces and forks 
 its own /proc, /run (with /run/sshd and /run/gpugate-sim), cgroup2 and a /usr/sbin overlay holding
 ``pct``; sets the hostname; starts the simulated GPU driver, sshd and the containers marked
 ``onboot: 1``; reports "ready" to the launcher; then reaps children until it is killed.
-Stdlib only (besides gpugate.lab), so it runs with ``-S``.
+Stdlib only (besides gpugate_lab), so it runs with ``-S``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from gpugate.lab import container, nsutil
+from gpugate_lab import container, nsutil
 
-PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
+PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)  # the directory that holds gpugate_lab
 
 
 def log(msg: str) -> None:
@@ -96,12 +96,12 @@ def _hide_machine_dotfiles(host_dir: Path) -> None:
 def _start_driver(host_dir: Path) -> None:
     gdir = container.gpu_dir(host_dir)
     if not (Path(__file__).parent / "gpusim.py").exists():
-        log("gpugate.lab.gpusim not present: no simulated GPU driver on this host")
+        log("gpugate_lab.gpusim not present: no simulated GPU driver on this host")
         return
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "PYTHONPATH": PACKAGE_ROOT}
     with open(host_dir / "driver.log", "ab") as out:
         subprocess.Popen(
-            [sys.executable, "-m", "gpugate.lab.gpusim", "driver", str(gdir)],
+            [sys.executable, "-m", "gpugate_lab.gpusim", "driver", str(gdir)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, cwd="/",
         )
 

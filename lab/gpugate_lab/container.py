@@ -19,11 +19,11 @@ import os
 import sys
 import time
 
-from gpugate.lab import nsutil
+from gpugate_lab import nsutil
 
 # The lab's `pct exec`, run for every remote command of every tool, imports this module: what exec and
 # list need (find_init, host_cgroup_base_inside, list_vmids, container_hostname) is plain os.path, and
-# pathlib, json, signal and gpugate.lab.realgpu (shutil, subprocess, glob, typing) are imported by the
+# pathlib, json, signal and gpugate_lab.realgpu (shutil, subprocess, glob, typing) are imported by the
 # functions that use them (~20 ms of CPU a command). ct_dir and gpu_dir still return a Path.
 
 CONTAINER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
@@ -45,7 +45,7 @@ LAB_MODEL_CONFIG = {
     "_gpugate_lab": "stand-in model directory; no weights",
 }
 
-# The container's PID 1 (gpugate/lab/ctinit.py, self-contained) is exec'd with argv[0] "/sbin/init".
+# The container's PID 1 (lab/gpugate_lab/ctinit.py, self-contained) is exec'd with argv[0] "/sbin/init".
 INIT_SCRIPT = os.path.join(os.path.dirname(os.path.realpath(__file__)), "ctinit.py")
 INIT_IN_CT = "/run/lxc-init.py"  # where the container sees it (the package may be hidden by its mounts)
 
@@ -259,7 +259,7 @@ def _setup_container_fs(host_dir: Path, vmid: int) -> None:
     import socket  # noqa: F401 -- nsutil.loopback_up, called after the mounts below have hidden the stdlib
     from pathlib import Path
 
-    from gpugate.lab import realgpu  # now: the mounts below may hide the package (and the stdlib it needs)
+    from gpugate_lab import realgpu  # now: the mounts below may hide the package (and the stdlib it needs)
 
     cdir = ct_dir(host_dir, vmid)
     gdir = gpu_dir(host_dir)

@@ -3,11 +3,11 @@
 Everything installed is stdlib-only Python run by the container's /usr/bin/python3:
 
     usr/bin/nvidia-smi                                   (#!/usr/bin/python3; gpugate_nvidia_smi.main)
-    usr/lib/python3/dist-packages/pynvml.py              (gpugate/lab/pynvml_sim/pynvml.py)
-    usr/lib/python3/dist-packages/gpugate_gpusim.py      (gpugate/lab/gpusim.py)
-    usr/lib/python3/dist-packages/gpugate_nvidia_smi.py  (gpugate/lab/nvidia_smi.py)
-    usr/lib/python3/dist-packages/gpustat.py             (gpugate/lab/standin/gpustat.py: a GPU monitor)
-    usr/lib/python3/dist-packages/sglang/...             (gpugate/lab/standin/sglang; bench_serving.py
+    usr/lib/python3/dist-packages/pynvml.py              (lab/gpugate_lab/pynvml_sim/pynvml.py)
+    usr/lib/python3/dist-packages/gpugate_gpusim.py      (lab/gpugate_lab/gpusim.py)
+    usr/lib/python3/dist-packages/gpugate_nvidia_smi.py  (lab/gpugate_lab/nvidia_smi.py)
+    usr/lib/python3/dist-packages/gpustat.py             (lab/gpugate_lab/standin/gpustat.py: a GPU monitor)
+    usr/lib/python3/dist-packages/sglang/...             (lab/gpugate_lab/standin/sglang; bench_serving.py
                                                           is the benchmark client)
     .../sglang/srt/flag_table.json, sglang/_version.py   (the snapshot of ONE SGLang release's flags,
                                                           gpugate/engine/sglang/flagtables/sglang-<version>.json:
@@ -28,7 +28,6 @@ import shutil
 from pathlib import Path
 
 LAB_DIR = Path(__file__).resolve().parent
-PACKAGE_DIR = LAB_DIR.parent
 
 NVIDIA_SMI_SCRIPT = """#!/usr/bin/python3
 # gpugate lab: simulated nvidia-smi (reads the simulated driver at /run/gpugate-sim)
@@ -53,12 +52,12 @@ def _copy(src: Path, dst: Path) -> None:
 def snapshot_file(version: str | None = None) -> Path:
     """gpugate's snapshot of SGLang ``version``'s flags (default: the newest); LookupError naming
     the versions there are."""
-    folder = PACKAGE_DIR / "engine" / "sglang" / "flagtables"
+    from gpugate.engine.sglang.flags import SNAPSHOT_DIR as folder, snapshot_versions  # noqa: PLC0415
+
     found = {p.name[len("sglang-"):-len(".json")]: p for p in folder.glob("sglang-*.json")}
     if not found:
         raise LookupError(f"no SGLang flag snapshot in {folder}")
     if version is None:
-        from gpugate.engine.sglang.flags import snapshot_versions  # noqa: PLC0415 -- version order only
         version = snapshot_versions(folder)[-1]
     if version not in found:
         raise LookupError(f"no snapshot of SGLang {version}; the lab's stand-in can be "

@@ -22,7 +22,7 @@ import sys
 import threading
 
 try:
-    from gpugate.lab import gpusim as _sim
+    from gpugate_lab import gpusim as _sim
 except ImportError:  # inside a lab container: the stdlib-only copy
     import gpugate_gpusim as _sim  # type: ignore[no-redef]
 

@@ -4,7 +4,7 @@ Python 3.11 has no ``os.unshare``/``os.setns``; ctypes reaches libc directly. Ev
 lab hosts and in containers, so it must stay stdlib only.
 
 Example:
-    >>> from gpugate.lab import nsutil
+    >>> from gpugate_lab import nsutil
     >>> nsutil.cgroup2_mount()          # doctest: +SKIP
     '/sys/fs/cgroup/unified'
 """

@@ -20,7 +20,7 @@ import pwd
 import sys
 import warnings  # noqa: F401 -- os.execvpe imports it, after setns, where the host's stdlib may be hidden
 
-from gpugate.lab import container, nsutil
+from gpugate_lab import container, nsutil
 
 # Every remote command of every tool in the lab is one `pct exec`: its imports are kept to what exec
 # needs (no pathlib, json, socket or signal enums: ~20-30 ms of CPU a command). The other commands

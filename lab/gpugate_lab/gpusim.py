@@ -9,7 +9,7 @@ Model (docs/architecture.md, "The simulated GPU driver"):
 - ``GPU_DIR/alloc/<id>.json``: one allocation ``{"id", "gpu", "mib", "pid", "pidns", "cmd", "created",
   "stuck", "ctl"}``. The holder keeps an fd on it with ``flock(LOCK_SH)``; like a device fd, the fd is
   inherited by forks and closed by the kernel when the last holder exits, however it exits.
-- The driver daemon (``python -m gpugate.lab.gpusim driver GPU_DIR``) frees an allocation whose lock is
+- The driver daemon (``python -m gpugate_lab.gpusim driver GPU_DIR``) frees an allocation whose lock is
   free (holder gone) after ``release_delay_s`` and appends ``{"id","gpu","mib","freed_at"}`` to
   ``GPU_DIR/released.jsonl``. ``stuck`` allocations are never freed.
 - v2 used = sum of allocations; reserved = reserved_mib; v1 used = v2 used + reserved.

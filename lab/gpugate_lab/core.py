@@ -1,8 +1,8 @@
 """The local lab: `gpugate lab up|down|status` -- simulated Proxmox hosts made of real parts.
 
 Each host ``pveN`` is a real OpenSSH server on 127.0.0.1 running in its own PID, mount, UTS and cgroup
-namespaces under a reaping init (gpugate.lab.hostinit); its containers are nested namespaces
-(gpugate.lab.container) managed by the lab's ``pct`` (gpugate.lab.pct).
+namespaces under a reaping init (gpugate_lab.hostinit); its containers are nested namespaces
+(gpugate_lab.container) managed by the lab's ``pct`` (gpugate_lab.pct).
 
 Example:
     >>> lab = up(Path("/tmp/lab-demo"), hosts=2)          # doctest: +SKIP
@@ -24,15 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpugate.lab import container, nsutil, realgpu
+from gpugate_lab import container, nsutil, realgpu
 
 DEFAULT_LAB_DIR = "/tmp/gpugate-lab"
 DEFAULT_GPUS = 8
 DEFAULT_GPU_MIB = 97887
 DEFAULT_VMIDS = (129,)
-PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
+PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)  # the directory that holds gpugate_lab
 FORBIDDEN_PREFIXES = ("/etc", "/root", "/var", "/usr")
-BOOT_CODE = "import sys; sys.path.insert(0, {root!r}); from gpugate.lab.{module} import main; {call}"
+BOOT_CODE = "import sys; sys.path.insert(0, {root!r}); from gpugate_lab.{module} import main; {call}"
 
 
 class LabError(Exception):
@@ -61,7 +61,7 @@ class HostInfo:
     init_pid: int | None = None
     containers: list[dict] = field(default_factory=list)
     gpus: list[dict] = field(default_factory=list)
-    gpu_mode: str = "simulated"  # "real": `lab up --gpus real` (gpugate.lab.realgpu)
+    gpu_mode: str = "simulated"  # "real": `lab up --gpus real` (gpugate_lab.realgpu)
 
 
 # ---------------------------------------------------------------- paths and small pure helpers
@@ -250,7 +250,7 @@ def host_init_pid(lab_dir: Path, host: str) -> int | None:
     except (OSError, ValueError):
         return None
     args = " ".join(nsutil.cmdline(pid))
-    if "gpugate.lab.hostinit" in args and str(Path(lab_dir)) in args:
+    if "gpugate_lab.hostinit" in args and str(Path(lab_dir)) in args:
         return pid
     return None
 
@@ -295,9 +295,9 @@ def _prepare_gpus(hdir: Path, gpus: int, gpu_mib: int) -> None:
     except (OSError, ValueError):
         pass
     try:
-        from gpugate.lab import gpusim  # noqa: PLC0415 -- built in parallel; optional here
+        from gpugate_lab import gpusim  # noqa: PLC0415 -- built in parallel; optional here
     except ImportError:
-        log(f"{hdir.name}: gpugate.lab.gpusim not available; writing bare device nodes only")
+        log(f"{hdir.name}: gpugate_lab.gpusim not available; writing bare device nodes only")
         (gdir / "dev").mkdir(parents=True, exist_ok=True)
         (gdir / "alloc").mkdir(exist_ok=True)
         for name in [f"nvidia{i}" for i in range(gpus)] + ["nvidiactl", "nvidia-uvm"]:
@@ -308,9 +308,9 @@ def _prepare_gpus(hdir: Path, gpus: int, gpu_mib: int) -> None:
 
 def _install_extras(cdir: Path) -> None:
     try:
-        from gpugate.lab import container_files  # noqa: PLC0415 -- built in parallel; optional here
+        from gpugate_lab import container_files  # noqa: PLC0415 -- built in parallel; optional here
     except ImportError:
-        log(f"{cdir}: gpugate.lab.container_files not available; no nvidia-smi/pynvml/sglang in the container")
+        log(f"{cdir}: gpugate_lab.container_files not available; no nvidia-smi/pynvml/sglang in the container")
         return
     container_files.install_container_extras(cdir / "usr-upper")
 
@@ -358,7 +358,7 @@ def _prepare_host(lab_dir: Path, name: str, gpus: int, gpu_mib: int, vmids: list
     pct.write_text(_wrapper("pct", f"sys.exit(main(sys.argv[1:], host_dir={str(hdir)!r}))"))
     pct.chmod(0o755)
     smi = hdir / "bin" / "nvidia-smi"
-    smi.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m gpugate.lab.nvidia_smi \"$@\"\n")
+    smi.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m gpugate_lab.nvidia_smi \"$@\"\n")
     smi.chmod(0o755)
     _prepare_gpus(hdir, gpus, gpu_mib)
     for vmid in vmids:

@@ -328,7 +328,7 @@ def install_real_extras(cdir: Path, binding: dict, standin_dir: Path) -> None:
             shutil.rmtree(sglang_dst)
         shutil.copytree(standin_dir, sglang_dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         # the stand-in's parser: a snapshot of one SGLang release's flags (never gpugate's sglang_args)
-        from gpugate.lab import container_files  # noqa: PLC0415
+        from gpugate_lab import container_files  # noqa: PLC0415
         container_files.install_flag_table(sglang_dst, target, container_files.lab_sglang_version(cdir))
         # the stand-in's driver shim falls back to the lab package's gpusim: make it importable too
         gpusim_src = Path(standin_dir).resolve().parent.parent / "gpusim.py"

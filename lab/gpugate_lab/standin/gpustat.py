@@ -22,7 +22,7 @@ import pynvml
 try:
     import gpugate_gpusim as _sim  # inside a lab container
 except ImportError:  # development: the package's own copy
-    from gpugate.lab import gpusim as _sim  # type: ignore[no-redef]
+    from gpugate_lab import gpusim as _sim  # type: ignore[no-redef]
 
 
 def main(argv=None) -> int:

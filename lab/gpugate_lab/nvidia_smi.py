@@ -19,7 +19,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 try:
-    from gpugate.lab import gpusim
+    from gpugate_lab import gpusim
 except ImportError:  # inside a lab container: the stdlib-only copy
     import gpugate_gpusim as gpusim  # type: ignore[no-redef]
 

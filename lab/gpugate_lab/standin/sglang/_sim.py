@@ -4,6 +4,6 @@ container (gpugate_gpusim), else the gpugate package (development)."""
 try:
     import gpugate_gpusim as gpusim
 except ImportError:
-    from gpugate.lab import gpusim  # type: ignore[no-redef]
+    from gpugate_lab import gpusim  # type: ignore[no-redef]
 
 __all__ = ["gpusim"]

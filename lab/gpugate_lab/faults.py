@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from gpugate.lab import gpusim
+from gpugate_lab import gpusim
 
 FAULT_NAMES = ("ignore-sigterm", "orphan-worker", "stuck-memory", "foreign-holder", "crash-on-start",
                "never-healthy", "slow-start=SECONDS")
@@ -52,7 +52,7 @@ class FaultUnavailable(ValueError):
 
 
 def _real_binding(lab_dir: Path, host: str) -> Optional[dict]:
-    from gpugate.lab import realgpu  # noqa: PLC0415
+    from gpugate_lab import realgpu  # noqa: PLC0415
 
     return realgpu.read_binding(Path(lab_dir) / "hosts" / host)
 
@@ -106,7 +106,7 @@ def _write_faults(lab_dir: Path, host: str, vmid: int, faults: Dict[str, object]
 
 def _host_exec_argv(lab_dir: Path, host: str) -> List[str]:
     """nsenter prefix into the lab host (lab core); tests replace this to run without namespaces."""
-    from gpugate.lab.core import host_exec_argv  # noqa: PLC0415 -- core imports much; only needed here
+    from gpugate_lab.core import host_exec_argv  # noqa: PLC0415 -- core imports much; only needed here
 
     return host_exec_argv(lab_dir, host)
 
@@ -124,7 +124,7 @@ def _start_foreign_holder(lab_dir: Path, host: str, vmid: int, mib: int) -> str:
     if _foreign_holder_alive(pgid_file):
         return "already running"
     argv = _host_exec_argv(lab_dir, host) + [
-        sys.executable, "-m", "gpugate.lab.gpusim", "hold", "--gpu", "all", "--mib", str(mib),
+        sys.executable, "-m", "gpugate_lab.gpusim", "hold", "--gpu", "all", "--mib", str(mib),
         "--sim-dir", str(_gpu_dir(lab_dir, host)), "--tag", _foreign_tag(host, vmid)]
     # Own session: clear can kill nsenter and the holder it forked as one process group.
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -145,7 +145,7 @@ def _start_real_foreign_holder(lab_dir: Path, host: str, vmid: int, binding: dic
     memory without a holder, exactly as another tenant's would be."""
     import select  # noqa: PLC0415
 
-    from gpugate.lab import core  # noqa: PLC0415
+    from gpugate_lab import core  # noqa: PLC0415
 
     pgid_file = ct_dir(lab_dir, host, vmid) / "foreign-holder.pgid"
     if _foreign_holder_alive(pgid_file):
