@@ -45,6 +45,8 @@ def installed(tmp_path_factory) -> Path:
         assert "gpugate/templates/sglang.service.j2" in names
         assert "gpugate/project/runbooks/status.py" in names and "gpugate/project/inventory.py" in names
         assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith("LICENSE") for n in names)
+        # the product only: the lab is its own package (lab/), never shipped to a fleet's controller
+        assert not [n for n in names if "gpugate_lab" in n or n.startswith("gpugate/lab/") or "standin" in n]
         archive.extractall(site)
     return site
 
@@ -87,5 +89,10 @@ def test_the_installed_runbook_runs_against_the_lab(installed, tmp_path):
                                env={"GPUGATE_FLEET": str(lab.fleet_path), "GPUGATE_LAB_DIR": str(lab.dir)})
         assert "pve1" in result.stdout and "129" in result.stdout, result.stdout + result.stderr
         assert "Traceback" not in result.stderr
+        # without the lab installed, `gpugate lab` says how to install it, in one line
+        missing = run_installed(installed, ["-c", "import sys; sys.modules['gpugate_lab'] = None;"
+                                            "from gpugate.cli import main; sys.exit(main(['lab', 'status']))"],
+                                cwd=tmp_path)
+        assert missing.returncode == 1 and "the local lab is not installed" in missing.stderr, missing.stderr
     finally:
         core.down(lab.dir)
