@@ -261,7 +261,7 @@ def _lab(args: argparse.Namespace) -> int:
 
 def _check(path: str, version: str | None) -> int:
     """`gpugate check fleet.yaml`: one line per server, then its problems and warnings (issue 13)."""
-    from gpugate.engine.sglang import flags as sglang_args  # noqa: PLC0415
+    from gpugate.engine import get as engine  # noqa: PLC0415
     from gpugate.fleet import container_host_data, load_fleet  # noqa: PLC0415
     from gpugate.settings import resolved  # noqa: PLC0415
 
@@ -274,7 +274,7 @@ def _check(path: str, version: str | None) -> int:
             server = resolved(container_host_data(pve, container))
             if not server["sglang_present"]:
                 continue
-            ok, lines = sglang_args.check_report(server["sglang_flags"], version or server["sglang_version"],
+            ok, lines = engine().check_report(server["sglang_flags"], version or server["sglang_version"],
                                                  server["sglang_extra_args"])
             where = f"{pve.name} {container.vmid} :{server['sglang_port']}"
             print(f"{where}: {lines[0]}")

@@ -60,7 +60,7 @@ import yaml
 
 from gpugate.settings import (SETTINGS, SSH_SETTINGS, data_keys, describe as _describe, env_name, env_value,
                               server_keys, suggest as _suggest)
-from gpugate.engine.sglang.flags import FlagError, canonical_name, validate_flags
+from gpugate.engine import get as engine
 
 __all__ = [
     "FleetError",
@@ -316,8 +316,8 @@ def _check_sglang(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
         elif key == "flags":
             raw_flags = check.mapping(value, where)
             try:
-                out[row.key] = validate_flags(raw_flags)
-            except FlagError as error:
+                out[row.key] = engine().validate_flags(raw_flags)
+            except engine().FlagError as error:
                 raise check.fail(f"{where}.{_written_key(raw_flags, error.flag)}", error.message) from None
         elif value is not None:
             try:
@@ -336,9 +336,9 @@ def _written_key(raw_flags: Mapping[Any, Any], canonical: str) -> str:
     """The key as the user wrote it for a canonical flag name (for error locations)."""
     for key in raw_flags:
         try:
-            if canonical_name(str(key)) == canonical:
+            if engine().canonical_name(str(key)) == canonical:
                 return str(key)
-        except FlagError:
+        except engine().FlagError:
             if str(key).lstrip("-") == canonical:
                 return str(key)
     return canonical

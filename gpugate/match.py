@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpugate.spec import Spec, SpecError, gpu_set, redact_flags, resolve_supervisor
-from gpugate.engine.sglang.flags import diff_flags, parse_argv
+from gpugate.engine import get as engine
 
 __all__ = ["Match", "compare", "VERDICTS"]
 
@@ -118,7 +118,7 @@ def running_command(server: Mapping[str, Any]) -> dict[str, Any] | None:
     main = server.get("main")
     if not server.get("running") or not main:
         return None
-    parsed = parse_argv(main.get("argv") or [])
+    parsed = engine().parse_argv(main.get("argv") or [])
     return {"model_path": parsed.model_path, "host": parsed.host, "port": parsed.port, "flags": parsed.flags,
             "unknown": list(parsed.unknown), "python": (main.get("argv") or ["?"])[0]}
 
@@ -180,7 +180,7 @@ def diff_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
         lines += [f"- --model-path {running['model_path']}", f"+ --model-path {spec.model_path}"]
     if (running["host"] or "127.0.0.1") != spec.host:
         lines += [f"- --host {running['host'] or '127.0.0.1'}", f"+ --host {spec.host}"]
-    lines += diff_flags(redact_flags(running["flags"]), redact_flags(spec.flags)).lines(redact=True)
+    lines += engine().diff_flags(redact_flags(running["flags"]), redact_flags(spec.flags)).lines(redact=True)
     have_extra = running["unknown"]
     if list(have_extra) != list(spec.extra_args):
         if have_extra:
@@ -217,7 +217,7 @@ def flag_items(server: Mapping[str, Any], spec: Spec) -> list[str]:
 
 def _main_gpus(cmdline: str) -> tuple[int, ...] | None:
     try:
-        return gpu_set(parse_argv(cmdline.split()).flags)
+        return gpu_set(engine().parse_argv(cmdline.split()).flags)
     except (SpecError, ValueError):
         return None
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gpugate.match import compare, interpreter_lines, running_command
-from gpugate.engine.sglang.flags import diff_flags, parse_argv
+from gpugate.engine import get as engine
 from gpugate.spec import Spec, option_items, redact_flags
 
 OUTCOMES_OK = ("verified",)
@@ -179,7 +179,7 @@ def rollback_choice(server: Mapping[str, Any], k: int = 1) -> tuple[dict[str, An
 def record_lines(server: Mapping[str, Any], record: Mapping[str, Any]) -> list[str]:
     """The diff from what runs to a recorded spec (redacted on both sides)."""
     running = running_command(server)
-    target = parse_argv(list(record.get("argv") or []))
+    target = engine().parse_argv(list(record.get("argv") or []))
     if running is None:
         return [f"+ {arg}" for arg in _pairs(list(record.get("argv") or [])[3:])]
     lines = interpreter_lines(running["python"], (list(record.get("argv") or []) or [None])[0])
@@ -187,7 +187,7 @@ def record_lines(server: Mapping[str, Any], record: Mapping[str, Any]) -> list[s
         lines += [f"- --model-path {running['model_path']}", f"+ --model-path {target.model_path}"]
     if (running["host"] or "127.0.0.1") != (target.host or "127.0.0.1"):
         lines += [f"- --host {running['host'] or '127.0.0.1'}", f"+ --host {target.host or '127.0.0.1'}"]
-    lines += diff_flags(redact_flags(running["flags"]), redact_flags(target.flags)).lines(redact=True)
+    lines += engine().diff_flags(redact_flags(running["flags"]), redact_flags(target.flags)).lines(redact=True)
     have = server.get("env_hashes") or {}
     wanted = record.get("env_hashes") or {}
     for name in sorted(set(have) | set(wanted)):

@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpugate.settings import SETTINGS, SUPERVISORS, resolved
-from gpugate.engine.sglang.flags import (SECRET_MASK, FlagError, is_secret_value, redact_argv, render_argv,
-                                 render_flag_args, secret_flag_options, validate_flags)
+from gpugate.engine import get as engine
+from gpugate.engine.sglang.flags import SECRET_MASK
 
 __all__ = ["BUDGET_KEYS", "Desired", "desired_state", "Spec", "SpecError", "build_spec", "gpu_set", "redact_flags", "budgets"]
 
@@ -69,7 +69,7 @@ def redact_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
     >>> redact_flags({"tp-size": 8, "api-key": "sk-1", "model-loader-extra-config": '{"hf_token":"hf_1"}'})
     {'tp-size': 8, 'api-key': '***', 'model-loader-extra-config': '***'}
     """
-    return {name: SECRET_MASK if value not in (None, False) and is_secret_value(name, value) else value
+    return {name: SECRET_MASK if value not in (None, False) and engine().is_secret_value(name, value) else value
             for name, value in flags.items()}
 
 
@@ -102,8 +102,8 @@ def gpu_set(flags: Mapping[str, Any], env: Mapping[str, Any] | None = None) -> t
     (3, 5)
     """
     try:
-        normal = validate_flags(flags or {})
-    except FlagError as error:
+        normal = engine().validate_flags(flags or {})
+    except engine().FlagError as error:
         raise SpecError(str(error)) from None
     tp = _int_flag(normal, "tp-size", 1)
     pp = _int_flag(normal, "pp-size", 1)
@@ -182,10 +182,10 @@ class Spec:
         """
         record = {"model_path": self.model_path, "port": self.port, "host": self.host,
                   "flags": redact_flags(self.flags), "env_names": sorted(self.env),
-                  "supervisor": self.supervisor, "python": self.python, "argv": redact_argv(list(self.argv)),
+                  "supervisor": self.supervisor, "python": self.python, "argv": engine().redact_argv(list(self.argv)),
                   "gpus": list(self.gpus) if self.gpus is not None else None}
         if self.extra_args:
-            record["extra_args"] = redact_argv(list(self.extra_args))
+            record["extra_args"] = engine().redact_argv(list(self.extra_args))
         if self.sglang_version:
             record["sglang_version"] = self.sglang_version
         if by:
@@ -194,12 +194,10 @@ class Spec:
 
     def expect_info(self) -> dict[str, Any]:
         """The /get_server_info keys and values this server must report (checked at verify)."""
-        from gpugate.engine.sglang.flags import server_info_view
-
         # secret values are never expected by value (the failure message would show them); a
         # JSON-text flag is expected as the exact text SGLang keeps (server_info_view)
-        secret = {name.replace("-", "_") for name, value in self.flags.items() if is_secret_value(name, value)}
-        info = {key: value for key, value in server_info_view(self.flags).items() if key not in secret}
+        secret = {name.replace("-", "_") for name, value in self.flags.items() if engine().is_secret_value(name, value)}
+        info = {key: value for key, value in engine().server_info_view(self.flags).items() if key not in secret}
         info["host"] = self.host
         return info
 
@@ -211,7 +209,7 @@ class Spec:
         >>> build_spec("/m", 30000, {"model-loader-extra-config": {"hf_token": "hf_1"}}).secret_flags()
         ['--model-loader-extra-config']
         """
-        return secret_flag_options(self.flags)
+        return engine().secret_flag_options(self.flags)
 
     def doc(self, unit_text: str | None = None, by: str | None = None) -> dict[str, Any]:
         """The SpecDoc the agent runs (docs/agent-protocol.md): it holds the env values and the
@@ -229,7 +227,7 @@ class Spec:
     def display_args(self) -> list[str]:
         """The server's arguments after ``-m sglang.launch_server``, one option (with its values)
         per item, secrets ``***``: the lines of a first start's plan."""
-        return option_items(redact_argv(list(self.argv))[3:])
+        return option_items(engine().redact_argv(list(self.argv))[3:])
 
 
 def _one_line(what: str, text: str) -> None:
@@ -284,22 +282,21 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
         raise SpecError(f"sglang_version must be a version string, got {sglang_version!r}")
     try:
         # a per-version table (H3's, when given) goes through; the built-in one otherwise
-        normal = (validate_flags(flags or {}, table=table) if table is not None  # type: ignore[call-arg]
-                  else validate_flags(flags or {}))
+        normal = engine().validate_flags(flags or {}, table)
         for name, value in normal.items():
             # argv carries any byte but NUL; a line break would still end a line of the systemd unit
             for text in (value if isinstance(value, (list, tuple)) else [value]):
                 if isinstance(text, str) and any(c in text for c in "\0\n\r"):
-                    raise FlagError(name, "value must be one line (no newline, carriage return or NUL)")
+                    raise engine().FlagError(name, "value must be one line (no newline, carriage return or NUL)")
         # the header only (model path, host, port: checked there); the flags are rendered from
         # the values validated above, so each flag is validated once
-        header = render_argv(model_path, port, {}, host=host)
-    except FlagError as error:
+        header = engine().render_argv(model_path, port, {}, host)
+    except engine().FlagError as error:
         raise SpecError(str(error)) from None
-    argv = (python, *header, *render_flag_args(normal), *extras)
+    argv = (python, *header, *engine().render_flag_args(normal), *extras)
     warnings: list[str] = []
     if extras:
-        warnings.append("extra_args passed verbatim, unchecked: " + " ".join(redact_argv(list(extras))))
+        warnings.append("extra_args passed verbatim, unchecked: " + " ".join(engine().redact_argv(list(extras))))
     try:
         gpus: tuple[int, ...] | None = gpu_set(normal, clean_env)
     except SpecError as error:

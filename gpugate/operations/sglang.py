@@ -32,7 +32,7 @@ from pyinfra.context import host, state
 from gpugate import agentcmd
 from gpugate.facts.sglang import SglangObservation, SglangObservationInline, flag_table, observation_from
 from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, same_desired
-from gpugate.engine.sglang.flags import choose_table, flag_warnings, redact_argv
+from gpugate.engine import get as engine
 from gpugate.match import for_container
 from gpugate.spec import Desired, Spec, SpecError, build_spec, redact_flags
 
@@ -300,11 +300,11 @@ def _spec_for_version(host_obj: Any, python: str, spec: Spec, flags: Mapping[str
 
     # observation: observe already named the container's table; known to us, it costs no command
     doc = flag_table(host_obj, python, say=host_obj.log if show else None, run=run, observation=observation)
-    table, note = choose_table(doc, pinned)
+    table, note = engine().choose_table(doc, pinned)
     checked = build_spec(spec.model_path, spec.port, flags, spec.env, host=spec.host, supervisor=spec.supervisor,
                          python=spec.python, extra_args=spec.extra_args, sglang_version=spec.sglang_version,
                          table=table)
-    extra = (f"flags checked against {note}",) + tuple(flag_warnings(checked.flags, table))
+    extra = (f"flags checked against {note}",) + tuple(engine().flag_warnings(checked.flags, table))
     return dataclasses.replace(checked, warnings=tuple(checked.warnings) + extra)
 
 
@@ -619,17 +619,13 @@ def _end_pids(observation: Mapping[str, Any], spec: Spec | None, end_other_gpu_h
 
 
 def _capacity(job: Job, narrator: Narrator) -> dict[str, Any]:
-    """The effect the server reports (gpugate.engine.sglang.capacity, when present): before from the observation,
+    """The effect the server reports (the engine's capacity figures): before from the observation,
     after from the agent's verify."""
-    try:
-        from gpugate.engine.sglang.capacity import capacity_from_server_info, capacity_line
-    except ImportError:
-        return {}
     before_info = ((job.observation.get("sglang") or {}).get("server_info") or {}).get("args") or None
-    before = capacity_from_server_info(before_info) if before_info else None
-    after = capacity_from_server_info(narrator.capacity) if narrator.capacity else None
+    before = engine().capacity_from_server_info(before_info) if before_info else None
+    after = engine().capacity_from_server_info(narrator.capacity) if narrator.capacity else None
     try:
-        line = capacity_line(before, after) if after else None
+        line = engine().capacity_line(before, after) if after else None
     except Exception:
         line = None
     return {"before": before, "after": after, "line": line}
@@ -648,7 +644,7 @@ def render_unit(spec: Spec, stop_timeout_s: float) -> str:
     return render_template(
         "sglang.service.j2", port=spec.port, exec_start=" ".join(systemd_quote(a) for a in spec.argv),
         env_file=f"/etc/gpugate/sglang-{spec.port}.env", stop_timeout_s=int(stop_timeout_s),
-        argv_comment=shlex.join(redact_argv(list(spec.argv))))
+        argv_comment=shlex.join(engine().redact_argv(list(spec.argv))))
 
 
 def _story(observation: Mapping[str, Any], plan: Plan, spec: Spec | None) -> dict[str, Any]:
@@ -656,7 +652,7 @@ def _story(observation: Mapping[str, Any], plan: Plan, spec: Spec | None) -> dic
     server = observation.get("sglang") or {}
     command = server.get("command") or {}
     main = server.get("main") or {}
-    after_argv = redact_argv(list(spec.argv)) if spec else (list((plan.target or {}).get("argv") or []) or None)
+    after_argv = engine().redact_argv(list(spec.argv)) if spec else (list((plan.target or {}).get("argv") or []) or None)
     after_flags = redact_flags(spec.flags) if spec else ((plan.target or {}).get("flags"))
     return {"action": plan.action, "plan_reasons": list(plan.reasons), "restore_previous": plan.target is not None, "argv_before": main.get("argv"),
             "flags_before": redact_flags(command.get("flags") or {}) if command else None,

@@ -20,6 +20,7 @@ from typing import Any, TypedDict
 
 from pyinfra import logger
 
+from gpugate.engine import get as engine
 from gpugate.match import compare, for_container
 from gpugate.plan import foreign_memory
 from gpugate.report.fleet import connect_errors
@@ -171,9 +172,7 @@ def _record_flags(record: Mapping[str, Any]) -> dict[str, Any]:
     argv = record.get("argv")
     if not isinstance(argv, list):
         return {}
-    from gpugate.engine.sglang.flags import parse_argv  # noqa: PLC0415 -- only the history needs the parser
-
-    return dict(parse_argv(argv).flags)
+    return dict(engine().parse_argv(argv).flags)
 
 
 def history_lines(server: Mapping[str, Any], limit: int = 3) -> list[str]:

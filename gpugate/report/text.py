@@ -16,7 +16,8 @@ from datetime import datetime, timezone
 from typing import Any, Optional
 
 from gpugate.spec import redact_flags
-from gpugate.engine.sglang.flags import SECRET_MASK, diff_flags, is_secret_value
+from gpugate.engine import get as engine
+from gpugate.engine.sglang.flags import SECRET_MASK
 
 # ---------------------------------------------------------------- tables
 
@@ -92,7 +93,7 @@ def flag_differences(running: Mapping[str, Any], desired: Mapping[str, Any]) -> 
     >>> flag_differences({"tp-size": 4, "api-key": "***"}, {"tp-size": 4, "api-key": "sk-1"})
     []
     """
-    diff = diff_flags(redact_flags(running), redact_flags(desired))
+    diff = engine().diff_flags(redact_flags(running), redact_flags(desired))
     items = []
     for name in sorted(set(diff.added) | set(diff.removed) | set(diff.changed)):
         if name in diff.changed:
@@ -106,7 +107,7 @@ def flag_differences(running: Mapping[str, Any], desired: Mapping[str, Any]) -> 
 
 
 def _value(name: str, value: Any) -> str:
-    if value == SECRET_MASK or (value not in (None, False, True) and is_secret_value(name, value)):
+    if value == SECRET_MASK or (value not in (None, False, True) and engine().is_secret_value(name, value)):
         return SECRET_MASK
     if value is True:
         return "on"

@@ -47,6 +47,8 @@ import shlex
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import gpugate.engine as engine_seam
+
 __all__ = [
     "FlagError",
     "FlagSpec",
@@ -124,19 +126,7 @@ JSON_TEXT_FLAGS = frozenset({"json-model-override-args", "model-loader-extra-con
 SERVER_ARGS_FIELDS = frozenset(SHORT_NAMES.values())
 
 
-class FlagError(ValueError):
-    """A flag that SGLang (or gpugate) would reject. ``str()`` names the flag and the problem.
-
-    Example::
-
-        >>> str(FlagError("kv-cache-dtype", "'fp9' is not one of auto, fp8_e5m2, ..."))
-        "--kv-cache-dtype: 'fp9' is not one of auto, fp8_e5m2, ..."
-    """
-
-    def __init__(self, flag: str, message: str):
-        self.flag = flag
-        self.message = message
-        super().__init__(f"--{flag}: {message}" if flag else message)
+FlagError = engine_seam.FlagError  # the seam's: what every engine's validation raises
 
 
 @dataclasses.dataclass(frozen=True)
