@@ -142,13 +142,73 @@ class AmbiguousInt(int):
     yaml_text: str
 
 
+# A fleet of a thousand containers is about 20,000 values and nests 8 deep; YAML aliases can make a
+# few hundred bytes stand for billions of values ("billion laughs"), and deep nesting exhausts the
+# parser's stack. Both are refused before anything is built from the document.
+MAX_FLEET_DEPTH = 64
+MAX_FLEET_VALUES = 200_000
+
+
+class FleetBoundError(yaml.YAMLError):
+    """A document that is too deep or too large once its aliases are expanded."""
+
+    def __init__(self, problem: str, mark: Any = None):
+        super().__init__(problem)
+        self.problem = problem
+        self.problem_mark = mark
+
+
 class _StrictLoader(yaml.SafeLoader):
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self.gpugate_depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self.gpugate_depth += 1
+        try:
+            if self.gpugate_depth > MAX_FLEET_DEPTH:
+                raise FleetBoundError(f"nested more than {MAX_FLEET_DEPTH} levels deep (a fleet file nests "
+                                      f"about 8)", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self.gpugate_depth -= 1
+
+    def construct_document(self, node: Any) -> Any:
+        expanded = _expanded_size(node)
+        if expanded > MAX_FLEET_VALUES:
+            raise FleetBoundError(f"its aliases expand to more than {MAX_FLEET_VALUES:,} values (a fleet of a "
+                                  f"thousand containers has about 20,000): an alias bomb?", node.start_mark)
+        return super().construct_document(node)
+
     def flatten_mapping(self, node: yaml.MappingNode) -> None:
         # Count the keys written in this mapping before PyYAML prepends the merged ones (it calls
         # this method again for nested merges, so each node is counted before it is flattened).
         if not hasattr(node, "gpugate_written"):
             setattr(node, "gpugate_written", sum(1 for key, _value in node.value if key.tag != _MERGE_TAG))
         super().flatten_mapping(node)
+
+
+def _expanded_size(root: Any) -> int:
+    """How many values the document holds with every alias expanded (a node reached through N
+    aliases counts N times), counted without expanding anything: each node's size once, bottom up.
+
+    >>> _expanded_size(yaml.compose("a: &x [1, 2, 3]\nb: [*x, *x, *x]"))
+    20
+    """
+    sizes: dict[int, int] = {}
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = ([item for pair in node.value for item in pair] if isinstance(node, yaml.MappingNode)
+                    else list(node.value) if isinstance(node, yaml.SequenceNode) else [])
+        if children_done or not children:
+            sizes[id(node)] = min(1 + sum(sizes[id(child)] for child in children), MAX_FLEET_VALUES + 1)
+        else:
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if id(child) not in sizes)
+    return sizes[id(root)]
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -452,6 +512,8 @@ def load_fleet(path: str | os.PathLike[str]) -> Fleet:
         mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(error, "problem", None) or str(error)
+        if isinstance(error, FleetBoundError):  # valid YAML, but not a document gpugate will build
+            raise FleetError(path, where, f"refused: {problem}") from None
         raise FleetError(path, where, f"not valid YAML: {problem}") from None
     return parse_fleet(document, path)
 

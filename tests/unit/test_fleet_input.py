@@ -253,4 +253,58 @@ def test_an_alias_bomb_is_refused_quickly(tmp_path):
     started = time.monotonic()
     error = fleet_error(tmp_path, "\n".join(lines) + "\n")
     assert time.monotonic() - started < 2.0
-    assert error.entry == "hosts.pve1.containers.129.sglang.extra_args" and "quote each item" in error.problem
+    # refused before anything is built from it (issue 20: it used to reach the extra_args check, and
+    # a bomb of strings there, or under an x- key, took the controller's memory)
+    assert error.entry == "line 1, column 1" and error.problem.startswith("refused: its aliases expand to more than")
+
+
+# ---------------------------------------------------------------- hostile documents (issue 20)
+
+
+def _laughs(levels: int, width: int = 9) -> str:
+    text = 'x-l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n'
+    for level in range(1, levels + 1):
+        text += f"x-l{level}: &l{level} [" + ", ".join([f"*l{level - 1}"] * width) + "]\n"
+    return text
+
+
+@pytest.mark.parametrize("where", ["an x- key", "the flags"])
+def test_an_alias_bomb_is_refused_at_once_naming_the_file(tmp_path, where):
+    text = _laughs(9) + textwrap.dedent("""\
+        hosts:
+          pve1:
+            containers:
+              129:
+                sglang: {model_path: /m, flags: {tp: 8%s}}
+        """ % (", json-model-override-args: *l9" if where == "the flags" else ""))
+    path = tmp_path / "fleet.yaml"
+    path.write_text(text)
+    assert len(text) < 2000  # a small file that stands for 9**10 values
+    with pytest.raises(FleetError) as caught:
+        load_fleet(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: line 1, column 1: refused: its aliases expand to more than")
+    assert "\n" not in message
+
+
+def test_aliases_a_fleet_really_uses_still_load(tmp_path):
+    path = tmp_path / "fleet.yaml"
+    path.write_text(textwrap.dedent("""\
+        x-server: &server {model_path: /m, flags: {tp: 8, kv-cache-dtype: fp8_e4m3}}
+        hosts:
+          pve1:
+            containers:
+              129: {sglang: *server}
+              130: {sglang: {<<: *server, port: 30001}}
+        """))
+    fleet = load_fleet(path)
+    assert [c.sglang["sglang_flags"]["kv-cache-dtype"] for c in fleet.hosts[0].containers] == ["fp8_e4m3"] * 2
+
+
+def test_a_document_nested_thousands_deep_is_refused_without_a_traceback(tmp_path):
+    path = tmp_path / "fleet.yaml"
+    path.write_text("hosts: {pve1: {containers: {129: {sglang: {model_path: /m, flags: {x: "
+                    + "[" * 5000 + "]" * 5000 + "}}}}}}\n")
+    with pytest.raises(FleetError) as caught:
+        load_fleet(path)
+    assert "refused: nested more than 64 levels deep" in str(caught.value) and str(path) in str(caught.value)
