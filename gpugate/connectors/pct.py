@@ -245,7 +245,7 @@ def make_status_check_command(vmid: int, binary: str = "pct", sudo: bool = False
     )
 
 
-PctFailureKind = Literal["no-pct", "unknown-vmid", "not-running", "sudo", "missing-command"]
+PctFailureKind = Literal["no-pct", "unknown-vmid", "not-running", "sudo", "missing-command", "link-lost"]
 
 
 @dataclass(frozen=True)
@@ -262,6 +262,7 @@ class PctFailure:
             "not-running": f"container {vmid} on {pve_host} is not running",
             "sudo": f"cannot run pct with sudo on {pve_host} (needs NOPASSWD for pct)",
             "missing-command": f"pct exec on {pve_host} got no command for container {vmid}",
+            "link-lost": f"the SSH connection to the Proxmox host {pve_host} was lost",
         }[self.kind]
         return f"pct error: {what}: {self.detail}"
 
@@ -633,6 +634,9 @@ class PctConnector(BaseConnector):
             else SharedSSHConnector(state, host, per_connection)
         )
         self._listing: SharedListing | None = None
+        # why the last command did not run in the container (pct's own error, a lost link), as
+        # data: the operations read it, never the text line that says it
+        self.last_failure: PctFailure | None = None
 
     @override
     @staticmethod
@@ -683,8 +687,19 @@ class PctConnector(BaseConnector):
     def binary(self) -> str:
         return self.data["pct_binary"] or "pct"
 
-    def _pct_failure(self, output: CommandOutput) -> PctFailure | None:
-        return classify_pct_error(output.stderr_lines, self.vmid, self.binary)
+    def _pct_failure(self, status: bool, output: CommandOutput) -> PctFailure | None:
+        failure = classify_pct_error(output.stderr_lines, self.vmid, self.binary)
+        if failure is None and not status and not self._link_alive():
+            # the link to the Proxmox host went away: the command may never have reached the container
+            failure = PctFailure("link-lost", "no answer: the connection is closed")
+        return failure
+
+    def _link_alive(self) -> bool:
+        client = getattr(self.pve, "client", None)
+        if client is None:  # @local: no link to lose
+            return True
+        transport = client.get_transport()
+        return bool(transport is not None and transport.is_active())
 
     def _with_failure_line(self, output: CommandOutput, failure: PctFailure) -> CommandOutput:
         message = failure.describe(self.pve_host_name, self.vmid)
@@ -792,15 +807,22 @@ class PctConnector(BaseConnector):
             sudo=self.use_sudo,
             clear_env=self.data["pct_clear_env"],
         )
-        status, output = self.pve.run_shell_command(
-            pct_command,
-            print_output=print_output,
-            print_input=print_input,
-            **control_arguments,
-        )
-        failure = self._pct_failure(output)
+        self.last_failure = None
+        try:
+            status, output = self.pve.run_shell_command(
+                pct_command,
+                print_output=print_output,
+                print_input=print_input,
+                **control_arguments,
+            )
+        except Exception:
+            if not self._link_alive():
+                self.last_failure = PctFailure("link-lost", "the connection dropped during the command")
+            raise
+        failure = self._pct_failure(status, output)
         if failure is not None:
             # Even when the caller accepts pct's exit code (255) as success: the command never ran.
+            self.last_failure = failure
             return False, self._with_failure_line(output, failure)
         return status, output
 

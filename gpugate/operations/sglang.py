@@ -16,12 +16,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping, MutableSet, Sequence
+from collections.abc import Iterator, Mapping, MutableSet
 from typing import Any
 
 from pyinfra import logger
@@ -38,8 +37,6 @@ from gpugate.spec import Desired, Spec, SpecError, build_spec, redact_flags
 
 FOLLOW_WAIT_S = 3.0       # one follow command waits up to this long for new journal events
 FOLLOW_RETRIES = 3        # consecutive failed follow commands before the controller gives up watching
-_STOPPED = re.compile(r"container (\d+) on (\S+) is not running")
-_VANISHED = re.compile(r"no container (\d+) on (\S+)")
 
 
 def emit(step: str, **fields: Any) -> None:
@@ -105,7 +102,10 @@ class RunBook(BaseStateCallback):
         self.outcomes[name] = outcome
 
     def stop_rolling(self, max_failures: int) -> bool:
-        return len(self.failed) > max_failures
+        """A rolling change stops at any container it did not leave as desired: failed, interrupted,
+        refused or unreachable while it ran all count (a refusal at prepare, shown in the plan
+        before the operator said yes, does not)."""
+        return len(self.failed) + len(self.refused) > max_failures
 
     def operation_end(self, state: Any, op_hash: Any) -> None:  # type: ignore[override]
         if self.printed or not (self.failed or self.refused or self.untouched):
@@ -115,8 +115,9 @@ class RunBook(BaseStateCallback):
         for name, outcome in sorted(self.outcomes.items()):
             lines.append(f"    {name}: {outcome}")
         if self.untouched:
+            stopped_by = self.failed + self.refused
             lines.append("    not touched (the rolling restart stopped after "
-                         f"{len(self.failed)} failed container(s): {', '.join(self.failed)}): "
+                         f"{len(stopped_by)} failed container(s): {', '.join(stopped_by)}): "
                          + ", ".join(self.untouched))
         for line in lines:
             logger.warning(line)
@@ -228,16 +229,19 @@ def _install_interrupt_handler(book: RunBook | None) -> None:
 
 
 # ---------------------------------------------------------------- talking to the container
-def _pct_trouble(lines: Sequence[str]) -> str | None:
-    """'container 129 on pve1 is stopped' when the connector says pct found it not running."""
-    for line in lines:
-        match = _STOPPED.search(line)
-        if match:
-            return f"container {match.group(1)} on {match.group(2)} is stopped"
-        match = _VANISHED.search(line)
-        if match:
-            return f"container {match.group(1)} on {match.group(2)} does not exist (any more)"
-    return None
+def _pct_trouble(failure: Any, pve_host: str, vmid: Any) -> str | None:
+    """Why a command did not run in the container, from the connector's structured failure
+    (gpugate.connectors.pct.PctFailure): 'container 129 on pve1 is stopped', 'pve1: the SSH
+    connection was lost'; None when pct ran the command (its own exit status is the command's)."""
+    if failure is None:
+        return None
+    if failure.kind == "not-running":
+        return f"container {vmid} on {pve_host} is stopped"
+    if failure.kind == "unknown-vmid":
+        return f"container {vmid} on {pve_host} does not exist (any more)"
+    if failure.kind == "link-lost":
+        return f"{pve_host}: the SSH connection was lost (the link to the Proxmox host, not the container)"
+    return failure.describe(pve_host, vmid)
 
 
 def _run(host_obj: Any, command: Any, stdin: str | None = None, timeout: float | None = None
@@ -249,14 +253,17 @@ def _run(host_obj: Any, command: Any, stdin: str | None = None, timeout: float |
         kwargs["_stdin"] = stdin
     if timeout is not None:
         kwargs["_timeout"] = int(timeout)
+    connector = host_obj.connector
+    where = (host_obj.data.get("pve_host") or getattr(connector, "pve_host_name", None) or host_obj.name,
+             host_obj.data.get("pct_vmid"))
     try:
         status, output = host_obj.run_shell_command(
             command if isinstance(command, StringCommand) else StringCommand(command), **kwargs)
     except Exception as error:  # SSH dropped, timeout: the caller decides
-        return False, {}, f"no answer from the container ({type(error).__name__}: {str(error)[:200]})"
-    lines = list(output.stderr_lines) + list(output.stdout_lines)
+        trouble = _pct_trouble(getattr(connector, "last_failure", None), *where)
+        return False, {}, trouble or f"no answer from the container ({type(error).__name__}: {str(error)[:200]})"
     if not status:
-        trouble = _pct_trouble(lines)
+        trouble = _pct_trouble(getattr(connector, "last_failure", None), *where)
         if trouble:
             return False, {}, trouble
         detail = " | ".join(line for line in output.stderr_lines if line.strip())[-300:]

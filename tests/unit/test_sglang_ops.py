@@ -274,10 +274,14 @@ def test_nothing_serves_is_loud_with_both_reasons_and_the_log_tails():
 
 
 def test_a_stopped_or_vanished_container_is_told_from_pct_errors():
-    assert _pct_trouble(["pct error: container 129 on pve1 is not running: container '129' not running!"]) == \
-        "container 129 on pve1 is stopped"
-    assert "does not exist" in _pct_trouble(["pct error: no container 129 on pve1: Configuration file ..."])
-    assert _pct_trouble(["grep: x: No such file"]) is None
+    from gpugate.connectors.pct import classify_pct_error
+
+    def trouble(line):
+        return _pct_trouble(classify_pct_error([line], 129), "pve1", 129)
+
+    assert trouble("container '129' not running!") == "container 129 on pve1 is stopped"
+    assert "does not exist" in trouble("Configuration file 'nodes/pve1/lxc/129.conf' does not exist")
+    assert trouble("grep: x: No such file") is None
 
 
 def test_recorded_documents_are_not_mutated():
