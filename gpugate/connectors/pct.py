@@ -909,7 +909,7 @@ class PctConnector(BaseConnector):
             )
 
     def _raise_for_transfer(self, action: str, status: bool, output: CommandOutput) -> None:
-        failure = self._pct_failure(output)
+        failure = self._pct_failure(status, output)
         if failure is not None:
             raise OSError(failure.describe(self.pve_host_name, self.vmid))
         # pct push/pull print nothing when they work; their worker's errors may not set the
