@@ -94,7 +94,13 @@ def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None 
         return Match("not_serving", exact=True)
     flag_lines, changed_env = diff_lines(server, spec), env_lines(server, spec)
     why = []
-    if flag_lines:
+    command = [what for what, sign in (("the interpreter", "interpreter "), ("the model", "--model-path "),
+                                       ("the listen host", "--host ")) if any(line[2:].startswith(sign)
+                                                                              for line in flag_lines)]
+    if command:
+        why.append("the running command differs from the desired one: " + ", ".join(command))
+    if any(not any(line[2:].startswith(sign) for sign in ("interpreter ", "--model-path ", "--host "))
+           for line in flag_lines):
         why.append("the running flags differ from the desired flags")
     if changed_env:
         why.append("the server's environment differs")
