@@ -4,7 +4,8 @@ is a folder beside it that implements the same methods, and nothing outside this
 engine's flags, argv, processes or endpoints.
 
 The controller's side is this interface; the container's side (process recognition, endpoints,
-drain) is the engine's stdlib-only module that the agent bundles (``Engine.container_module``).
+drain) is the engine's stdlib-only module that the agent imports, and so bundles
+(gpugate/engine/sglang/processes.py).
 
 Example::
 
@@ -42,8 +43,6 @@ class Engine(Protocol):
     names to typed values (``{"tp-size": 8, "disable-radix-cache": True}``)."""
 
     name: str                     # "sglang": the name in messages and in settings
-    launch_module: str            # `python -m <this>` starts the server
-    container_module: str         # the stdlib-only module the agent bundles: processes, endpoints, drain
     FlagError: type[FlagError]    # what validation raises: .flag (canonical name) and .message
 
     # --- flags: the schema per version, validation, what is secret ---
@@ -68,7 +67,7 @@ class Engine(Protocol):
 
     # --- argv: render once, parse back what runs, compare ---
     def render_argv(self, model_path: str, port: int, flags: Mapping[str, Any], host: str) -> list[str]:
-        """The server's argv after the interpreter: ``-m <launch_module>``, model, host, port, flags."""
+        """The server's argv after the interpreter (``-m sglang.launch_server``, model, host, port, flags)."""
 
     def render_flag_args(self, flags: Mapping[str, Any], table: Any = None) -> list[str]:
         """The flags alone, as argv elements."""

@@ -19,8 +19,6 @@ class SGLang:
     """The SGLang engine: each method is the engine module's own function (see gpugate.engine.Engine)."""
 
     name = "sglang"
-    launch_module = "sglang.launch_server"
-    container_module = "gpugate.engine.sglang.processes"
     FlagError = flags.FlagError
 
     choose_table = staticmethod(flags.choose_table)
