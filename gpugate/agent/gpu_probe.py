@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import threading
 import time
+
+from gpugate.rules import procfs
+from gpugate.rules.procfs import PROBE_MARKER
 
 # typing and subprocess are not imported at run time: the probe runs in every agent command (the
 # converged re-run's only one), and neither is needed there (subprocess: only the nvidia-smi fallback,
@@ -42,8 +44,6 @@ if TYPE_CHECKING:  # mypy treats this name as true
     from typing import Any, Dict, List
 
 SCHEMA = 1
-# argv[1] of every gpugate probe process: other probes running at the same time are not holders.
-PROBE_MARKER = "gpugate-probe"
 NVML_TIMEOUT_S = 8.0
 SMI_TIMEOUT_S = 8.0
 MIB = 1024 * 1024
@@ -398,39 +398,6 @@ def read_nvidia_smi(run=run_command, smi_path: str | None = None, timeout_s: flo
 # /proc: who holds the device nodes
 
 
-def read_stat(proc_root: str, pid: int):
-    """-> (comm, state, ppid, pgid) or None when the process is gone."""
-    try:
-        with open(os.path.join(proc_root, str(pid), "stat"), "rb") as handle:
-            stat = handle.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    open_paren, close_paren = stat.find("("), stat.rfind(")")
-    fields = stat[close_paren + 2:].split()
-    try:
-        return stat[open_paren + 1:close_paren], fields[0], int(fields[1]), int(fields[2])
-    except (IndexError, ValueError):
-        return None
-
-
-def read_cmdline(proc_root: str, pid: int) -> str:
-    try:
-        with open(os.path.join(proc_root, str(pid), "cmdline"), "rb") as handle:
-            raw = handle.read()
-    except OSError:
-        return ""
-    return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()
-
-
-def read_argv(proc_root: str, pid: int) -> list:
-    try:
-        with open(os.path.join(proc_root, str(pid), "cmdline"), "rb") as handle:
-            raw = handle.read()
-    except OSError:
-        return []
-    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
-
-
 def vmid_from_cgroup(text: str):
     """The Proxmox container of a process from its /proc/PID/cgroup text, or None (the host).
 
@@ -456,14 +423,7 @@ def read_vmid(proc_root: str, pid: int):
 
 def ancestors(proc_root: str, pid: int) -> set:
     """pid and its ancestors (the shells and the pct/ssh session that run the probe)."""
-    seen = set()
-    while pid > 0 and pid not in seen:
-        seen.add(pid)
-        stat = read_stat(proc_root, pid)
-        if stat is None:
-            break
-        pid = stat[2]
-    return seen
+    return procfs.lineage(pid, proc_root)
 
 
 def is_probe_or_monitor(argv: list, comm: str) -> bool:
@@ -506,7 +466,7 @@ def scan_holders(proc_root: str = "/proc", exclude_pids=(), with_vmid: bool = Fa
         if not devices:
             continue
         holder = describe_process(proc_root, pid, with_vmid)
-        if holder is None or is_probe_or_monitor(read_argv(proc_root, pid), holder["comm"]):
+        if holder is None or is_probe_or_monitor(procfs.read_argv(pid, proc_root), holder["comm"]):
             continue
         holder["devices"] = sorted(devices)
         holders.append(holder)
@@ -515,17 +475,17 @@ def scan_holders(proc_root: str = "/proc", exclude_pids=(), with_vmid: bool = Fa
 
 
 def describe_process(proc_root: str, pid: int, with_vmid: bool = False):
-    stat = read_stat(proc_root, pid)
+    stat = procfs.read_stat(pid, proc_root)
     if stat is None:
         return None
-    comm, state, ppid, pgid = stat
+    comm, state, ppid, pgid = stat[:4]
     holder = {
         "pid": pid,
         "ppid": ppid,
         "pgid": pgid,
         "state": state,
         "comm": comm,
-        "cmdline": read_cmdline(proc_root, pid) or "[%s]" % comm,
+        "cmdline": procfs.read_cmdline(pid, proc_root) or "[%s]" % comm,
         "devices": [],
         "gpus": [],
         "used_mib": None,
@@ -655,15 +615,11 @@ def collect(exclude_pids=(), scope: str = "container", keep_nvml_open: bool = Fa
 # Ending the holders (gpu.idle(kill=True)): only what this pid namespace can see
 
 
-def is_running(proc_root: str, pid: int) -> bool:
-    stat = read_stat(proc_root, pid)
-    return stat is not None and stat[1] not in ("Z", "X")
-
-
 def end_holders(grace_s: float = 10.0, ignore_pids=(), proc_root: str = "/proc",
                 poll_s: float = 0.02, settle_s: float = 5.0, send=os.kill) -> dict:
-    """SIGTERM every holder, SIGKILL those still running after ``grace_s``; never pid 1, the
-    probe or its ancestors. Run inside the container, so no pid outside it can be reached.
+    """SIGTERM every holder, SIGKILL those still running after ``grace_s`` (gpugate.rules.procfs.
+    end_processes); never pid 1, the probe or its ancestors. Run inside the container, so no pid
+    outside it can be reached.
 
     -> {"terminated": [pids gone after SIGTERM], "killed": [gone after SIGKILL],
         "survivors": [{"pid", "state", "cmdline"}], "elapsed_s"}
@@ -671,38 +627,16 @@ def end_holders(grace_s: float = 10.0, ignore_pids=(), proc_root: str = "/proc",
     started = time.monotonic()
     exclude = set(int(pid) for pid in ignore_pids) | ancestors(proc_root, os.getpid()) | {1}
     targets = [holder["pid"] for holder in scan_holders(proc_root, exclude)]
-    report: Dict[str, Any] = {"targets": targets, "terminated": [], "killed": [], "survivors": [], "errors": []}
-
-    def signal_all(pids, signum):
-        for pid in pids:
-            try:
-                send(pid, signum)
-            except ProcessLookupError:
-                pass
-            except OSError as exc:
-                report["errors"].append("pid %d: %s" % (pid, exc))
-
-    def wait_gone(pids, seconds):
-        deadline = time.monotonic() + seconds
-        running = [pid for pid in pids if is_running(proc_root, pid)]
-        while running and time.monotonic() < deadline:
-            time.sleep(poll_s)
-            running = [pid for pid in running if is_running(proc_root, pid)]
-        return running
-
-    signal_all(targets, signal.SIGTERM)
-    remaining = wait_gone(targets, grace_s)
-    report["terminated"] = [pid for pid in targets if pid not in remaining]
-    if remaining:
-        signal_all(remaining, signal.SIGKILL)
-        survivors = wait_gone(remaining, settle_s)
-        report["killed"] = [pid for pid in remaining if pid not in survivors]
-        for pid in survivors:
-            stat = read_stat(proc_root, pid)
-            report["survivors"].append({
-                "pid": pid,
-                "state": stat[1] if stat else None,
-                "cmdline": read_cmdline(proc_root, pid),
-            })
+    ended = procfs.end_processes(dict((pid, None) for pid in targets), grace_s, poll_s, settle_s, send, proc_root)
+    report: Dict[str, Any] = {"targets": targets, "terminated": ended["terminated"], "errors": ended["errors"],
+                              "killed": [pid for pid in ended["killed"] if pid not in ended["survivors"]],
+                              "survivors": []}
+    for pid in ended["survivors"]:
+        stat = procfs.read_stat(pid, proc_root)
+        report["survivors"].append({
+            "pid": pid,
+            "state": stat[1] if stat else None,
+            "cmdline": procfs.read_cmdline(pid, proc_root),
+        })
     report["elapsed_s"] = round(time.monotonic() - started, 3)
     return report
