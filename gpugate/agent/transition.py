@@ -24,11 +24,16 @@ DEFAULT_BUDGETS = {"drain_timeout_s": 60.0, "kill_grace_s": 10.0, "gate_timeout_
 
 
 def budgets(doc):
-    budgets = dict(DEFAULT_BUDGETS)
+    """DEFAULT_BUDGETS with the start document's numbers where it gives them.
+
+    >>> budgets({"budgets": {"drain_timeout_s": 5, "bogus": 1}})["drain_timeout_s"]
+    5.0
+    """
+    chosen = dict(DEFAULT_BUDGETS)
     for key, value in (doc.get("budgets") or {}).items():
-        if key in budgets and isinstance(value, (int, float)) and not isinstance(value, bool):
-            budgets[key] = float(value)
-    return budgets
+        if key in chosen and isinstance(value, (int, float)) and not isinstance(value, bool):
+            chosen[key] = float(value)
+    return chosen
 
 
 class Transition(StopSteps, StartSteps):
@@ -103,7 +108,7 @@ class Transition(StopSteps, StartSteps):
                     self._commit(desired, info)
                     return "verified", None, "the desired server serves (already running), verified"
                 except Exception as error:  # noqa: BLE001 - ours too: every path after the stop ends in an outcome
-                    return self._after_failure(reason(error))
+                    return self._after_failure(failure_reason(error))
         try:
             if self.replaces:
                 self._stop(self.replaces["port"], "replaces", self.budgets["drain_timeout_s"])
@@ -116,7 +121,7 @@ class Transition(StopSteps, StartSteps):
         except Exception as error:  # noqa: BLE001 - a state.Failure, or an exception of our own: both roll back
             if not self.touched:
                 raise
-            return self._after_failure(reason(error))
+            return self._after_failure(failure_reason(error))
 
     def _after_failure(self, reason):
         self.event("failed", "end", target="desired", reason=reason)
@@ -134,8 +139,8 @@ class Transition(StopSteps, StartSteps):
             return ("rolled_back", {"desired": reason},
                     "the desired server failed (%s); the previous server serves again, verified" % reason)
         except Exception as error:  # noqa: BLE001
-            self.event("rollback", "end", ok=False, reason=reason(error))
-            return self._cleanup_outcome(reason, "rollback failed: %s" % reason(error))
+            self.event("rollback", "end", ok=False, reason=failure_reason(error))
+            return self._cleanup_outcome(reason, "rollback failed: %s" % failure_reason(error))
 
     def _cleanup_outcome(self, reason, rollback_reason):
         notes = []
@@ -329,7 +334,7 @@ class Transition(StopSteps, StartSteps):
                 self.warnings.append("history not written: %s" % error)
 
 
-def reason(error):
+def failure_reason(error):
     """What the operator reads for a failure: a Failure's own text, else the exception named."""
     if isinstance(error, state.Failure):
         return str(error)

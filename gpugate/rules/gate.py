@@ -154,7 +154,7 @@ def decide(state: Any, max_used_mib: float = 64, gpus: Iterable[int] | None = No
     ([(1, 900, 64)], True, True)
     """
     ignore = set(int(pid) for pid in ignore_pids)
-    expected = dict(expected_mib or {})
+    expected: Dict[Any, float] = dict(expected_mib or {})
     problems, permanent = reading_problems(state)
     state = state if isinstance(state, dict) else {}
     by_index = dict((gpu.get("index"), gpu) for gpu in state.get("gpus") or [])
@@ -180,7 +180,8 @@ def decide(state: Any, max_used_mib: float = 64, gpus: Iterable[int] | None = No
             out["unknown"].append((index, gpu.get("error")))
             out["undecidable"] = True
         else:
-            limit = max_used_mib + expected.get(index, expected.get(str(index), 0))
+            extra = expected.get(index, expected.get(str(index)))  # keys as ints or as JSON's strings
+            limit = max_used_mib + (extra or 0)
             if used > limit:
                 out["over"].append((index, used, limit))
     for holder in holders:
