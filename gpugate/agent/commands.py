@@ -224,11 +224,7 @@ def agent_main(doc, answer_fd):
     if null > 2:
         os.close(null)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        with open("/proc/self/comm", "w") as handle:
-            handle.write("gpugate-agent")
-    except OSError:
-        pass
+    procfs.set_comm("gpugate-agent")
     run = doc["run"]
 
     def answer(document):

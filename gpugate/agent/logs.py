@@ -12,7 +12,7 @@ import signal
 import sys
 
 from gpugate.agent import state
-from gpugate.rules import redact
+from gpugate.rules import procfs, redact
 
 
 LOG_MAX_BYTES = 64 * 1024 * 1024
@@ -137,11 +137,7 @@ def command_logpump(args):
     likewise), over which the command line's wins: the path names sglang, the argv must not."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        with open("/proc/self/comm", "w") as handle:
-            handle.write("gpugate-logpump")
-    except OSError:
-        pass
+    procfs.set_comm("gpugate-logpump")
     try:
         args = dict(json.loads(os.environ.pop("GPUGATE_LOGPUMP", "{}")), **args)
     except (ValueError, TypeError):

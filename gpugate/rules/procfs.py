@@ -150,6 +150,15 @@ def descendants(procs: Dict[int, Dict[str, Any]], root_pid: int) -> list[int]:
     return out
 
 
+def set_comm(name: str) -> None:
+    """Name this process for ps and ``pgrep -x`` (/proc/self/comm: 15 characters); best-effort."""
+    try:
+        with open("/proc/self/comm", "w") as handle:
+            handle.write(name)
+    except OSError:
+        pass
+
+
 def kill(pid: int, start_ticks: int | None = None) -> None:
     """SIGKILL ``pid`` if it is still the same live process (never a reused pid)."""
     if alive(pid, start_ticks):
