@@ -221,7 +221,7 @@ def observe_command(python: str | None, args: Mapping[str, Any]) -> str:
 
 
 def inline_observe_command(python: str | None, args: Mapping[str, Any]) -> str:
-    """The same observe with the agent sent inline (zlib+base64 in the argv, ~40 KB); installs
+    """The same observe with the agent sent inline (zlib+base64 in the argv, ~75 KB); installs
     nothing and writes nothing (``--dry`` stays read-only)."""
     script = _INLINE % {"source": agent_source(), "sha": agent_sha(), "args": dict(args)}
     return (f"if command -v {_interpreter(python)} >/dev/null 2>&1; then exec {_interpreter(python)} "

@@ -102,19 +102,8 @@ class StopSteps:
         targets = dict((pid, ticks if ticks is not None else (procfs.read_stat(pid) or (None,) * 5)[4])
                        for pid, ticks in targets.items())
         self.event("end_holders", "begin", pids=sorted(targets))
-        for pid, ticks in targets.items():
-            if procfs.alive(pid, ticks):
-                try:
-                    os.kill(pid, signal.SIGTERM)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        deadline = time.time() + float(self.budgets["kill_grace_s"])
-        while time.time() < deadline and any(procfs.alive(pid, t) for pid, t in targets.items()):
-            time.sleep(DRAIN_POLL_S)
-        killed = [pid for pid, t in targets.items() if procfs.alive(pid, t)]
-        for pid in killed:
-            procfs.kill(pid, targets[pid])
-        self.event("end_holders", "end", terminated=sorted(set(targets) - set(killed)), killed=sorted(killed))
+        ended = procfs.end_processes(targets, float(self.budgets["kill_grace_s"]), DRAIN_POLL_S)
+        self.event("end_holders", "end", terminated=sorted(ended["terminated"]), killed=sorted(ended["killed"]))
 
     def _gpus_for_port(self, port):
         for spec in (self.desired, self.replaces, self.rollback):
