@@ -16,7 +16,11 @@ HISTORY_FAILED = 10
 
 
 def spec_key(spec):
-    """What makes two specs the same server: exact argv, env, supervisor and unit text."""
+    """What makes two specs the same server: exact argv, env, supervisor and unit text.
+
+    >>> spec_key({"argv": ["a"], "env": {"X": "1"}}) == spec_key({"argv": ["a"], "env": {"X": "2"}})
+    False
+    """
     material = json.dumps([spec.get("argv") or [], sorted((spec.get("env") or {}).items()),
                            spec.get("supervisor") or "process", spec.get("unit_text") or ""])
     return redact.sha256(material.encode("utf-8")).hexdigest()[:16]
@@ -60,6 +64,11 @@ def public_history(doc):
 
 
 def clean_spec(spec):
+    """A SpecDoc without the agent's own marks (keys starting with ``_``).
+
+    >>> clean_spec({"argv": ["a"], "_serving": True})
+    {'argv': ['a']}
+    """
     if not spec:
         return None
     return dict((key, value) for key, value in spec.items() if not key.startswith("_"))

@@ -126,6 +126,11 @@ def free_mib(path):
 
 
 def now_iso(t=None):
+    """UTC, to the second, as records carry it.
+
+    >>> now_iso(0)
+    '1970-01-01T00:00:00Z'
+    """
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t if t is not None else time.time()))
 
 
@@ -137,6 +142,11 @@ def listdir(path):
 
 
 def paths(port):
+    """The files of the server on ``port``.
+
+    >>> paths(30000)["history"], paths(30000)["unit_name"]
+    ('/var/lib/gpugate/sglang-30000.json', 'sglang-30000.service')
+    """
     port = int(port)
     return {"env": "%s/sglang-%d.env" % (ETC_DIR, port), "history": "%s/sglang-%d.json" % (STATE_DIR, port),
             "log": "%s/sglang-%d.log" % (LOG_DIR, port), "pid": "%s/sglang-%d.pid" % (RUN_DIR, port),
@@ -167,6 +177,11 @@ def env_file_text(env):
 
 
 def parse_env_file(text):
+    """An env file written by env_file_text, read back.
+
+    >>> parse_env_file(env_file_text({"HF_TOKEN": 'a "quoted" \\\\ value'}))
+    {'HF_TOKEN': 'a "quoted" \\\\ value'}
+    """
     env = {}
     for line in text.splitlines():
         line = line.strip()
