@@ -226,8 +226,9 @@ def summary(proc, redactor):
 
 
 def workers_of(table, tree, expected):
-    schedulers = [table[pid] for pid in tree if pid in table and table[pid]["argv"][:1]
-                  and table[pid]["argv"][0].startswith("sglang::scheduler")]
+    """The scheduler workers (one per rank) of a server's ``tree``: alive, dead against
+    ``expected`` (the ranks its GPUs say), zombies."""
+    schedulers = [table[pid] for pid in tree if pid in table and sglang.is_scheduler_argv(table[pid]["argv"])]
     live = [p for p in schedulers if p["state"] not in ("Z", "X")]
     return {"expected": expected, "alive": len(live), "dead": max(0, (expected or 0) - len(live)),
             "zombies": [p["pid"] for p in schedulers if p["state"] in ("Z", "X")]}

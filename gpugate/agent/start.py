@@ -346,15 +346,14 @@ class StartSteps:
             problems.append("server info: %s" % info["error"])
         else:
             expect = {"port": spec["port"]}
-            model = sglang.flag_value(spec["argv"], "--model-path", "--model")
+            model = sglang.argv_model(spec["argv"])
             if model:
                 expect["model_path"] = model
             expect.update(spec.get("expect_info") or {})
             for key, value in sorted(expect.items()):
                 if key in args and args[key] != value:
                     problems.append("%s: the server reports %r, expected %r" % (key, args[key], value))
-        capacity = dict((key, args[key]) for key in ("max_total_num_tokens", "max_running_requests", "context_length",
-                                                     "version") if key in args)
+        capacity = dict((key, args[key]) for key in sglang.CAPACITY_KEYS if key in args)
         self.event("verify", "end", target=target, port=spec["port"], ok=not problems, problems=problems,
                    workers=workers, capacity=capacity)
         if problems:

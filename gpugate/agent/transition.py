@@ -15,9 +15,6 @@ from gpugate.engine.sglang import processes as sglang
 from gpugate.rules import procfs, redact
 from gpugate.rules.procfs import read_file
 
-DRAIN_POLL_S = 0.02
-GATE_POLL_S = 0.05
-LOAD_POLL_S = 0.05  # the moment it turns ready is downtime; a look is /proc + netlink (+ one local GET)
 DEFAULT_BUDGETS = {"drain_timeout_s": 60.0, "kill_grace_s": 10.0, "gate_timeout_s": 120.0,
                    "start_timeout_s": 2700.0, "max_used_mib": 64, "generate_timeout_s": 30.0,
                    "rollback_start_timeout_s": None}  # None: start_timeout_s
@@ -167,7 +164,7 @@ class Transition(StopSteps, StartSteps):
             return None
         if desired.get("supervisor") == "systemd" and server.pid1_comm() != "systemd":
             return "supervisor systemd, but PID 1 is %s, not systemd" % server.pid1_comm()
-        model = sglang.flag_value(desired["argv"], "--model-path", "--model")
+        model = sglang.argv_model(desired["argv"])
         if model and model.startswith("/") and not os.path.exists(model):
             return "the model path %s does not exist" % model
         table = procfs.table()

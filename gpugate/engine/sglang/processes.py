@@ -103,12 +103,12 @@ def is_worker_argv(argv: Sequence[str] | None) -> bool:
     >>> is_worker_argv(["sglang::scheduler_TP3"]), is_worker_argv(["python3"])
     (True, False)
     """
-    return bool(argv) and argv[0].startswith(TITLE_PREFIXES)  # type: ignore[index]
+    return bool(argv and argv[0].startswith(TITLE_PREFIXES))
 
 
 def is_scheduler_argv(argv: Sequence[str] | None) -> bool:
     """One rank's scheduler: the workers a server must keep alive."""
-    return bool(argv) and argv[0].startswith(SCHEDULER_TITLE)  # type: ignore[index]
+    return bool(argv and argv[0].startswith(SCHEDULER_TITLE))
 
 
 def is_server_part(argv: Sequence[str] | None) -> bool:
