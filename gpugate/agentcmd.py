@@ -2,10 +2,11 @@
 source and hash, and the short shell commands that run it in a container.
 
 The agent (gpugate/agent/, with gpugate/rules/ and the engine's container side: one file made by
-gpugate.bundle, a loader and the modules' sources) is installed content-addressed at ``/var/lib/gpugate/agent-<sha256>.py`` by the first ``start``
-(its source travels on stdin). Every command runs a small bootstrap that checks the installed
-file's hash; a missing or different file answers ``{"agent_missing": true}`` (observe, follow) so
-the controller can observe once with the agent inline (read-only) and install it with the hand-off.
+gpugate.bundle, a loader and the modules' sources) is installed content-addressed at
+``/var/lib/gpugate/agent-<sha256>.py`` by the first ``start`` (its source travels on stdin). Every
+command runs a small bootstrap that checks the installed file's hash; a missing or different file
+answers ``{"agent_missing": true}`` (observe, follow) so the controller can observe once with the
+agent inline (read-only) and install it with the hand-off.
 
 Example::
 

@@ -13,8 +13,8 @@ Where the numbers come from, in order:
    as ``used_v1_mib``, with ``memory_api: "v1"``.
 2. ``nvidia-smi`` CSV when nvidia-ml-py is missing or NVML fails (except DriverNotLoaded /
    LibRmVersionMismatch: nvidia-smi fails the same way). ``[N/A]``-style values read as null.
-3. Always: a scan of ``/proc/*/fd`` for processes holding ``/dev/nvidia*`` (the "holders", gpugate.agent.gpu_holders), with
-   their state from ``/proc/PID/stat`` (D: stuck in the kernel, SIGKILL will not end it; Z: exited).
+3. Always: a scan of ``/proc/*/fd`` for processes holding ``/dev/nvidia*`` (the "holders",
+   gpugate.agent.gpu_holders), with their state from ``/proc/PID/stat`` (D: stuck in the kernel, SIGKILL will not end it; Z: exited).
 
 Bounded in time: NVML runs in a worker thread with a deadline (an NVML call can hang in D state) and
 nvidia-smi runs under a timeout and is abandoned, not waited for, if it hangs.

@@ -25,8 +25,9 @@ def gate_decision(doc, gpus, max_used_mib, expected_mib=None):
     gpugate.rules.gate.decide: a holder with memory on one of them blocks; one that only holds the
     device files (an NVML monitor at 0 MiB) does not.
 
-    >>> gate_decision({"source": "nvml", "memory_api": "v2", "gpus": [{"index": 0, "used_mib": 0}], "holders": []}, [0], 64)[0]
-    True
+    >>> reading = {"source": "nvml", "memory_api": "v2", "gpus": [{"index": 0, "used_mib": 0}], "holders": []}
+    >>> gate_decision(reading, [0], 64)[0], gate_decision(reading, [0, 5], 64)[1:]
+    (True, (['GPU 5 is not visible'], {'0': 0}, True))
     """
     verdict = rules_gate.decide(doc, max_used_mib, gpus, expected_mib=expected_mib, idle_holders_block=False)
     if doc.get("source") in (None, "none"):

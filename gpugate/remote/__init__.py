@@ -4,8 +4,8 @@ Each probe section is a stdlib-only module with a ``collect(**kwargs)`` function
 JSON-able dict: ``gpu`` is gpugate/agent/gpu_probe.py, any other ``<name>`` is
 ``gpugate/remote/<name>_probe.py``. The gpugate modules they import (gpugate.rules...) travel with
 them as a bundle (gpugate.bundle: the agent's loader with those sources), imported in the container
-under their own names, as the agent's artifact does. ``build_probe_command`` combines any of them into one command
-that prints one JSON document ``{"<name>": collect(**kwargs), ...}`` and exits 0, so one fact (one
+under their own names, as the agent's artifact does. ``build_probe_command`` combines any of them
+into one command that prints one JSON document ``{"<name>": collect(**kwargs), ...}`` and exits 0, so one fact (one
 SSH round trip, one ``pct exec``) can read several things at once.
 
 The command needs nothing in the container but ``python3`` (found on PATH=/sbin:/bin:/usr/sbin:/usr/bin);
