@@ -35,7 +35,7 @@ from gpugate.facts.sglang import SglangObservation, observe_args
 from gpugate.fleet import validated_settings
 from gpugate.spec import DEFAULTS, SpecError, gpu_set, redact_flags
 from gpugate.sglang_args import SECRET_MASK, FlagError, diff_flags, is_secret_value, validate_flags
-from gpugate.rules.gate import foreign_by_gpu
+from gpugate.plan import foreign_memory
 
 # ---------------------------------------------------------------- tables
 
@@ -406,8 +406,8 @@ def _age(seconds: Any) -> str:
 def foreign_mib(gpu_doc: Mapping[str, Any]) -> dict[int, int]:
     """GPU index -> MiB in use that no process of the container accounts for (the host's or
     another container's: NVML in a container lists only its own processes); the same reading as
-    sglang.server's pre-stop check and the gate (the one rule: gpugate.rules.gate.foreign_mib)."""
-    return {int(index): int(mib) for index, mib in foreign_by_gpu(gpu_doc).items()}
+    sglang.server's pre-stop check (gpugate.plan.foreign_memory)."""
+    return {int(gpu["index"]): int(gpu["foreign_mib"]) for gpu in foreign_memory(gpu_doc)}
 
 
 def holders_text(gpu_doc: Mapping[str, Any]) -> str:
