@@ -28,8 +28,6 @@ DRIVER_DAEMONS = ("nvidia-smi", "nvidia-persistenced", "nv-fabricmanager", "nv-h
 DRIVER_DAEMON_COMMS = tuple(name[:15] for name in DRIVER_DAEMONS)  # /proc/PID/stat comm: 15 chars
 
 
-
-
 def vmid_from_cgroup(text: str):
     """The Proxmox container of a process from its /proc/PID/cgroup text, or None (the host).
 

@@ -87,5 +87,3 @@ def flag_table_key():
     key = "%s-%s" % (safe, digest[:16])
     return {"version": version, "server_args_sha256": digest, "key": key,
             "cached": os.path.isfile(os.path.join(FLAG_TABLE_DIR, key + ".json"))}
-
-
