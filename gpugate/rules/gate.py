@@ -158,7 +158,7 @@ def decide(state: Any, max_used_mib: float = 64, gpus: Iterable[int] | None = No
     problems, permanent = reading_problems(state)
     state = state if isinstance(state, dict) else {}
     by_index = dict((gpu.get("index"), gpu) for gpu in state.get("gpus") or [])
-    wanted = sorted(by_index) if gpus is None else sorted(set(gpus))
+    wanted = list(by_index) if gpus is None else sorted(set(gpus))  # every GPU: in the reading's order
     missing = [index for index in wanted if index not in by_index] if by_index or gpus is not None else []
     if missing and state.get("source") in ANSWERING_SOURCES:
         permanent = True  # a GPU the container does not see will not appear by waiting
