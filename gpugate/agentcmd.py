@@ -1,11 +1,12 @@
 """The controller's side of the container agent (docs/agent-protocol.md): the agent's one-file
 source and hash, and the short shell commands that run it in a container.
 
-The agent (gpugate/remote/agent.py, with gpugate/remote/gpu_probe.py bundled into the same text)
-is installed content-addressed at ``/var/lib/gpugate/agent-<sha256>.py`` by the first ``start``
-(its source travels on stdin). Every command runs a small bootstrap that checks the installed
-file's hash; a missing or different file answers ``{"agent_missing": true}`` (observe, follow) so
-the controller can observe once with the agent inline (read-only) and install it with the hand-off.
+The agent (gpugate/agent/, with gpugate/rules/ and the engine's container side: one file made by
+gpugate.bundle, a loader and the modules' sources) is installed content-addressed at
+``/var/lib/gpugate/agent-<sha256>.py`` by the first ``start`` (its source travels on stdin). Every
+command runs a small bootstrap that checks the installed file's hash; a missing or different file
+answers ``{"agent_missing": true}`` (observe, follow) so the controller can observe once with the
+agent inline (read-only) and install it with the hand-off.
 
 Example::
 
@@ -26,30 +27,25 @@ import functools
 import hashlib
 import json
 import shlex
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from gpugate import bundle
 from gpugate.remote import pack, parse_probe_output
+from gpugate.rules.procfs import PROBE_MARKER
+from gpugate.rules.redact import argv_hash, env_hash  # noqa: F401 - the controller hashes exactly as the agent does
 
-REMOTE_DIR = Path(__file__).resolve().parent / "remote"
 STATE_DIR = "/var/lib/gpugate"
-PROBE_MARKER = "gpugate-probe"
-BUNDLE_LINE = "_BUNDLE = {}  # filled by gpugate.agentcmd.agent_source(): {\"gpu_probe\": \"<source>\"}"
-BUNDLED = ("gpu_probe",)
 
 
 @functools.lru_cache(maxsize=1)
 def agent_source() -> str:
-    """The agent as ONE file: agent.py with the bundled modules' sources in ``_BUNDLE``.
+    """The agent as ONE file: gpugate/agent/loader.py with the sources of every module it runs in
+    ``_BUNDLE`` (gpugate.bundle).
 
     >>> "def observe(" in agent_source()
     True
     """
-    text = (REMOTE_DIR / "agent.py").read_text()
-    if text.count(BUNDLE_LINE) != 1:
-        raise RuntimeError("gpugate/remote/agent.py lost its _BUNDLE line; agentcmd cannot bundle it")
-    bundle = {name: (REMOTE_DIR / f"{name}.py").read_text() for name in BUNDLED}
-    return text.replace(BUNDLE_LINE, "_BUNDLE = " + repr(bundle))
+    return bundle.agent_source()
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,10 +65,11 @@ def agent_path(sha: str | None = None) -> str:
 
 # The bootstrap: checks the installed agent's hash (installs it from the start or install document's
 # agent_source when that matches), then runs it from its compiled code, cached content-addressed beside
-# it (``__pycache__/agent-<sha>.<cache tag>.code``: the interpreter's magic number, then marshal). observe
-# is the converged re-run's only command, so every ms counts: no importlib (~3-10 ms), no compile of
-# 140 KB (~20-30 ms). Only ``start`` and ``install`` (the commands that install the agent) write the cache;
-# every other command reads it when it is there and compiles in memory when not (observe stays read-only).
+# it (``__pycache__/agent-<sha>.<cache tag>.code``: the interpreter's magic number, then marshal; the
+# loader caches its bundled modules' code likewise, gpugate/agent/loader.py). observe is the converged
+# re-run's only command, so every ms counts: no importlib (~3-10 ms), no compile of 200 KB (~20-30 ms).
+# Only ``start`` and ``install`` (the commands that install the agent) write the caches; every other
+# command reads them when they are there and compiles in memory when not (observe stays read-only).
 _BOOT = r'''
 import json, os, sys
 try:
@@ -225,7 +222,7 @@ def observe_command(python: str | None, args: Mapping[str, Any]) -> str:
 
 
 def inline_observe_command(python: str | None, args: Mapping[str, Any]) -> str:
-    """The same observe with the agent sent inline (zlib+base64 in the argv, ~40 KB); installs
+    """The same observe with the agent sent inline (zlib+base64 in the argv, ~75 KB); installs
     nothing and writes nothing (``--dry`` stays read-only)."""
     script = _INLINE % {"source": agent_source(), "sha": agent_sha(), "args": dict(args)}
     return (f"if command -v {_interpreter(python)} >/dev/null 2>&1; then exec {_interpreter(python)} "
@@ -314,16 +311,3 @@ def parse_output(stdout_lines: Iterable[str] | str | None) -> dict:
         pass
     text = " | ".join(str(line).strip() for line in lines if str(line).strip())
     return {"error": "no JSON document in the agent output: " + (text[-300:] or "(empty)")}
-
-
-# Re-exported so the controller hashes exactly as the agent does.
-def env_hash(value: str) -> str:
-    from gpugate.remote.agent import env_hash as agent_env_hash
-
-    return agent_env_hash(value)
-
-
-def argv_hash(argv: list[str]) -> str:
-    from gpugate.remote.agent import argv_hash as agent_argv_hash
-
-    return agent_argv_hash(argv)

@@ -1,4 +1,5 @@
-"""The GPU gate's decision, as pure functions over a GpuState document (gpugate.remote.gpu_probe).
+"""The GPU gate as gpu.idle and the in-container wait see it: gpugate.rules.gate's decision over a GpuState
+document (gpugate.agent.gpu_probe), in the operator's words.
 
 Stdlib only: this module is also sent inline into containers, where ``poll_until_idle`` runs the
 wait loop next to the GPUs (one remote command for the whole wait, not one SSH round trip per poll).
@@ -29,17 +30,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping  # typing's Mapping: this file also runs in containers with Python 3.8
 
+from gpugate.rules import gate as rules
+
 HOST_FACT = "gpugate.facts.gpu.HostGpuProcesses"
 WHO_HOLDS_RUNBOOK = "runbooks/who_holds_gpus.py"
-# Errors that waiting will not cure: fail at once instead of polling until the timeout.
-PERMANENT_ERROR_KINDS = (
-    "ModuleNotFound",
-    "NotFound",
-    "LibraryNotFound",
-    "DriverNotLoaded",
-    "LibRmVersionMismatch",
-    "NoPython",
-)
+# The rules' names, kept here for the callers of this module.
+PERMANENT_ERROR_KINDS = rules.PERMANENT_ERROR_KINDS
+reading_problems = rules.reading_problems
+foreign_memory = rules.foreign_mib
 
 
 @dataclass
@@ -89,58 +87,15 @@ class GateDecision:
         return data
 
 
-def _error_text(error: dict) -> str:
-    return "%s %s: %s" % (error.get("source"), error.get("kind"), error.get("message"))
+def evaluate(state: Mapping[str, Any], max_used_mib: int = 64, ignore_pids=(),
+             expected_mib: Mapping[Any, float] | None = None) -> GateDecision:
+    """Decide whether the container's GPUs are idle (gpugate.rules.gate.decide over every GPU,
+    every holder counting) and say why in the operator's words. Pure: no I/O.
 
-
-def reading_problems(state: Mapping[str, Any]) -> tuple:
-    """-> (reasons the reading cannot be trusted, whether waiting cannot fix them)."""
-    if not isinstance(state, dict):
-        return ["no GPU reading (the probe gave no document)"], False
-    source = state.get("source")
-    errors = state.get("errors") or []
-    if source not in ("nvml", "nvidia-smi"):
-        detail = "; ".join(_error_text(error) for error in errors) or "no source answered"
-        permanent = bool(errors) and all(e.get("kind") in PERMANENT_ERROR_KINDS for e in errors)
-        return ["cannot read the GPUs: %s" % detail], permanent
-    problems = []
-    # Errors of a source that was replaced by the next one (e.g. pynvml missing, nvidia-smi
-    # answered) are history; the answering source's own errors and the probe's are not.
-    for error in errors:
-        if error.get("source") in (source, "probe", "proc", "fact"):
-            problems.append("reading error: %s" % _error_text(error))
-    if state.get("memory_api") != "v2":
-        return problems + [
-            "memory read through the v1 API (%s), which counts the driver's reserved memory as "
-            "used: cannot tell an idle GPU from a held one (needs driver >= R510)"
-            % (state.get("memory_api") or "unknown")
-        ], True
-    if not state.get("gpus"):
-        problems.append("no GPU visible to %s" % source)
-    return problems, False
-
-
-def foreign_memory(gpu: dict, holders: list, ignore_pids) -> int | None:
-    """Memory on this GPU that no process in the container accounts for (MiB), None if unknown."""
-    used = gpu.get("used_mib")
-    if used is None:
-        return None
-    listed = [p for p in gpu.get("processes") or [] if p.get("pid") not in ignore_pids]
-    if not listed:
-        # Nothing listed: with no holder in the container it all comes from outside; with holders
-        # (e.g. a driver before 535.113 lists host pids only) it cannot be attributed.
-        return used if not holders else None
-    if any(p.get("used_mib") is None for p in listed):
-        return None
-    return max(0, used - sum(p["used_mib"] for p in listed))
-
-
-def evaluate(state: Mapping[str, Any], max_used_mib: int = 64, ignore_pids=()) -> GateDecision:
-    """Decide whether the container's GPUs are idle. Pure: no I/O.
-
-    + state: a GpuState document (gpugate.remote.gpu_probe.collect())
+    + state: a GpuState document (gpugate.agent.gpu_probe.collect())
     + max_used_mib: the most memory a GPU may have in use and count as idle (v2 idle is 0)
     + ignore_pids: container pids that do not count as holders (e.g. a known monitor)
+    + expected_mib: GPU index -> MiB it may hold beyond max_used_mib (none by default)
 
     Example::
 
@@ -148,29 +103,29 @@ def evaluate(state: Mapping[str, Any], max_used_mib: int = 64, ignore_pids=()) -
                   "gpus": [{"index": 0, "used_mib": 0, "processes": []}]}).passed  # True
     """
     ignore = set(int(pid) for pid in ignore_pids)
-    problems, permanent = reading_problems(state)
+    verdict = rules.decide(state, max_used_mib, None, ignore, expected_mib, idle_holders_block=True)
     state = state if isinstance(state, dict) else {}
     decision = GateDecision(
         passed=False,
         max_used_mib=max_used_mib,
-        undecidable=bool(problems),
-        permanent=permanent,
+        undecidable=verdict["undecidable"],
+        permanent=verdict["permanent"],
         source=state.get("source"),
         memory_api=state.get("memory_api"),
         errors=list(state.get("errors") or []),
     )
-    decision.reasons.extend(problems)
-    decision.holders = [h for h in state.get("holders") or [] if h.get("pid") not in ignore]
+    decision.reasons.extend(verdict["reading_problems"])
+    decision.holders = verdict["holders"]
+    decision.foreign_mib = dict(verdict["foreign_mib"])
+    decision.stale = dict(verdict["stale"])
+    limits = dict((index, limit) for index, _, limit in verdict["over"])
     over = []
+    undecidable = bool(verdict["reading_problems"])  # one "unknown" reason after those, not one per GPU
     for gpu in state.get("gpus") or []:
         index = gpu.get("index")
         used = gpu.get("used_mib")
         listed = [p for p in gpu.get("processes") or [] if p.get("pid") not in ignore]
-        stale = [p for p in listed if p.get("alive") is False]
-        foreign = foreign_memory(gpu, decision.holders, ignore)
-        decision.foreign_mib[index] = foreign
-        if stale:
-            decision.stale[index] = stale
+        foreign = decision.foreign_mib.get(index)
         line = "GPU %s%s: " % (index, " (%s)" % gpu["name"] if gpu.get("name") else "")
         if used is None:
             line += "used memory unknown"
@@ -178,16 +133,16 @@ def evaluate(state: Mapping[str, Any], max_used_mib: int = 64, ignore_pids=()) -
                 line += " (v1 reads %d MiB, reserved counted in)" % gpu["used_v1_mib"]
             if gpu.get("error"):
                 line += " [%s]" % gpu["error"]
-            if not decision.undecidable or gpu.get("error"):
+            if not undecidable or gpu.get("error"):
                 decision.reasons.append("GPU %s: used memory unknown%s" % (
                     index, " (%s)" % gpu["error"] if gpu.get("error") else ""))
-            decision.undecidable = True
+            undecidable = True
         else:
             line += "%d MiB used" % used
             if gpu.get("total_mib") is not None:
                 line += " of %d" % gpu["total_mib"]
-            line += " (max %d)" % max_used_mib
-            if used > max_used_mib:
+            line += " (max %d)" % limits.get(index, max_used_mib)
+            if index in limits:
                 over.append((index, used))
         if listed:
             line += "; listed: " + ", ".join(
@@ -208,7 +163,7 @@ def evaluate(state: Mapping[str, Any], max_used_mib: int = 64, ignore_pids=()) -
             len(decision.holders),
             ", ".join("%s (%s)" % (h["pid"], h.get("state")) for h in decision.holders),
         ))
-    decision.passed = not decision.reasons
+    decision.passed = verdict["passed"]
     return decision
 
 

@@ -21,8 +21,9 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gpugate.match import compare, interpreter_lines, running_command
 from gpugate.engine import get as engine
+from gpugate.match import compare, interpreter_lines, running_command
+from gpugate.rules import gate as rules_gate
 from gpugate.spec import Spec, option_items, redact_flags
 
 OUTCOMES_OK = ("verified",)
@@ -82,32 +83,16 @@ def _seconds(value: Any) -> str:
 
 def foreign_memory(gpu_doc: Mapping[str, Any], gpus: Iterable[int] | None = None) -> list[dict[str, Any]]:
     """GPUs (of ``gpus``; None: all) whose used memory no process of this container accounts for:
-    the host's or another container's (NVML in a container lists only its own processes).
-    Never ours to end; the gate could not pass over it.
+    the host's or another container's (NVML in a container lists only its own processes), by the
+    one foreign-memory rule (gpugate.rules.gate.foreign_mib; memory it cannot attribute is not
+    listed). Never ours to end; the gate could not pass over it.
 
     >>> foreign_memory({"gpus": [{"index": 0, "used_mib": 900, "processes": []}]})
     [{'index': 0, 'foreign_mib': 900, 'used_mib': 900}]
     """
-    wanted = None if gpus is None else set(gpus)
-    holders = gpu_doc.get("holders") or []
-    out = []
-    for gpu in gpu_doc.get("gpus") or []:
-        if wanted is not None and gpu.get("index") not in wanted:
-            continue
-        used = gpu.get("used_mib")
-        if not used:
-            continue
-        procs = gpu.get("processes") or []
-        known = [p.get("used_mib") for p in procs]
-        if procs and all(isinstance(mib, (int, float)) for mib in known):
-            foreign = used - sum(known)
-        elif procs or holders:
-            foreign = 0  # a process in the container holds it: the stop or the holder check deals with it
-        else:
-            foreign = used
-        if foreign > 0:
-            out.append({"index": gpu.get("index"), "foreign_mib": foreign, "used_mib": used})
-    return out
+    used = {gpu.get("index"): gpu.get("used_mib") for gpu in gpu_doc.get("gpus") or []}
+    return [{"index": index, "foreign_mib": mib, "used_mib": used[index]}
+            for index, mib in rules_gate.foreign_by_gpu(gpu_doc, gpus).items()]
 
 
 def same_desired(record: Mapping[str, Any] | None, spec: Spec | None, port: int) -> bool:
@@ -235,12 +220,11 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
     # agent sweeps or stops; monitors at 0 MiB are no obstacle)
     blockers, monitors = [], []
     for holder in container.get("gpu_holders") or []:
-        on = set(holder.get("gpus") or [])
-        mine = on if gpus is None else on & set(gpus)
+        mine = rules_gate.memory_gpus(holder, gpus)
         if holder.get("server_part"):
             continue
         if holder.get("memory") and mine:
-            blockers.append((holder, sorted(mine)))
+            blockers.append((holder, mine))
         elif not holder.get("memory"):
             monitors.append(holder)
     for holder, on_mine in blockers:

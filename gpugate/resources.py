@@ -42,7 +42,7 @@ def resource(*parts: str) -> "Traversable":
 
 
 def read_text(*parts: str) -> str:
-    """The text of a package data file, e.g. ``read_text("remote", "gpu_probe.py")``."""
+    """The text of a package data file, e.g. ``read_text("remote", "flag_table.py")``."""
     return resource(*parts).read_text(encoding="utf-8")
 
 

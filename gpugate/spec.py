@@ -26,9 +26,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpugate.settings import SETTINGS, SUPERVISORS, resolved
 from gpugate.engine import get as engine
 from gpugate.engine.sglang.flags import SECRET_MASK
+from gpugate.rules import gpus as rules_gpus
+from gpugate.settings import SETTINGS, SUPERVISORS, resolved
 
 __all__ = ["BUDGET_KEYS", "Desired", "desired_state", "Spec", "SpecError", "build_spec", "gpu_set", "redact_flags", "budgets"]
 
@@ -88,7 +89,7 @@ def gpu_set(flags: Mapping[str, Any], env: Mapping[str, Any] | None = None) -> t
     environment uses, as SGLang assigns them: ``tp x pp x dp`` ranks (dp only without
     ``--enable-dp-attention``: with it the DP ranks share the TP GPUs), divided over ``--nnodes``,
     from ``--base-gpu-id`` every ``--gpu-id-step``, then mapped through ``CUDA_VISIBLE_DEVICES``.
-    The same rule as the agent's ``server_gpus`` (gpugate/remote/agent.py). ``flags`` in any
+    The one rule the agent uses too (gpugate.rules.gpus.gpu_set). ``flags`` in any
     spelling ``validate_flags`` accepts. Raises SpecError when the set cannot be told (a
     ``CUDA_VISIBLE_DEVICES`` too short for the ranks, or of UUIDs).
 
@@ -105,28 +106,14 @@ def gpu_set(flags: Mapping[str, Any], env: Mapping[str, Any] | None = None) -> t
         normal = engine().validate_flags(flags or {})
     except engine().FlagError as error:
         raise SpecError(str(error)) from None
-    tp = _int_flag(normal, "tp-size", 1)
-    pp = _int_flag(normal, "pp-size", 1)
-    dp = 1 if normal.get("enable-dp-attention") else _int_flag(normal, "dp-size", 1)
-    nnodes = max(1, _int_flag(normal, "nnodes", 1))
-    base = _int_flag(normal, "base-gpu-id", 0)
-    step = max(1, _int_flag(normal, "gpu-id-step", 1))
-    count = max(1, tp * pp * dp // nnodes)
-    ids = [base + rank * step for rank in range(count)]
-    visible = str((env or {}).get("CUDA_VISIBLE_DEVICES") or "").strip()
-    if not visible:
-        return tuple(ids)
-    entries = [item.strip() for item in visible.split(",") if item.strip()]
-    out = []
-    for index in ids:
-        if index >= len(entries):
-            raise SpecError(f"CUDA_VISIBLE_DEVICES={visible} lists {len(entries)} GPU(s); the server's ranks need "
-                            f"device {index} (tp {tp} x pp {pp} x dp {dp} from --base-gpu-id {base}, step {step})")
-        if not entries[index].isdigit():
-            raise SpecError(f"CUDA_VISIBLE_DEVICES={visible}: {entries[index]!r} is not a GPU index "
-                            f"(UUIDs cannot be mapped before the container is asked)")
-        out.append(int(entries[index]))
-    return tuple(out)
+    try:
+        return tuple(rules_gpus.gpu_set(
+            tp=_int_flag(normal, "tp-size", 1), pp=_int_flag(normal, "pp-size", 1),
+            dp=_int_flag(normal, "dp-size", 1), dp_attention=bool(normal.get("enable-dp-attention")),
+            nnodes=_int_flag(normal, "nnodes", 1), base_gpu_id=_int_flag(normal, "base-gpu-id", 0),
+            gpu_id_step=_int_flag(normal, "gpu-id-step", 1), visible=(env or {}).get("CUDA_VISIBLE_DEVICES")))
+    except rules_gpus.GpuSetError as error:
+        raise SpecError(str(error)) from None
 
 
 def budgets(values: Mapping[str, Any] | None = None) -> dict[str, float]:

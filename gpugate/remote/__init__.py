@@ -1,8 +1,11 @@
 """Code that runs inside containers, sent inline as ONE shell command (never installed).
 
-Each probe is a stdlib-only module ``gpugate/remote/<name>_probe.py`` with a ``collect(**kwargs)``
-function returning a JSON-able dict. ``build_probe_command`` combines any of them into one command
-that prints one JSON document ``{"<name>": collect(**kwargs), ...}`` and exits 0, so one fact (one
+Each probe section is a stdlib-only module with a ``collect(**kwargs)`` function returning a
+JSON-able dict: ``gpu`` is gpugate/agent/gpu_probe.py, any other ``<name>`` is
+``gpugate/remote/<name>_probe.py``. The gpugate modules they import (gpugate.rules...) travel with
+them as a bundle (gpugate.bundle: the agent's loader with those sources), imported in the container
+under their own names, as the agent's artifact does. ``build_probe_command`` combines any of them
+into one command that prints one JSON document ``{"<name>": collect(**kwargs), ...}`` and exits 0, so one fact (one
 SSH round trip, one ``pct exec``) can read several things at once.
 
 The command needs nothing in the container but ``python3`` (found on PATH=/sbin:/bin:/usr/sbin:/usr/bin);
@@ -29,9 +32,13 @@ import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from gpugate import bundle
+from gpugate.rules.procfs import PROBE_MARKER
+
 REMOTE_DIR = Path(__file__).resolve().parent
 PACKAGE_DIR = REMOTE_DIR.parent
-PROBE_MARKER = "gpugate-probe"
+# Probe sections that are modules of the package elsewhere than gpugate/remote/<name>_probe.py.
+SECTION_MODULES = {"gpu": "gpugate.agent.gpu_probe"}
 
 # Runs first inside the container: loads the inlined modules under their own names (so dataclasses
 # and pickling-free code work as in a normal import), and prints exactly one JSON line.
@@ -43,6 +50,10 @@ def _load(name, source):
     sys.modules[name] = module
     exec(compile(source, module.__file__, "exec"), module.__dict__)
     return module
+def _bundle(source):
+    # gpugate/agent/loader.py with the gpugate modules the sections import: served first on sys.meta_path
+    loader = _load("gpugate_bundle", source)
+    loader.install(loader._BUNDLE)
 def _failure(exc):
     text = "%s: %s" % (type(exc).__name__, exc)
     return {"schema": 1, "error": text,
@@ -63,11 +74,23 @@ def _emit(document):
 
 
 def module_source(name: str) -> str:
-    """The source of ``gpugate/remote/<name>_probe.py``."""
+    """The source of probe section ``name``: ``gpugate/remote/<name>_probe.py``, else the package
+    module that SECTION_MODULES names for it."""
     path = REMOTE_DIR / f"{name}_probe.py"
+    if not path.is_file() and name in SECTION_MODULES:
+        path = bundle.module_path(SECTION_MODULES[name])
     if not path.is_file():
         raise ValueError(f"no probe section {name!r}: {path} does not exist")
     return path.read_text()
+
+
+def bundle_line(sources: Iterable[str] = (), modules: Iterable[str] = ()) -> str:
+    """The program line that serves the gpugate modules these ``sources`` import (and ``modules``)
+    in the container, by gpugate/agent/loader.py's finder."""
+    names: set[str] = set(modules)
+    for source in sources:
+        names |= bundle.gpugate_imports(source)
+    return f"_bundle({bundle.loader_source(bundle.with_imports(tuple(sorted(names))))!r})\n"
 
 
 def pack(script: str) -> str:
@@ -122,7 +145,7 @@ def build_probe_command(sections: Mapping[str, Mapping], python: str | None = No
         raise ValueError("build_probe_command needs at least one section")
     sources = {name: module_source(name) for name in sections}
     plan = [[name, dict(kwargs)] for name, kwargs in sections.items()]
-    script = _PRELUDE + (
+    script = _PRELUDE + bundle_line(sources.values()) + (
         f"SOURCES = {sources!r}\n"
         f"PLAN = json.loads({json.dumps(plan)!r})\n"
         "out = {}\n"
@@ -146,19 +169,17 @@ def build_wait_command(max_used_mib: int = 64, timeout_s: float = 120.0,
 
         build_wait_command(max_used_mib=64, timeout_s=120, poll_interval_s=0.05)
     """
-    sources = {"gpu": module_source("gpu"), "gate": (PACKAGE_DIR / "gate.py").read_text()}
     arguments = {
         "max_used_mib": int(max_used_mib),
         "timeout_s": float(timeout_s),
         "poll_interval_s": float(poll_interval_s),
         "ignore_pids": [int(pid) for pid in ignore_pids],
     }
-    script = _PRELUDE + (
-        f"SOURCES = {sources!r}\n"
+    script = _PRELUDE + bundle_line(modules=["gpugate.agent.gpu_probe", "gpugate.gate"]) + (
         f"ARGS = json.loads({json.dumps(arguments)!r})\n"
         "try:\n"
-        "    probe = _load('gpugate_remote_gpu', SOURCES['gpu'])\n"
-        "    gate = _load('gpugate_remote_gate', SOURCES['gate'])\n"
+        "    from gpugate import gate\n"
+        "    from gpugate.agent import gpu_probe as probe\n"
         "    out = gate.poll_until_idle(lambda: probe.collect(keep_nvml_open=True), **ARGS)\n"
         "except BaseException as exc:\n"
         "    out = {'gpu': _failure(exc), 'wait': None}\n"
@@ -177,11 +198,11 @@ def build_end_holders_command(grace_s: float = 10.0, ignore_pids: Iterable[int] 
         build_end_holders_command(grace_s=10)
     """
     arguments = {"grace_s": float(grace_s), "ignore_pids": [int(pid) for pid in ignore_pids]}
-    script = _PRELUDE + (
-        f"SOURCE = {module_source('gpu')!r}\n"
+    script = _PRELUDE + bundle_line(modules=["gpugate.agent.gpu_probe"]) + (
         f"ARGS = json.loads({json.dumps(arguments)!r})\n"
         "try:\n"
-        "    out = {'kill': _load('gpugate_remote_gpu', SOURCE).end_holders(**ARGS)}\n"
+        "    from gpugate.agent import gpu_probe\n"
+        "    out = {'kill': gpu_probe.end_holders(**ARGS)}\n"
         "except BaseException as exc:\n"
         "    out = {'kill': _failure(exc)}\n"
         "_emit(out)\n"

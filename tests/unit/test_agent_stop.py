@@ -17,10 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PRELUDE = r'''
 import json, os, shlex, subprocess, sys, tempfile, time
-from gpugate.remote import agent
+from gpugate.agent import journal as agent_journal, server, state, transition as agent_transition
+from gpugate.rules import procfs
 tmp = tempfile.mkdtemp()
-agent.STATE_DIR, agent.RUNS_DIR, agent.RUN_DIR = tmp + "/lib", tmp + "/lib/runs", tmp + "/run"
-agent.LOCK_PATH = tmp + "/run/transition.lock"
+state.STATE_DIR, state.RUNS_DIR, state.RUN_DIR = tmp + "/lib", tmp + "/lib/runs", tmp + "/run"
+state.LOCK_PATH = tmp + "/run/transition.lock"
 PY = sys.executable
 def spawn(argv, **kw):
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
@@ -34,7 +35,7 @@ def wait_for(predicate, timeout=10):
 def transition(**doc):
     base = {"run": "t", "desired": None, "budgets": {"drain_timeout_s": 5, "kill_grace_s": 5}}
     base.update(doc)
-    return agent.Transition(base, agent.Journal("t"))
+    return agent_transition.Transition(base, agent_journal.Journal("t"))
 '''
 
 
@@ -57,21 +58,21 @@ group = spawn(["sh", "-c", "%s & %s & wait" % (
     " ".join(shlex.quote(a) for a in [PY, "-c", "import subprocess, sys, time; subprocess.Popen(" + repr(titled("sglang::scheduler_TP0")) + "); time.sleep(60)",
                                   "-m", "sglang.launch_server", "--port", "{PORT}"]),
     " ".join(shlex.quote(a) for a in [PY, "-c", "import time; time.sleep(60)", "neighbour"]))], start_new_session=True)
-assert wait_for(lambda: len(agent.find_server(agent.proc_table(), {PORT})[1]) == 2)
+assert wait_for(lambda: len(server.find_server(procfs.table(), {PORT})[1]) == 2)
 stray = spawn(titled("sglang::scheduler_TP1"))  # a worker title outside any tree, holding no GPU: kept
 second = spawn([PY, "-c", "import time; time.sleep(60)", "-m", "sglang.launch_server", "--port", "{PORT}"])
 bench = spawn([PY, "-c", "import time; time.sleep(60)", "-m", "sglang.bench_serving", "--port", "{PORT}"])
 other = spawn([PY, "-c", "import subprocess, time; subprocess.Popen(" + repr(titled("sglang::scheduler_TP0")) + "); time.sleep(60)",
                "-m", "sglang.launch_server", "--port", "{PORT + 1}"])
-assert wait_for(lambda: len(agent.find_server(agent.proc_table(), {PORT + 1})[1]) == 2)
-table = agent.proc_table()
-main, tree = agent.find_server(table, {PORT})
+assert wait_for(lambda: len(server.find_server(procfs.table(), {PORT + 1})[1]) == 2)
+table = procfs.table()
+main, tree = server.find_server(table, {PORT})
 neighbour = [p["pid"] for p in table.values() if p["argv"][-1:] == ["neighbour"]][0]
-other_tree = agent.find_server(table, {PORT + 1})[1]
+other_tree = server.find_server(table, {PORT + 1})[1]
 t = transition()
 t._stop({PORT}, "desired", 5)
-after = agent.proc_table()
-alive = lambda pid: agent.alive(pid)
+after = procfs.table()
+alive = lambda pid: procfs.alive(pid)
 result = {{"tree": tree, "main_pgid": main["pgid"], "neighbour_pgid": table[neighbour]["pgid"],
           "tree_alive": [p for p in tree if alive(p)], "second_alive": alive(second.pid),
           "neighbour_alive": alive(neighbour), "bench_alive": alive(bench.pid), "stray_alive": alive(stray.pid),
@@ -94,12 +95,12 @@ ignorer = subprocess.Popen([PY, "-c", "import signal, subprocess, time; signal.s
                             "subprocess.Popen(" + repr(titled("sglang::detokenizer")) + "); print('ready', flush=True); time.sleep(60)",
                             "-m", "sglang.launch_server", "--port", "{PORT}"], start_new_session=True, stdout=subprocess.PIPE)
 ignorer.stdout.readline()
-assert wait_for(lambda: len(agent.find_server(agent.proc_table(), {PORT})[1]) == 2)
-tree = agent.find_server(agent.proc_table(), {PORT})[1]
+assert wait_for(lambda: len(server.find_server(procfs.table(), {PORT})[1]) == 2)
+tree = server.find_server(procfs.table(), {PORT})[1]
 t = transition()
 began = time.time()
 t._stop({PORT}, "desired", 0.3)
-result = {{"took": time.time() - began, "code": ignorer.wait(), "alive": [p for p in tree if agent.alive(p)],
+result = {{"took": time.time() - began, "code": ignorer.wait(), "alive": [p for p in tree if procfs.alive(p)],
           "drain": [e for e in t.journal.events if e["step"] == "drain" and e["phase"] == "end"][0]}}
 """)
     assert result["drain"]["drained"] is False and result["code"] == -9 and result["alive"] == []

@@ -87,7 +87,7 @@ def test_output_through_a_pty_with_noise_first_still_parses():
 
 
 def test_host_fact_lists_processes_with_their_container(fake_pynvml_dir):
-    from gpugate.remote.gpu_probe import vmid_from_cgroup
+    from gpugate.agent.gpu_probe import vmid_from_cgroup
 
     child = subprocess.Popen(["sleep", "30"])
     try:
@@ -111,7 +111,7 @@ def test_combined_sections_are_one_document_and_a_failing_section_is_isolated(tm
     import gpugate.remote as remote
 
     (tmp_path / "broken_probe.py").write_text("def collect():\n    raise RuntimeError('boom')\n")
-    (tmp_path / "gpu_probe.py").write_text((remote.REMOTE_DIR / "gpu_probe.py").read_text())
+    (tmp_path / "gpu_probe.py").write_text(remote.module_source("gpu"))
     monkeypatch.setattr(remote, "REMOTE_DIR", tmp_path)
     command = build_probe_command({"gpu": {}, "broken": {}})
     result = run_in_container_shell(command, {})

@@ -1,4 +1,4 @@
-"""The GPU probe (gpugate/remote/gpu_probe.py): every source, every failure, the holder scan.
+"""The GPU probe (gpugate/agent/gpu_probe.py): every source, every failure, the holder scan.
 
 NVML is a fake ``pynvml`` module (tests/unit/fake_nvml.py), nvidia-smi a function returning canned
 CSV, /proc a directory tree built per test: no GPU, no real process is touched.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.remote import gpu_probe
+from gpugate.agent import gpu_probe
 
 FAKE_NVML = Path(__file__).with_name("fake_nvml.py")
 H200 = {"uuid": "GPU-aaa", "name": "NVIDIA H200", "total_mib": 143771, "used_mib": 0,

@@ -475,7 +475,7 @@ def test_a_json_flag_with_a_secret_key_is_masked_everywhere():
     # the agent masks the value of each flag in secret_flags (argv, journal, server log tails)
     doc = spec.doc()
     assert doc["secret_flags"] == ["--model-loader-extra-config"]
-    from gpugate.remote.agent import Redactor, spec_secrets
+    from gpugate.rules.redact import Redactor, spec_secrets
     log = "server_args=ServerArgs(model_loader_extra_config='%s', tp_size=4)" % spec.flags["model-loader-extra-config"]
     assert token not in Redactor(spec_secrets(doc)).text(log)
     # any case, any depth, any of the words

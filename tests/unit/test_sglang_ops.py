@@ -106,14 +106,14 @@ def test_an_attached_run_of_another_spec_is_told_from_this_runs_spec():
     operator's spec differing only in one flag (or only an env value) is another spec; a stop
     attaching to a start is too; a stop attached to a stop is the same."""
     from gpugate.plan import same_desired
-    from gpugate.remote import agent
+    from gpugate.agent import history
 
     a = spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
     b = spec(flags={"tp": 8, "mem-fraction-static": 0.8})
-    record_a = agent.make_record(a.doc(by="alice"), by="alice")
+    record_a = history.make_record(a.doc(by="alice"), by="alice")
     assert same_desired(record_a, a, PORT)
     assert not same_desired(record_a, b, PORT)
-    assert not same_desired(agent.make_record(spec(env={"HF_TOKEN": "hf_other"}).doc()), spec(), PORT)
+    assert not same_desired(history.make_record(spec(env={"HF_TOKEN": "hf_other"}).doc()), spec(), PORT)
     assert not same_desired(record_a, None, PORT) and not same_desired(None, a, PORT)
     assert same_desired(None, None, PORT)
 

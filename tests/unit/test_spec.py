@@ -113,7 +113,7 @@ def test_gpu_set_follows_sglang(flags, env, expected):
 
 
 def test_gpu_set_matches_the_agents_rule():
-    from gpugate.remote.agent import server_gpus
+    from gpugate.engine.sglang.processes import server_gpus
 
     for flags, env in [({"tp": 4, "base-gpu-id": 4}, {}), ({"tp": 2, "dp": 2}, {}),
                        ({"tp": 2, "dp": 2, "enable-dp-attention": True}, {}),

@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import gpugate.engine as engine_seam
+from gpugate.rules import redact
+from gpugate.rules.redact import SECRET_FLAGS, SECRET_MASK, json_holds_secret
 
 __all__ = [
     "FlagError",
@@ -91,16 +93,14 @@ __all__ = [
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
-SECRET_MASK = "***"
 SNAPSHOT_DIR = Path(__file__).resolve().parent / "flagtables"
 
 # ------------------------------------------------------------------------------------------
 # gpugate's overlay: what SGLang's parser does not say
 # ------------------------------------------------------------------------------------------
 
-# Flags whose values are secrets: never shown in a diff, a log, an error, a record.
-SECRET_FLAGS = frozenset({"api-key", "admin-api-key", "ssl-keyfile-password"})
-_SECRET_PATTERN = re.compile(r"(^|-)(api-key|password|secret)$")
+# Flags whose values are secrets (SECRET_FLAGS, and names ending in api-key, password, secret): never
+# shown in a diff, a log, an error, a record. gpugate.rules.redact holds them, for the agent too.
 
 # Fields of the fleet entry, not flags: given as flags they would be rendered twice (and the
 # port is what gpugate uses to find and health-check the server). `config` would hide the real
@@ -164,36 +164,7 @@ class FlagSpec:
         return [f"--{self.name}"] + [f"--{a}" for a in self.aliases]
 
 
-# A key of a JSON-valued flag that names a secret (``{"hf_token": ...}`` in
-# --model-loader-extra-config): the whole value is then secret (masked, and its text is one of the
-# values the agent masks in logs).
-_SECRET_KEY_WORDS = ("token", "key", "secret", "password", "credential", "auth")
-
-
-def json_holds_secret(value: Any) -> bool:
-    """Whether a JSON document (or its text) has a key, at any depth, naming a secret
-    (token, key, secret, password, credential, auth; any case, anywhere in the key).
-
-    >>> json_holds_secret('{"hf_token": "hf_x"}'), json_holds_secret({"rope_theta": 1e6})
-    (True, False)
-    >>> json_holds_secret([{"load": {"AuthHeader": "x"}}])
-    True
-    """
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return False
-    if isinstance(value, Mapping):
-        return any(any(word in str(key).lower() for word in _SECRET_KEY_WORDS) or json_holds_secret(item)
-                   for key, item in value.items())
-    if isinstance(value, (list, tuple)):
-        return any(json_holds_secret(item) for item in value)
-    return False
-
-
-def _is_secret_name(name: str) -> bool:
-    return name in SECRET_FLAGS or bool(_SECRET_PATTERN.search(name))
+_is_secret_name = redact.is_secret_name
 
 
 _ITEM_OF_TYPE = {"int": "int", "float": "float", "str": "str", None: "str"}
@@ -1012,10 +983,9 @@ def is_secret_value(name: str, value: Any, table: FlagTable | str | None = None)
     False
     """
     t = table if isinstance(table, FlagTable) else resolve_table(table)
-    if _is_secret(name, t):
-        return True
     spec = t.specs.get(name)
-    return bool((spec is not None and spec.kind == "json") or name in JSON_TEXT_FLAGS) and json_holds_secret(value)
+    return redact.is_secret_value(name, value, declared_secret=bool(spec and spec.secret),
+                                  json_valued=bool((spec is not None and spec.kind == "json") or name in JSON_TEXT_FLAGS))
 
 
 def secret_flag_options(flags: Mapping[str, Any], table: FlagTable | str | None = None) -> list[str]:
@@ -1029,7 +999,7 @@ def secret_flag_options(flags: Mapping[str, Any], table: FlagTable | str | None 
     t = resolve_table(table)
     out = []
     for name, value in flags.items():
-        if name in ("api-key", "admin-api-key") or value in (None, False, True):
+        if name in redact.ALWAYS_MASKED_FLAGS or value in (None, False, True):
             continue
         if is_secret_value(name, value, t):
             spec = t.specs.get(name)

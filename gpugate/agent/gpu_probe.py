@@ -13,8 +13,8 @@ Where the numbers come from, in order:
    as ``used_v1_mib``, with ``memory_api: "v1"``.
 2. ``nvidia-smi`` CSV when nvidia-ml-py is missing or NVML fails (except DriverNotLoaded /
    LibRmVersionMismatch: nvidia-smi fails the same way). ``[N/A]``-style values read as null.
-3. Always: a scan of ``/proc/*/fd`` for processes holding ``/dev/nvidia*`` (the "holders"), with
-   their state from ``/proc/PID/stat`` (D: stuck in the kernel, SIGKILL will not end it; Z: exited).
+3. Always: a scan of ``/proc/*/fd`` for processes holding ``/dev/nvidia*`` (the "holders",
+   gpugate.agent.gpu_holders), with their state from ``/proc/PID/stat`` (D: stuck in the kernel, SIGKILL will not end it; Z: exited).
 
 Bounded in time: NVML runs in a worker thread with a deadline (an NVML call can hang in D state) and
 nvidia-smi runs under a timeout and is abandoned, not waited for, if it hangs.
@@ -29,10 +29,13 @@ Example::
 from __future__ import annotations
 
 import os
-import re
-import signal
 import threading
 import time
+
+# the holder scan's names that the probe's callers use as the probe's own
+from gpugate.agent.gpu_holders import ancestors, merge_listed_processes, scan_holders, vmid_from_cgroup  # noqa: F401
+from gpugate.rules import procfs
+from gpugate.rules.procfs import PROBE_MARKER  # noqa: F401 - the probe's marker, as its callers know it
 
 # typing and subprocess are not imported at run time: the probe runs in every agent command (the
 # converged re-run's only one), and neither is needed there (subprocess: only the nvidia-smi fallback,
@@ -42,8 +45,6 @@ if TYPE_CHECKING:  # mypy treats this name as true
     from typing import Any, Dict, List
 
 SCHEMA = 1
-# argv[1] of every gpugate probe process: other probes running at the same time are not holders.
-PROBE_MARKER = "gpugate-probe"
 NVML_TIMEOUT_S = 8.0
 SMI_TIMEOUT_S = 8.0
 MIB = 1024 * 1024
@@ -64,17 +65,6 @@ SMI_EXIT_KINDS = {
     15: "GpuIsLost",
     255: "Unknown",
 }
-# A device node of the NVIDIA driver (also matches the lab's bind-mounted stand-ins, whose host-side
-# path ends in .../dev/nvidia0).
-DEVICE_PATTERN = re.compile(r"/dev/nvidia(?:\d+|ctl|-uvm|-uvm-tools|-modeset|-caps/[\w.-]+)$")
-# Proxmox puts container processes in cgroup .../lxc/<vmid>/... (cgroup v2: also lxc.payload.<vmid>).
-LXC_CGROUP_PATTERNS = (
-    re.compile(r"/lxc/(\d+)(?:/|$)"),
-    re.compile(r"lxc\.payload[./](\d+)(?:/|$)"),
-)
-# Hold /dev/nvidia* without being GPU work (persistenced holds nvidia0 on most GPU hosts).
-DRIVER_DAEMONS = ("nvidia-smi", "nvidia-persistenced", "nv-fabricmanager", "nv-hostengine")
-DRIVER_DAEMON_COMMS = tuple(name[:15] for name in DRIVER_DAEMONS)  # /proc/PID/stat comm: 15 chars
 SMI_SEARCH_PATH = "/usr/bin:/usr/sbin:/bin:/sbin:/usr/local/bin:/usr/local/nvidia/bin"
 
 
@@ -395,171 +385,6 @@ def read_nvidia_smi(run=run_command, smi_path: str | None = None, timeout_s: flo
 
 
 # --------------------------------------------------------------------------------------------------
-# /proc: who holds the device nodes
-
-
-def read_stat(proc_root: str, pid: int):
-    """-> (comm, state, ppid, pgid) or None when the process is gone."""
-    try:
-        with open(os.path.join(proc_root, str(pid), "stat"), "rb") as handle:
-            stat = handle.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    open_paren, close_paren = stat.find("("), stat.rfind(")")
-    fields = stat[close_paren + 2:].split()
-    try:
-        return stat[open_paren + 1:close_paren], fields[0], int(fields[1]), int(fields[2])
-    except (IndexError, ValueError):
-        return None
-
-
-def read_cmdline(proc_root: str, pid: int) -> str:
-    try:
-        with open(os.path.join(proc_root, str(pid), "cmdline"), "rb") as handle:
-            raw = handle.read()
-    except OSError:
-        return ""
-    return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()
-
-
-def read_argv(proc_root: str, pid: int) -> list:
-    try:
-        with open(os.path.join(proc_root, str(pid), "cmdline"), "rb") as handle:
-            raw = handle.read()
-    except OSError:
-        return []
-    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
-
-
-def vmid_from_cgroup(text: str):
-    """The Proxmox container of a process from its /proc/PID/cgroup text, or None (the host).
-
-    >>> vmid_from_cgroup("0::/lxc/129/ns/user.slice")
-    129
-    """
-    for line in text.splitlines():
-        path = line.split(":", 2)[-1]
-        for pattern in LXC_CGROUP_PATTERNS:
-            match = pattern.search(path)
-            if match:
-                return int(match.group(1))
-    return None
-
-
-def read_vmid(proc_root: str, pid: int):
-    try:
-        with open(os.path.join(proc_root, str(pid), "cgroup")) as handle:
-            return vmid_from_cgroup(handle.read())
-    except OSError:
-        return None
-
-
-def ancestors(proc_root: str, pid: int) -> set:
-    """pid and its ancestors (the shells and the pct/ssh session that run the probe)."""
-    seen = set()
-    while pid > 0 and pid not in seen:
-        seen.add(pid)
-        stat = read_stat(proc_root, pid)
-        if stat is None:
-            break
-        pid = stat[2]
-    return seen
-
-
-def is_probe_or_monitor(argv: list, comm: str) -> bool:
-    """Another gpugate probe, nvidia-smi, or a driver daemon (persistenced, fabric manager, DCGM):
-    they hold device nodes but are not GPU work to wait for or to end."""
-    program = os.path.basename(argv[0]) if argv else ""
-    if program in DRIVER_DAEMONS or comm in DRIVER_DAEMONS or comm in DRIVER_DAEMON_COMMS:
-        return True
-    return (len(argv) >= 3 and argv[-1] == PROBE_MARKER and "-c" in argv
-            and "python" in os.path.basename(argv[0]))
-
-
-def scan_holders(proc_root: str = "/proc", exclude_pids=(), with_vmid: bool = False) -> list:
-    """Processes with an open /dev/nvidia* fd, sorted by pid, without ``exclude_pids``, probes and
-    nvidia-smi."""
-    exclude = set(int(pid) for pid in exclude_pids)
-    holders: List[Dict[str, Any]] = []
-    try:
-        names = os.listdir(proc_root)
-    except OSError:
-        return holders
-    for name in names:
-        if not name.isdigit() or int(name) in exclude:
-            continue
-        pid = int(name)
-        fd_dir = os.path.join(proc_root, name, "fd")
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue  # gone, or not ours to read
-        devices = set()
-        for fd in fds:
-            try:
-                target = os.readlink(os.path.join(fd_dir, fd))
-            except OSError:
-                continue
-            match = DEVICE_PATTERN.search(target)
-            if match:
-                devices.add(match.group(0))
-        if not devices:
-            continue
-        holder = describe_process(proc_root, pid, with_vmid)
-        if holder is None or is_probe_or_monitor(read_argv(proc_root, pid), holder["comm"]):
-            continue
-        holder["devices"] = sorted(devices)
-        holders.append(holder)
-    holders.sort(key=lambda holder: holder["pid"])
-    return holders
-
-
-def describe_process(proc_root: str, pid: int, with_vmid: bool = False):
-    stat = read_stat(proc_root, pid)
-    if stat is None:
-        return None
-    comm, state, ppid, pgid = stat
-    holder = {
-        "pid": pid,
-        "ppid": ppid,
-        "pgid": pgid,
-        "state": state,
-        "comm": comm,
-        "cmdline": read_cmdline(proc_root, pid) or "[%s]" % comm,
-        "devices": [],
-        "gpus": [],
-        "used_mib": None,
-    }
-    if with_vmid:
-        holder["vmid"] = read_vmid(proc_root, pid)
-    return holder
-
-
-def merge_listed_processes(doc: dict, proc_root: str, exclude: set, with_vmid: bool) -> None:
-    """Attach NVML/nvidia-smi's per-GPU process list to the holders; a listed process we can see
-    but that has no fd we could read is a holder too; one that does not exist is marked dead."""
-    holders = {holder["pid"]: holder for holder in doc["holders"]}
-    for gpu in doc["gpus"]:
-        for process in gpu.get("processes") or []:
-            pid = process["pid"]
-            holder = holders.get(pid)
-            if holder is None and pid not in exclude:
-                holder = describe_process(proc_root, pid, with_vmid)
-                if holder is not None and holder["state"] != "Z":
-                    holder["listed_only"] = True
-                    holders[pid] = holder
-                    doc["holders"].append(holder)
-                else:
-                    holder = None
-            process["alive"] = pid in exclude or holder is not None
-            if holder is not None:
-                holder["gpus"].append(gpu["index"])
-                if process["used_mib"] is not None:
-                    holder["used_mib"] = (holder["used_mib"] or 0) + process["used_mib"]
-    doc["holders"].sort(key=lambda holder: holder["pid"])
-
-
-# --------------------------------------------------------------------------------------------------
 # The document
 
 
@@ -655,15 +480,11 @@ def collect(exclude_pids=(), scope: str = "container", keep_nvml_open: bool = Fa
 # Ending the holders (gpu.idle(kill=True)): only what this pid namespace can see
 
 
-def is_running(proc_root: str, pid: int) -> bool:
-    stat = read_stat(proc_root, pid)
-    return stat is not None and stat[1] not in ("Z", "X")
-
-
 def end_holders(grace_s: float = 10.0, ignore_pids=(), proc_root: str = "/proc",
                 poll_s: float = 0.02, settle_s: float = 5.0, send=os.kill) -> dict:
-    """SIGTERM every holder, SIGKILL those still running after ``grace_s``; never pid 1, the
-    probe or its ancestors. Run inside the container, so no pid outside it can be reached.
+    """SIGTERM every holder, SIGKILL those still running after ``grace_s`` (gpugate.rules.procfs.
+    end_processes); never pid 1, the probe or its ancestors. Run inside the container, so no pid
+    outside it can be reached.
 
     -> {"terminated": [pids gone after SIGTERM], "killed": [gone after SIGKILL],
         "survivors": [{"pid", "state", "cmdline"}], "elapsed_s"}
@@ -671,38 +492,16 @@ def end_holders(grace_s: float = 10.0, ignore_pids=(), proc_root: str = "/proc",
     started = time.monotonic()
     exclude = set(int(pid) for pid in ignore_pids) | ancestors(proc_root, os.getpid()) | {1}
     targets = [holder["pid"] for holder in scan_holders(proc_root, exclude)]
-    report: Dict[str, Any] = {"targets": targets, "terminated": [], "killed": [], "survivors": [], "errors": []}
-
-    def signal_all(pids, signum):
-        for pid in pids:
-            try:
-                send(pid, signum)
-            except ProcessLookupError:
-                pass
-            except OSError as exc:
-                report["errors"].append("pid %d: %s" % (pid, exc))
-
-    def wait_gone(pids, seconds):
-        deadline = time.monotonic() + seconds
-        running = [pid for pid in pids if is_running(proc_root, pid)]
-        while running and time.monotonic() < deadline:
-            time.sleep(poll_s)
-            running = [pid for pid in running if is_running(proc_root, pid)]
-        return running
-
-    signal_all(targets, signal.SIGTERM)
-    remaining = wait_gone(targets, grace_s)
-    report["terminated"] = [pid for pid in targets if pid not in remaining]
-    if remaining:
-        signal_all(remaining, signal.SIGKILL)
-        survivors = wait_gone(remaining, settle_s)
-        report["killed"] = [pid for pid in remaining if pid not in survivors]
-        for pid in survivors:
-            stat = read_stat(proc_root, pid)
-            report["survivors"].append({
-                "pid": pid,
-                "state": stat[1] if stat else None,
-                "cmdline": read_cmdline(proc_root, pid),
-            })
+    ended = procfs.end_processes(dict((pid, None) for pid in targets), grace_s, poll_s, settle_s, send, proc_root)
+    report: Dict[str, Any] = {"targets": targets, "terminated": ended["terminated"], "errors": ended["errors"],
+                              "killed": [pid for pid in ended["killed"] if pid not in ended["survivors"]],
+                              "survivors": []}
+    for pid in ended["survivors"]:
+        stat = procfs.read_stat(pid, proc_root)
+        report["survivors"].append({
+            "pid": pid,
+            "state": stat[1] if stat else None,
+            "cmdline": procfs.read_cmdline(pid, proc_root),
+        })
     report["elapsed_s"] = round(time.monotonic() - started, 3)
     return report

@@ -1,0 +1,160 @@
+"""``observe``: everything the controller plans from, in one read-only pass (docs/agent-protocol.md):
+the server on a port, the GPUs (gpugate.agent.gpu_probe), the container, the transition and the
+history.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from gpugate.agent import history, journal, logs, server, state
+from gpugate.engine.sglang import installed
+from gpugate.engine.sglang import processes as sglang
+from gpugate.rules import gate, procfs, redact
+from gpugate.rules.procfs import read_file
+
+
+def read_gpus(keep_open=False, exclude=()):
+    try:
+        from gpugate.agent import gpu_probe  # its import is part of the guarded read
+
+        return gpu_probe.collect(exclude_pids=exclude, keep_nvml_open=keep_open)
+    except Exception as error:  # noqa: BLE001 - a document, never a traceback
+        return {"schema": 1, "source": "none", "gpus": [], "holders": [], "memory_api": None,
+                "errors": [{"source": "agent", "kind": type(error).__name__, "message": str(error)[:300]}]}
+
+
+def gpu_uuids(gpu_doc):
+    return [g.get("uuid") for g in (gpu_doc or {}).get("gpus") or []]
+
+
+def gpu_holders(gpu_doc, skip_pids, redactor):
+    """GPU holders that are not ``skip_pids``: with the GPUs where they hold memory (a CUDA
+    context) and whether they hold memory at all (an NVML monitor holds the files at 0 MiB)."""
+    out = []
+    for holder in (gpu_doc or {}).get("holders") or []:
+        if holder.get("pid") in skip_pids:
+            continue
+        gpus = sorted(set(holder.get("gpus") or []))
+        memory = bool(gate.memory_gpus(holder))
+        argv = procfs.read_argv(holder["pid"])
+        stat = procfs.read_stat(holder["pid"])
+        out.append({"pid": holder["pid"], "start_ticks": stat[4] if stat else None, "cmdline": redactor.text(" ".join(redact.redact_argv(argv)) or holder.get("cmdline", ""))[:300],
+                    "state": holder.get("state"), "gpus": gpus, "used_mib": holder.get("used_mib"),
+                    "memory": memory, "server_part": sglang.is_server_part(argv), "client": sglang.is_client_argv(argv)})
+    return out
+
+
+def observe(args):
+    """Everything the controller plans from, in one read-only pass (docs/agent-protocol.md)."""
+    began = time.time()
+    port = int(args.get("port") or sglang.DEFAULT_PORT)
+    files = state.paths(port)
+    table = procfs.table()
+    own = server.own_pids(table)
+    past = history.load_history(port)
+    redactor = redact.Redactor()
+    for entry in past.get("good") or []:
+        redactor.add(redact.spec_secrets(entry.get("spec")))
+    env_file = read_file(files["env"])
+    if env_file:
+        redactor.add(state.parse_env_file(env_file).values())
+    secret_flags = tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(args.get("secret_flags") or ())
+
+    main, tree = server.find_server(table, port, own)
+    gpu_doc = read_gpus(exclude=own)
+    environ = procfs.read_environ(main["pid"]) if main else None
+    if main:
+        redactor.add(redact.secret_flag_values(main["argv"], secret_flags))
+        redactor.add(list((environ or {}).get(name) for name in (args.get("env_names") or []) if environ))
+    tree_set = set(tree)
+    report = {"schema": state.SCHEMA, "port": port, "running": main is not None, "main": None,
+              "tree": [server.summary(table[pid], redactor) for pid in tree if pid in table],
+              "strays": [], "clients": [], "listening": False, "listener_pids": [], "health": None,
+              "server_info": None, "env_hashes": {}, "workers": None, "serving": False, "gpus": None}
+    for proc in sorted(table.values(), key=lambda p: p["pid"]):
+        if proc["pid"] in tree_set or proc["pid"] in own:
+            continue
+        if sglang.is_server_part(proc["argv"]):
+            entry = server.summary(proc, redactor)
+            entry["port"] = sglang.argv_port(proc["argv"]) if sglang.is_main_argv(proc["argv"]) else None
+            report["strays"].append(entry)
+        elif sglang.is_client_argv(proc["argv"]):
+            report["clients"].append(server.summary(proc, redactor))
+    inodes = server.listeners(port)
+    report["listening"] = bool(inodes)
+    report["listener_pids"] = server.socket_owners(inodes)
+    host = sglang.argv_host(main["argv"]) if main else args.get("host") or "127.0.0.1"
+    if main:
+        uptime = float((read_file("/proc/uptime") or "0").split()[0])
+        report["main"] = {"pid": main["pid"], "pgid": main["pgid"], "state": main["state"],
+                          "start_ticks": main["start_ticks"], "argv": redactor.deep(redact.redact_argv(main["argv"], secret_flags)),
+                          "argv_hash": redact.argv_hash(main["argv"]),
+                          "age_s": round(uptime - main["start_ticks"] / float(os.sysconf("SC_CLK_TCK")), 1),
+                          "supervisor": server.supervisor_of(main["pid"], port)}
+        names = set(args.get("env_names") or [])
+        names.update(name for entry in past.get("good") or [] for name in (entry.get("record") or {}).get("env_names") or [])
+        report["env_hashes"] = dict((name, redact.env_hash(environ[name]) if environ and name in environ else None)
+                                    for name in sorted(names))
+        gpus = sglang.server_gpus(main["argv"], environ, gpu_uuids(gpu_doc))
+        report["gpus"] = gpus
+        report["workers"] = server.workers_of(table, tree, len(gpus) if gpus is not None else None)
+    if inodes:
+        main_argv = main["argv"] if main else []
+        report["health"] = server.health(host, port, generate=bool(args.get("generate")), token=sglang.argv_token(main_argv))
+        if report["health"]["health"] == 200:
+            info = server.server_info(host, port, keys=args.get("info_keys") or sglang.INFO_KEYS, token=sglang.argv_token(main_argv, True))
+            report["server_info"] = redactor.deep(info)
+    else:
+        report["health"] = {"health": None, "health_error": "port %d not listening" % port,
+                            "health_generate": None, "health_generate_error": None}
+    workers = report["workers"] or {}
+    report["serving"] = bool(main and procfs.alive(main["pid"]) and (report["health"] or {}).get("health") == 200
+                             and workers.get("expected") is not None and workers.get("dead") == 0
+                             and not workers.get("zombies"))
+    report["shm_stale"] = sorted(name for name in state.listdir("/dev/shm") if name.startswith(sglang.SHM_PREFIXES))
+    model_path = args.get("model_path")
+    report["model_path_exists"] = os.path.exists(model_path) if model_path and model_path.startswith("/") else None
+    tail = int(args.get("tail_lines") or 0)
+    report["log_tail"] = [redactor.text(line) for line in logs.server_log_tail(port, tail)] if tail else None
+    lock = journal.lock_status()
+    report["lock"] = lock
+    report["transition"] = redactor.deep(journal.transition_summary(lock=lock))
+    report["history"] = history.public_history(past)
+    report["sglang_version"] = installed.sglang_version()
+    try:
+        report["flag_table"] = installed.flag_table_key()
+    except Exception as error:  # noqa: BLE001 - a field, never a traceback
+        report["flag_table"] = {"error": "%s: %s" % (type(error).__name__, error)}
+    report["pid_file"] = state.read_pid_file(port)
+    report["warnings"] = pump_warnings(report["pid_file"], main)
+    if main is None:
+        report["gpus"] = args.get("gpus")
+    skip = tree_set | own
+    container = {"free_mib": {state.LOG_DIR: state.free_mib(state.LOG_DIR if os.path.isdir(state.LOG_DIR) else "/var/log"),
+                              state.STATE_DIR: state.free_mib(state.STATE_DIR if os.path.isdir(state.STATE_DIR) else "/var/lib")},
+                 "pid1": server.pid1_comm(), "memory_limit_bytes": server.memory_limit_bytes(),
+                 "port_holders": [{"pid": pid, "cmdline": redactor.text(" ".join(redact.redact_argv(table.get(pid, {}).get("argv") or [])))[:300],
+                                   "server": pid in tree_set} for pid in report["listener_pids"]],
+                 "gpu_holders": gpu_holders(gpu_doc, skip, redactor)}
+    report["elapsed_ms"] = round((time.time() - began) * 1000, 1)
+    return {"sglang": report, "gpu": gpu_doc, "container": container,
+            "agent": {"sha256": state.RUNTIME["sha256"], "schema": state.SCHEMA, "pid": os.getpid()}}
+
+
+def pump_warnings(recorded, main):
+    """Warnings about the log pump of the server that runs (``recorded``: its pid file): a pump that
+    is gone while the server it served runs means the server's output is lost from then on (its
+    writes fail with EPIPE; SGLang logs through ``logging``, which drops them, and keeps serving).
+
+    >>> pump_warnings({"pid": 1, "pump": {"pid": 999999999}, "log": "/l"}, {"pid": 1})[0][:38]
+    'the log pump (pid 999999999) is gone: '
+    """
+    pump = (recorded or {}).get("pump")
+    if not main or not isinstance(pump, dict) or (recorded or {}).get("pid") != main.get("pid"):
+        return []
+    if procfs.alive(pump.get("pid"), pump.get("start_ticks")):
+        return []
+    return ["the log pump (pid %s) is gone: the server's output is no longer written to %s (a restart "
+            "starts a new one)" % (pump.get("pid"), recorded.get("log"))]

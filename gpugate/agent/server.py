@@ -1,0 +1,239 @@
+"""The server on a port as the container sees it: its main process and tree, its workers, who
+listens on the port (netlink sock_diag, else /proc/net/tcp*), and its HTTP endpoints (/health,
+/health_generate, /get_server_info) over a raw socket (no urllib import: every ms of observe counts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+from gpugate.agent import state
+from gpugate.engine.sglang import processes as sglang
+from gpugate.rules import procfs, redact
+from gpugate.rules.procfs import read_file
+
+
+def listeners(port):
+    """Socket inodes (``socket:[N]``) in LISTEN on TCP ``port`` (v4 and v6, any address): netlink
+    sock_diag (walks only the listening sockets: ~0.2 ms), else /proc/net/tcp* (~10-20 ms on a
+    busy host, it walks every socket)."""
+    try:
+        return _listeners_netlink(int(port))
+    except (OSError, ValueError, AttributeError):
+        pass
+    inodes = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in (read_file(path) or "").splitlines()[1:]:
+            cols = line.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == int(port):
+                inodes.add("socket:[%s]" % cols[9])
+    return inodes
+
+
+def _listeners_netlink(port):
+    import _socket as socket  # the C module: the socket module's import converts its enums (~3-5 ms)
+    import struct
+
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)  # NETLINK_SOCK_DIAG
+    inodes = set()
+    try:
+        sock.settimeout(2.0)
+        for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), start=1):
+            # inet_diag_req_v2: family, protocol, ext, pad, states (1 << TCP_LISTEN), inet_diag_sockid
+            request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << 10) + b"\0" * 48
+            # nlmsghdr: len, SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, pid
+            sock.send(struct.pack("=IHHII", 16 + len(request), 20, 0x301, seq, 0) + request)
+            done = False
+            while not done:
+                data = sock.recv(65536)
+                offset = 0
+                while offset + 16 <= len(data):
+                    length, kind, _, _, _ = struct.unpack_from("=IHHII", data, offset)
+                    if length < 16:
+                        raise ValueError("bad netlink message")
+                    if kind == 3:  # NLMSG_DONE
+                        done = True
+                        break
+                    if kind == 2:  # NLMSG_ERROR
+                        raise OSError("sock_diag refused the request")
+                    body = offset + 16
+                    sport = struct.unpack_from("!H", data, body + 4)[0]
+                    if sport == port:
+                        inodes.add("socket:[%d]" % struct.unpack_from("=I", data, body + 68)[0])
+                    offset += (length + 3) & ~3
+    finally:
+        sock.close()
+    return inodes
+
+
+def socket_owners(inodes):
+    """pids holding any of the socket ``inodes`` (a /proc/*/fd scan; only when something listens)."""
+    pids = []
+    if not inodes:
+        return pids
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            for fd in os.listdir("/proc/%s/fd" % name):
+                if os.readlink("/proc/%s/fd/%s" % (name, fd)) in inodes:
+                    pids.append(int(name))
+                    break
+        except OSError:
+            continue
+    return sorted(pids)
+
+
+def pid1_comm():
+    return (read_file("/proc/1/comm") or "").strip() or None
+
+
+def memory_limit_bytes():
+    limits = []
+    for line in (read_file("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemTotal:"):
+            limits.append(int(line.split()[1]) * 1024)
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        text = (read_file(path) or "").strip()
+        if text.isdigit() and int(text) < 1 << 60:
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def _connect(host, port, timeout):
+    """socket.create_connection((host, port), timeout) on the C module ``_socket``: the socket
+    module's import (its enums) costs ~3-5 ms of every command, and a str host in getaddrinfo
+    imports the idna codec; an ASCII host goes as bytes."""
+    import _socket
+
+    try:
+        name = host.encode("ascii")
+    except UnicodeEncodeError:
+        name = host
+    error = None
+    for family, kind, proto, _, address in _socket.getaddrinfo(name, port, 0, _socket.SOCK_STREAM):
+        sock = _socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+            return sock
+        except OSError as failure:
+            error = failure
+            sock.close()
+    raise error or OSError("getaddrinfo returned no address for %s" % host)
+
+
+def http_get(host, port, path, timeout=3.0, token=None):
+    """(status, body) or (None, error text). 503 is an answer, not an error. ``token``: the
+    server's --api-key / --admin-api-key, sent as a bearer token (never printed)."""
+    deadline = time.time() + timeout
+    try:
+        conn = _connect(sglang.connect_host(host), int(port), timeout)
+    except OSError as error:
+        return None, "%s: %s" % (type(error).__name__, error)
+    try:
+        auth = "Authorization: Bearer %s\r\n" % token if token else ""
+        conn.sendall(("GET %s HTTP/1.0\r\nHost: 127.0.0.1:%d\r\n%sConnection: close\r\n\r\n"
+                      % (path, int(port), auth)).encode())
+        chunks, size = [], 0
+        while size < 4 * 1024 * 1024:
+            conn.settimeout(max(0.05, deadline - time.time()))
+            data = conn.recv(65536)
+            if not data:
+                break
+            chunks.append(data)
+            size += len(data)
+            head = b"".join(chunks)
+            if b"\r\n\r\n" in head:
+                header, _, body = head.partition(b"\r\n\r\n")
+                match = re.search(rb"(?im)^content-length:\s*(\d+)", header)
+                if match and len(body) >= int(match.group(1)):
+                    break
+    except OSError as error:
+        return None, "%s: %s" % (type(error).__name__, error)
+    finally:
+        conn.close()
+    raw = b"".join(chunks)
+    header, _, body = raw.partition(b"\r\n\r\n")
+    parts = header.split(b"\r\n", 1)[0].split()
+    if len(parts) < 2 or not parts[1].isdigit():
+        return None, "not an HTTP answer"
+    return int(parts[1]), body.decode("utf-8", "replace")
+
+
+def health(host, port, generate=False, timeout=3.0, generate_timeout=30.0, token=None):
+    status, error = http_get(host, port, "/health", timeout, token)
+    doc = {"health": status, "health_error": error if status is None else None,
+           "health_generate": None, "health_generate_error": None}
+    if generate and status == 200:
+        code, error = http_get(host, port, "/health_generate", generate_timeout, token)
+        doc["health_generate"] = code
+        doc["health_generate_error"] = error if code is None else None
+    return doc
+
+
+def server_info(host, port, timeout=3.0, keys=None, token=None):
+    """/get_server_info (newer: /server_info): the resolved args, or an error (``status`` 401/403:
+    the admin key is needed and we do not have it)."""
+    for path in ("/get_server_info", "/server_info"):
+        status, body = http_get(host, port, path, timeout, token)
+        if status in (401, 403):
+            return {"path": path, "error": "unauthorized (%d)" % status, "status": status, "args": None}
+        if status == 200:
+            try:
+                info = json.loads(body)
+            except ValueError:
+                return {"path": path, "error": "not JSON", "args": None}
+            if not isinstance(info, dict):
+                return {"path": path, "error": "not an object", "args": None}
+            if keys is not None:
+                info = dict((key, info[key]) for key in keys if key in info)
+            return {"path": path, "error": None, "args": info}
+        if status is None:
+            return {"path": path, "error": body, "args": None}
+    return {"path": None, "error": "no server info endpoint answered", "args": None}
+
+
+def own_pids(table):
+    return procfs.ancestors(table, os.getpid())
+
+
+def find_server(table, port, own=None):
+    """The main process serving/configured for ``port`` and its tree (pids with start ticks)."""
+    own = own if own is not None else own_pids(table)
+    recorded = state.read_pid_file(port)
+    candidates = [p for p in table.values() if p["pid"] not in own and p["state"] not in ("Z", "X")
+                  and sglang.is_main_argv(p["argv"]) and sglang.argv_port(p["argv"]) == int(port)]
+    main = None
+    if recorded:
+        for proc in candidates:
+            if proc["pid"] == recorded["pid"] and recorded.get("start_ticks") in (None, proc["start_ticks"]):
+                main = proc
+    if main is None and candidates:
+        pids = set(p["pid"] for p in candidates)
+        top = [p for p in candidates if p["ppid"] not in pids] or candidates
+        main = sorted(top, key=lambda p: (p["start_ticks"], p["pid"]))[0]
+    tree = [main["pid"]] + procfs.descendants(table, main["pid"]) if main else []
+    return main, tree
+
+
+def summary(proc, redactor):
+    return {"pid": proc["pid"], "ppid": proc["ppid"], "pgid": proc["pgid"], "state": proc["state"],
+            "cmdline": redactor.text(" ".join(redact.redact_argv(proc["argv"])))[:300]}
+
+
+def workers_of(table, tree, expected):
+    """The scheduler workers (one per rank) of a server's ``tree``: alive, dead against
+    ``expected`` (the ranks its GPUs say), zombies."""
+    schedulers = [table[pid] for pid in tree if pid in table and sglang.is_scheduler_argv(table[pid]["argv"])]
+    live = [p for p in schedulers if p["state"] not in ("Z", "X")]
+    return {"expected": expected, "alive": len(live), "dead": max(0, (expected or 0) - len(live)),
+            "zombies": [p["pid"] for p in schedulers if p["state"] in ("Z", "X")]}
+
+
+def supervisor_of(pid, port):
+    cgroup = read_file("/proc/%d/cgroup" % pid) or ""
+    return "systemd" if state.paths(port)["unit_name"] in cgroup else "process"

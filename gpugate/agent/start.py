@@ -1,0 +1,362 @@
+"""The start of a server by a transition (a mixin of gpugate.agent.transition.Transition): the GPU
+gate (gpugate.rules.gate), prepare (/dev/shm, port, env file, unit), the start under its supervisor
+(a process with its log pump, or a systemd unit), the wait until it serves a real generation, and
+the verify of what runs against what was asked.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+
+from gpugate.agent import logs, observe, server, state, supervise
+from gpugate.engine.sglang import processes as sglang
+from gpugate.rules import gate as rules_gate
+from gpugate.rules import procfs, redact
+
+GATE_POLL_S = 0.05
+LOAD_POLL_S = 0.05  # the moment it turns ready is downtime; a look is /proc + netlink (+ one local GET)
+
+
+def gate_decision(doc, gpus, max_used_mib, expected_mib=None):
+    """(passed, problems, used MiB per GPU, permanent) for this server's GPUs (None: every GPU), by
+    gpugate.rules.gate.decide: a holder with memory on one of them blocks; one that only holds the
+    device files (an NVML monitor at 0 MiB) does not.
+
+    >>> reading = {"source": "nvml", "memory_api": "v2", "gpus": [{"index": 0, "used_mib": 0}], "holders": []}
+    >>> gate_decision(reading, [0], 64)[0], gate_decision(reading, [0, 5], 64)[1:]
+    (True, (['GPU 5 is not visible'], {'0': 0}, True))
+    """
+    verdict = rules_gate.decide(doc, max_used_mib, gpus, expected_mib=expected_mib, idle_holders_block=False)
+    if doc.get("source") in (None, "none"):
+        errors = doc.get("errors") or []
+        problems = ["no GPU reading: %s" % "; ".join(str(e.get("message"))[:120] for e in errors)]
+        return False, problems, verdict["used_mib"], verdict["permanent"]
+    # the reading's own problems; for v1 the GPU lines below say it
+    problems = verdict["reading_problems"][:-1 if doc.get("memory_api") != "v2" else None]
+    problems += ["GPU %d is not visible" % index for index in verdict["missing"]]
+    for index, error in verdict["unknown"]:
+        problems.append("GPU %d: %s" % (index, error) if error else "GPU %d: memory use unknown (%s)" % (
+            index, "v1 API: reserved memory counted in" if doc.get("memory_api") == "v1" else "no reading"))
+    problems += ["GPU %d: %d MiB used (> %d)" % (index, used, limit) for index, used, limit in verdict["over"]]
+    for holder, on in verdict["blocking"]:
+        problems.append("pid %d (%s) holds memory on GPU %s" % (holder["pid"], (holder.get("cmdline") or "")[:60],
+                                                               ",".join(str(i) for i in on)))
+    return verdict["passed"], problems, verdict["used_mib"], verdict["permanent"]
+
+
+class StartSteps:
+    """The start's steps; the Transition holds the state they use (budgets, journal, redactor)."""
+
+    # ------------------------------------------------------------------ gate, prepare, start, load, verify
+    def _start_verified(self, spec, target):
+        self._gate(spec, target)
+        self._prepare(spec, target)
+        pid, offset = self._start(spec, target)
+        self._wait_ready(spec, pid, target, offset)
+        info = self._verify(spec, pid, target)
+        self._commit(spec, info, rollback=target == "rollback")
+
+    def _gate(self, spec, target):
+        gpus = spec.get("gpus")
+        max_used = int(self.budgets["max_used_mib"])
+        began = time.time()
+        deadline = began + self.budgets["gate_timeout_s"]
+        self.event("gate", "begin", target=target, gpus=gpus, max_used_mib=max_used)
+        polls = 0
+        while True:
+            doc = observe.read_gpus(keep_open=True, exclude=server.own_pids(procfs.table()))
+            polls += 1
+            passed, problems, used, permanent = gate_decision(doc, gpus, max_used)
+            if passed:
+                self.event("gate", "end", target=target, passed=True, used_mib=used, polls=polls,
+                           elapsed_s=round(time.time() - began, 3),
+                           monitors=[h["pid"] for h in doc.get("holders") or [] if not h.get("gpus")])
+                return
+            if permanent or time.time() >= deadline:
+                self.event("gate", "end", target=target, passed=False, used_mib=used, problems=problems,
+                           elapsed_s=round(time.time() - began, 3))
+                raise state.Failure("GPU gate did not pass within %gs: %s" % (self.budgets["gate_timeout_s"], "; ".join(problems)))
+            self.progress("gate", target=target, elapsed_s=round(time.time() - began, 1), used_mib=used,
+                          problems=problems[:4])
+            time.sleep(GATE_POLL_S)
+
+    def _prepare(self, spec, target):
+        port = spec["port"]
+        self.event("prepare", "begin", target=target, port=port)
+        removed = supervise.remove_stale_shm()
+        inodes = server.listeners(port)
+        if inodes:
+            table = procfs.table()
+            owners = server.socket_owners(inodes)
+            raise state.Failure("port %d is taken by %s" % (port, ", ".join(
+                "%d (%s)" % (pid, self.redactor.text(" ".join(table.get(pid, {}).get("argv") or []))[:80])
+                for pid in owners) or "a process outside this container's view"))
+        try:
+            state.makedirs(state.ETC_DIR, 0o700)
+            state.write_private(state.paths(port)["env"], state.env_file_text(spec.get("env") or {}))
+        except OSError as error:
+            text = "cannot write the env file %s: %s" % (state.paths(port)["env"], error.strerror or error)
+            if target != "rollback" or spec.get("supervisor") == "systemd":
+                raise state.Failure(text)
+            # the process supervisor passes the environment itself: the previous server can come back
+            self.warnings.append(text)
+        if spec.get("supervisor") == "systemd":
+            if server.pid1_comm() != "systemd":
+                raise state.Failure("supervisor systemd, but PID 1 is %s, not systemd" % server.pid1_comm())
+            try:
+                state.write_private(state.paths(port)["unit"], spec["unit_text"], 0o600)
+            except OSError as error:
+                raise state.Failure("cannot write the unit %s: %s" % (state.paths(port)["unit"], error.strerror or error))
+        elif server.pid1_comm() == "systemd" and os.path.exists(state.paths(port)["unit"]):
+            supervise.systemctl("disable", state.paths(port)["unit_name"])  # a unit of ours would restart an old server
+        self.event("prepare", "end", target=target, port=port, removed_shm=removed)
+
+    def _start(self, spec, target):
+        port = spec["port"]
+        self.touched = True
+        self.event("start", "begin", target=target, port=port, supervisor=spec.get("supervisor") or "process",
+                   argv=redact.redact_argv(spec["argv"], tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())))
+        if spec.get("supervisor") == "systemd":
+            pid = self._start_systemd(spec, target)
+            offset = None
+        else:
+            pid, offset = self._start_process(spec, target)
+        self.event("start", "end", target=target, port=port, pid=pid)
+        return pid, offset
+
+    def _open_log(self, port, target):
+        """The server's log (0600, rotated by size); on ENOSPC the rotated files go first, and a
+        rollback may fall back to /run so that a full /var/log cannot keep the old server down."""
+        log_path = state.paths(port)["log"]
+        header = None
+        try:
+            state.makedirs(state.LOG_DIR, 0o750)
+            logs.rotate_log(log_path)
+            handle = state.open_private_append(log_path)
+            return handle, log_path
+        except OSError as error:
+            header = error
+            if error.errno == errno.ENOSPC:
+                for index in range(logs.LOG_KEEP, 0, -1):
+                    try:
+                        os.unlink("%s.%d" % (log_path, index))
+                    except OSError:
+                        pass
+        if target == "rollback":
+            fallback = state.paths(port)["fallback_log"]
+            try:
+                state.makedirs(state.RUN_DIR, 0o755)
+                self.warnings.append("server log on %s (%s: %s)" % (fallback, log_path, header))
+                return state.open_private_append(fallback), fallback
+            except OSError:
+                pass
+        raise state.Failure("cannot write the server log %s: %s" % (log_path, getattr(header, "strerror", None) or header))
+
+    def _start_process(self, spec, target):
+        import subprocess
+
+        port = spec["port"]
+        handle, log_path = self._open_log(port, target)
+        flags = tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())
+        try:
+            offset = handle.seek(0, 2)
+            line = "\n=== gpugate start %s run %s (%s): %s\n" % (state.now_iso(), self.run, target,
+                                                               self.redactor.text(" ".join(redact.redact_argv(spec["argv"], flags))))
+            handle.write(line.encode("utf-8"))
+            handle.flush()
+            os.fsync(handle.fileno())
+        except OSError as error:
+            handle.close()
+            if target == "rollback" and log_path != state.paths(port)["fallback_log"]:
+                handle = state.open_private_append(state.paths(port)["fallback_log"])
+                log_path = state.paths(port)["fallback_log"]
+                offset = handle.seek(0, 2)
+                self.warnings.append("server log on %s (%s)" % (log_path, error))
+            else:
+                raise state.Failure("cannot write the server log %s: %s" % (log_path, error.strerror or error))
+        env = dict(state.BASE_ENV)
+        env.update(spec.get("env") or {})
+        output = self._log_pump(log_path, spec) or handle
+        try:
+            child = subprocess.Popen(spec["argv"], stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                                     env=env, cwd="/", start_new_session=True, close_fds=True)
+        except OSError as error:
+            raise state.Failure("cannot start %s: %s" % (spec["argv"][0], error))
+        finally:
+            handle.close()
+            if output is not handle:
+                os.close(output)
+        self.children[child.pid] = child
+        stat = procfs.read_stat(child.pid)
+        record = {"pid": child.pid, "start_ticks": stat[4] if stat else None, "port": port, "log": log_path,
+                  "supervisor": "process", "run": self.run, "started": time.time()}
+        pump = self.pumps.get(port) if output is not handle else None
+        if pump is not None:  # observe warns when it is gone while the server runs (pump_warnings)
+            pump_stat = procfs.read_stat(pump.pid)
+            record["pump"] = {"pid": pump.pid, "start_ticks": pump_stat[4] if pump_stat else None}
+        try:
+            state.write_private(state.paths(port)["pid"], json.dumps(record), 0o644)
+        except OSError as error:
+            raise state.Failure("cannot write the pid file %s: %s" % (state.paths(port)["pid"], error))
+        return child.pid, offset
+
+    def _log_pump(self, log_path, spec):
+        """The write end of a pipe into a log pump (``logpump``: its own session, outliving us; it
+        masks the secret values in every line and rotates the log by size while the server runs).
+        None when it cannot start: the server then writes the file itself (rotated only at starts)."""
+        import subprocess
+
+        program = state.program()
+        if not os.path.isfile(program):
+            return None
+        read_fd, write_fd = os.pipe()
+        secrets = redact.spec_secrets(spec) + list(self.redactor.values)
+        # Its arguments travel in the environment and the interpreter is named /proc/self/exe, so its
+        # command line never names sglang (the log path, a venv's path): an operator's `pkill -f sglang`
+        # ends the server, never the pump that still has to write the server's last lines.
+        env = dict(state.BASE_ENV, GPUGATE_LOG_SECRETS=json.dumps(sorted(set(secrets))),
+                   GPUGATE_LOGPUMP=json.dumps({"path": log_path}))
+        try:
+            pump = subprocess.Popen(["/proc/self/exe", program, "logpump", procfs.PROBE_MARKER],
+                                    stdin=read_fd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                    cwd="/", start_new_session=True, close_fds=True)
+        except OSError as error:
+            self.warnings.append("log pump: %s" % error)
+            os.close(write_fd)
+            return None
+        finally:
+            os.close(read_fd)
+        self.children[pump.pid] = pump
+        self.pumps[spec["port"]] = pump
+        return write_fd
+
+    def _start_systemd(self, spec, target):
+        unit = state.paths(spec["port"])["unit_name"]
+        handle, _ = self._open_log(spec["port"], target)  # 0600 before systemd appends to it
+        handle.close()
+        started = time.time()  # the unit logs to journald: its tail is read from here on (journal_tail)
+        for command in (["daemon-reload"], ["reset-failed", unit], ["start", unit]):
+            ok, output = supervise.systemctl(*command)
+            if not ok and command[0] != "reset-failed":
+                raise state.Failure("systemctl %s: %s" % (" ".join(command), self.redactor.text(output)[-300:]))
+        ok, output = supervise.systemctl("show", "-p", "MainPID", "--value", unit)
+        pid = int(output.strip() or 0) if output.strip().isdigit() else 0
+        if pid <= 0:
+            logs.journal_sync()  # journald stores what the unit printed
+            tail = [self.redactor.text(line) for line in logs.journal_tail(unit, 20, started)]
+            raise state.Failure("%s has no main process after systemctl start%s" % (
+                unit, ": " + logs.crash_line(tail, spec["port"]) if tail else ""))
+        stat = procfs.read_stat(pid)
+        state.write_private(state.paths(spec["port"])["pid"], json.dumps({"pid": pid, "start_ticks": stat[4] if stat else None,
+                                                              "port": spec["port"], "supervisor": "systemd",
+                                                              "log": state.paths(spec["port"])["log"], "run": self.run,
+                                                              "started": started}), 0o644)
+        return pid
+
+    def _wait_ready(self, spec, pid, target, log_offset):
+        """loading (port closed) -> starting (/health 503) -> ready (/health 200 and a real
+        generation through /health_generate). Fails when the main process exits, or at the
+        start timeout."""
+        port, host = spec["port"], sglang.argv_host(spec["argv"])
+        began = time.time()
+        timeout = self.budgets["start_timeout_s"]
+        if target == "rollback" and self.budgets.get("rollback_start_timeout_s"):
+            timeout = self.budgets["rollback_start_timeout_s"]
+        deadline = began + timeout
+        ticks = (procfs.read_stat(pid) or (None,) * 5)[4]
+        phase = "loading"
+        self.event("load", "begin", target=target, port=port, pid=pid, timeout_s=timeout)
+        while True:
+            self._reap()
+            if not procfs.alive(pid, ticks):
+                code = self.exit_codes.get(pid)
+                if code is None and spec.get("supervisor") == "systemd":
+                    code = supervise.unit_exit_code(port)
+                self._settle_log(port)
+                tail = self._tail(port, log_offset)
+                self.event("load", "end", target=target, port=port, state="crashed", exit_code=code,
+                           elapsed_s=round(time.time() - began, 2), log_tail=tail)
+                raise state.Failure("the server exited during %s%s%s" % (
+                    phase, " with code %s" % code if code is not None else "",
+                    ": " + logs.crash_line(tail, port) if tail else ""))
+            if server.listeners(port):
+                status, _ = server.http_get(host, port, "/health", 5.0, sglang.argv_token(spec["argv"]))
+                phase = "starting" if status != 200 else "generating"
+                if status == 200:
+                    generated, error = server.http_get(host, port, "/health_generate", self.budgets["generate_timeout_s"],
+                                                sglang.argv_token(spec["argv"]))
+                    if generated == 200:
+                        self.event("load", "end", target=target, port=port, state="ready",
+                                   elapsed_s=round(time.time() - began, 2))
+                        return
+            else:
+                phase = "loading"
+            if time.time() >= deadline:
+                tail = self._tail(port, log_offset)
+                self.event("load", "end", target=target, port=port, state="timeout", last_state=phase,
+                           elapsed_s=round(time.time() - began, 2), log_tail=tail)
+                raise state.Failure("the server was not healthy within %gs (still %s)" % (timeout, phase))
+            self.progress("load", target=target, port=port, state=phase, elapsed_s=round(time.time() - began, 1))
+            time.sleep(LOAD_POLL_S)
+
+    def _settle_log(self, port, timeout=1.0):
+        """Give the log pump up to ``timeout`` to write what a crashed server printed last (it ends
+        at EOF, once the server's tree has closed the pipe); for a unit, give journald as long to
+        store it (its tail unchanged over 0.2 s)."""
+        pump = self.pumps.get(port)
+        deadline = time.time() + timeout
+        while pump is not None and pump.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        if pump is None and (state.read_pid_file(port) or {}).get("supervisor") == "systemd":
+            if logs.journal_sync():
+                return
+            last = None  # no sync (journalctl refused it): until the tail stays the same for 0.3 s
+            deadline = time.time() + 3 * timeout
+            while time.time() < deadline:
+                tail = logs.server_log_tail(port, 5)
+                if tail and tail == last:
+                    break
+                last = tail
+                time.sleep(0.3)
+
+    def _tail(self, port, offset, lines=20):
+        return [self.redactor.text(line) for line in logs.server_log_tail(port, lines, offset)]
+
+    def _verify(self, spec, pid, target):
+        self.event("verify", "begin", target=target, port=spec["port"])
+        problems = []
+        argv = procfs.read_argv(pid)
+        if argv != spec["argv"]:
+            problems.append("the running argv differs from the desired argv")
+        table = procfs.table()
+        tree = [pid] + procfs.descendants(table, pid)
+        gpus = spec.get("gpus")
+        if gpus is None:
+            gpus = sglang.server_gpus(spec["argv"], spec.get("env"))
+        workers = server.workers_of(table, tree, len(gpus) if gpus is not None else None)
+        if workers["expected"] is not None and (workers["alive"] < workers["expected"] or workers["zombies"]):
+            problems.append("%d of %d scheduler workers alive" % (workers["alive"], workers["expected"]))
+        info = server.server_info(sglang.argv_host(spec["argv"]), spec["port"], timeout=10.0, token=sglang.argv_token(spec["argv"], True))
+        args = info.get("args") or {}
+        if info.get("status") in (401, 403):
+            self.warnings.append("verify: /get_server_info %s; the argv was verified from /proc" % info["error"])
+        elif info.get("error"):
+            problems.append("server info: %s" % info["error"])
+        else:
+            expect = {"port": spec["port"]}
+            model = sglang.argv_model(spec["argv"])
+            if model:
+                expect["model_path"] = model
+            expect.update(spec.get("expect_info") or {})
+            for key, value in sorted(expect.items()):
+                if key in args and args[key] != value:
+                    problems.append("%s: the server reports %r, expected %r" % (key, args[key], value))
+        capacity = dict((key, args[key]) for key in sglang.CAPACITY_KEYS if key in args)
+        self.event("verify", "end", target=target, port=spec["port"], ok=not problems, problems=problems,
+                   workers=workers, capacity=capacity)
+        if problems:
+            raise state.Failure("verify: " + "; ".join(problems))
+        return capacity

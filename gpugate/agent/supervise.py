@@ -1,0 +1,64 @@
+"""What the agent asks of the container's supervisor and kernel around a start: systemctl, how a
+unit's main process ended, and SGLang's stale /dev/shm segments.
+"""
+
+from __future__ import annotations
+
+import os
+
+from gpugate.agent import state
+from gpugate.engine.sglang import processes as sglang
+from gpugate.rules.procfs import read_file
+
+
+def systemctl(*args):
+    import subprocess
+
+    try:
+        done = subprocess.run(["systemctl"] + list(args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return False, str(error)
+    return done.returncode == 0, done.stdout.decode("utf-8", "replace")
+
+
+def unit_exit_code(port):
+    """How a unit's main process ended, as Popen.returncode says it (-N: killed by signal N); None
+    when systemd does not say (it still runs, or no unit)."""
+    ok, output = systemctl("show", "-p", "ExecMainCode", "-p", "ExecMainStatus", state.paths(port)["unit_name"])
+    shown = dict(line.split("=", 1) for line in output.splitlines() if "=" in line) if ok else {}
+    code, status = shown.get("ExecMainCode", ""), shown.get("ExecMainStatus", "")
+    if not status.isdigit() or code not in ("1", "2", "3"):  # CLD_EXITED, CLD_KILLED, CLD_DUMPED
+        return None
+    return int(status) if code == "1" else -int(status)
+
+
+def remove_stale_shm():
+    """SGLang's /dev/shm segments that no live process maps or holds open (a SIGKILLed server
+    leaves them; a live server of another port keeps its own)."""
+    names = [name for name in state.listdir("/dev/shm") if name.startswith(sglang.SHM_PREFIXES)]
+    if not names:
+        return []
+    in_use = set()
+    for pid in state.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        for line in (read_file("/proc/%s/maps" % pid) or "").splitlines():
+            if "/dev/shm/" in line:
+                in_use.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
+        try:
+            for fd in os.listdir("/proc/%s/fd" % pid):
+                target = os.readlink("/proc/%s/fd/%s" % (pid, fd))
+                if target.startswith("/dev/shm/"):
+                    in_use.add(target[len("/dev/shm/"):].split()[0])
+        except OSError:
+            continue
+    removed = []
+    for name in names:
+        if name not in in_use:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed

@@ -1,0 +1,93 @@
+"""The container-side code as text, for the commands that carry it into a container: the agent's
+one-file artifact (gpugate.agentcmd) and the inline probe commands (gpugate.remote).
+
+A bundle is gpugate/agent/loader.py with its ``_BUNDLE`` filled with module sources (module name ->
+source, read from this package's files): in the container the loader serves them through a
+meta-path finder, so both sides import the same modules by the same names, never a copy.
+
+Example::
+
+    >>> from gpugate import bundle
+    >>> text = bundle.loader_source(bundle.with_imports(("gpugate.agent.gpu_probe",)))
+    >>> "gpugate.rules.procfs" in text
+    True
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+ROOT = PACKAGE_DIR.parent
+LOADER = PACKAGE_DIR / "agent" / "loader.py"
+BUNDLE_LINE = "_BUNDLE = {}  # filled by gpugate.agentcmd.agent_source(): {\"gpugate.rules.gate\": \"<source>\", ...}"
+# What the agent runs, and so what its artifact carries (their gpugate imports come along).
+AGENT_MODULES = ("gpugate.agent.main", "gpugate.agent.observe", "gpugate.agent.commands", "gpugate.agent.logs",
+                 "gpugate.agent.gpu_probe")
+
+
+def module_path(name: str) -> Path:
+    """The file of module ``name`` in this package (a package's ``__init__.py``).
+
+    >>> module_path("gpugate.rules").name, module_path("gpugate.rules.gate").name
+    ('__init__.py', 'gate.py')
+    """
+    base = ROOT.joinpath(*name.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+def gpugate_imports(source: str) -> set[str]:
+    """The gpugate modules a source imports (at any depth: a function's lazy import counts). Never
+    a package's ``__init__.py``: in a container the loader serves every package empty, so what the
+    controller's package files hold never runs there.
+
+    >>> sorted(gpugate_imports("from gpugate.rules import gate, procfs\\nimport os"))
+    ['gpugate.rules.gate', 'gpugate.rules.procfs']
+    """
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "gpugate":
+            found.add(node.module)
+            for alias in node.names:
+                candidate = "%s.%s" % (node.module, alias.name)
+                if module_path(candidate).is_file():
+                    found.add(candidate)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "gpugate")
+    return {name for name in found if module_path(name).is_file() and module_path(name).name != "__init__.py"}
+
+
+@functools.lru_cache(maxsize=None)
+def with_imports(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` and every gpugate module they import, transitively, sorted."""
+    todo, seen = list(names), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo.extend(gpugate_imports(module_path(name).read_text()) - seen)
+    return tuple(sorted(seen))
+
+
+def sources(names: Iterable[str]) -> dict[str, str]:
+    """module name -> source, for ``names``."""
+    return {name: module_path(name).read_text() for name in names}
+
+
+def loader_source(names: Iterable[str], extra: Mapping[str, str] | None = None) -> str:
+    """gpugate/agent/loader.py with ``_BUNDLE`` holding the sources of ``names`` (and ``extra``:
+    name -> source, for sources that are not this package's files)."""
+    text = LOADER.read_text()
+    if text.count(BUNDLE_LINE) != 1:
+        raise RuntimeError("gpugate/agent/loader.py lost its _BUNDLE line; gpugate.bundle cannot fill it")
+    bundle = dict(sources(names), **dict(extra or {}))
+    return text.replace(BUNDLE_LINE, "_BUNDLE = " + repr(bundle))
+
+
+def agent_source() -> str:
+    """The agent's artifact: the loader with every module the agent runs."""
+    return loader_source(with_imports(AGENT_MODULES))

@@ -1,0 +1,201 @@
+"""SGLang as the container sees it: which processes are a server's (main, workers by their titles),
+what a server's argv says (port, host, keys, GPUs), its /dev/shm segments, and what its
+environment keeps when gpugate adopts it. Stdlib only: bundled into the agent (gpugate.agentcmd).
+
+The controller's side of SGLang (flag tables, argv rendering) is gpugate.engine.sglang.flags; this is the
+container-side part of the engine seam.
+"""
+
+from __future__ import annotations
+
+import os
+
+from gpugate.rules import gpus as rules_gpus
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
+    from typing import Dict, Mapping, Sequence
+
+DEFAULT_PORT = 30000
+SHM_PREFIXES = ("psm_", "sgl_shm_", "multi_tokenizer_args_")
+TITLE_PREFIXES = ("sglang::scheduler", "sglang::detokenizer", "sglang::data_parallel_controller",
+                  "sglang::tokenizer_worker")
+SCHEDULER_TITLE = "sglang::scheduler"  # one per rank: a server's workers to count
+INFO_KEYS = ("model_path", "port", "host", "tp_size", "dp_size", "pp_size", "version", "max_total_num_tokens",
+             "max_running_requests", "context_length", "kv_cache_dtype")
+CAPACITY_KEYS = ("max_total_num_tokens", "max_running_requests", "context_length", "version")
+CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What an adopted server's (one we did not start: no pid file of ours) environment keeps for its
+# history record and a rollback to it: what SGLang and its libraries read, never the login session.
+ADOPT_ENV_PREFIXES = ("SGLANG_", "SGL_", "CUDA_", "NCCL_", "NVIDIA_", "HF_", "HUGGING_FACE_", "TORCH",
+                      "PYTORCH_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "MKL_", "TRITON_", "FLASHINFER_",
+                      "NVSHMEM_", "UCX_", "GLOO_", "MASTER_")
+ADOPT_ENV_NAMES = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "VIRTUAL_ENV")
+SESSION_ENV_NAMES = ("USER", "HOME", "LOGNAME", "SHELL", "TERM", "PWD", "OLDPWD", "SHLVL", "MAIL", "LANG",
+                     "LANGUAGE", "_", "MOTD_SHOWN", "HOSTNAME", "DISPLAY", "COLORTERM", "LS_COLORS", "EDITOR")
+SESSION_ENV_PREFIXES = ("SSH_", "XDG_", "GPUGATE_", "LC_", "DBUS_", "TMUX", "STY", "WINDOW", "LESS")
+
+
+def flag_value(argv: Sequence[str], *names: str) -> str | None:
+    """The last value given for any of ``names`` (``--x v`` or ``--x=v``), else None.
+
+    >>> flag_value(["--port", "1", "--port=2"], "--port")
+    '2'
+    """
+    value = None
+    for index, arg in enumerate(argv):
+        for name in names:
+            if arg == name and index + 1 < len(argv):
+                value = argv[index + 1]
+            elif arg.startswith(name + "="):
+                value = arg[len(name) + 1:]
+    return value
+
+
+def flag_int(argv: Sequence[str], default: int, *names: str) -> int:
+    value = flag_value(argv, *names)
+    try:
+        return int(value) if value is not None else default
+    except ValueError:
+        return default
+
+
+def python_module(argv: Sequence[str]) -> str | None:
+    """``-m <module>`` of a python argv (within its first options), else None.
+
+    >>> python_module(["python3", "-m", "sglang.launch_server"]), python_module(["sleep", "-m", "x"])
+    ('sglang.launch_server', None)
+    """
+    if not argv or not os.path.basename(argv[0]).startswith("python"):
+        return None
+    for index, part in enumerate(argv[1:5], start=1):
+        if part == "-m" and index + 1 < len(argv):
+            return argv[index + 1]
+        if part.startswith("-m") and len(part) > 2:
+            return part[2:]
+    return None
+
+
+def is_main_argv(argv: Sequence[str] | None) -> bool:
+    """SGLang's server main: ``python -m sglang.launch_server ...`` or ``sglang serve ...``.
+
+    >>> is_main_argv(["/usr/bin/python3", "-m", "sglang.launch_server", "--port", "30000"])
+    True
+    >>> is_main_argv(["python3", "-m", "sglang.bench_serving", "--port", "30000"])
+    False
+    """
+    if not argv:
+        return False
+    if python_module(argv) == "sglang.launch_server":
+        return True
+    program = os.path.basename(argv[0])
+    if program == "sglang" and list(argv[1:2]) == ["serve"]:
+        return True
+    if program.startswith("python") and len(argv) > 2 and os.path.basename(argv[1]) == "sglang" \
+            and argv[2] == "serve":
+        return True
+    return False
+
+
+def is_worker_argv(argv: Sequence[str] | None) -> bool:
+    """An SGLang server child by its process title (sglang::scheduler_TP0, sglang::detokenizer...).
+
+    >>> is_worker_argv(["sglang::scheduler_TP3"]), is_worker_argv(["python3"])
+    (True, False)
+    """
+    return bool(argv and argv[0].startswith(TITLE_PREFIXES))
+
+
+def is_scheduler_argv(argv: Sequence[str] | None) -> bool:
+    """One rank's scheduler: the workers a server must keep alive."""
+    return bool(argv and argv[0].startswith(SCHEDULER_TITLE))
+
+
+def is_server_part(argv: Sequence[str] | None) -> bool:
+    return is_main_argv(argv) or is_worker_argv(argv)
+
+
+def is_client_argv(argv: Sequence[str] | None) -> bool:
+    """SGLang clients (benchmarks, one-off scripts): reported, never signalled.
+
+    >>> is_client_argv(["python3", "-m", "sglang.bench_serving"])
+    True
+    """
+    module = python_module(argv or []) or ""
+    return module.startswith("sglang.") and not is_main_argv(argv)
+
+
+def argv_port(argv: Sequence[str]) -> int:
+    return flag_int(argv, DEFAULT_PORT, "--port")
+
+
+def argv_token(argv: Sequence[str], admin: bool = False) -> str | None:
+    """The key a request to this server needs: --admin-api-key first for admin endpoints."""
+    if admin:
+        return flag_value(argv, "--admin-api-key") or flag_value(argv, "--api-key")
+    return flag_value(argv, "--api-key")
+
+
+def argv_host(argv: Sequence[str]) -> str:
+    return flag_value(argv, "--host") or "127.0.0.1"
+
+
+def argv_model(argv: Sequence[str]) -> str | None:
+    return flag_value(argv, "--model-path", "--model")
+
+
+def connect_host(host: str | None) -> str:
+    """Where to reach a server bound to ``host`` from inside the container.
+
+    >>> connect_host("0.0.0.0"), connect_host("[::1]")
+    ('127.0.0.1', '::1')
+    """
+    if not host or host in ("0.0.0.0", "::", "[::]", "*"):
+        return "127.0.0.1"
+    return host.strip("[]")
+
+
+def server_gpus(argv: Sequence[str], env: Mapping[str, str] | None = None,
+                uuids: Sequence[str | None] | None = None) -> list[int] | None:
+    """The GPUs a server uses, from its flags and environment (gpugate.rules.gpus.gpu_set). None
+    when they cannot be told (a UUID we cannot map).
+
+    >>> server_gpus(["python3", "-m", "sglang.launch_server", "--tp", "4", "--base-gpu-id", "4"])
+    [4, 5, 6, 7]
+    """
+    try:
+        return rules_gpus.gpu_set(
+            tp=flag_int(argv, 1, "--tp-size", "--tp", "--tensor-parallel-size"),
+            pp=flag_int(argv, 1, "--pp-size", "--pp", "--pipeline-parallel-size"),
+            dp=flag_int(argv, 1, "--dp-size", "--dp", "--data-parallel-size"),
+            dp_attention="--enable-dp-attention" in argv, nnodes=flag_int(argv, 1, "--nnodes"),
+            base_gpu_id=flag_int(argv, 0, "--base-gpu-id"), gpu_id_step=flag_int(argv, 1, "--gpu-id-step"),
+            visible=(env or {}).get("CUDA_VISIBLE_DEVICES"), uuids=uuids)
+    except rules_gpus.GpuSetError:
+        return None
+
+
+def adopted_env(environ: Mapping[str, str] | None, keep_names: Sequence[str] = (),
+                argv: Sequence[str] | None = None) -> Dict[str, str]:
+    """The part of a server's environment that a record of a server we did not start keeps (and a
+    rollback to it gets): names SGLang and its libraries read (ADOPT_ENV_PREFIXES, ADOPT_ENV_NAMES)
+    and ``keep_names`` (the desired spec's env names); never the login session's (USER, SSH_*,
+    GPUGATE_*...), and PATH only when argv[0] is found through it (the clean PATH is set anyway).
+
+    >>> adopted_env({"USER": "root", "SSH_CLIENT": "10.0.0.1 5 22", "HF_TOKEN": "hf-x", "FOO": "1"}, ["FOO"])
+    {'FOO': '1', 'HF_TOKEN': 'hf-x'}
+    """
+    keep = set(keep_names or ())
+    kept = {}
+    for name, value in sorted((environ or {}).items()):
+        if name.startswith(("SSH_", "GPUGATE_")):
+            continue  # the session that started it, and gpugate's own: never what the server needs
+        if name in keep:
+            kept[name] = value
+        elif name in SESSION_ENV_NAMES or name.startswith(SESSION_ENV_PREFIXES):
+            continue
+        elif name.startswith(ADOPT_ENV_PREFIXES) or name in ADOPT_ENV_NAMES:
+            kept[name] = value
+        elif name == "PATH" and argv and "/" not in argv[0] and value != CLEAN_PATH:
+            kept[name] = value  # a relative argv[0] ("python3") is found through it: a venv's python
+    return kept

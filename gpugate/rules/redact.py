@@ -1,0 +1,219 @@
+"""What is secret, how it is masked, and the fingerprints recorded instead of values.
+
+Both sides use this module: the controller (gpugate.engine.sglang.flags, gpugate.spec, the plan) to keep
+secrets out of diffs and messages, the agent to mask argv, logs, journal events and history
+records, and to fingerprint what it must compare without showing (argv_hash, env_hash).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping  # loaded with re already: free
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
+    from typing import Any, Iterable, Sequence
+
+SECRET_MASK = "***"
+MASK = SECRET_MASK  # the agent's name for it
+
+# Flags (canonical names) whose values are secrets: never shown in a diff, a log, an error, a record.
+SECRET_FLAGS = frozenset({"api-key", "admin-api-key", "ssl-keyfile-password"})
+_SECRET_NAME = re.compile(r"(^|-)(api-key|password|secret)$")
+# The options the agent always masks in an argv (the controller sends any others as secret_flags).
+ALWAYS_MASKED_FLAGS = ("api-key", "admin-api-key")
+ALWAYS_MASKED_OPTIONS = tuple("--" + name for name in ALWAYS_MASKED_FLAGS)
+
+# A key of a JSON-valued flag that names a secret (``{"hf_token": ...}`` in
+# --model-loader-extra-config): the whole value is then secret.
+SECRET_KEY_WORDS = ("token", "key", "secret", "password", "credential", "auth")
+# ``name=value`` shapes in free text (SGLang prints its ServerArgs) whose value is masked.
+SECRET_WORDS = ("api_key", "admin_api_key", "token", "password", "secret")
+MIN_SECRET_TEXT = 6  # shorter values are never masked as secrets: "root", "1", "true" would mangle every line
+# Values that are words of everyday text, never masked as secrets even when long enough (a "secret"
+# "ubuntu" would mask every path and hostname that holds it).
+COMMON_VALUES = frozenset(("true", "false", "enabled", "disabled", "default", "ubuntu", "debian",
+                           "python", "python3", "localhost", "127.0.0.1", "0.0.0.0", "C.UTF-8", "en_US.UTF-8",
+                           "/root", "/bin/bash", "/bin/sh", "xterm-256color", "info", "debug", "warning"))
+_PLAIN_VALUE = re.compile(r"^[\d\s.,:;_/+-]*$")
+_SECRET_ASSIGN = re.compile(r"((?:%s)\s*[=:]\s*)('[^']*'|\"[^\"]*\"|[^\s,)]+)" % "|".join(
+    re.escape(word) for word in SECRET_WORDS), re.IGNORECASE)
+_SECRET_FLAG_TEXT = re.compile(r"(--(?:admin-)?api-key(?:=|\s+))(\S+)")
+
+
+def sha256(data: bytes) -> Any:
+    """hashlib.sha256 without hashlib: its OpenSSL import costs ~8 ms of every agent command."""
+    try:
+        from _sha256 import sha256 as implementation  # CPython <= 3.11
+    except ImportError:
+        try:
+            from _sha2 import sha256 as implementation  # CPython >= 3.12
+        except ImportError:
+            from hashlib import sha256 as implementation
+    return implementation(data)
+
+
+def env_hash(value: str) -> str:
+    """A value's fingerprint: the controller compares env values it never sees.
+
+    >>> env_hash("x")[:4]
+    'c365'
+    """
+    return sha256(("gpugate-env:" + value).encode("utf-8")).hexdigest()[:16]
+
+
+def argv_hash(argv: Sequence[str]) -> str:
+    """An argv's fingerprint (secret values included), recorded instead of the values.
+
+    >>> argv_hash(["python3", "-m", "sglang.launch_server"]) == argv_hash(["python3", "-m", "sglang.launch_server"])
+    True
+    """
+    return sha256(("gpugate-argv:" + "\0".join(argv)).encode("utf-8")).hexdigest()[:16]
+
+
+def is_secret_name(name: str) -> bool:
+    """A flag name (canonical, no dashes in front) whose value is always secret.
+
+    >>> is_secret_name("api-key"), is_secret_name("ssl-keyfile-password"), is_secret_name("tp-size")
+    (True, True, False)
+    """
+    return name in SECRET_FLAGS or bool(_SECRET_NAME.search(name))
+
+
+def json_holds_secret(value: Any) -> bool:
+    """Whether a JSON document (or its text) has a key, at any depth, naming a secret
+    (token, key, secret, password, credential, auth; any case, anywhere in the key).
+
+    >>> json_holds_secret('{"hf_token": "hf_x"}'), json_holds_secret({"rope_theta": 1e6})
+    (True, False)
+    >>> json_holds_secret([{"load": {"AuthHeader": "x"}}])
+    True
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return False
+    if isinstance(value, Mapping):
+        return any(any(word in str(key).lower() for word in SECRET_KEY_WORDS) or json_holds_secret(item)
+                   for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(json_holds_secret(item) for item in value)
+    return False
+
+
+def is_secret_value(name: str, value: Any, declared_secret: bool = False, json_valued: bool = False) -> bool:
+    """Whether the value of flag ``name`` must never be shown: a secret flag (by name, or
+    ``declared_secret`` by the flag table), or a JSON-valued flag whose document has a key
+    naming a secret.
+
+    >>> is_secret_value("api-key", "sk-1"), is_secret_value("x-config", '{"hf_token": "x"}', json_valued=True)
+    (True, True)
+    """
+    if declared_secret or is_secret_name(name):
+        return True
+    return json_valued and json_holds_secret(value)
+
+
+def redact_argv(argv: Sequence[str] | None, secret_flags: Sequence[str] = ALWAYS_MASKED_OPTIONS) -> list[str]:
+    """argv with the values of the ``secret_flags`` options as ***.
+
+    >>> redact_argv(["x", "--api-key", "sk-1", "--admin-api-key=a"])
+    ['x', '--api-key', '***', '--admin-api-key=***']
+    """
+    out, hide = [], False
+    for arg in argv or []:
+        if hide:
+            out.append(MASK)
+            hide = False
+        elif arg in secret_flags:
+            out.append(arg)
+            hide = True
+        elif "=" in arg and arg.split("=", 1)[0] in secret_flags:
+            out.append(arg.split("=", 1)[0] + "=" + MASK)
+        else:
+            out.append(arg)
+    return out
+
+
+def secret_flag_values(argv: Sequence[str] | None, secret_flags: Sequence[str] = ALWAYS_MASKED_OPTIONS) -> list[str]:
+    """The values of the ``secret_flags`` options in ``argv`` (what a Redactor must mask).
+
+    >>> secret_flag_values(["x", "--api-key", "sk-1", "--admin-api-key=a"])
+    ['sk-1', 'a']
+    """
+    values = []
+    argv = list(argv or [])
+    for index, arg in enumerate(argv):
+        if arg in secret_flags and index + 1 < len(argv):
+            values.append(argv[index + 1])
+        elif "=" in arg and arg.split("=", 1)[0] in secret_flags:
+            values.append(arg.split("=", 1)[1])
+    return values
+
+
+def maskable(value: Any) -> bool:
+    """Whether ``value`` may be masked as a secret wherever it appears in text: at least
+    MIN_SECRET_TEXT characters, not a common word, not only digits and separators (a port, GPU
+    ids, a version). A secret "root" would mask every "root" (an operator's ``root@vm``).
+
+    >>> [maskable(v) for v in ("root", "true", "0,1,2,3", "sk-canary-7f3a9b")]
+    [False, False, False, True]
+    """
+    return (isinstance(value, str) and len(value.strip()) >= MIN_SECRET_TEXT and value not in COMMON_VALUES
+            and value.lower() not in COMMON_VALUES and not _PLAIN_VALUE.match(value))
+
+
+class Redactor:
+    """Masks known secret values (env values, secret flag values) and SGLang's own
+    ``api_key='...'`` shapes wherever they appear in text.
+
+    >>> Redactor(["sk-secret-1"]).text("server_args=ServerArgs(api_key='sk-secret-1', port=1)")
+    "server_args=ServerArgs(api_key='***', port=1)"
+    """
+
+    def __init__(self, values: Iterable[Any] = ()) -> None:
+        self.values = sorted(set(v for v in values if maskable(v)), key=len, reverse=True)
+
+    def add(self, values: Iterable[Any]) -> None:
+        self.values = sorted(set(self.values) | set(v for v in values if maskable(v)), key=len, reverse=True)
+
+    def text(self, text: Any) -> Any:
+        if not isinstance(text, str):
+            return text
+        for value in self.values:
+            if value in text:
+                text = text.replace(value, MASK)
+
+        def assign(match: Any) -> str:
+            value = match.group(2)
+            if value in ("None", "null", "''", '""'):
+                return match.group(0)
+            quote = value[0] if value[:1] in ("'", '"') else ""
+            return match.group(1) + quote + MASK + quote
+
+        text = _SECRET_ASSIGN.sub(assign, text)
+        return _SECRET_FLAG_TEXT.sub(lambda m: m.group(1) + (m.group(2) if m.group(2) == MASK else MASK), text)
+
+    def deep(self, value: Any) -> Any:
+        """The same over a JSON-able document (strings anywhere in it)."""
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, list):
+            return [self.deep(item) for item in value]
+        if isinstance(value, dict):
+            return dict((key, self.deep(item)) for key, item in value.items())
+        return value
+
+
+def spec_secrets(spec: dict | None) -> list[str]:
+    """The secret values of a SpecDoc: its env values and the values of its secret options.
+
+    >>> spec_secrets({"argv": ["x", "--api-key", "sk-1"], "env": {"HF_TOKEN": "hf-1"}})
+    ['hf-1', 'sk-1']
+    """
+    if not spec:
+        return []
+    flags = tuple(ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())
+    return list((spec.get("env") or {}).values()) + secret_flag_values(spec.get("argv") or [], flags)
