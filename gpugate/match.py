@@ -31,6 +31,7 @@ from typing import Any
 
 from gpugate.spec import Spec, SpecError, gpu_set, redact_flags, resolve_supervisor
 from gpugate.engine import get as engine
+from gpugate.rules.redact import argv_hash, env_hash
 
 __all__ = ["Match", "compare", "VERDICTS"]
 
@@ -132,8 +133,6 @@ def running_command(server: Mapping[str, Any]) -> dict[str, Any] | None:
 def runs_exactly(server: Mapping[str, Any], spec: Spec) -> bool:
     """The running main's exact argv (by hash: secret values included) and environment (by value
     hashes) are the desired spec's, under the spec's supervisor."""
-    from gpugate.agentcmd import argv_hash, env_hash
-
     main = server.get("main") or {}
     if not server.get("running") or main.get("argv_hash") != argv_hash(list(spec.argv)):
         return False
@@ -148,8 +147,6 @@ def runs_exactly(server: Mapping[str, Any], spec: Spec) -> bool:
 def env_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
     """Env differences, values never shown: against the running process's environment, by hash
     (names the desired spec sets, and names a good spec had that the desired one drops)."""
-    from gpugate.agentcmd import env_hash
-
     have = server.get("env_hashes") or {}
     lines = []
     for name, value in sorted(spec.env.items()):

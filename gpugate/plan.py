@@ -24,6 +24,7 @@ from typing import Any
 from gpugate.engine import get as engine
 from gpugate.match import compare, interpreter_lines, running_command
 from gpugate.rules import gate as rules_gate
+from gpugate.rules.redact import argv_hash, env_hash
 from gpugate.spec import Spec, option_items, redact_flags
 
 OUTCOMES_OK = ("verified",)
@@ -105,8 +106,6 @@ def same_desired(record: Mapping[str, Any] | None, spec: Spec | None, port: int)
     >>> same_desired(None, None, 30000), same_desired(None, build_spec("/m", 30000, {}), 30000)
     (True, False)
     """
-    from gpugate.agentcmd import argv_hash, env_hash
-
     if spec is None or record is None:
         return spec is None and record is None
     if record.get("argv_hash") != argv_hash(list(spec.argv)) or int(record.get("port") or 0) != int(spec.port):

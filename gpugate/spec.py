@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpugate.engine import get as engine
-from gpugate.engine.sglang.flags import SECRET_MASK
 from gpugate.rules import gpus as rules_gpus
+from gpugate.rules.redact import SECRET_MASK
 from gpugate.settings import SETTINGS, SUPERVISORS, resolved
 
 __all__ = ["BUDGET_KEYS", "Desired", "desired_state", "Spec", "SpecError", "build_spec", "gpu_set", "redact_flags", "budgets"]

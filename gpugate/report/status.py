@@ -22,7 +22,7 @@ from pyinfra import logger
 
 from gpugate.engine import get as engine
 from gpugate.match import compare, for_container
-from gpugate.plan import foreign_memory
+from gpugate.rules import gate as rules_gate
 from gpugate.report.fleet import connect_errors
 from gpugate.report.prometheus import status_prometheus, write_atomically
 from gpugate.report.text import (age_text, compact_mib, epoch_of, flag_differences, format_table, index_ranges,
@@ -107,8 +107,8 @@ def server_state(server: Mapping[str, Any]) -> tuple[str, str]:
 def foreign_mib(gpu_doc: Mapping[str, Any]) -> dict[int, int]:
     """GPU index -> MiB in use that no process of the container accounts for (the host's or
     another container's: NVML in a container lists only its own processes); the same reading as
-    sglang.server's pre-stop check (gpugate.plan.foreign_memory)."""
-    return {int(gpu["index"]): int(gpu["foreign_mib"]) for gpu in foreign_memory(gpu_doc)}
+    sglang.server's pre-stop check (the one rule: gpugate.rules.gate)."""
+    return {int(index): int(mib) for index, mib in rules_gate.foreign_by_gpu(gpu_doc).items()}
 
 
 def holders_text(gpu_doc: Mapping[str, Any]) -> str:

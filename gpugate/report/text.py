@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from gpugate.spec import redact_flags
 from gpugate.engine import get as engine
-from gpugate.engine.sglang.flags import SECRET_MASK
+from gpugate.rules.redact import SECRET_MASK
 
 # ---------------------------------------------------------------- tables
 
