@@ -578,10 +578,23 @@ def step_status(run: Run) -> dict:
             "outcome": "shown" if res["rc"] in (0, 1) and res["out"].strip() else "failed"}
 
 
+def checkout_commit() -> str:
+    """This checkout's own commit: the file tests/gpu/pack_for_gpu.sh wrote before the copy travelled
+    (without .git), else git where this checkout is its own repository's top, else says there is none
+    (a `git log` in a copy inside another repository names that repository's commit)."""
+    root = Path(__file__).resolve().parents[2]
+    recorded = Path(os.environ.get("GPUGATE_CARRY") or root / ".gpu-carry") / "commit"
+    if recorded.is_file():
+        return recorded.read_text().strip()[:200]
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True)
+    if top.returncode == 0 and Path(top.stdout.strip()).resolve() == root:
+        head = subprocess.run(["git", "log", "-1", "--format=%h %s"], cwd=root, capture_output=True, text=True)
+        return head.stdout.strip()[:200]
+    return "no commit: this checkout has no .git of its own"
+
+
 def machine_info(run: Run) -> dict:
-    info: dict = {"python": sys.version.split()[0], "kernel": platform.release(), "repo_head": None}
-    head = run.sh(["git", "log", "-1", "--format=%h %s"], timeout=10)
-    info["repo_head"] = head["out"].strip()[:200]
+    info: dict = {"python": sys.version.split()[0], "kernel": platform.release(), "repo_head": checkout_commit()}
     smi = run.sh(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total,memory.used",
                   "--format=csv,noheader"], timeout=30)
     info["nvidia_smi"] = smi["out"].strip() or ((smi["err"].strip().splitlines() or [""])[-1])[:300]

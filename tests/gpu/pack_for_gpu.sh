@@ -42,6 +42,15 @@ if [ "${1:-}" = "--cpu-venv" ] && [ ! -x .venv-gpu/bin/python3 ]; then
     .venv-gpu/bin/pip install --quiet transformers nvidia-ml-py
 fi
 
+# --- the checkout's own commit: the copy on the GPU machine travels without .git, and a `git log` there
+# would climb to whatever repository encloses it (tests/gpu/e2e_on_gpu.py reads this file instead)
+if git rev-parse --show-toplevel >/dev/null 2>&1 && [ "$(git rev-parse --show-toplevel)" = "$PWD" ]; then
+    { git log -1 --format='%h %s'; git status --porcelain --untracked-files=no | grep -q . && echo "(with uncommitted changes)"; } \
+        > "$CARRY/commit" || true
+else
+    echo "no commit: this checkout has no .git of its own" > "$CARRY/commit"
+fi
+
 ls "$CARRY/wheels" "$CARRY/debs"
 size=$(du -sb "$CARRY" | cut -f1)
 echo "$CARRY: $((size / 1024)) KiB ($(find "$CARRY" -type f | wc -l) files); carry limit 65536 KiB"

@@ -81,7 +81,7 @@ for wheel in sorted(src.glob("*.whl")):
 EOF
     fi
 fi
-export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/lab:$SITE${PYTHONPATH:+:$PYTHONPATH}"   # the lab is its own package, lab/gpugate_lab
 # pyinfra finds @pct through the entry point group pyinfra.connectors: register it for this checkout
 if ! $PY -c 'from importlib.metadata import entry_points as e; import sys; sys.exit(0 if [x for x in e(group="pyinfra.connectors") if x.name == "pct"] else 1)' 2>/dev/null; then
     say "registering the pct connector's entry point in $SITE"
