@@ -58,7 +58,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from gpugate.settings import (SETTINGS, SSH_SETTINGS, data_keys, describe as _describe, env_name, env_value,
+from gpugate.settings import (REMOVED, SETTINGS, SSH_SETTINGS, data_keys, describe as _describe, env_name, env_value,
                               server_keys, suggest as _suggest)
 from gpugate.engine import get as engine
 
@@ -326,6 +326,8 @@ class _Checker:
                                        "section (validated), not as data")
             if key.startswith("ssh_"):
                 raise self.fail(where, "write SSH settings in the host's ssh: section")
+            if key in REMOVED:
+                raise self.fail(where, f"no longer a setting: {REMOVED[key]}")
             if key not in data_keys():
                 raise self.fail(where, f"unknown setting{_suggest(key, data_keys())}; "
                                        f"settings: {', '.join(data_keys())}")

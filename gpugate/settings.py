@@ -316,6 +316,15 @@ SETTINGS: dict[str, Setting] = _rows(
     Setting("pve_host", to_text, None, "the Proxmox host's name in fleet.yaml", "fleet"),
 )
 
+# Settings that were accepted and never read: refused with why, so a fleet that sets one learns it
+# did nothing (and what to do instead) rather than meeting "unknown setting".
+REMOVED = {
+    "health_poll_s": "it was accepted but never read (the container's agent polls the server every 50 ms); "
+                     "remove it",
+    "lock_wait_s": "it was accepted but never read (a deploy that finds a transition running follows it); "
+                   "remove it",
+}
+
 # Keys that are no setting of gpugate's but are fine in host data: the @pct connector's (set from
 # the host name) and pyinfra's own (ssh_*, global arguments as _sudo, ...).
 PASSTHROUGH = ("pct_vmid", "pct_local")
@@ -373,6 +382,8 @@ def validated_settings(data: Any) -> dict[str, Any]:
             raise SettingsError(str(key), value, "setting names are strings")
         if key.startswith("_"):
             continue  # pyinfra's global arguments given as data (_sudo, _su_user, ...)
+        if key in REMOVED:
+            raise SettingsError(key, value, f"no longer a setting: {REMOVED[key]}")
         if key not in known:
             raise SettingsError(key, value, f"unknown setting{suggest(key, known)}")
         if key in SETTINGS and not (value is None and SETTINGS[key].default is None):

@@ -308,3 +308,18 @@ def test_a_document_nested_thousands_deep_is_refused_without_a_traceback(tmp_pat
     with pytest.raises(FleetError) as caught:
         load_fleet(path)
     assert "refused: nested more than 64 levels deep" in str(caught.value) and str(path) in str(caught.value)
+
+
+@pytest.mark.parametrize("key", ["health_poll_s", "lock_wait_s"])
+def test_a_setting_that_was_never_read_is_refused_saying_so(tmp_path, key):
+    with pytest.raises(SettingsError) as caught:
+        validated_settings(cli(**{key: "5"}))
+    assert f"setting {key}=5: no longer a setting: it was accepted but never read" in str(caught.value)
+    error = fleet_error(tmp_path, textwrap.dedent(f"""\
+        hosts:
+          pve1:
+            data: {{{key}: 5}}
+            containers:
+              129: {{sglang: {{model_path: /m}}}}
+        """))
+    assert error.entry == f"hosts.pve1.data.{key}" and error.problem.startswith("no longer a setting")
