@@ -13,13 +13,13 @@ docs/transition.md.
 from pyinfra import host
 
 from gpugate.operations import sglang
-from gpugate.spec import desired_state
+from gpugate.spec import desired_states
 
-desired = desired_state(host.data)
-sglang.server(
-    name=f"SGLang on :{desired.port}" + (" (present)" if desired.present else " (absent)"),
-    desired=desired,
-    # A rolling restart: this operation runs host by host instead of on every host at once, and
-    # stops after max_failures failed containers (the rest are not touched).
-    _serial=desired.rolling,
-)
+for desired in desired_states(host.data):  # one server per container, or fleet.yaml's sglang: list
+    sglang.server(
+        name=f"SGLang on :{desired.port}" + (" (present)" if desired.present else " (absent)"),
+        desired=desired,
+        # A rolling restart: this operation runs host by host instead of on every host at once, and
+        # stops after max_failures failed containers (the rest are not touched).
+        _serial=desired.rolling,
+    )

@@ -123,17 +123,22 @@ def servers_of_inventory(hosts: Iterable[tuple[str, Mapping[str, Any]]],
         from gpugate.spec import gpu_set as spec_gpu_set  # noqa: PLC0415 -- the controller's spec module
 
         gpu_set = spec_gpu_set
+    from gpugate.settings import SETTINGS, to_bool  # noqa: PLC0415
+
     claims: list[ServerClaim] = []
     for name, data in hosts:
-        if not _is_true(data.get("sglang_present", True)):
-            continue
-        try:
-            vmid = int(data.get("pct_vmid"))  # type: ignore[arg-type]
-            port = int(data.get("sglang_port", 30000))
-            gpus = tuple(int(g) for g in gpu_set(data.get("sglang_flags") or {}, data.get("sglang_env") or {}))
-        except Exception:  # noqa: BLE001 -- a server we cannot read is its own operation's error
-            continue
-        claims.append((claim_host(name, data), vmid, port, gpus))
+        # several servers in one container (fleet.yaml's sglang: list): each claims its own GPUs
+        for server in data.get("sglang_servers") or [{}]:
+            values = {**data, **server}
+            try:
+                if not to_bool(values.get("sglang_present", True)):
+                    continue
+                vmid = int(values.get("pct_vmid"))  # type: ignore[arg-type]
+                port = int(values.get("sglang_port", SETTINGS["sglang_port"].default))
+                gpus = tuple(int(g) for g in gpu_set(values.get("sglang_flags") or {}, values.get("sglang_env") or {}))
+            except Exception:  # noqa: BLE001 -- a server we cannot read is its own operation's error
+                continue
+            claims.append((claim_host(name, data), vmid, port, gpus))
     return claims
 
 
@@ -148,12 +153,6 @@ def claim_host(name: str, data: Mapping[str, Any]) -> str:
     '@local'
     """
     return str(data.get("pve_host") or data.get("ssh_hostname") or ("@local" if data.get("pct_local") else name))
-
-
-def _is_true(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() not in ("false", "no", "0", "")
-    return bool(value)
 
 
 def busy_message(pve_host: str, vmid: int, gpu: int, owner: Mapping[str, Any] | None, run: str) -> str:

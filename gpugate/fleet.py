@@ -27,6 +27,10 @@ The file (every key but ``hosts`` is optional)::
               python: /opt/venv/bin/python3   # the interpreter that has sglang (default /usr/bin/python3)
               sglang_version: "0.5.23"  # the SGLang release in the container (its flag table); quoted
               extra_args: ["--some-new-flag", "1"]   # argv items passed through as written
+          130:
+            sglang:               # several servers in one container: a list, each on its own port
+              - {model_path: /opt/models/m, port: 30000, flags: {tp: 4}}
+              - {model_path: /opt/models/m, port: 30001, flags: {tp: 4, base-gpu-id: 4}}
 
 ``ssh: {hostname: "@local"}`` means pyinfra runs on the Proxmox host itself: ``@pct/@local:129``.
 Relative ``ssh.key``, ``ssh.known_hosts_file`` and ``ssh.config_file`` are relative to the
@@ -101,7 +105,8 @@ class Container:
     vmid: int
     groups: list[str] = dataclasses.field(default_factory=list)
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
-    sglang: dict[str, Any] | None = None   # the sglang: section as settings (host-data key -> checked value)
+    # the sglang: section as settings (host-data key -> checked value); several servers: sglang_servers
+    sglang: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass
@@ -394,6 +399,26 @@ def _check_sglang(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
     return out
 
 
+def _check_servers(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
+    """The sglang: section: one server (a mapping), or several (a list of mappings, each on its own
+    port, each its own desired state, history and GPU claim) as ``sglang_servers``."""
+    if not isinstance(raw, list):
+        return _check_sglang(check, raw, entry)
+    if not raw:
+        raise check.fail(entry, "an empty list: write the container's servers, or leave sglang: out")
+    servers = [_check_sglang(check, item, f"{entry}[{index}]") for index, item in enumerate(raw)]
+    if len(servers) == 1:
+        return servers[0]
+    seen: dict[int, int] = {}
+    for index, server in enumerate(servers):
+        port = int(server.get("sglang_port", SETTINGS["sglang_port"].default))
+        if port in seen:
+            raise check.fail(f"{entry}[{index}].port", f"{port} is also the port of {entry}[{seen[port]}]: "
+                                                       f"each server of a container needs its own port")
+        seen[port] = index
+    return {"sglang_servers": servers}
+
+
 def _written_key(raw_flags: Mapping[Any, Any], canonical: str) -> str:
     """The key as the user wrote it for a canonical flag name (for error locations)."""
     for key in raw_flags:
@@ -471,7 +496,7 @@ def parse_fleet(document: Any, path: str | os.PathLike[str] = "fleet.yaml") -> F
                 vmid=vmid,
                 groups=list(dict.fromkeys(groups)),
                 data=check.data(container_body.get("data"), f"{where}.data"),
-                sglang=(_check_sglang(check, container_body["sglang"], f"{where}.sglang")
+                sglang=(_check_servers(check, container_body["sglang"], f"{where}.sglang")
                         if container_body.get("sglang") is not None else None),
             )
             name = host.inventory_name(vmid)

@@ -66,10 +66,12 @@ class Match:
         return self.verdict in OK_VERDICTS
 
 
-def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None = None) -> Match:
+def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None = None,
+            siblings: tuple[int, ...] = ()) -> Match:
     """Whether what runs in the container (the agent's observe document) is ``spec`` (None: no
     server should run on ``port``). ``spec.supervisor`` resolved for this container first
-    (:func:`for_container`), as the deploy runs it."""
+    (:func:`for_container`), as the deploy runs it; ``siblings``: the ports of the container's
+    other desired servers (a container may have several)."""
     server = observation.get("sglang") or {}
     running = bool(server.get("running"))
     if spec is None:
@@ -80,7 +82,7 @@ def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None 
         if strays:
             return Match("strays", (f"{len(strays)} stray sglang server part(s) of :{port} left in the container",))
         return Match("absent", (f"sglang on :{port} is absent, as desired",))
-    replaced = tuple(replaced_servers(observation, spec))
+    replaced = tuple(replaced_servers(observation, spec, siblings))
     if not running:
         return Match("not_running", (f"sglang is not running on :{spec.port}",), replaced=replaced,
                      lines=tuple(diff_lines(server, spec) + env_lines(server, spec)))
@@ -225,18 +227,25 @@ def _main_gpus(cmdline: str) -> tuple[int, ...] | None:
         return None
 
 
-def replaced_servers(observation: Mapping[str, Any], spec: Spec) -> list[dict[str, Any]]:
+def replaced_servers(observation: Mapping[str, Any], spec: Spec, siblings: tuple[int, ...] = ()
+                     ) -> list[dict[str, Any]]:
     """Servers of this container on OTHER ports whose GPUs overlap the desired server's: they must
     stop first (a port change: 30000 -> 30001). Each as ``{"port", "pid", "cmdline", "gpus"}``.
-    Servers on other GPUs are left alone (two servers on disjoint halves)."""
+    Never a server on other GPUs (two servers on disjoint halves), never one gpugate does not run
+    (the agent says ``managed``), and none at all when the container has several desired servers
+    (``siblings``: their ports): then a server of another port is another desired server, or a
+    stranger, and neither is this one's previous self."""
+    if siblings:
+        return []
     server = observation.get("sglang") or {}
     wanted = None if spec.gpus is None else set(spec.gpus)
     out = []
     for stray in server.get("strays") or []:
         port = stray.get("port")
-        if not port or port == spec.port:
+        if not port or port == spec.port or stray.get("managed") is False:
             continue
-        gpus = _main_gpus(stray.get("cmdline") or "")
+        gpus = (tuple(stray["gpus"]) if stray.get("gpus") is not None
+                else None if "gpus" in stray else _main_gpus(stray.get("cmdline") or ""))
         if wanted is None or gpus is None or wanted & set(gpus):
             out.append({"port": port, "pid": stray.get("pid"), "cmdline": stray.get("cmdline") or "", "gpus": gpus})
     return out

@@ -321,6 +321,7 @@ def last_run_line(server: Mapping[str, Any]) -> str | None:
 
 
 def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, restart: bool = False,
+              siblings: tuple[int, ...] = (),
               rollback_k: int | None = None, max_used_mib: int = 64, min_free_mib: int = 64,
               end_other_gpu_holders: bool = False, budgets: Mapping[str, float] | None = None) -> Plan:
     """Decide from the observation. ``spec`` None with ``rollback_k`` None: no server on ``port``;
@@ -349,7 +350,7 @@ def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, r
         return Plan(action, (f"roll back to {why}",), lines=tuple(lines), steps=steps,
                     rollback_to={"running": True} if running else None, restart=True, last=last,
                     gpus=tuple(record["gpus"]) if record.get("gpus") is not None else None, target=record)
-    match = compare(observation, spec, port)
+    match = compare(observation, spec, port, siblings)
     if spec is None:
         if match.verdict in ("should_not_run", "strays"):
             return Plan("stop", match.why, steps=steps_for("stop", None, max_used_mib, budgets), rollback_to=None,

@@ -218,6 +218,24 @@ def to_extra_args(value: Any) -> list[str]:
     return list(value)
 
 
+def to_servers(value: Any) -> list[dict[str, Any]]:
+    """Several servers in one container (fleet.yaml's ``sglang:`` as a list): each a mapping of the
+    server's settings by their host-data keys, each on its own port."""
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise ValueError(f"expected a list of servers (mappings of sglang_* settings), got {describe(value)}")
+    servers = []
+    for item in value:
+        unknown = [key for key in item if key not in SETTINGS or not (SETTINGS[key].scope == "server"
+                                                                       or SETTINGS[key].fleet_key)]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is no setting of one server")
+        servers.append(validated_settings(item))
+    ports = [server.get("sglang_port", SETTINGS["sglang_port"].default) for server in servers]
+    if len(set(ports)) != len(ports):
+        raise ValueError(f"two servers of one container on one port ({', '.join(map(str, ports))}): give each its own")
+    return servers
+
+
 def to_rank(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"expected 1 (the newest), 2, ..., got {describe(value)}")
@@ -280,6 +298,8 @@ SETTINGS: dict[str, Setting] = _rows(
             "the SGLang release the container must have (its flag table); quoted", "server", "sglang_version"),
     Setting("sglang_extra_args", to_extra_args, [], "argv items passed through as written, unchecked",
             "server", "extra_args"),
+    Setting("sglang_servers", to_servers, [],
+            "several servers in one container: fleet.yaml's sglang: as a list, each on its own port", "fleet"),
     # --- the GPU gate (this server's GPUs only) ---
     Setting("gpu_max_used_mib", to_count, 64, "a GPU counts as free at or under this many MiB used (NVML v2)"),
     Setting("gpu_gate_timeout_s", to_number, 120.0, "how long the gate waits for the server's GPUs after the stop"),

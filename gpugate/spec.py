@@ -31,7 +31,7 @@ from gpugate.rules import gpus as rules_gpus
 from gpugate.rules.redact import SECRET_MASK
 from gpugate.settings import SETTINGS, SUPERVISORS, resolved
 
-__all__ = ["BUDGET_KEYS", "Desired", "desired_state", "Spec", "SpecError", "build_spec", "gpu_set", "redact_flags", "budgets"]
+__all__ = ["BUDGET_KEYS", "Desired", "desired_state", "desired_states", "Spec", "SpecError", "build_spec", "gpu_set", "redact_flags", "budgets"]
 
 # The budgets the agent enforces (docs/agent-protocol.md, "start") -> the setting that gives each.
 BUDGET_SETTINGS = {"drain_timeout_s": "drain_timeout_s", "kill_grace_s": "kill_grace_s",
@@ -317,6 +317,7 @@ class Desired:
     audit_log: str | None = None
     restarted: bool = False
     rollback_to: int = 1
+    siblings: tuple[int, ...] = ()   # the ports of the container's other desired servers
 
     @property
     def max_used_mib(self) -> int:
@@ -347,7 +348,28 @@ def desired_state(data: Any) -> Desired:
     >>> desired_state({"sglang_present": "false"}).present, desired_state({}).problem
     (False, 'model_path is required (a directory in the container or a repo id)')
     """
+    return _desired(resolved(data))
+
+
+def desired_states(data: Any) -> list[Desired]:
+    """Every desired server of a container: one (desired_state), or each of fleet.yaml's
+    ``sglang:`` list (``sglang_servers``), each with the container's other settings and its own
+    port, knowing its siblings' ports (a server on a sibling's port is never "the previous one").
+
+    >>> [d.port for d in desired_states({"sglang_servers": [{"sglang_model_path": "/m"},
+    ...                                                    {"sglang_model_path": "/m", "sglang_port": 30001}]})]
+    [30000, 30001]
+    """
     values = resolved(data)
+    servers = values["sglang_servers"]
+    if not servers:
+        return [_desired(values)]
+    ports = [int(server.get("sglang_port", values["sglang_port"])) for server in servers]
+    return [dataclasses.replace(_desired({**values, **server}), siblings=tuple(p for p in ports if p != port))
+            for server, port in zip(servers, ports)]
+
+
+def _desired(values: Mapping[str, Any]) -> Desired:
     port = int(values["sglang_port"])
     present = bool(values["sglang_present"])
     spec: Spec | None = None

@@ -17,7 +17,8 @@ import dataclasses
 from pyinfra import host
 
 from gpugate.operations import sglang
-from gpugate.spec import desired_state
+from gpugate.spec import desired_states
 
-desired = dataclasses.replace(desired_state(host.data), restarted=True)
-sglang.server(name=f"Restart SGLang on :{desired.port}", desired=desired, _serial=desired.rolling)
+for desired in desired_states(host.data):
+    desired = dataclasses.replace(desired, restarted=True)
+    sglang.server(name=f"Restart SGLang on :{desired.port}", desired=desired, _serial=desired.rolling)

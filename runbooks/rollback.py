@@ -15,8 +15,8 @@ change fleet.yaml if the rollback is meant to stay. See docs/runbooks.md.
 from pyinfra import host
 
 from gpugate.operations import sglang
-from gpugate.spec import desired_state
+from gpugate.spec import desired_states
 
-desired = desired_state(host.data)
-sglang.server(name=f"Roll back SGLang on :{desired.port} to a good spec from its history", desired=desired,
-              restore_previous=True)
+for desired in desired_states(host.data):  # every server of the container, each to its own history
+    sglang.server(name=f"Roll back SGLang on :{desired.port} to a good spec from its history", desired=desired,
+                  restore_previous=True)

@@ -20,27 +20,30 @@ from pyinfra import host, state
 from gpugate.facts.sglang import SglangObservationOnce
 from gpugate.report.fleet import fleet_report
 from gpugate.report.status import publish_status, status_row, unreachable_row
-from gpugate.spec import desired_state
+from gpugate.spec import desired_states
 
 
 def _unreachable(target, reason):
-    return unreachable_row(target.data.get("pve_host") or target.name, target.data.get("pct_vmid"), reason,
-                           desired_state(target.data))
+    return [unreachable_row(target.data.get("pve_host") or target.name, target.data.get("pct_vmid"), reason,
+                            desired) for desired in desired_states(target.data)]
 
 
-def _publish(rows):
+def _publish(rows_of_hosts):
     # returns None: FleetReport prints what it is given; publish_status prints (and writes --data prom=PATH)
-    publish_status(rows, output_format=data.get("format", "table"), prom_path=data.get("prom"))
+    publish_status([row for rows in rows_of_hosts for row in rows], output_format=data.get("format", "table"),
+                   prom_path=data.get("prom"))
     return None
 
 
 data = host.data  # this host's: _publish runs later, from a callback, outside the host's context
-desired = desired_state(data)  # the same desired state, built the same way, as deploy.py's
-# pyinfra runs this file for every host at once; the observe asks what the deploy's asks
-observation = dict(host.get_fact(SglangObservationOnce, python=desired.python, **desired.observe_args()))
-row = status_row(data.get("pve_host") or host.name, data.get("pct_vmid"), observation, desired)
-fleet_report(state, "status", _publish, missing=_unreachable).add(host.name, row)
-if not row["ok"]:
+rows = []
+# the same desired state, built the same way, as deploy.py's: one row per desired server
+for desired in desired_states(data):
+    # pyinfra runs this file for every host at once; the observe asks what the deploy's asks
+    observation = dict(host.get_fact(SglangObservationOnce, python=desired.python, **desired.observe_args()))
+    rows.append(status_row(data.get("pve_host") or host.name, data.get("pct_vmid"), observation, desired))
+fleet_report(state, "status", _publish, missing=_unreachable).add(host.name, rows)
+if not all(row["ok"] for row in rows):
     # Not as desired: the run's exit status says so (pyinfra exits 1 when a host failed). Nothing
     # else follows from it: the status has no operation to skip.
     state.failed_hosts.add(host)

@@ -25,6 +25,22 @@ def read_gpus(keep_open=False, exclude=()):
                 "errors": [{"source": "agent", "kind": type(error).__name__, "message": str(error)[:300]}]}
 
 
+def owner_port(table, pid):
+    """The port of the live server main a worker belongs to (its nearest main ancestor); None for
+    an orphaned part: only those are strays of every port (the stop's sweep reads parts the same way).
+
+    >>> table = {5: {"pid": 5, "ppid": 1, "state": "S", "argv": ["python3", "-m", "sglang.launch_server", "--port", "30001"]},
+    ...          6: {"pid": 6, "ppid": 5, "state": "S", "argv": ["sglang::scheduler_TP0"]}}
+    >>> owner_port(table, 6), owner_port(table, 7)
+    (30001, None)
+    """
+    for ancestor in procfs.ancestors(table, pid):
+        proc = table.get(ancestor)
+        if ancestor != pid and proc and proc["state"] not in ("Z", "X") and sglang.is_main_argv(proc["argv"]):
+            return sglang.argv_port(proc["argv"])
+    return None
+
+
 def gpu_uuids(gpu_doc):
     return [g.get("uuid") for g in (gpu_doc or {}).get("gpus") or []]
 
@@ -78,7 +94,15 @@ def observe(args):
             continue
         if sglang.is_server_part(proc["argv"]):
             entry = server.summary(proc, redactor)
-            entry["port"] = sglang.argv_port(proc["argv"]) if sglang.is_main_argv(proc["argv"]) else None
+            entry["port"] = sglang.argv_port(proc["argv"]) if sglang.is_main_argv(proc["argv"]) else owner_port(
+                table, proc["pid"])
+            if entry["port"] is not None and sglang.is_main_argv(proc["argv"]):
+                # another port's server: its GPUs read here, from its whole argv and environment (the
+                # cmdline above is cut at 300 characters), and whether gpugate runs it (a port change
+                # may replace only a server of gpugate's own)
+                entry["gpus"] = sglang.server_gpus(proc["argv"], procfs.read_environ(proc["pid"]),
+                                                   gpu_uuids(gpu_doc))
+                entry["managed"] = any(os.path.exists(state.paths(entry["port"])[name]) for name in ("history", "pid"))
             report["strays"].append(entry)
         elif sglang.is_client_argv(proc["argv"]):
             report["clients"].append(server.summary(proc, redactor))

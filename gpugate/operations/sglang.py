@@ -315,7 +315,7 @@ def _spec_for_version(host_obj: Any, python: str, spec: Spec, flags: Mapping[str
     return dataclasses.replace(checked, warnings=tuple(checked.warnings) + extra)
 
 
-def _claim_overlaps(host_obj: Any, spec: Spec) -> list[str]:
+def _claim_overlaps(host_obj: Any, spec: Spec, desired_siblings: tuple[int, ...] = ()) -> list[str]:
     """Plan-time GPU claims (issue 12 item 3): the lines naming this container's desired server and
     every other desired server of the same Proxmox host (the whole inventory, whatever ``--limit``
     runs now: the fleet is the desired state) whose GPUs overlap it. Empty when the GPUs cannot be
@@ -334,7 +334,10 @@ def _claim_overlaps(host_obj: Any, spec: Spec) -> list[str]:
     if fleet is None:  # once per pyinfra run, not once per container (host data is fixed by then)
         fleet = servers_of_inventory((h.name, h.data.dict()) for h in state.inventory)
         state.__dict__["_gpugate_claims"] = fleet
-    servers = [mine if claim[:2] == mine[:2] else claim for claim in fleet]
+    # this container's own entry is the spec this operation was given; with several servers in the
+    # container, only this server's (its siblings claim GPUs of their own)
+    same = 3 if desired_siblings else 2
+    servers = [mine if claim[:same] == mine[:same] else claim for claim in fleet]
     # inventory order, so both containers of a pair print the same line
     return overlaps_of(mine, servers if mine in servers else [*servers, mine])
 
@@ -710,7 +713,7 @@ def server(desired: Desired, restore_previous: bool = False):
     if desired.problem and not restoring:
         yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {desired.problem}", port)
         return
-    overlaps = _claim_overlaps(host, spec) if spec is not None else []
+    overlaps = _claim_overlaps(host, spec, desired.siblings) if spec is not None else []
     if overlaps:  # the desired state itself is contradictory: nothing to observe, nothing to touch
         yield from _refuse(f"sglang :{port} REFUSED, nothing touched: another desired server of this Proxmox host "
                            f"claims its GPUs: {'; '.join(overlaps)} (give each server its own GPUs: "
@@ -733,7 +736,7 @@ def server(desired: Desired, restore_previous: bool = False):
     budget = dict(desired.budgets)
     max_used_mib, restarted = desired.max_used_mib, desired.restarted
     end_other_gpu_holders = desired.end_other_gpu_holders
-    plan_args: dict[str, Any] = dict(port=port, restart=restarted,
+    plan_args: dict[str, Any] = dict(port=port, restart=restarted, siblings=desired.siblings,
                                      rollback_k=desired.rollback_to if restoring else None,
                                      max_used_mib=max_used_mib, min_free_mib=desired.min_free_mib,
                                      end_other_gpu_holders=end_other_gpu_holders, budgets=budget)

@@ -27,7 +27,7 @@ from gpugate.report.fleet import connect_errors
 from gpugate.report.prometheus import status_prometheus, write_atomically
 from gpugate.report.text import (age_text, compact_mib, epoch_of, flag_differences, format_table, index_ranges,
                                  natural_key, when_text)
-from gpugate.spec import Desired, SpecError, desired_state, gpu_set
+from gpugate.spec import Desired, SpecError, desired_states, gpu_set
 
 # ---------------------------------------------------------------- status
 
@@ -293,7 +293,8 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
     held = ({index: mib for index, mib in foreign_mib(gpu_doc).items() if mib > desired.max_used_mib and index in mine}
             if readable else {})
     spec = for_container(desired.spec, observation)
-    match = compare(observation, spec, port) if "error" not in server and not desired.problem else None
+    match = (compare(observation, spec, port, desired.siblings)
+             if "error" not in server and not desired.problem else None)
     flags_text = "-"
     if running and match is not None:
         flags_text = ("should not run" if match.verdict == "should_not_run"
@@ -386,7 +387,8 @@ def status_when_unreachable(state: Any) -> None:
     errors = connect_errors(state)
     hosts = [h for h in state.inventory if state.is_host_in_limit(h)]
     rows = [unreachable_row(h.data.get("pve_host") or h.name, h.data.get("pct_vmid"),
-                            errors.get(h.name) or "could not connect", desired_state(h.data)) for h in hosts]
+                            errors.get(h.name) or "could not connect", desired)
+            for h in hosts for desired in desired_states(h.data)]
     first = hosts[0].data if hosts else {}
     publish_status(rows, output_format=first.get("format", "table"), prom_path=first.get("prom"))
 

@@ -1,0 +1,87 @@
+"""Two servers in one container on disjoint GPUs (issue 20, item 7): fleet.yaml's sglang: as a list,
+tp 4 on GPU 0-3 at :30000 and tp 4 from base-gpu-id 4 at :30001. Each is its own desired state,
+history and GPU claim: changing or stopping one never touches the other (it used to be taken for
+"the previous server" of a port change and stopped), and the status has a row for each."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO_ROOT, module_lab
+
+pytestmark = [pytest.mark.lab]
+
+ENV = {"SGLANG_STANDIN_LOAD_S": "0.3"}
+LOW = {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 4}, "env": ENV}
+HIGH = {"model_path": "/opt/models/lab-model", "port": 30001, "flags": {"tp": 4, "base-gpu-id": 4}, "env": ENV}
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    yield from module_lab(tmp_path_factory, "lab-two-servers", hosts=1, gpus=8)
+
+
+def fleet(lab, path: Path, servers: list) -> Path:
+    document = yaml.safe_load(lab.fleet_path.read_text())
+    document["hosts"]["pve1"]["containers"][129]["sglang"] = servers
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def pyinfra(lab, path: Path, *args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    return subprocess.run([exe, "inventory.py", *args], cwd=REPO_ROOT, env=dict(lab.env(), GPUGATE_FLEET=str(path)),
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def main_pids(lab) -> dict[int, int]:
+    """port -> pid of each SGLang main process in the container (from /proc)."""
+    script = ("for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); case \"$c\" in "
+              "*sglang.launch_server*) echo \"${p#/proc/} $c\";; esac; done")
+    out = lab.pct("pve1", "exec", "129", "--", "sh", "-c", script).stdout
+    pids = {}
+    for line in out.splitlines():
+        words = line.split()
+        if "--port" in words:
+            pids[int(words[words.index("--port") + 1])] = int(words[0])
+    return pids
+
+
+def test_two_servers_of_one_container_are_each_their_own(lab, tmp_path):
+    both = fleet(lab, tmp_path / "both.yaml", [LOW, HIGH])
+    first = pyinfra(lab, both, "-y", "deploy.py")
+    assert first.returncode == 0, first.stdout + first.stderr
+    pids = main_pids(lab)
+    assert set(pids) == {30000, 30001}
+
+    status = pyinfra(lab, both, "-y", "runbooks/status.py", "--data", "format=json")
+    rows = {row["port"]: row for row in json.loads(status.stdout)["servers"]}
+    assert status.returncode == 0 and set(rows) == {30000, 30001}, status.stdout
+    assert all(row["verdict"] == "serving as desired" for row in rows.values())
+
+    # a flag change of :30001 alone: :30000 keeps its pid, :30001 restarts; no port change inferred
+    changed = fleet(lab, tmp_path / "changed.yaml", [LOW, dict(HIGH, flags={**HIGH["flags"], "kv-cache-dtype": "fp8_e4m3"})])
+    dry = pyinfra(lab, changed, "deploy.py", "--dry")
+    out = dry.stdout + dry.stderr
+    assert "sglang :30001 will restart" in out and "sglang :30000 will" not in out and "port change" not in out, out
+    run = pyinfra(lab, changed, "-y", "deploy.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    after = main_pids(lab)
+    assert after[30000] == pids[30000] and after[30001] != pids[30001]
+    assert "stopping :30000" not in run.stdout + run.stderr
+
+    # :30001 stopped (present: false): :30000 untouched, and the status has both rows right
+    stopped = fleet(lab, tmp_path / "stopped.yaml", [LOW, dict(HIGH, present=False)])
+    run = pyinfra(lab, stopped, "-y", "deploy.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert main_pids(lab) == {30000: pids[30000]}
+    status = pyinfra(lab, stopped, "-y", "runbooks/status.py", "--data", "format=json")
+    rows = {row["port"]: row["verdict"] for row in json.loads(status.stdout)["servers"]}
+    assert rows == {30000: "serving as desired", 30001: "stopped as desired"}, status.stdout
