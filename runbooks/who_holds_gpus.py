@@ -34,8 +34,7 @@ if isinstance(host.connector, PctConnector):
                       key=natural_key)
     if siblings[0] == host.name:
         fact = HostGpuProcesses()
-        sudo = {"_sudo": True} if host.connector.use_sudo else {}
-        _ok, output = host.connector.pve.run_shell_command(StringCommand(fact.command()), **sudo)
+        _ok, output = host.connector.run_on_proxmox_host(StringCommand(fact.command()))
         fleet_report(state, "who_holds_gpus", render_holders).add(pve_host, (pve_host,
                                                                              fact.process(output.stdout_lines)))
 else:

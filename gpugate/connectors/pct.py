@@ -826,6 +826,21 @@ class PctConnector(BaseConnector):
             return False, self._with_failure_line(output, failure)
         return status, output
 
+    # The Proxmox host itself
+
+    def run_on_proxmox_host(self, command: StringCommand) -> tuple[bool, CommandOutput]:
+        """
+        Run ``command`` on the Proxmox host (not in the container), as pct runs there: with
+        ``sudo -n`` when pct needs it. For host-wide readings (every container's GPU processes).
+
+        .. code:: python
+
+            ok, output = host.connector.run_on_proxmox_host(StringCommand(HostGpuProcesses().command()))
+        """
+        if self.use_sudo:
+            return self.pve.run_shell_command(command, _sudo=True)
+        return self.pve.run_shell_command(command)
+
     # GPU locks on the Proxmox host (gpugate.claims)
 
     def hold_gpu_locks(
