@@ -119,11 +119,8 @@ def servers_of_inventory(hosts: Iterable[tuple[str, Mapping[str, Any]]],
         lines = overlapping_claims(servers_of_inventory(
             (h.name, h.data) for h in state.inventory))
     """
-    if gpu_set is None:
-        from gpugate.spec import gpu_set as spec_gpu_set  # noqa: PLC0415 -- the controller's spec module
-
-        gpu_set = spec_gpu_set
     from gpugate.settings import SETTINGS, to_bool  # noqa: PLC0415
+    from gpugate.spec import GPU_SET_FLAGS, extra_flags, gpu_set as spec_gpu_set  # noqa: PLC0415
 
     claims: list[ServerClaim] = []
     for name, data in hosts:
@@ -135,7 +132,11 @@ def servers_of_inventory(hosts: Iterable[tuple[str, Mapping[str, Any]]],
                     continue
                 vmid = int(values.get("pct_vmid"))  # type: ignore[arg-type]
                 port = int(values.get("sglang_port", SETTINGS["sglang_port"].default))
-                gpus = tuple(int(g) for g in gpu_set(values.get("sglang_flags") or {}, values.get("sglang_env") or {}))
+                flags = dict(values.get("sglang_flags") or {})
+                if gpu_set is None:  # the spec's own rule: what extra_args say counts too
+                    extra = extra_flags(values.get("sglang_extra_args") or [])
+                    flags.update((k, v) for k, v in extra.items() if k in GPU_SET_FLAGS)
+                gpus = tuple(int(g) for g in (gpu_set or spec_gpu_set)(flags, values.get("sglang_env") or {}))
             except Exception:  # noqa: BLE001 -- a server we cannot read is its own operation's error
                 continue
             claims.append((claim_host(name, data), vmid, port, gpus))

@@ -243,7 +243,11 @@ _PLAIN_DECIMAL = re.compile(r"^[-+]?(0|[1-9][0-9]*)$")
 
 
 def _construct_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
-    value = yaml.SafeLoader.construct_yaml_int(loader, node)
+    try:
+        value = yaml.SafeLoader.construct_yaml_int(loader, node)
+    except ValueError as error:  # a number of thousands of digits: Python refuses to read it
+        raise FleetBoundError(f"a number too long to read ({len(node.value)} characters): {error}",
+                              node.start_mark) from None
     if _PLAIN_DECIMAL.match(node.value):
         return value
     ambiguous = AmbiguousInt(value)
@@ -367,6 +371,9 @@ def _check_sglang(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
     """The sglang: section as settings (host-data key -> checked value), each key by its row of
     gpugate.settings.SETTINGS; the flags validated here too, so a typo names its entry."""
     rows = server_keys()
+    for key in raw if isinstance(raw, dict) else ():
+        if key in REMOVED:
+            raise check.fail(f"{entry}.{key}", f"no longer a setting: {REMOVED[key]}")
     section = check.mapping(raw, entry, tuple(rows))
     out: dict[str, Any] = {}
     for key, value in section.items():

@@ -240,10 +240,15 @@ def replaced_servers(observation: Mapping[str, Any], spec: Spec, siblings: tuple
     server = observation.get("sglang") or {}
     wanted = None if spec.gpus is None else set(spec.gpus)
     out = []
+    seen_ports = set()
     for stray in server.get("strays") or []:
         port = stray.get("port")
-        if not port or port == spec.port or stray.get("managed") is False:
+        # a server's main only, once per port: its workers carry its port too (they are its own)
+        if not port or port == spec.port or port in seen_ports or stray.get("managed") is False:
             continue
+        if "gpus" not in stray and "sglang.launch_server" not in (stray.get("cmdline") or ""):
+            continue
+        seen_ports.add(port)
         gpus = (tuple(stray["gpus"]) if stray.get("gpus") is not None
                 else None if "gpus" in stray else _main_gpus(stray.get("cmdline") or ""))
         if wanted is None or gpus is None or wanted & set(gpus):

@@ -313,11 +313,34 @@ def last_run_line(server: Mapping[str, Any]) -> str | None:
     """The latest transition of this container, when it ended otherwise than verified or while
     nobody watched (a controller killed mid-run): what the operator should know first."""
     run = server.get("transition") or {}
-    if not run or run.get("active") or not run.get("outcome"):
-        return None
+    if not run or run.get("active") or not run.get("outcome") or (
+            run.get("ports") and server.get("port") is not None and int(server["port"]) not in run["ports"]):
+        return None  # nothing to say, or another server's run
     by = f" by {run['by']}" if run.get("by") else ""
     message = run.get("message") or ""
     return f"the last transition (run {run.get('run')}{by}) ended: {run.get('outcome')}" + (f": {message}" if message else "")
+
+
+def held_by_other_servers(observation: Mapping[str, Any], port: int, gpus: Iterable[int] | None
+                          ) -> list[tuple[int, list[int]]]:
+    """(port, GPUs) of the container's servers on other ports that hold some of ``gpus`` (a rollback's
+    spec from before a sibling server existed may want them).
+
+    >>> obs = {"sglang": {"strays": [{"port": 30001, "main": True, "gpus": [4, 5, 6, 7]}]}}
+    >>> held_by_other_servers(obs, 30000, range(8)), held_by_other_servers(obs, 30000, range(4))
+    ([(30001, [4, 5, 6, 7])], [])
+    """
+    if gpus is None:
+        return []
+    wanted = set(gpus)
+    out = []
+    for stray in (observation.get("sglang") or {}).get("strays") or []:
+        other = stray.get("port")
+        if stray.get("main") and other and other != port and stray.get("gpus") is not None:
+            shared = sorted(wanted & set(stray["gpus"]))
+            if shared:
+                out.append((int(other), shared))
+    return out
 
 
 def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, restart: bool = False,
@@ -340,6 +363,12 @@ def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, r
         record, why = rollback_choice(server, rollback_k)
         if record is None:
             return Plan("refuse", (why,), problems=(f"cannot roll back: {why}",), last=last)
+        taken = held_by_other_servers(observation, port, record.get("gpus"))
+        if taken:
+            return Plan("refuse", (why,), last=last, problems=tuple(
+                f"cannot roll back to {why}: it takes {gpu_text(record.get('gpus'))}, and the server on :{other} "
+                f"holds {gpu_text(gpus)} of them (it would never pass its gate; stop that server first, or pick "
+                f"another spec with --data rollback_to=K)" for other, gpus in taken))
         lines = record_lines(server, record)
         action = "restart" if running else "start"
         steps = steps_for(action, None, max_used_mib, budgets)

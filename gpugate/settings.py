@@ -91,6 +91,8 @@ def to_bool(value: Any) -> bool:
 def to_number(value: Any) -> int | float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"expected a number, got {describe(value)}")
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"expected a finite number, got {value}")
     if value < 0:
         raise ValueError(f"must not be negative, got {value}")
     return value
@@ -102,6 +104,13 @@ def to_count(value: Any) -> int:
     if value < 0:
         raise ValueError(f"must not be negative, got {value}")
     return value
+
+
+def to_positive_count(value: Any) -> int:
+    count = to_count(value)
+    if count < 1:
+        raise ValueError(f"must be 1 or more, got {count}")
+    return count
 
 
 def to_port(value: Any) -> int:
@@ -228,7 +237,8 @@ def to_servers(value: Any) -> list[dict[str, Any]]:
         unknown = [key for key in item if key not in SETTINGS or not (SETTINGS[key].scope == "server"
                                                                        or SETTINGS[key].fleet_key)]
         if unknown:
-            raise ValueError(f"{unknown[0]!r} is no setting of one server")
+            why = f"no longer a setting: {REMOVED[unknown[0]]}" if unknown[0] in REMOVED else "is no setting of one server"
+            raise ValueError(f"{unknown[0]!r} {why}")
         servers.append(validated_settings(item))
     ports = [server.get("sglang_port", SETTINGS["sglang_port"].default) for server in servers]
     if len(set(ports)) != len(ports):
@@ -324,11 +334,13 @@ SETTINGS: dict[str, Setting] = _rows(
     Setting("pct_clear_env", to_bool, True,
             "give commands the container's own environment (`env -i PATH=...`), not pct's PATH and "
             "the SSH session's variables"),
-    Setting("pct_ssh_share", to_count, 4,
+    Setting("pct_ssh_share", to_positive_count, 4,
             "how many containers of one Proxmox host share one SSH connection in a run "
             "(1: one connection per container)"),
     # --- one run's choices (--data on the command line) ---
     Setting("sglang_restarted", to_bool, False, "restart even when the desired spec already serves", "run"),
+    Setting("only_port", to_port, None, "only the desired server(s) on this port (one server of a container that "
+            "has several: a restart, a rollback, a deploy)", "run"),
     Setting("rollback_to", to_rank, 1, "the rollback runbook: the k-th newest good spec (1 = newest)", "run"),
     Setting("format", to_format, "table", "the status runbook: table or json", "run"),
     Setting("prom", to_optional_path, None, "the status runbook: also write a Prometheus textfile here", "run"),

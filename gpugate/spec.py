@@ -217,6 +217,33 @@ class Spec:
         return option_items(engine().redact_argv(list(self.argv))[3:])
 
 
+# the flags the GPU set is made of (gpu_set)
+GPU_SET_FLAGS = ("tp-size", "pp-size", "dp-size", "enable-dp-attention", "nnodes", "base-gpu-id", "gpu-id-step")
+SEPARATE_FIELD_TEXT = {"model-path": "set the model as sglang.model_path", "port": "set the port as sglang.port",
+                       "host": "set the host as sglang.host"}
+
+
+def extra_flags(extras: Sequence[str]) -> dict[str, Any]:
+    """What SGLang would read from extra_args (they are passed verbatim, after the flags: argparse
+    takes the last of a flag given twice); {} when it cannot tell.
+
+    >>> extra_flags(["--tp", "8", "--some-new-flag", "1"]), extra_flags(["--port=31000"])
+    ({'tp-size': 8}, {'port': True})
+    """
+    found: dict[str, Any] = {}
+    for token in extras:
+        name = token[2:].split("=", 1)[0] if token.startswith("--") else ""
+        if name in ("model-path", "model", "port", "host"):
+            found["model-path" if name == "model" else name] = True
+    try:
+        parsed = engine().parse_argv(["python3", "-m", "sglang.launch_server", *extras]) if extras else None
+    except ValueError:
+        parsed = None
+    if parsed is not None:
+        found.update((name, value) for name, value in parsed.flags.items() if name in GPU_SET_FLAGS)
+    return found
+
+
 def _one_line(what: str, text: str) -> None:
     if any(c in text for c in "\0\n\r"):
         raise SpecError(f"{what} must be one line (no newline, carriage return or NUL)")
@@ -284,8 +311,15 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
     warnings: list[str] = []
     if extras:
         warnings.append("extra_args passed verbatim, unchecked: " + " ".join(engine().redact_argv(list(extras))))
+    # the GPUs the server takes count what extra_args say too (`--tp 8` there is still tp 8 for the
+    # gate and the claims); the fields gpugate owns may not hide there
+    from_extras = extra_flags(extras)
+    hidden = sorted(set(from_extras) & {"model-path", "port", "host"})
+    if hidden:
+        raise SpecError(f"extra_args sets --{hidden[0]}: {SEPARATE_FIELD_TEXT[hidden[0]]}")
     try:
-        gpus: tuple[int, ...] | None = gpu_set(normal, clean_env)
+        gpus: tuple[int, ...] | None = gpu_set(
+            {**normal, **{k: v for k, v in from_extras.items() if k in GPU_SET_FLAGS}}, clean_env)
     except SpecError as error:
         if "UUID" not in str(error):
             raise
@@ -356,17 +390,20 @@ def desired_states(data: Any) -> list[Desired]:
     ``sglang:`` list (``sglang_servers``), each with the container's other settings and its own
     port, knowing its siblings' ports (a server on a sibling's port is never "the previous one").
 
-    >>> [d.port for d in desired_states({"sglang_servers": [{"sglang_model_path": "/m"},
-    ...                                                    {"sglang_model_path": "/m", "sglang_port": 30001}]})]
-    [30000, 30001]
+    >>> two = {"sglang_servers": [{"sglang_model_path": "/m"}, {"sglang_model_path": "/m", "sglang_port": 30001}]}
+    >>> [d.port for d in desired_states(two)], [d.port for d in desired_states({**two, "only_port": 30001})]
+    ([30000, 30001], [30001])
     """
     values = resolved(data)
     servers = values["sglang_servers"]
     if not servers:
-        return [_desired(values)]
-    ports = [int(server.get("sglang_port", values["sglang_port"])) for server in servers]
-    return [dataclasses.replace(_desired({**values, **server}), siblings=tuple(p for p in ports if p != port))
-            for server, port in zip(servers, ports)]
+        desired = [_desired(values)]
+    else:
+        ports = [int(server.get("sglang_port", values["sglang_port"])) for server in servers]
+        desired = [dataclasses.replace(_desired({**values, **server}), siblings=tuple(p for p in ports if p != port))
+                   for server, port in zip(servers, ports)]
+    only = values["only_port"]  # --data only_port=30001: one server of a container that has several
+    return [d for d in desired if only is None or d.port == int(only)]
 
 
 def _desired(values: Mapping[str, Any]) -> Desired:

@@ -97,6 +97,7 @@ def observe(args):
             entry["port"] = sglang.argv_port(proc["argv"]) if sglang.is_main_argv(proc["argv"]) else owner_port(
                 table, proc["pid"])
             if entry["port"] is not None and sglang.is_main_argv(proc["argv"]):
+                entry["main"] = True
                 # another port's server: its GPUs read here, from its whole argv and environment (the
                 # cmdline above is cut at 300 characters), and whether gpugate runs it (a port change
                 # may replace only a server of gpugate's own)

@@ -78,7 +78,8 @@ def server_state(server: Mapping[str, Any]) -> tuple[str, str]:
     health = server.get("health") or {}
     code = health.get("health")
     if not server.get("running"):
-        strays = server.get("strays") or []
+        # another server's parts (a container may hold several) are that server's, never strays here
+        strays = [s for s in server.get("strays") or [] if s.get("port") in (None, server.get("port"))]
         state = f"stopped, {len(strays)} stray sglang process(es)" if strays else "stopped"
         return state, "-"
     main = server.get("main") or {}
@@ -152,10 +153,23 @@ def _names(holders: Sequence[Mapping[str, Any]]) -> str:
     return ", ".join(out)
 
 
+def of_this_port(transition: Mapping[str, Any], port: Any) -> bool:
+    """Whether a container's run (the agent's ``transition``: its ``ports``) concerned the server
+    on ``port`` (a container may hold several servers; unknown ports: assume so).
+
+    >>> of_this_port({"ports": [30001]}, 30000), of_this_port({"ports": [30000]}, 30000), of_this_port({}, 30000)
+    (False, True, True)
+    """
+    ports = transition.get("ports")
+    return not ports or port is None or int(port) in [int(p) for p in ports]
+
+
 def transition_summary(server: Mapping[str, Any]) -> dict[str, Any]:
     """The latest transition from the agent's ``transition`` (or the history's ``last``):
     run, active, step, outcome, reasons, began, updated, duration_s (ended runs), by. {} when none."""
     transition = server.get("transition")
+    if not isinstance(transition, Mapping) or not of_this_port(transition, server.get("port")):
+        transition = None  # the container's latest run was another server's: this one's is its history's
     last = (server.get("history") or {}).get("last") if isinstance(server.get("history"), Mapping) else None
     source = transition if isinstance(transition, Mapping) else last if isinstance(last, Mapping) else None
     if not source:

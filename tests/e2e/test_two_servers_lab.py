@@ -85,3 +85,35 @@ def test_two_servers_of_one_container_are_each_their_own(lab, tmp_path):
     status = pyinfra(lab, stopped, "-y", "runbooks/status.py", "--data", "format=json")
     rows = {row["port"]: row["verdict"] for row in json.loads(status.stdout)["servers"]}
     assert rows == {30000: "serving as desired", 30001: "stopped as desired"}, status.stdout
+
+
+def test_one_server_of_two_is_restarted_or_rolled_back_alone(lab, tmp_path):
+    # the adversarial pass: restart.py restarted both; a rollback of :30000 to a spec from before
+    # :30001 existed (tp 8) stopped :30000 and then waited out its gate on :30001's GPUs; the status
+    # then blamed :30001 for :30000's failed run
+    wide = fleet(lab, tmp_path / "wide.yaml", [dict(LOW, flags={"tp": 8})])
+    run = pyinfra(lab, wide, "-y", "deploy.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    both = fleet(lab, tmp_path / "both.yaml", [LOW, HIGH])
+    run = pyinfra(lab, both, "-y", "deploy.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    pids = main_pids(lab)
+
+    restart = pyinfra(lab, both, "-y", "runbooks/restart.py", "--data", "only_port=30001")
+    assert restart.returncode == 0, restart.stdout + restart.stderr
+    after = main_pids(lab)
+    assert after[30000] == pids[30000] and after[30001] != pids[30001]
+    assert "sglang :30000" not in restart.stdout + restart.stderr
+
+    rollback = pyinfra(lab, both, "-y", "runbooks/rollback.py", "--data", "only_port=30000")
+    out = rollback.stdout + rollback.stderr
+    assert rollback.returncode != 0, out
+    assert "REFUSED, nothing touched: cannot roll back to the good spec #1 of :30000" in out, out
+    assert "the server on :30001 holds GPU 4-7" in out and "stopping" not in out, out
+    assert main_pids(lab) == after  # neither was touched
+
+    status = pyinfra(lab, both, "-y", "runbooks/status.py", "--data", "format=json")
+    rows = {row["port"]: row for row in json.loads(status.stdout)["servers"]}
+    assert {port: row["verdict"] for port, row in rows.items()} == {30000: "serving as desired",
+                                                                     30001: "serving as desired"}
+    assert rows[30001]["last_change"].startswith("verified") and "stray" not in rows[30000]["server"]
