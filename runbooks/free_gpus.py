@@ -14,14 +14,16 @@ See docs/runbooks.md.
 
 from pyinfra import host
 
-from gpugate.facts.sglang import SglangObservation
+from gpugate.facts.sglang import observe
 from gpugate.operations import gpu
 from gpugate.runbooks import free_gpus_refusal, refused
 
 data = host.data
 port = data.get("sglang_port", 30000)
 max_used_mib = data.get("gpu_max_used_mib", 64)
-observation = host.get_fact(SglangObservation, port=port, python=data.get("sglang_python", "/usr/bin/python3"))
+# observe(): the installed agent, else the agent sent inline; a container this controller never deployed to
+# has no agent installed, and without its observation the refusals below would see nothing (issue 19)
+observation = observe(host, python=data.get("sglang_python", "/usr/bin/python3"), port=port)
 reason = free_gpus_refusal(observation.get("sglang") or {}, observation.get("gpu") or {}, max_used_mib,
                            host.name, port)
 if reason:
