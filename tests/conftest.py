@@ -14,6 +14,7 @@ may run in parallel workers; each worker then pays the lab's start (well under a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -116,6 +117,18 @@ class Lab:
         from gpugate.lab import faults
 
         return faults.apply_fault(self.dir, host, vmid, name, clear=clear)
+
+    @contextlib.contextmanager
+    def load_held(self, host: str = "pve1", vmid: int = 129, safety_s: float = 90) -> Iterator[None]:
+        """Every stand-in start in the container stays in its load (fault slow-start, read again while
+        loading) until the block ends: a test acts while a server loads, for exactly as long as it
+        needs, instead of a fixed long load that must outlast a busy machine. ``safety_s``: the load
+        ends anyway after that long, so a test that fails inside the block never hangs the suite."""
+        self.fault(host, vmid, f"slow-start={safety_s:g}")
+        try:
+            yield
+        finally:
+            self.fault(host, vmid, "slow-start", clear=True)
 
 
 def start_lab(lab_dir: Path, hosts: int = LAB_HOSTS, gpus: int = LAB_GPUS, vmids: tuple[int, ...] = (129,)) -> Lab:

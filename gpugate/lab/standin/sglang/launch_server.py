@@ -456,6 +456,23 @@ def _drain_and_exit(state: State, workers: Workers) -> None:
     os._exit(0)
 
 
+def _load(started: float, load_s: float, slow_start: bool) -> None:
+    """Load until ``load_s`` after ``started``. Under the fault slow-start the length is read again while
+    loading, as every fault applies to a server that already runs: clearing the fault (or setting
+    another length) ends the load at $SGLANG_STANDIN_LOAD_S instead, so a test can hold a server in
+    its load for exactly as long as it needs (issue 19: no fixed load outlasting a busy machine)."""
+    if not slow_start:
+        time.sleep(max(0.0, load_s - (time.monotonic() - started)))
+        return
+    while True:
+        current = gpusim.read_faults().get("slow-start")
+        length = float(current) if current else float(os.environ.get("SGLANG_STANDIN_LOAD_S", "1.0"))
+        left = length - (time.monotonic() - started)
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.05))
+
+
 def main(argv=None) -> int:
     started = time.monotonic()
     args = build_parser().parse_args(argv)  # exits 2 on a bad flag, as SGLang's parser does
@@ -502,7 +519,7 @@ def main(argv=None) -> int:
         # after wait_for_ready, as SGLang's engine starts its SubprocessWatchdog
         signal.signal(signal.SIGQUIT, on_sigquit)
         workers.watch()
-        time.sleep(max(0.0, load_s - (time.monotonic() - started)))
+        _load(started, load_s, bool(faults.get("slow-start")) and not real)
     except KeyboardInterrupt:
         workers.kill()
         return 1
