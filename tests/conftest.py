@@ -35,15 +35,22 @@ LAB_GPUS = 8
 def audit_log_in_a_temporary_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Every audit event of the test session (this process, its pyinfra children, every xdist worker)
     goes to a file under pytest's temporary directory, never to the repository's ./audit.jsonl nor to
-    an operator's $GPUGATE_AUDIT_LOG. Tests that check the audit log pass their own path."""
+    an operator's $GPUGATE_AUDIT_LOG. Tests that check the audit log pass their own path.
+
+    Likewise the controller's cache of SGLang flag tables ($GPUGATE_CACHE_DIR, else ~/.cache/gpugate):
+    one per worker, so no run of the suite reads a table another run (or another checkout, or the
+    operator) left in the home directory. Tests that check the cache pass their own directory."""
     path = tmp_path_factory.mktemp("audit") / "audit.jsonl"
-    previous = os.environ.get("GPUGATE_AUDIT_LOG")
+    cache = tmp_path_factory.mktemp("controller-cache")
+    previous = {name: os.environ.get(name) for name in ("GPUGATE_AUDIT_LOG", "GPUGATE_CACHE_DIR")}
     os.environ["GPUGATE_AUDIT_LOG"] = str(path)
+    os.environ["GPUGATE_CACHE_DIR"] = str(cache)
     yield path
-    if previous is None:
-        os.environ.pop("GPUGATE_AUDIT_LOG", None)
-    else:
-        os.environ["GPUGATE_AUDIT_LOG"] = previous
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def lab_unavailable_reason() -> str | None:
