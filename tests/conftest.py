@@ -182,6 +182,17 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Lab:
     yield from module_lab(tmp_path_factory, "gpugate-lab")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, ``-n N`` alone means ``--dist load``, which deals a module's tests to whichever worker
+    is free: a module's lab would start on both workers and the tests of a module that run from the
+    state the earlier ones left would find another state. Whole files go to one worker instead
+    (``--dist loadfile``); any other ``--dist`` given is kept. Not in ``addopts``: ``-p no:xdist`` and a
+    machine without xdist keep working."""
+    if getattr(config.option, "dist", None) == "load":
+        config.option.dist = "loadfile"
+
+
 def pytest_collection_finish(session):
     """Importing ``pyinfra_cli`` gevent-patches the whole interpreter (subprocess, threading, socket). A
     test module that does it at import time changes every other test of the session (``subprocess.run``
