@@ -1,0 +1,17 @@
+"""CI runs the README's test command, no other (issue 19): the line a user copies is the line CI proves."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    readme = (REPO / "README.md").read_text()
+    command = re.search(r"^scripts/bootstrap && (python3 -m pytest.*)$", readme, re.M)
+    assert command, "the README's test command line (scripts/bootstrap && python3 -m pytest ...) is missing"
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert ci[ci.index("scripts/bootstrap") + 1] == command.group(1)
+    assert "set -euo pipefail" in ci  # a failing bootstrap or suite fails CI
