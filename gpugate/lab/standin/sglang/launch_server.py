@@ -9,7 +9,8 @@ What it copies from SGLang (shared/reference/sglang-lifecycle.md):
   ``sglang::scheduler`` when tp=1) and ``sglang::detokenizer``; each scheduler holds context +
   ``mem_fraction_static`` x total MiB on GPU ``base_gpu_id + i*gpu_id_step`` and fails with
   "RuntimeError: Not enough memory..." when that is not free. Workers die with their parent.
-- loading (``$SGLANG_STANDIN_LOAD_S``, default 1.0; fault ``slow-start=S``) with the port closed, then
+- loading (``$SGLANG_STANDIN_LOAD_S``, default 1.0; fault ``slow-start=S``, read again while loading: its
+  clearing ends the load) with the port closed, then
   HTTP: /health 503 until a warmup /generate succeeded, then 200 ("The server is fired up and ready
   to roll!"); /health_generate; /get_server_info and /server_info (resolved args + version);
   /get_model_info; /v1/models; POST /generate, /v1/completions, /v1/chat/completions, /flush_cache.
