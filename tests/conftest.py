@@ -182,6 +182,39 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Lab:
     yield from module_lab(tmp_path_factory, "gpugate-lab")
 
 
+# The longest lab modules, longest first (their share of a run, docs/testing.md): under xdist a worker
+# that takes one of them last would run on alone while the others are idle, so they are collected first
+# and the short modules fill in behind them. Every other module keeps its place, after these.
+LONGEST_MODULES = (
+    "tests/faults/test_start_and_operators.py",
+    "tests/e2e/test_runbooks_lab.py",
+    "tests/faults/test_stop_and_gate.py",
+    "tests/e2e/test_transition_lab.py",
+    "tests/lab/test_agent_lab.py",
+    "tests/e2e/test_gate_lab.py",
+    "tests/faults/test_fleet_and_input.py",
+    "tests/e2e/test_claims_lab.py",
+    "tests/e2e/test_second_operator_lab.py",
+    "tests/e2e/test_server_lab.py",
+    "tests/e2e/test_connector_lab.py",
+    "tests/e2e/test_systemd_lab.py",
+    "tests/e2e/test_flags_lab.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest modules first (LONGEST_MODULES), each whole and in its own order (a stable sort by
+    module: a module's tests stay together, in file order, as its lab fixture and ordered tests need)."""
+    rank = {path: i for i, path in enumerate(LONGEST_MODULES)}
+
+    def module_rank(item: pytest.Item) -> int:
+        path = Path(str(item.path)).resolve()
+        relative = path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else ""
+        return rank.get(relative, len(rank))
+
+    items.sort(key=module_rank)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     """Under xdist, ``-n N`` alone means ``--dist load``, which deals a module's tests to whichever worker

@@ -15,3 +15,11 @@ def test_ci_runs_exactly_the_readmes_test_command():
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert ci[ci.index("scripts/bootstrap") + 1] == command.group(1)
     assert "set -euo pipefail" in ci  # a failing bootstrap or suite fails CI
+
+
+def test_the_longest_modules_named_for_the_schedule_exist():
+    """tests/conftest.py collects these first (xdist gives them out first); a renamed or moved module
+    would silently fall back to its collection place and make a worker run on alone at the end."""
+    from tests.conftest import LONGEST_MODULES
+
+    assert [path for path in LONGEST_MODULES if not (REPO / path).is_file()] == []
