@@ -108,10 +108,15 @@ class Lab:
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
     def env(self) -> dict[str, str]:
-        """Environment under which `pyinfra inventory.py ...` reaches this lab."""
+        """Environment under which `pyinfra inventory.py ...` reaches this lab.
+
+        PYTHONPATH starts with this checkout: the `pyinfra` on PATH imports gpugate through whatever
+        editable install its interpreter has, which on a shared machine can be another checkout's (the
+        last `scripts/bootstrap` run anywhere wins); the controller under test is always this one."""
         env = dict(os.environ)
         env["GPUGATE_LAB_DIR"] = str(self.dir)
         env["GPUGATE_FLEET"] = str(self.fleet_path)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         return env
 
     def pyinfra(self, *args: str, timeout: float = 300, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:

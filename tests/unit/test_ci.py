@@ -23,3 +23,21 @@ def test_the_longest_modules_named_for_the_schedule_exist():
     from tests.conftest import LONGEST_MODULES
 
     assert [path for path in LONGEST_MODULES if not (REPO / path).is_file()] == []
+
+
+def test_the_controller_of_the_lab_tests_imports_this_checkout(tmp_path):
+    """The `pyinfra` the lab tests run (Lab.env) imports this checkout's gpugate, whichever checkout
+    the interpreter's editable install points at (on a shared machine: the last bootstrap run)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import Lab
+
+    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    shebang = Path(exe).read_text().splitlines()[0]
+    python = shebang[2:].strip().split()[0] if shebang.startswith("#!") else sys.executable
+    env = Lab(dir=tmp_path, hosts=[], fleet_path=tmp_path / "fleet.yaml").env()
+    out = subprocess.run([python, "-c", "import gpugate; print(gpugate.__file__)"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert out.stdout.strip() == str(REPO / "gpugate" / "__init__.py"), (out.stdout, out.stderr)
