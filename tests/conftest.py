@@ -229,6 +229,10 @@ def pytest_configure(config: pytest.Config) -> None:
     machine without xdist keep working."""
     if getattr(config.option, "dist", None) == "load":
         config.option.dist = "loadfile"
+        # and in collection order (LONGEST_MODULES first), not xdist's default of most tests first, which
+        # handed out the many short unit modules first and left a long lab module to run on alone at the end
+        if hasattr(config.option, "loadscopereorder"):
+            config.option.loadscopereorder = False
 
 
 def pytest_collection_finish(session):
