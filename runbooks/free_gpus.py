@@ -14,15 +14,19 @@ See docs/runbooks.md.
 
 from pyinfra import host
 
-from gpugate.facts.sglang import SglangObservation
+from gpugate.facts.sglang import SglangObservationOnce
 from gpugate.operations import gpu
 from gpugate.report.holders import free_gpus_refusal
-from gpugate.spec import desired_state
+from gpugate.spec import desired_state, desired_states
 
-desired = desired_state(host.data)
-observation = host.get_fact(SglangObservation, port=desired.port, python=desired.python)
-reason = free_gpus_refusal(observation.get("sglang") or {}, observation.get("gpu") or {}, desired.max_used_mib,
-                           host.name, desired.port)
+desired = desired_state(host.data)  # the container's gate settings
+reason = None
+for server in desired_states(host.data):  # every server of the container: none of them may run
+    # the installed agent, else the agent sent inline, in one command: a container this controller never
+    # deployed to has no agent installed, and without its observation the refusals below would see nothing
+    observation = host.get_fact(SglangObservationOnce, port=server.port, python=server.python)
+    reason = reason or free_gpus_refusal(observation.get("sglang") or {}, observation.get("gpu") or {},
+                                         server.max_used_mib, host.name, server.port)
 if reason:
     gpu.refused(name="Free the container's GPUs", reason=reason)
 else:

@@ -14,6 +14,7 @@ may run in parallel workers; each worker then pays the lab's start (well under a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -34,15 +35,22 @@ LAB_GPUS = 8
 def audit_log_in_a_temporary_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Every audit event of the test session (this process, its pyinfra children, every xdist worker)
     goes to a file under pytest's temporary directory, never to the repository's ./audit.jsonl nor to
-    an operator's $GPUGATE_AUDIT_LOG. Tests that check the audit log pass their own path."""
+    an operator's $GPUGATE_AUDIT_LOG. Tests that check the audit log pass their own path.
+
+    Likewise the controller's cache of SGLang flag tables ($GPUGATE_CACHE_DIR, else ~/.cache/gpugate):
+    one per worker, so no run of the suite reads a table another run (or another checkout, or the
+    operator) left in the home directory. Tests that check the cache pass their own directory."""
     path = tmp_path_factory.mktemp("audit") / "audit.jsonl"
-    previous = os.environ.get("GPUGATE_AUDIT_LOG")
+    cache = tmp_path_factory.mktemp("controller-cache")
+    previous = {name: os.environ.get(name) for name in ("GPUGATE_AUDIT_LOG", "GPUGATE_CACHE_DIR")}
     os.environ["GPUGATE_AUDIT_LOG"] = str(path)
+    os.environ["GPUGATE_CACHE_DIR"] = str(cache)
     yield path
-    if previous is None:
-        os.environ.pop("GPUGATE_AUDIT_LOG", None)
-    else:
-        os.environ["GPUGATE_AUDIT_LOG"] = previous
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def lab_unavailable_reason() -> str | None:
@@ -100,10 +108,15 @@ class Lab:
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
     def env(self) -> dict[str, str]:
-        """Environment under which `pyinfra inventory.py ...` reaches this lab."""
+        """Environment under which `pyinfra inventory.py ...` reaches this lab.
+
+        PYTHONPATH starts with this checkout: the `pyinfra` on PATH imports gpugate through whatever
+        editable install its interpreter has, which on a shared machine can be another checkout's (the
+        last `scripts/bootstrap` run anywhere wins); the controller under test is always this one."""
         env = dict(os.environ)
         env["GPUGATE_LAB_DIR"] = str(self.dir)
         env["GPUGATE_FLEET"] = str(self.fleet_path)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         return env
 
     def pyinfra(self, *args: str, timeout: float = 300, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
@@ -116,6 +129,18 @@ class Lab:
         from gpugate_lab import faults
 
         return faults.apply_fault(self.dir, host, vmid, name, clear=clear)
+
+    @contextlib.contextmanager
+    def load_held(self, host: str = "pve1", vmid: int = 129, safety_s: float = 90) -> Iterator[None]:
+        """Every stand-in start in the container stays in its load (fault slow-start, read again while
+        loading) until the block ends: a test acts while a server loads, for exactly as long as it
+        needs, instead of a fixed long load that must outlast a busy machine. ``safety_s``: the load
+        ends anyway after that long, so a test that fails inside the block never hangs the suite."""
+        self.fault(host, vmid, f"slow-start={safety_s:g}")
+        try:
+            yield
+        finally:
+            self.fault(host, vmid, "slow-start", clear=True)
 
 
 def start_lab(lab_dir: Path, hosts: int = LAB_HOSTS, gpus: int = LAB_GPUS, vmids: tuple[int, ...] = (129,)) -> Lab:
@@ -160,6 +185,54 @@ def module_lab(tmp_path_factory: pytest.TempPathFactory, name: str, hosts: int =
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Lab:
     """One lab (2 hosts x 8 GPUs, container 129 running on each) for the whole session (per xdist worker)."""
     yield from module_lab(tmp_path_factory, "gpugate-lab")
+
+
+# The longest lab modules, longest first (their share of a run, docs/testing.md): under xdist a worker
+# that takes one of them last would run on alone while the others are idle, so they are collected first
+# and the short modules fill in behind them. Every other module keeps its place, after these.
+LONGEST_MODULES = (
+    "tests/faults/test_start_and_operators.py",
+    "tests/e2e/test_runbooks_lab.py",
+    "tests/faults/test_stop_and_gate.py",
+    "tests/e2e/test_transition_lab.py",
+    "tests/lab/test_agent_lab.py",
+    "tests/e2e/test_gate_lab.py",
+    "tests/faults/test_fleet_and_input.py",
+    "tests/e2e/test_claims_lab.py",
+    "tests/e2e/test_second_operator_lab.py",
+    "tests/e2e/test_server_lab.py",
+    "tests/e2e/test_connector_lab.py",
+    "tests/e2e/test_systemd_lab.py",
+    "tests/e2e/test_flags_lab.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest modules first (LONGEST_MODULES), each whole and in its own order (a stable sort by
+    module: a module's tests stay together, in file order, as its lab fixture and ordered tests need)."""
+    rank = {path: i for i, path in enumerate(LONGEST_MODULES)}
+
+    def module_rank(item: pytest.Item) -> int:
+        path = Path(str(item.path)).resolve()
+        relative = path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else ""
+        return rank.get(relative, len(rank))
+
+    items.sort(key=module_rank)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, ``-n N`` alone means ``--dist load``, which deals a module's tests to whichever worker
+    is free: a module's lab would start on both workers and the tests of a module that run from the
+    state the earlier ones left would find another state. Whole files go to one worker instead
+    (``--dist loadfile``); any other ``--dist`` given is kept. Not in ``addopts``: ``-p no:xdist`` and a
+    machine without xdist keep working."""
+    if getattr(config.option, "dist", None) == "load":
+        config.option.dist = "loadfile"
+        # and in collection order (LONGEST_MODULES first), not xdist's default of most tests first, which
+        # handed out the many short unit modules first and left a long lab module to run on alone at the end
+        if hasattr(config.option, "loadscopereorder"):
+            config.option.loadscopereorder = False
 
 
 def pytest_collection_finish(session):

@@ -12,7 +12,8 @@ when the behaviour matters, so a fault applies to a server that is already runni
   clearing kills it. Nothing inside the container can see or kill it.
 - ``crash-on-start``: the stand-in exits 1 with a traceback while loading.
 - ``never-healthy``: /health stays 503.
-- ``slow-start=SECONDS``: loading takes that long.
+- ``slow-start=SECONDS``: loading takes that long; read again while loading, so clearing it ends a load
+  in progress (tests hold a server in its load this way: tests/conftest.py ``Lab.load_held``).
 
 Example: ``apply_fault(Path("/tmp/gpugate-lab"), "pve1", 129, "slow-start=30")``
 """

@@ -229,16 +229,24 @@ def test_host_fact_maps_container_processes_to_their_vmid(lab):
 
 # Holds 4096 MiB on every GPU for 7 s, then exits (the driver frees it): the gate's wait outlives
 # pyinfra's start and a first 3 s chunk.
-SHORT_LIVED = ("setsid nohup python3 -c 'import time, gpugate_gpusim as sim; "
-               "held = [sim.allocate(gpu, 4096) for gpu in range(8)]; time.sleep(7)' "
-               ">/dev/null 2>&1 </dev/null & echo $!")
+# Holds until the test ends it (the sleep is only a bound for a test that fails before its kill).
+UNTIL_KILLED = ("setsid nohup python3 -c 'import time, gpugate_gpusim as sim; "
+                "held = [sim.allocate(gpu, 4096) for gpu in range(8)]; time.sleep(600)' "
+                ">/dev/null 2>&1 </dev/null & echo $!")
 
 
 def test_a_long_wait_prints_what_it_sees_every_3_s_then_passes(lab):
-    pid = int(in_ct(lab, SHORT_LIVED).strip())
+    from tests.faults.conftest import pyinfra as streamed
+
+    pid = int(in_ct(lab, UNTIL_KILLED).strip())
     STARTED.append(pid)
     assert wait_until(lambda: gpu_used(lab) == [4096] * 8, 10), "the holder never held memory"
-    result, out = gate(lab, timeout=30)
+    # the holder goes once the gate has said what it sees after 3 s (it went after a fixed 7 s, which a
+    # slow pyinfra start on a busy machine could use up before the gate's first 3 s had passed)
+    end_holder = ("gate: 3 s of 30 s", lambda _process: in_ct(lab, f"kill {pid}"))
+    result = streamed(lab, ["inventory.py", str(lab.dir / "gate_deploy.py"), "--data", "gate_timeout=30"],
+                      when=[end_holder])
+    out = result.output
     assert result.returncode == 0, out
     progress = f"gate: 3 s of 30 s: GPU MiB 4096 x8; 1 holder(s) left: {pid} python3 -c import time, gpugate_gpus"
     assert progress in out, out

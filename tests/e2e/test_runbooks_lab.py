@@ -157,9 +157,12 @@ def test_free_gpus_never_touches_memory_held_from_outside(lab):
     lab.fault("pve2", 129, "foreign-holder")
     try:
         assert wait_until(lambda: all(used > 0 for used in gpu_used(lab, "pve2")), 10)
-        result, _stdout, out = run(lab, "free_gpus", "--limit", "pve_pve2")
+        # the refusal comes from the plan, before any gate: pve2 never had a deploy, so no agent is installed
+        # there and the observation goes inline (a gate budget as data: a regression fails in seconds, not 120 s)
+        result, _stdout, out = run(lab, "free_gpus", "--limit", "pve_pve2", "--data", "gpu_gate_timeout_s=3")
         assert result.returncode != 0
         assert "held from OUTSIDE the container" in out and "runbooks/who_holds_gpus.py" in out
+        assert "Nothing was touched" in out and "gpu.idle will wait" not in out, out
         assert all(used > 0 for used in gpu_used(lab, "pve2"))
         _result, stdout, _out = run(lab, "who_holds_gpus", "--limit", "pve_pve2")
         assert [line.split()[:2] for line in stdout.splitlines()[1:2]] == [["pve2", "host"]]

@@ -9,17 +9,16 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 
 import pytest
 
 from tests.conftest import REPO_ROOT, module_lab
-from tests.e2e.test_transition_lab import (argv_of, deploy_args, observe, pyinfra_argv, read_until, run, start,
+from tests.e2e.test_transition_lab import (argv_of, deploy_args, observe, pyinfra_argv, read_until, start,
                                            wait_idle)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
-SLOW = {"SGLANG_STANDIN_LOAD_S": "15"}  # outlasts the second pyinfra start on a busy 2-core machine
+FAST = {"SGLANG_STANDIN_LOAD_S": "0.3"}  # the load a test needs to act in is held (lab.load_held), not long
 A = {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}
 B = {"tp": 8, "mem-fraction-static": 0.8}
 
@@ -29,11 +28,22 @@ def lab(tmp_path_factory):
     yield from module_lab(tmp_path_factory, "lab-second-operator", hosts=1, gpus=8)
 
 
+def attach_while_loading(lab, first_flags: dict, *extra: str, flags: dict) -> tuple[subprocess.Popen, int, str]:
+    """A first run starts ``first_flags`` and its server is held in its load; a second run (``extra``,
+    ``flags``) starts then and finds that transition running; the load ends once the second has said it
+    attaches. -> (the first run, still to be read; the second's exit status and whole output)."""
+    with lab.load_held():
+        first = start(lab, flags=first_flags, env=FAST)
+        read_until(first, "started pid")
+        second = start(lab, *extra, flags=flags, env=FAST)
+        head = read_until(second, "will attach")
+    rest, _ = second.communicate(timeout=120)
+    return first, second.returncode, head + rest
+
+
 def test_a_second_operator_attached_to_another_spec_applies_its_own_afterwards(lab, tmp_path):
-    first = start(lab, flags=A, env=SLOW)
-    read_until(first, "started pid")
     audit = tmp_path / "audit.jsonl"
-    code, out = run(lab, "--data", f"audit_log={audit}", flags=B, env=SLOW)
+    first, code, out = attach_while_loading(lab, A, "--data", f"audit_log={audit}", flags=B)
     rest, _ = first.communicate(timeout=120)
     assert first.returncode == 0, rest
     assert "will attach" in out and "not this run's desired state" in out, out
@@ -47,9 +57,7 @@ def test_a_second_operator_attached_to_another_spec_applies_its_own_afterwards(l
 
 
 def test_a_stop_attached_to_a_start_stops_afterwards(lab):
-    first = start(lab, flags=A, env=SLOW)
-    read_until(first, "started pid")
-    code, out = run(lab, "--data", "sglang_present=false", flags=A, env=SLOW)
+    first, code, out = attach_while_loading(lab, A, "--data", "sglang_present=false", flags=A)
     first.communicate(timeout=120)
     assert "another operator's run applied a different spec" in out and "will stop" in out, out
     assert code == 0, out
@@ -68,19 +76,20 @@ def dry_run(lab, yes: bool, *extra: str, **kwargs) -> tuple[int, str]:
 
 @pytest.mark.parametrize("yes", [True, False], ids=["-y", "no -y"])
 def test_dry_prints_the_plan_and_a_refusal_exits_non_zero_with_or_without_yes(lab, yes):
-    code, out = dry_run(lab, yes, flags=A, env=SLOW)
+    code, out = dry_run(lab, yes, flags=A, env=FAST)
     assert code == 0 and "sglang :30000 will " in out and "+ --kv-cache-dtype fp8_e4m3" in out, out
-    code, out = dry_run(lab, yes, "--data", "sglang_version=0.0.1", flags=A, env=SLOW)
+    code, out = dry_run(lab, yes, "--data", "sglang_version=0.0.1", flags=A, env=FAST)
     assert code != 0 and "REFUSED, nothing touched" in out and "0.0.1" in out, out
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_or_sighup_after_the_hand_off_says_what_continues(lab, signum):
-    process = start(lab, flags=B if signum == signal.SIGTERM else A, env=SLOW)
-    read_until(process, "started pid")
-    time.sleep(4)  # a journal batch later: the step named is the load's
-    process.send_signal(signum)
-    rest, _ = process.communicate(timeout=60)
+    with lab.load_held():
+        process = start(lab, flags=B if signum == signal.SIGTERM else A, env=FAST)
+        read_until(process, "started pid")
+        read_until(process, "since the start")  # the follow has seen the load: the step named is the load's
+        process.send_signal(signum)
+        rest, _ = process.communicate(timeout=60)
     last = wait_idle(lab)
     assert process.returncode == 128 + signum, rest
     assert "the transition continues in the container: loading" in rest and "runbooks/status.py" in rest, rest

@@ -26,8 +26,8 @@ from tests.conftest import REPO_ROOT, module_lab
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 FAST = {"SGLANG_STANDIN_LOAD_S": "0.4"}
-SLOW = {"SGLANG_STANDIN_LOAD_S": "6"}  # the follow prints in 3 s batches: still loading after the first
-LONG = {"SGLANG_STANDIN_LOAD_S": "12"}  # outlasts a pyinfra start on a busy machine: the re-run finds it loading
+# A test that acts while a server loads holds the load (lab.load_held: fault slow-start, cleared when
+# the test has done what it does in the load) instead of a long load that must outlast a busy machine.
 PVE1 = "@pct/pve1:129"
 
 
@@ -171,10 +171,11 @@ def test_ctrl_c_before_the_hand_off_touches_nothing_and_exits_non_zero(lab):
 
 
 def test_ctrl_c_during_the_load_exits_non_zero_and_says_what_continues(lab):
-    process = start(lab, env=SLOW)
-    read_until(process, "started pid")
-    process.send_signal(signal.SIGINT)
-    rest, _ = process.communicate(timeout=60)
+    with lab.load_held():
+        process = start(lab, flags={"tp": 8, "mem-fraction-static": 0.8})
+        read_until(process, "started pid")
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=60)
     assert process.returncode not in (0, None), rest
     assert "the transition continues in the container: loading" in rest and "runbooks/status.py" in rest
     last = wait_idle(lab)
@@ -182,25 +183,30 @@ def test_ctrl_c_during_the_load_exits_non_zero_and_says_what_continues(lab):
 
 
 def test_controller_killed_during_the_load_the_rerun_attaches_and_reports(lab):
-    process = start(lab, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}, env=LONG)
-    read_until(process, "started pid")
-    process.kill()  # SIGKILL: no handler, no goodbye
-    process.communicate(timeout=30)
-    code, out = run(lab, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}, env=LONG)
+    with lab.load_held():
+        process = start(lab, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+        read_until(process, "started pid")
+        process.kill()  # SIGKILL: no handler, no goodbye
+        process.communicate(timeout=30)
+        rerun = start(lab, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+        head = read_until(rerun, "following it instead of starting another")  # it found the run loading
+    rest, _ = rerun.communicate(timeout=120)
+    code, out = rerun.returncode, head + rest
     assert code == 0, out
     assert "following it instead of starting another" in out and "verified" in out
-    code, out = run(lab, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}, env=LONG)
+    code, out = run(lab, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
     assert code == 0, out
     assert "ended: verified" in out and "No changes" in out
 
 
 def test_a_container_stopped_mid_run_is_reported_within_one_poll(lab):
-    process = start(lab, env=SLOW)
-    read_until(process, "started pid")
-    assert lab.pct("pve1", "stop", "129").returncode == 0
-    stopped_at = time.time()
-    rest, _ = process.communicate(timeout=60)
-    took = time.time() - stopped_at
+    with lab.load_held():
+        process = start(lab, flags={"tp": 8, "mem-fraction-static": 0.8})
+        read_until(process, "started pid")
+        assert lab.pct("pve1", "stop", "129").returncode == 0
+        stopped_at = time.time()
+        rest, _ = process.communicate(timeout=60)
+        took = time.time() - stopped_at
     assert process.returncode != 0, rest
     assert "container 129 on pve1 is stopped" in rest
     assert took < 3.0 + 5.0, took  # one follow poll (3 s) and the exit

@@ -40,7 +40,11 @@ def test_nvml_poller_writes_v2_readings_when_they_change(tmp_path):
     out = tmp_path / "samples.jsonl"
     proc = subprocess.Popen([sys.executable, "-c", e2e.POLLER, str(out), "nvml", "-", "0.002"],
                             env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, stderr=subprocess.PIPE)
-    time.sleep(0.8)
+    # until the poller has written the freed reading (a fixed 0.8 s ran out before it on a busy machine)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (out.exists() and '"used": [0, 0]' in out.read_text()):
+        time.sleep(0.02)
+    time.sleep(0.05)  # a few more polls of the freed reading: the last sample is a whole line
     proc.kill()
     assert proc.wait() != 0 and not proc.stderr.read().strip()
     samples = [json.loads(line) for line in out.read_text().splitlines()]

@@ -152,3 +152,14 @@ def test_a_drain_ending_in_its_own_worker_kills_is_no_crash(sim, start_standin, 
     os.kill(s.proc.pid, signal.SIGTERM)
     assert s.proc.wait(timeout=30) == 0
     assert "SIGQUIT received" not in s.log()
+
+
+def test_slow_start_is_read_while_loading_so_clearing_it_ends_the_load(sim, start_standin, model_dir):
+    """lab.load_held (tests/conftest.py) rests on this: a server held in its load by slow-start serves
+    once the fault is cleared, long before the fault's own length."""
+    sim.set_faults({"slow-start": 600})
+    s = start_standin("--model-path", str(model_dir), "--tp", "1")
+    wait_until(lambda: sim.used(0) > 0, what="the scheduler holding memory (the load began)")
+    assert http_status(s.port) == "refused"  # still loading: the port stays closed
+    sim.set_faults({})
+    wait_until(lambda: http_status(s.port) == 200, what="/health 200 once slow-start is cleared")

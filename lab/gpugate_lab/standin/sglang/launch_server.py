@@ -9,7 +9,8 @@ What it copies from SGLang (shared/reference/sglang-lifecycle.md):
   ``sglang::scheduler`` when tp=1) and ``sglang::detokenizer``; each scheduler holds context +
   ``mem_fraction_static`` x total MiB on GPU ``base_gpu_id + i*gpu_id_step`` and fails with
   "RuntimeError: Not enough memory..." when that is not free. Workers die with their parent.
-- loading (``$SGLANG_STANDIN_LOAD_S``, default 1.0; fault ``slow-start=S``) with the port closed, then
+- loading (``$SGLANG_STANDIN_LOAD_S``, default 1.0; fault ``slow-start=S``, read again while loading: its
+  clearing ends the load) with the port closed, then
   HTTP: /health 503 until a warmup /generate succeeded, then 200 ("The server is fired up and ready
   to roll!"); /health_generate; /get_server_info and /server_info (resolved args + version);
   /get_model_info; /v1/models; POST /generate, /v1/completions, /v1/chat/completions, /flush_cache.
@@ -456,6 +457,23 @@ def _drain_and_exit(state: State, workers: Workers) -> None:
     os._exit(0)
 
 
+def _load(started: float, load_s: float, slow_start: bool) -> None:
+    """Load until ``load_s`` after ``started``. Under the fault slow-start the length is read again while
+    loading, as every fault applies to a server that already runs: clearing the fault (or setting
+    another length) ends the load at $SGLANG_STANDIN_LOAD_S instead, so a test can hold a server in
+    its load for exactly as long as it needs (issue 19: no fixed load outlasting a busy machine)."""
+    if not slow_start:
+        time.sleep(max(0.0, load_s - (time.monotonic() - started)))
+        return
+    while True:
+        current = gpusim.read_faults().get("slow-start")
+        length = float(current) if current else float(os.environ.get("SGLANG_STANDIN_LOAD_S", "1.0"))
+        left = length - (time.monotonic() - started)
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.05))
+
+
 def main(argv=None) -> int:
     started = time.monotonic()
     args = build_parser().parse_args(argv)  # exits 2 on a bad flag, as SGLang's parser does
@@ -502,7 +520,7 @@ def main(argv=None) -> int:
         # after wait_for_ready, as SGLang's engine starts its SubprocessWatchdog
         signal.signal(signal.SIGQUIT, on_sigquit)
         workers.watch()
-        time.sleep(max(0.0, load_s - (time.monotonic() - started)))
+        _load(started, load_s, bool(faults.get("slow-start")) and not real)
     except KeyboardInterrupt:
         workers.kill()
         return 1
