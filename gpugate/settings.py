@@ -324,6 +324,8 @@ SETTINGS: dict[str, Setting] = _rows(
             "the environment variable on the control machine that holds the router's API key", "fleet"),
     Setting("min_serving", to_count, 1,
             "a routed server leaves its router only when this many other healthy workers of its model stay"),
+    Setting("router_join_timeout_s", to_number, 120.0,
+            "after the verify: until the server is /ready and its router lists it healthy again"),
     Setting("router_register", to_bool, False,
             "true: a routed server its router does not list is added to it (else refused)", "run"),
     # --- the GPU gate (this server's GPUs only) ---

@@ -330,6 +330,7 @@ class Routing:
     api_key_env: str | None = None
     min_serving: int = 1
     register: bool = False
+    join_timeout_s: float = 120.0
 
 
 def routing_of(values: Mapping[str, Any]) -> Routing | None:
@@ -345,7 +346,8 @@ def routing_of(values: Mapping[str, Any]) -> Routing | None:
         raise SpecError(f"router {name!r}: router_url is missing (the URL the router reaches this server at)")
     return Routing(router=name, endpoint=values["router_endpoint"], worker_url=values["sglang_router_url"],
                    kind=values.get("router_kind") or "smg", api_key_env=values.get("router_api_key_env"),
-                   min_serving=int(values.get("min_serving", 1)), register=bool(values.get("router_register")))
+                   min_serving=int(values.get("min_serving", 1)), register=bool(values.get("router_register")),
+                   join_timeout_s=float(values.get("router_join_timeout_s") or 120.0))
 
 
 @dataclasses.dataclass(frozen=True)
