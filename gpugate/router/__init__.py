@@ -100,17 +100,22 @@ def leave(routing: Routing, client: SmgClient, worker: Mapping[str, Any], budget
     RouterError when smg refuses the removal (nothing stopped yet)."""
     start = now()
     client.remove(str(worker.get("id")))
+    # smg excludes a draining worker from selection at once and drops it after its settle time
+    # (drain_workers.rs): draining (or gone) is enough, waiting for gone would cost that time
     while now() - start < budget_s:
         try:
-            if client.find(routing.worker_url) is None:
-                break
+            found = client.find(routing.worker_url)
         except RouterError:
             break  # the router went away: it sends nothing more either
+        if found is None or found.get("status") != "ready":
+            break
         sleep(POLL_S)
-    left = None
+    left, zeros = None, 0
     while now() - start < budget_s:
         left = in_flight(routing.worker_url)
-        if left == 0:
+        # twice 0, a poll apart: a request smg picked just before the removal has arrived by then
+        zeros = zeros + 1 if left == 0 else 0
+        if zeros >= 2:
             say(f"router {routing.router}: left it; 0 requests in flight after {now() - start:.1f} s")
             return
         sleep(POLL_S)
