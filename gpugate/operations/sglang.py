@@ -411,7 +411,7 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         book.untouched.append(name)
         book.outcomes[name] = "not touched (rolling restart stopped)"
         host_obj.log_styled(f"sglang :{job.port} not touched: the rolling restart stopped after the failure of "
-                            f"{', '.join(book.failed)}", fg="yellow", log_func=logger.warning)
+                            f"{', '.join(book.failed + book.refused)}", fg="yellow", log_func=logger.warning)
         return True
     plan = job.plan
     if plan.action == "attach":

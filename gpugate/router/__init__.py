@@ -62,9 +62,9 @@ class Preflight:
                 f"worker(s) of {model} keep serving)",
                 f"{where}: wait until its in-flight requests are 0 (/metrics num_running_reqs + num_queue_reqs, "
                 f"at most {drain_s:g} s)",
-                f"{where}: after the verify (or a rollback): /ready, re-add it (model {model}, priority "
-                f"{self.worker.get('priority', '-')}, labels {dict(self.worker.get('labels') or {})}) and wait "
-                f"until it is listed healthy"]
+                f"{where}: after the verify (or a rollback): /ready, re-add it as it was (model {model}, "
+                f"priority {self.worker.get('priority', '-')}, {len(self.worker.get('labels') or {})} label(s)) "
+                f"and wait until it is listed healthy"]
 
 
 def preflight(routing: Routing, client: SmgClient | None = None) -> Preflight:
@@ -75,8 +75,8 @@ def preflight(routing: Routing, client: SmgClient | None = None) -> Preflight:
     try:
         workers = client.workers()
     except RouterError as error:
-        return Preflight(None, [], f"{where} did not answer: {error}; nothing touched (a routed server "
-                                   f"restarts only when its router can take it out and back)")
+        return Preflight(None, [], f"{where} did not answer ({error}): a routed server restarts only when its "
+                                   f"router can take it out and put it back")
     worker = next((w for w in workers if same_url(w.get("url"), routing.worker_url)), None)
     if worker is None:
         if routing.register:
@@ -138,7 +138,18 @@ def rejoin(routing: Routing, client: SmgClient, worker: Mapping[str, Any] | None
             return False, f"not ready at {routing.worker_url} after {timeout_s:g} s (/ready): not re-added"
         sleep(POLL_S)
     try:
-        client.add(rejoin_body(worker, routing.worker_url))
+        # smg keeps a removed worker listed as draining for its settle time (5 s): a POST for its URL
+        # meanwhile answers "already exists" and the entry then disappears; add it once it is gone
+        while True:
+            found = client.find(routing.worker_url)
+            if found is None:
+                client.add(rejoin_body(worker, routing.worker_url))
+                break
+            if found.get("status") != "draining":
+                break  # listed again already (another operator, or never removed)
+            if now() - start >= timeout_s:
+                return False, f"router {routing.router} still lists its old entry as draining after {timeout_s:g} s"
+            sleep(POLL_S)
         while True:
             found = client.find(routing.worker_url)
             if found and found.get("is_healthy") and found.get("status", "ready") == "ready":
