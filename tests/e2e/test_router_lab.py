@@ -192,7 +192,9 @@ def test_refused_when_fewer_than_min_serving_would_stay(routed):
     assert listed_healthy(router) == published(router)
 
 
-def test_crash_mid_rolling_change_rolls_back_rejoins_and_stops(routed):
+def test_crash_mid_rolling_change_stops_there_leaves_it_out_and_says_so(routed):
+    """The lab's crash-on-start fault crashes every start, the rollback's too: NOTHING SERVES on 130,
+    which stays out of smg (said so); 129 changed and rejoined, 131 untouched; no client saw it."""
     lab, router = routed
     write_fleet(lab, router, {"disable-radix-cache": False})
     lab.fault("pve1", 130, "crash-on-start")
@@ -202,9 +204,22 @@ def test_crash_mid_rolling_change_rolls_back_rejoins_and_stops(routed):
     finally:
         lab.fault("pve1", 130, "crash-on-start", clear=True)
     assert code != 0, out
+    assert "NOTHING SERVES" in out and "router lab: left out of the router" in out, out
+    assert "not touched: the rolling restart stopped after the failure of @pct/pve1:130" in out, out
     assert client.failed == 0, (client.failed, client.errors[:5], out)
     assert server_info(router, 129)["disable_radix_cache"] is False       # changed
-    assert server_info(router, 130)["disable_radix_cache"] is True        # rolled back to the old spec
     assert server_info(router, 131)["disable_radix_cache"] is True        # untouched
-    assert "ROLLED BACK" in out and "not touched" in out, out
-    assert wait_listed(router) == published(router), workers(router)     # the rolled-back one rejoined
+    by_vmid = {vmid: f"http://127.0.0.1:{router['ports'][f'pve1:{vmid}']}" for vmid in VMIDS}
+    assert listed_healthy(router) == {by_vmid[129], by_vmid[131]}, workers(router)
+
+
+def test_after_the_fix_a_rerun_registers_the_left_out_server_and_finishes(routed):
+    lab, router = routed
+    write_fleet(lab, router, {"disable-radix-cache": False})
+    with Client(router["url"]) as client:
+        code, out = deploy(lab, "--data", "rolling=true", "--data", "router_register=true")
+    assert code == 0, out
+    assert client.failed == 0, (client.failed, client.errors[:5], out)
+    for vmid in VMIDS:
+        assert server_info(router, vmid)["disable_radix_cache"] is False
+    assert wait_listed(router) == published(router), workers(router)
