@@ -19,7 +19,7 @@ from pyinfra import host, state
 
 from gpugate.facts.sglang import SglangObservationOnce
 from gpugate.report.fleet import fleet_report
-from gpugate.report.status import publish_status, status_row, unreachable_row
+from gpugate.report.status import publish_status, router_view, status_row, unreachable_row
 from gpugate.spec import desired_state
 
 
@@ -38,7 +38,8 @@ data = host.data  # this host's: _publish runs later, from a callback, outside t
 desired = desired_state(data)  # the same desired state, built the same way, as deploy.py's
 # pyinfra runs this file for every host at once; the observe asks what the deploy's asks
 observation = dict(host.get_fact(SglangObservationOnce, python=desired.python, **desired.observe_args()))
-row = status_row(data.get("pve_host") or host.name, data.get("pct_vmid"), observation, desired)
+row = status_row(data.get("pve_host") or host.name, data.get("pct_vmid"), observation, desired,
+                 router=router_view(desired))
 fleet_report(state, "status", _publish, missing=_unreachable).add(host.name, row)
 if not row["ok"]:
     # Not as desired: the run's exit status says so (pyinfra exits 1 when a host failed). Nothing

@@ -531,6 +531,12 @@ def _rejoin_router(host_obj: Any, job: Job, run: str, why: str) -> bool:
     return ok
 
 
+def _register_only(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra passes them by these names
+    """A server that serves as desired, missing from its router, with ``router_register=true``:
+    added to the router, nothing restarted."""
+    return _rejoin_router(host, job, _run_id(host), "serves as desired, not listed")
+
+
 def _left_out(host_obj: Any, job: Job, why: str) -> None:
     routing = job.routing
     if routing is not None and job.router_worker is not None:
@@ -839,6 +845,22 @@ def server(desired: Desired, restore_previous: bool = False):
             host.log(plan.last)
         yield from _refuse("\n".join(line for line in lines if line != plan.last), port)
         return
+    if plan.action == "noop" and desired.routing is not None and spec is not None:
+        # as desired in the container, but the status also asks the router (gpugate.report.status):
+        # a server its router does not list is not as desired there, so not here either
+        from gpugate import router  # noqa: PLC0415
+        preflight = router.preflight(dataclasses.replace(desired.routing, register=False))
+        if preflight.worker is None and preflight.problem and "does not list" in preflight.problem:
+            if not desired.routing.register:
+                yield from _refuse(f"sglang :{port} REFUSED: it serves as desired, but {preflight.problem}", port)
+                return
+            if show:
+                host.log(f"sglang :{port} serves as desired; router {desired.routing.router}: add it (POST /workers "
+                         f"url {desired.routing.worker_url}) and wait until it is listed healthy")
+            job = Job(plan, spec, port, python, dict(desired.budgets), observation, desired.audit_log, desired.rolling,
+                      desired.max_failures, False, [], {}, routing=desired.routing)
+            yield FunctionCommand(_register_only, (job,), {})
+            return
     if plan.action == "noop":
         if plan.last and show:
             host.log(plan.last)

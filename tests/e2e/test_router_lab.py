@@ -10,6 +10,8 @@ watchdog's first look, its polls, then the schedulers), so every test stays well
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 import urllib.error
@@ -223,3 +225,73 @@ def test_after_the_fix_a_rerun_registers_the_left_out_server_and_finishes(routed
     for vmid in VMIDS:
         assert server_info(router, vmid)["disable_radix_cache"] is False
     assert wait_listed(router) == published(router), workers(router)
+
+
+def status(lab: Lab, *extra: str) -> tuple[int, dict]:
+    result = lab.pyinfra("inventory.py", "runbooks/status.py", "--data", "format=json",
+                         "--data", f"sglang_env={json.dumps(ENV)}", *extra, timeout=120)
+    return result.returncode, json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_status_shows_membership_and_a_server_missing_from_its_router_is_not_as_desired(routed, tmp_path):
+    lab, router = routed
+    write_fleet(lab, router, {"disable-radix-cache": False})
+    code, doc = status(lab)
+    assert code == 0 and doc["ok"], doc
+    assert {s["router_text"] for s in doc["servers"]} == {"lab: healthy"}, doc
+    url = f"http://127.0.0.1:{router['ports']['pve1:131']}"
+    worker = next(w for w in workers(router) if w["url"] == url)
+    urllib.request.urlopen(urllib.request.Request(router["url"] + "/workers/" + worker["id"], method="DELETE"),
+                           timeout=5).read()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(w["url"] == url for w in workers(router)):
+        time.sleep(0.2)
+    prom = tmp_path / "gpugate.prom"
+    code, doc = status(lab, "--data", f"prom={prom}")
+    row = next(s for s in doc["servers"] if s["vmid"] == 131)
+    assert code != 0 and not doc["ok"] and row["kind"] == "unrouted" and row["router_text"] == "lab: missing", row
+    assert 'gpugate_sglang_router_listed{host="pve1",vmid="131",port="30000",router="lab"} 0' in prom.read_text()
+    # the deploy agrees: it refuses what the status calls not as desired, and adds it when asked
+    code, out = deploy(lab, "--limit", "@pct/pve1:131")
+    assert code != 0 and "it serves as desired, but router lab" in out, out
+    code, out = deploy(lab, "--limit", "@pct/pve1:131", "--data", "router_register=true")
+    assert code == 0 and "back in router lab" in out and "stopping" not in out, out
+    code, doc = status(lab)
+    assert code == 0 and doc["ok"], doc
+
+
+def test_router_that_goes_away_mid_run_stops_the_rolling_change(routed):
+    """smg is killed while the first container is out: that container restarts and verifies (the
+    transition is not interrupted), cannot rejoin and says so; the rolling change stops there."""
+    import subprocess
+    import shutil
+    import sys
+
+    from gpugate_lab import core
+    from gpugate_lab import router as lab_router
+
+    lab, router = routed
+    write_fleet(lab, router, {"disable-radix-cache": True})
+    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    proc = subprocess.Popen([exe, "-y", "inventory.py", "deploy.py", "--data", f"sglang_env={json.dumps(ENV)}",
+                             "--data", "router_join_timeout_s=5", "--data", "rolling=true"],
+                            cwd=Path(__file__).resolve().parents[2], env=lab.env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "router lab: left it" in line:
+                os.kill(lab_router.read_state(lab.dir)["smg_pid"], signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        state = lab_router.start(lab.dir, [("pve1", vmid, 30000) for vmid in VMIDS], core.pick_port)
+        router.update(url=state["url"], ports=state["ports"])
+    out = "".join(lines)
+    assert proc.returncode != 0, out
+    assert "verified" in out and "could not re-add it to router lab" in out, out
+    assert out.count("not touched: the rolling restart stopped after the failure of @pct/pve1:129") == 2, out
+    assert server_info(router, 129)["disable_radix_cache"] is True
+    assert server_info(router, 131)["disable_radix_cache"] is False
