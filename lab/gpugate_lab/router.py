@@ -82,13 +82,17 @@ def start(lab_dir: Path, containers: list[tuple[str, int, int]], pick_port) -> d
     rdir.mkdir(parents=True, exist_ok=True)
     old = read_state(lab_dir) or {}
     ports = dict(old.get("ports") or {})
+    forwarding = _alive(old.get("forward_pid"), "gpugate_lab.router")
     targets = {}
     for host, vmid, port in containers:
         key = f"{host}:{vmid}"
-        ports[key] = pick_port(ports.get(key))
+        # a running forwarder holds its ports: keep them (pick_port would find them taken)
+        ports[key] = ports[key] if forwarding and key in ports else pick_port(ports.get(key))
         targets[key] = {"host": host, "vmid": vmid, "port": port, "published": ports[key]}
-    state = {"ports": ports, "targets": targets, "smg_port": pick_port(old.get("smg_port"))}
-    if _alive(old.get("smg_pid"), "smg") and old.get("smg_port") == state["smg_port"]:
+    state: dict = {"ports": ports, "targets": targets}
+    smg_alive = _alive(old.get("smg_pid"), "smg")
+    state["smg_port"] = old["smg_port"] if smg_alive else pick_port(old.get("smg_port"))
+    if smg_alive:
         state["smg_pid"] = old["smg_pid"]
     else:
         with open(rdir / "smg.log", "ab") as log:
@@ -112,7 +116,21 @@ def start(lab_dir: Path, containers: list[tuple[str, int, int]], pick_port) -> d
     (rdir / "state.json").write_text(json.dumps(state, indent=2) + "\n")
     if not _wait_http(state["url"] + "/workers", 20):
         raise RuntimeError(f"smg did not answer at {state['url']} within 20 s; see {rdir / 'smg.log'}")
+    for port in ports.values():  # the forwarder listens before anyone is told its ports
+        if not _wait_listening(int(port), 10):
+            raise RuntimeError(f"the lab's forwarder does not listen on 127.0.0.1:{port}; see {rdir / 'forward.log'}")
     return state
+
+
+def _wait_listening(port: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
 
 
 def stop(lab_dir: Path) -> None:
