@@ -63,6 +63,8 @@ def write_fleet(lab: Lab, router: dict, extra_flags: dict | None = None, router_
 def deploy(lab: Lab, *extra: str) -> tuple[int, str]:
     result = lab.pyinfra("inventory.py", "deploy.py", "--data", f"sglang_env={json.dumps(ENV)}",
                          "--data", "router_join_timeout_s=20", *extra, timeout=240)
+    with open(lab.dir / "deploys.log", "a") as log:  # every run's output, for a failure's post-mortem
+        log.write(f"=== {time.strftime('%H:%M:%S')} deploy {' '.join(extra)}\n{result.stdout}{result.stderr}")
     return result.returncode, result.stdout + result.stderr
 
 
