@@ -72,7 +72,7 @@ STATUS_COLUMNS = [
     ("host", "HOST"), ("vmid", "VMID"), ("port", "PORT"), ("verdict", "VERDICT"), ("server", "SERVER"),
     ("model", "MODEL"), ("router_text", "ROUTER"), ("gpu_mib", "GPU MiB"), ("holders", "GPU HOLDERS"),
     ("last_change", "LAST CHANGE"),
-]
+]  # ROUTER: shown only when a row is routed (render_status)
 
 
 def server_state(server: Mapping[str, Any]) -> tuple[str, str]:
@@ -399,7 +399,9 @@ def unreachable_row(host: str, vmid: Any, reason: str, desired: Desired) -> Stat
 def render_status(rows: Sequence[StatusRow]) -> str:
     """The status table, a summary line, the newest history entries per container, then one
     line per problem (GPU probe errors)."""
-    text = format_table(STATUS_COLUMNS, rows)
+    # the ROUTER column only in a fleet with routed servers: the table others parse stays as it was
+    columns = [c for c in STATUS_COLUMNS if c[0] != "router_text" or any(row.get("router") for row in rows)]
+    text = format_table(columns, rows)
     bad = [row for row in rows if not row.get("ok")]
     counts: dict[str, int] = {}
     for row in bad:
