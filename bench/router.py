@@ -49,9 +49,12 @@ class Client:
         self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(CLIENTS)]
 
     def _loop(self) -> None:
-        body = json.dumps({"text": "bench", "sampling_params": {"max_new_tokens": 100}}).encode()
         began = time.monotonic()
+        count = 0
         while not self.stop.is_set() and time.monotonic() - began < MAX_S:
+            count += 1  # a different prompt each time: smg's cache-aware policy would pin one prompt to one worker
+            body = json.dumps({"text": f"bench {threading.get_ident()} {count}",
+                               "sampling_params": {"max_new_tokens": 100}}).encode()
             with self.lock:
                 if len(self.latencies) + self.failed >= MAX_REQUESTS:
                     return
@@ -142,7 +145,9 @@ def way(name: str, lab_dir: Path, router: dict, flip: bool, run) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "router.json"))
+    parser.add_argument("--smg-args", default="", help="more smg arguments, e.g. --disable-retries")
     args = parser.parse_args()
+    os.environ["GPUGATE_LAB_SMG_ARGS"] = args.smg_args
     from gpugate_lab import core
 
     lab_dir = Path(tempfile.mkdtemp(prefix="gpugate-bench-router-"))
@@ -185,6 +190,7 @@ def main() -> int:
     finally:
         core.down(lab_dir)
     Path(args.out).write_text(json.dumps({"generated_at": time.time(), "env": ENV, "clients": CLIENTS,
+                                          "smg_args": args.smg_args,
                                           "results": results}, indent=2) + "\n")
     print("| way | exit | wall | requests | failed | p50 | p99 | errors |")
     print("|---|---|---|---|---|---|---|---|")

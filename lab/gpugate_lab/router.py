@@ -6,7 +6,8 @@ front of every lab container's server, as a gateway in front of NAT'd Proxmox co
   container's own network namespace (``setns`` on ``/proc/<its init>/ns/net``, looked up per
   connection, so a restarted container is found again) to ``127.0.0.1:<server port>``. Nothing
   listens on any other address, and nothing leaves the namespaces the lab made.
-- smg listens on 127.0.0.1 with health checks every second (smg's default is 60 s; the lab's
+- smg listens on 127.0.0.1 (more smg arguments from ``$GPUGATE_LAB_SMG_ARGS``, e.g.
+  ``--disable-retries``) with health checks every second (smg's default is 60 s; the lab's
   tests should not wait minutes for smg to notice a worker).
 - fleet.yaml gets ``routers: {lab: {url: http://127.0.0.1:<smg port>, kind: smg}}`` and each server
   ``router: lab, router_url: http://127.0.0.1:<its published port>``. Workers are not registered at
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -99,7 +101,7 @@ def start(lab_dir: Path, containers: list[tuple[str, int, int]], pick_port) -> d
             proc = subprocess.Popen(
                 [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(state["smg_port"]),
                  "--health-check-interval-secs", str(SMG_HEALTH_INTERVAL_S), "--health-success-threshold", "1",
-                 "--log-level", "warn"],
+                 "--log-level", "warn", *shlex.split(os.environ.get("GPUGATE_LAB_SMG_ARGS", ""))],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         state["smg_pid"] = proc.pid
     if _alive(old.get("forward_pid"), "gpugate_lab.router") and old.get("targets") == targets:
