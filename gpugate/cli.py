@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--containers", type=_vmids, default=core.DEFAULT_VMIDS, metavar="VMIDS",
                     help="containers per host, comma-separated vmids (default %s)"
                          % ",".join(map(str, core.DEFAULT_VMIDS)))
+    up.add_argument("--router", action="store_true",
+                    help="also start a real smg on 127.0.0.1 in front of every container's server (a published "
+                         "port per container); fleet.yaml gets routers: and each server's router:")
     up.add_argument("--sglang-version", default=None, metavar="VERSION",
                     help="the SGLang release the stand-in is: it takes exactly that release's flags (a "
                          "snapshot in gpugate/engine/sglang/flagtables; default the newest); applies to existing containers too")
@@ -223,7 +226,7 @@ def _lab(args: argparse.Namespace) -> int:
             except LookupError as exc:
                 raise core.LabError(f"--sglang-version: {exc.args[0]}") from None
         state = core.up(lab_dir, hosts=args.hosts, gpus=gpus, gpu_mib=args.gpu_mib, vmids=args.containers,
-                        gpu_binding=binding, init=args.init)
+                        gpu_binding=binding, init=args.init, router=args.router)
         sys.stdout.write(core.format_status(state))
         for note in state.get("notes") or []:
             print(note)

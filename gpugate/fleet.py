@@ -7,6 +7,8 @@ exposes).
 
 The file (every key but ``hosts`` is optional)::
 
+    routers:                      # optional: gateways (smg) in front of servers
+      gw: {url: "http://127.0.0.1:30080", kind: smg, api_key_env: GW_KEY}   # the key: $GW_KEY, never in the file
     groups:                       # optional: data for groups that containers join
       canary: {data: {drain_timeout_s: 30}}
     hosts:
@@ -27,6 +29,8 @@ The file (every key but ``hosts`` is optional)::
               python: /opt/venv/bin/python3   # the interpreter that has sglang (default /usr/bin/python3)
               sglang_version: "0.5.23"  # the SGLang release in the container (its flag table); quoted
               extra_args: ["--some-new-flag", "1"]   # argv items passed through as written
+              router: gw          # leaves gw, drains, restarts, rejoins (docs/transition.md "Routed")
+              router_url: "http://10.0.0.5:30000"    # how the router reaches this server
           130:
             sglang:               # several servers in one container: a list, each on its own port
               - {model_path: /opt/models/m, port: 30000, flags: {tp: 4}}
@@ -71,6 +75,7 @@ __all__ = [
     "Fleet",
     "PveHost",
     "Container",
+    "Router",
     "load_fleet",
     "parse_fleet",
     "fleet_to_inventory",
@@ -129,6 +134,28 @@ class Fleet:
     path: str
     hosts: list[PveHost] = dataclasses.field(default_factory=list)
     groups: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    routers: dict[str, "Router"] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+    """A gateway in front of servers (fleet.yaml ``routers:``): ``gw: {url: "http://127.0.0.1:30080",
+    kind: smg, api_key_env: GW_KEY}``. The key itself is never in the file: the control machine's
+    environment variable ``api_key_env`` holds it."""
+
+    name: str
+    url: str
+    kind: str = "smg"
+    api_key_env: str | None = None
+
+    def host_data(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"router_endpoint": self.url, "router_kind": self.kind}
+        if self.api_key_env:
+            data["router_api_key_env"] = self.api_key_env
+        return data
+
+
+ROUTER_KINDS = ("smg",)
 
 
 # --------------------------------------------------------------------------------------
@@ -367,6 +394,47 @@ def _check_ssh(check: _Checker, raw: Any, entry: str, base_dir: Path, default_ho
     return ssh
 
 
+def _check_routers(check: _Checker, raw: Any) -> dict[str, Router]:
+    """fleet.yaml's ``routers:`` section: name -> Router, each field by its settings row."""
+    routers: dict[str, Router] = {}
+    for name, raw_router in check.mapping(raw, "routers").items():
+        entry = f"routers.{name}"
+        try:
+            SETTINGS["sglang_router"].convert(name)
+        except ValueError as error:
+            raise check.fail(entry, str(error)) from None
+        body = check.mapping(raw_router, entry, ("url", "kind", "api_key_env"))
+        if not body.get("url"):
+            raise check.fail(f"{entry}.url", "missing: the router's URL (http://host:port)")
+        kind = body.get("kind", "smg")
+        if kind not in ROUTER_KINDS:
+            raise check.fail(f"{entry}.kind", f"unknown router kind {_describe(kind)}; known: {', '.join(ROUTER_KINDS)}")
+        fields: dict[str, Any] = {}
+        for key, setting in (("url", "router_endpoint"), ("api_key_env", "router_api_key_env")):
+            if body.get(key) is not None:
+                try:
+                    fields[key] = SETTINGS[setting].convert(body[key])
+                except ValueError as error:
+                    raise check.fail(f"{entry}.{key}", str(error)) from None
+        routers[name] = Router(name=name, kind=kind, **fields)
+    return routers
+
+
+def _check_routed(check: _Checker, sglang: dict[str, Any], routers: Mapping[str, Router], entry: str) -> None:
+    """A server that names a router names one of the routers: section, and says how it reaches it."""
+    name = sglang.get("sglang_router")
+    if name is None:
+        if sglang.get("sglang_router_url"):
+            raise check.fail(f"{entry}.router_url", "given without router: name the router (routers: section)")
+        return
+    if name not in routers:
+        raise check.fail(f"{entry}.router", f"no router {name!r} in the routers: section"
+                                            f"{_suggest(name, list(routers))}")
+    if not sglang.get("sglang_router_url"):
+        raise check.fail(f"{entry}.router_url", "missing: the URL the router reaches this server at "
+                                                "(e.g. http://10.0.0.5:30000)")
+
+
 def _check_sglang(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
     """The sglang: section as settings (host-data key -> checked value), each key by its row of
     gpugate.settings.SETTINGS; the flags validated here too, so a typo names its entry."""
@@ -459,12 +527,12 @@ def parse_fleet(document: Any, path: str | os.PathLike[str] = "fleet.yaml") -> F
     # x-* top-level keys hold YAML anchors for the rest of the file (as in docker compose), and are
     # otherwise ignored
     top = check.mapping({key: value for key, value in document.items() if not str(key).startswith("x-")}
-                        if isinstance(document, dict) else document, "", ("hosts", "groups"))
+                        if isinstance(document, dict) else document, "", ("hosts", "groups", "routers"))
     _refuse_ambiguous_ints(check, top)
     if not top.get("hosts"):
         raise check.fail("hosts", "missing: list at least one Proxmox host with its containers")
 
-    fleet = Fleet(path=path)
+    fleet = Fleet(path=path, routers=_check_routers(check, top.get("routers")))
     for name, raw_group in check.mapping(top.get("groups"), "groups").items():
         entry = f"groups.{name}"
         if not isinstance(name, str) or not _GROUP_NAME.match(name) or name == "all" or name.startswith("pve_"):
@@ -506,6 +574,9 @@ def parse_fleet(document: Any, path: str | os.PathLike[str] = "fleet.yaml") -> F
                 sglang=(_check_servers(check, container_body["sglang"], f"{where}.sglang")
                         if container_body.get("sglang") is not None else None),
             )
+            servers = (container.sglang or {}).get("sglang_servers")
+            for index, server in enumerate(servers or ([container.sglang] if container.sglang else [])):
+                _check_routed(check, server, fleet.routers, f"{where}.sglang" + (f"[{index}]" if servers else ""))
             name = host.inventory_name(vmid)
             if name in seen_names:
                 raise check.fail(where, f"{name} is already defined at {seen_names[name]}")
@@ -561,9 +632,11 @@ def pve_group_name(host_name: str) -> str:
     return "pve_" + re.sub(r"[^A-Za-z0-9_]", "_", host_name)
 
 
-def container_host_data(host: PveHost, container: Container) -> dict[str, Any]:
+def container_host_data(host: PveHost, container: Container,
+                        routers: Mapping[str, Router] | None = None) -> dict[str, Any]:
     """The pyinfra host data of one container: ssh_*, pct_vmid, then the Proxmox host's ``data``,
-    the container's sglang: section (settings by their host-data keys), the container's ``data``."""
+    the container's sglang: section (settings by their host-data keys), its router's URL and kind
+    (``router_endpoint``, ``router_kind``, ``router_api_key_env``), the container's ``data``."""
     data: dict[str, Any] = {}
     if not host.is_local:
         data.update({f"ssh_{key}": value for key, value in host.ssh.items()})
@@ -571,6 +644,15 @@ def container_host_data(host: PveHost, container: Container) -> dict[str, Any]:
     data["pve_host"] = host.name
     data.update(host.data)
     data.update(container.sglang or {})  # a server setting (drain_timeout_s) is the server's own
+
+    def with_router(server: dict[str, Any]) -> dict[str, Any]:
+        router = (routers or {}).get(server.get("sglang_router") or "")
+        return {**server, **router.host_data()} if router is not None else server
+
+    if data.get("sglang_servers"):  # several servers: each its own router
+        data["sglang_servers"] = [with_router(server) for server in data["sglang_servers"]]
+    else:
+        data.update(with_router(container.sglang or {}))
     data.update(container.data)
     return data
 
@@ -596,7 +678,7 @@ def fleet_to_inventory(fleet: Fleet) -> dict[str, tuple[list, dict]]:
         members: list[tuple[str, dict[str, Any]]] = []
         for container in host.containers:
             host_name = host.inventory_name(container.vmid)
-            members.append((host_name, container_host_data(host, container)))
+            members.append((host_name, container_host_data(host, container, fleet.routers)))
             for group in container.groups:
                 groups.setdefault(group, ([], {}))[0].append(host_name)
         groups[pve_group_name(host.name)] = (members, {})

@@ -234,8 +234,8 @@ def to_servers(value: Any) -> list[dict[str, Any]]:
         raise ValueError(f"expected a list of servers (mappings of sglang_* settings), got {describe(value)}")
     servers = []
     for item in value:
-        unknown = [key for key in item if key not in SETTINGS or not (SETTINGS[key].scope == "server"
-                                                                       or SETTINGS[key].fleet_key)]
+        unknown = [key for key in item if key not in SETTINGS or key == "sglang_servers" or not (
+            SETTINGS[key].scope in ("server", "fleet") or SETTINGS[key].fleet_key)]
         if unknown:
             why = f"no longer a setting: {REMOVED[unknown[0]]}" if unknown[0] in REMOVED else "is no setting of one server"
             raise ValueError(f"{unknown[0]!r} {why}")
@@ -260,6 +260,39 @@ def to_format(value: Any) -> str:
 
 def to_text(value: Any) -> str:
     return one_line(value, "a string")
+
+
+_ROUTER_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+
+
+def to_router_name(value: Any) -> str:
+    """A router's name in fleet.yaml's ``routers:`` section.
+
+    >>> to_router_name("gw")
+    'gw'
+    """
+    if not isinstance(value, str) or not _ROUTER_NAME.match(value):
+        raise ValueError(f"expected a router's name from the routers: section (letters, digits, _ and -), "
+                         f"got {describe(value)}")
+    return value
+
+
+def to_http_url(value: Any) -> str:
+    """An ``http://host:port`` URL (no path, no credentials: a key travels in a header, from env).
+
+    >>> to_http_url("http://127.0.0.1:31129/")
+    'http://127.0.0.1:31129'
+    """
+    text = one_line(value, "an http:// URL")
+    match = re.match(r"^(https?)://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\])(:([0-9]{1,5}))?/?$", text)
+    if not match or (match.group(4) and not 1 <= int(match.group(4)) <= 65535):
+        raise ValueError(f"expected an URL like http://10.0.0.5:30000 (scheme, host, port; no path or "
+                         f"user:password@), got {describe(value)}")
+    return text.rstrip("/")
+
+
+def to_env_name(value: Any) -> str:
+    return env_name(one_line(value, "an environment variable name"))
 
 
 # ---------------------------------------------------------------- the table
@@ -310,6 +343,21 @@ SETTINGS: dict[str, Setting] = _rows(
             "server", "extra_args"),
     Setting("sglang_servers", to_servers, [],
             "several servers in one container: fleet.yaml's sglang: as a list, each on its own port", "fleet"),
+    # --- the gateway in front of the server (fleet.yaml routers:, docs/transition.md "Routed") ---
+    Setting("sglang_router", to_router_name, None,
+            "the router (fleet.yaml routers:) that sends this server its requests", "server", "router"),
+    Setting("sglang_router_url", to_http_url, None,
+            "the URL the router reaches this server at (its worker URL there)", "server", "router_url"),
+    Setting("router_endpoint", to_http_url, None, "the router's own URL (from fleet.yaml routers:)", "fleet"),
+    Setting("router_kind", to_text, "smg", "the router's kind (from fleet.yaml routers:; smg only)", "fleet"),
+    Setting("router_api_key_env", to_env_name, None,
+            "the environment variable on the control machine that holds the router's API key", "fleet"),
+    Setting("min_serving", to_count, 1,
+            "a routed server leaves its router only when this many other healthy workers of its model stay"),
+    Setting("router_join_timeout_s", to_number, 120.0,
+            "after the verify: until the server is /ready and its router lists it healthy again"),
+    Setting("router_register", to_bool, False,
+            "true: a routed server its router does not list is added to it (else refused)", "run"),
     # --- the GPU gate (this server's GPUs only) ---
     Setting("gpu_max_used_mib", to_count, 64, "a GPU counts as free at or under this many MiB used (NVML v2)"),
     Setting("gpu_gate_timeout_s", to_number, 120.0, "how long the gate waits for the server's GPUs after the stop"),

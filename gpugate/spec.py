@@ -31,7 +31,8 @@ from gpugate.rules import gpus as rules_gpus
 from gpugate.rules.redact import SECRET_MASK
 from gpugate.settings import SETTINGS, SUPERVISORS, resolved
 
-__all__ = ["BUDGET_KEYS", "Desired", "desired_state", "desired_states", "Spec", "SpecError", "build_spec", "gpu_set", "redact_flags", "budgets"]
+__all__ = ["BUDGET_KEYS", "Desired", "Routing", "routing_of", "desired_state", "desired_states", "Spec", "SpecError",
+           "build_spec", "gpu_set", "redact_flags", "budgets"]
 
 # The budgets the agent enforces (docs/agent-protocol.md, "start") -> the setting that gives each.
 BUDGET_SETTINGS = {"drain_timeout_s": "drain_timeout_s", "kill_grace_s": "kill_grace_s",
@@ -331,6 +332,47 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
 
 
 @dataclasses.dataclass(frozen=True)
+class Routing:
+    """How a routed server meets its router (fleet.yaml ``routers:`` and the server's ``router:``,
+    ``router_url:``): the transition leaves the router, drains, restarts and rejoins
+    (gpugate.router). ``api_key_env`` names the control machine's variable that holds the key;
+    the key itself is read when a request is sent, never kept here nor printed.
+
+    >>> r = routing_of({"sglang_router": "gw", "router_endpoint": "http://127.0.0.1:30080",
+    ...                 "sglang_router_url": "http://127.0.0.1:31129", "router_kind": "smg",
+    ...                 "router_api_key_env": None, "min_serving": 1, "router_register": False})
+    >>> r.router, r.worker_url, r.min_serving
+    ('gw', 'http://127.0.0.1:31129', 1)
+    """
+
+    router: str
+    endpoint: str
+    worker_url: str
+    kind: str = "smg"
+    api_key_env: str | None = None
+    min_serving: int = 1
+    register: bool = False
+    join_timeout_s: float = 120.0
+
+
+def routing_of(values: Mapping[str, Any]) -> Routing | None:
+    """The Routing of resolved settings (None: the server is not routed). Raises SpecError when it
+    names a router without the router's URL (a ``--data sglang_router=`` that fleet.yaml's
+    ``routers:`` does not know) or without its own ``router_url``."""
+    name = values.get("sglang_router")
+    if not name:
+        return None
+    if not values.get("router_endpoint"):
+        raise SpecError(f"router {name!r}: its URL is not known (name a router of fleet.yaml's routers: section)")
+    if not values.get("sglang_router_url"):
+        raise SpecError(f"router {name!r}: router_url is missing (the URL the router reaches this server at)")
+    return Routing(router=name, endpoint=values["router_endpoint"], worker_url=values["sglang_router_url"],
+                   kind=values.get("router_kind") or "smg", api_key_env=values.get("router_api_key_env"),
+                   min_serving=int(values.get("min_serving", 1)), register=bool(values.get("router_register")),
+                   join_timeout_s=float(values.get("router_join_timeout_s") or 120.0))
+
+
+@dataclasses.dataclass(frozen=True)
 class Desired:
     """One container's desired state, built once from its settings (gpugate.settings.desired_state).
     ``spec`` is the server (None when none should run, or when ``problem`` says why the values make
@@ -352,6 +394,7 @@ class Desired:
     restarted: bool = False
     rollback_to: int = 1
     siblings: tuple[int, ...] = ()   # the ports of the container's other desired servers
+    routing: Routing | None = None   # behind a router: leave, drain, restart, rejoin
 
     @property
     def max_used_mib(self) -> int:
@@ -411,7 +454,12 @@ def _desired(values: Mapping[str, Any]) -> Desired:
     present = bool(values["sglang_present"])
     spec: Spec | None = None
     problem = None
-    if present:
+    routing = None
+    try:
+        routing = routing_of(values)
+    except SpecError as error:
+        problem = str(error)
+    if present and problem is None:
         try:
             spec = build_spec(values["sglang_model_path"], port, values["sglang_flags"], values["sglang_env"],
                               host=values["sglang_host"], supervisor=values["sglang_supervisor"],
@@ -425,4 +473,5 @@ def _desired(values: Mapping[str, Any]) -> Desired:
                    sglang_version=values["sglang_version"], min_free_mib=int(values["min_free_mib"]),
                    end_other_gpu_holders=bool(values["end_other_gpu_holders"]), rolling=bool(values["rolling"]),
                    max_failures=int(values["max_failures"]), audit_log=values["audit_log"],
-                   restarted=bool(values["sglang_restarted"]), rollback_to=int(values["rollback_to"]))
+                   restarted=bool(values["sglang_restarted"]), rollback_to=int(values["rollback_to"]),
+                   routing=routing)

@@ -19,7 +19,7 @@ from pyinfra import host, state
 
 from gpugate.facts.sglang import SglangObservationOnce
 from gpugate.report.fleet import fleet_report
-from gpugate.report.status import publish_status, status_row, unreachable_row
+from gpugate.report.status import publish_status, router_view, status_row, unreachable_row
 from gpugate.spec import desired_states
 
 
@@ -41,7 +41,8 @@ rows = []
 for desired in desired_states(data):
     # pyinfra runs this file for every host at once; the observe asks what the deploy's asks
     observation = dict(host.get_fact(SglangObservationOnce, python=desired.python, **desired.observe_args()))
-    rows.append(status_row(data.get("pve_host") or host.name, data.get("pct_vmid"), observation, desired))
+    rows.append(status_row(data.get("pve_host") or host.name, data.get("pct_vmid"), observation, desired,
+                           router=router_view(desired)))
 fleet_report(state, "status", _publish, missing=_unreachable).add(host.name, rows)
 if not all(row["ok"] for row in rows):
     # Not as desired: the run's exit status says so (pyinfra exits 1 when a host failed). Nothing

@@ -33,7 +33,7 @@ from gpugate.facts.sglang import SglangObservation, SglangObservationInline, fla
 from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, same_desired
 from gpugate.engine import get as engine
 from gpugate.match import for_container
-from gpugate.spec import Desired, Spec, SpecError, build_spec, redact_flags
+from gpugate.spec import Desired, Routing, Spec, SpecError, build_spec, redact_flags
 
 FOLLOW_WAIT_S = 3.0       # one follow command waits up to this long for new journal events
 FOLLOW_RETRIES = 3        # consecutive failed follow commands before the controller gives up watching
@@ -385,6 +385,8 @@ class Job:
     plan_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     restoring: bool = False
     end_other_gpu_holders: bool = False
+    routing: Routing | None = None          # behind a router: leave before the hand-off, rejoin after
+    router_worker: dict[str, Any] | None = None   # its entry there when it left (what it rejoins with)
 
 
 def _say(host_obj: Any, port: int, message: str, error: bool = False) -> None:
@@ -412,7 +414,7 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         book.untouched.append(name)
         book.outcomes[name] = "not touched (rolling restart stopped)"
         host_obj.log_styled(f"sglang :{job.port} not touched: the rolling restart stopped after the failure of "
-                            f"{', '.join(book.failed)}", fg="yellow", log_func=logger.warning)
+                            f"{', '.join(book.failed + book.refused)}", fg="yellow", log_func=logger.warning)
         return True
     plan = job.plan
     if plan.action == "attach":
@@ -421,6 +423,8 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         return _attach(host_obj, job, str(plan.attach_run))
     run = _run_id(host_obj)
     _audit(job, host_obj, "plan", "begin", run=run, **job.story)
+    if job.routing is not None and not _leave_router(host_obj, job, run):
+        return False
     if plan.gpus and hasattr(host_obj.connector, "hold_gpu_locks"):
         ok, message = host_obj.connector.hold_gpu_locks(list(plan.gpus), run, python=job.python)
         if not ok:
@@ -428,6 +432,7 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
             book.outcomes[name] = "refused (GPU claims; nothing touched)"
             _say(host_obj, job.port, f"REFUSED, nothing touched: {message}", error=True)
             _audit(job, host_obj, "outcome", "end", run=run, outcome="refused", message=message)
+            _rejoin_router(host_obj, job, run, "the old server still serves")
             return False
     doc: dict[str, Any] = {"run": run, "operator": _operator(), "budgets": job.budgets, "restart": bool(plan.restart),
                            "rollback_to": plan.rollback_to, "replaces": plan.replaces, "port": job.port}
@@ -449,23 +454,118 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         book.ended(name, "hand-off failed")
         _say(host_obj, job.port, f"the hand-off got no answer: {trouble}; the container may have begun run {run}: "
                                  f"see runbooks/status.py", error=True)
+        _left_out(host_obj, job, "the hand-off got no answer; once it serves, re-run with --data router_register=true")
         return False
     if answer.get("busy"):
         busy = answer["busy"] or {}
         book.watching.pop(name, None)
         _say(host_obj, job.port, f"another transition holds the container's lock (run {busy.get('run')}"
                                  f"{' by ' + busy['by'] if busy.get('by') else ''}): following it instead")
+        _left_out(host_obj, job, "another run holds the container; once it serves, re-run with "
+                                 "--data router_register=true")
         return _attach(host_obj, job, str(busy.get("run")))
     if not answer.get("ok"):
         book.ended(name, "refused by the agent (nothing touched)", refused=True)
         _say(host_obj, job.port, f"the agent refused the hand-off, nothing touched: {answer.get('error')}", error=True)
         _audit(job, host_obj, "outcome", "end", run=run, outcome="refused", message=answer.get("error"))
+        _rejoin_router(host_obj, job, run, "the old server still serves")
         return False
     watch.handed_off = True
     _audit(job, host_obj, "handoff", "end", run=run, agent_pid=answer.get("pid"), recovered=answer.get("recovered"))
     if answer.get("recovered"):
         _say(host_obj, job.port, f"run {answer['recovered']} had been interrupted (its agent died): this run recovers it")
-    return _follow(host_obj, job, run, attached=False, watch=watch)
+    ok = _follow(host_obj, job, run, attached=False, watch=watch)
+    if job.routing is not None:
+        ok = _after_transition(host_obj, job, run, book.outcomes.get(name)) and ok
+    return ok
+
+
+# ---------------------------------------------------------------- a routed server (gpugate.router)
+def _leave_router(host_obj: Any, job: Job, run: str) -> bool:
+    """Before the hand-off: the router's preflight again (now: in a rolling change the previous
+    container has only just rejoined), then out of the router and drained. False: refused,
+    nothing touched."""
+    from gpugate import router  # noqa: PLC0415
+
+    book = _runbook()
+    routing = job.routing
+    assert routing is not None
+    client = router.client_for(routing)
+    preflight = router.preflight(routing, client)
+    problem = preflight.problem
+    if problem is None and preflight.worker is not None:
+        try:
+            router.leave(routing, client, preflight.worker, job.budgets["drain_timeout_s"],
+                         lambda line: _say(host_obj, job.port, line))
+        except router.RouterError as error:
+            problem = f"router {routing.router} refused to take it out: {error}"
+    if problem is not None:
+        book.refused.append(host_obj.name)
+        book.outcomes[host_obj.name] = "refused (router; nothing touched)"
+        _say(host_obj, job.port, f"REFUSED, nothing touched: {problem}", error=True)
+        _audit(job, host_obj, "outcome", "end", run=run, outcome="refused", message=problem)
+        return False
+    job.router_worker = preflight.worker
+    _audit(job, host_obj, "router", "end", run=run, router=routing.router, action="left" if preflight.worker else "absent",
+           worker_id=(preflight.worker or {}).get("id"))
+    return True
+
+
+def _rejoin_router(host_obj: Any, job: Job, run: str, why: str) -> bool:
+    """Put the server back into its router (it left before the hand-off, or was never listed and
+    ``router_register`` is on). False (and a failure of this container) when it cannot."""
+    from gpugate import router  # noqa: PLC0415
+
+    routing = job.routing
+    if routing is None or (job.router_worker is None and not routing.register):
+        return True
+    _say(host_obj, job.port, f"router {routing.router}: {why}: re-adding it")
+    ok, message = router.rejoin(routing, router.client_for(routing), job.router_worker, routing.join_timeout_s,
+                                lambda line: _say(host_obj, job.port, line))
+    _say(host_obj, job.port, f"router {routing.router}: {message}" if not message.startswith("back") else message,
+         error=not ok)
+    _audit(job, host_obj, "router", "end", run=run, router=routing.router, action="rejoined" if ok else "rejoin failed",
+           message=message)
+    if not ok:
+        book = _runbook()
+        if host_obj.name not in book.failed:
+            book.failed.append(host_obj.name)
+        book.outcomes[host_obj.name] = f"{book.outcomes.get(host_obj.name, '?')}; {message}"
+    return ok
+
+
+def _register_only(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra passes them by these names
+    """A server that serves as desired, missing from its router, with ``router_register=true``:
+    added to the router, nothing restarted."""
+    return _rejoin_router(host, job, _run_id(host), "serves as desired, not listed")
+
+
+def _left_out(host_obj: Any, job: Job, why: str) -> None:
+    routing = job.routing
+    if routing is not None and job.router_worker is not None:
+        _say(host_obj, job.port, f"router {routing.router}: left out of the router ({routing.worker_url}): {why}",
+             error=True)
+
+
+def _after_transition(host_obj: Any, job: Job, run: str, outcome: str | None) -> bool:
+    """After the agent's outcome: a server that serves again (verified, or the old one rolled back)
+    rejoins; NOTHING SERVES, or an outcome this run did not see, leaves it out and says so."""
+    serves_here = job.spec is not None or job.plan.target is not None
+    if outcome == "verified" and serves_here:
+        return _rejoin_router(host_obj, job, run, "verified")
+    if outcome == "rolled_back":
+        return _rejoin_router(host_obj, job, run, "rolled back: the previous server serves again")
+    if outcome == "refused":
+        return _rejoin_router(host_obj, job, run, "the agent touched nothing: the old server still serves")
+    if outcome == "verified":
+        _left_out(host_obj, job, "no server is desired here any more")
+        return True
+    if outcome == "nothing_serves":
+        _left_out(host_obj, job, "NOTHING SERVES on this port; fix the cause, re-run with --data router_register=true")
+    else:
+        _left_out(host_obj, job, f"the run ended {outcome or 'unseen'}; once it serves, re-run with "
+                                 f"--data router_register=true")
+    return False
 
 
 def _install_agent(host_obj: Any, python: str) -> bool:
@@ -748,18 +848,46 @@ def server(desired: Desired, restore_previous: bool = False):
             host.log(plan.last)
         yield from _refuse("\n".join(line for line in lines if line != plan.last), port)
         return
+    if plan.action == "noop" and desired.routing is not None and spec is not None:
+        # as desired in the container, but the status also asks the router (gpugate.report.status):
+        # a server its router does not list is not as desired there, so not here either
+        from gpugate import router  # noqa: PLC0415
+        preflight = router.preflight(dataclasses.replace(desired.routing, register=False))
+        if preflight.worker is None and preflight.problem and "does not list" in preflight.problem:
+            if not desired.routing.register:
+                yield from _refuse(f"sglang :{port} REFUSED: it serves as desired, but {preflight.problem}", port)
+                return
+            if show:
+                host.log(f"sglang :{port} serves as desired; router {desired.routing.router}: add it (POST /workers "
+                         f"url {desired.routing.worker_url}) and wait until it is listed healthy")
+            job = Job(plan, spec, port, python, dict(desired.budgets), observation, desired.audit_log, desired.rolling,
+                      desired.max_failures, False, [], {}, routing=desired.routing)
+            yield FunctionCommand(_register_only, (job,), {})
+            return
     if plan.action == "noop":
         if plan.last and show:
             host.log(plan.last)
         host.noop(plan.reasons[0])
         return
+    routing = desired.routing if plan.action != "attach" else None
+    router_lines: list[str] = []
+    if routing is not None:
+        from gpugate import router  # noqa: PLC0415 -- only routed servers talk to a router
+        preflight = router.preflight(routing)
+        if preflight.problem:
+            yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {preflight.problem}", port)
+            return
+        router_lines = preflight.lines(routing, budget["drain_timeout_s"])
     if show:
         for line in lines:
             host.log(line)
+        for line in router_lines:
+            host.log(f"sglang :{port} {line}")
     end_pids = _end_pids(observation, spec, end_other_gpu_holders)
     job = Job(plan, spec, port, python, budget, observation, desired.audit_log, desired.rolling,
               desired.max_failures, restarted, end_pids, _story(observation, plan, spec), observe_args=observed_args,
-              plan_args=plan_args, restoring=restoring, end_other_gpu_holders=end_other_gpu_holders)
+              plan_args=plan_args, restoring=restoring, end_other_gpu_holders=end_other_gpu_holders,
+              routing=routing)
     yield FunctionCommand(_execute, (job,), {})
 
 

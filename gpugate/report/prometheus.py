@@ -29,6 +29,8 @@ def status_prometheus(rows: Sequence[Mapping[str, Any]]) -> str:
         "gpugate_sglang_last_transition": ("1 for the outcome of the latest transition (label outcome)", []),
         "gpugate_sglang_last_transition_duration_seconds": ("wall time of the latest ended transition", []),
         "gpugate_gpu_used_mib": ("GPU memory in use (NVML v2), per GPU seen from the container", []),
+        "gpugate_sglang_router_listed": ("1 when the server's router lists it (routed servers; label router)", []),
+        "gpugate_sglang_router_healthy": ("1 when its router lists it healthy and ready (label router)", []),
     }
     for row in rows:
         labels = f'host="{_label(row.get("host"))}",vmid="{_label(row.get("vmid"))}",port="{_label(row.get("port"))}"'
@@ -45,6 +47,11 @@ def status_prometheus(rows: Sequence[Mapping[str, Any]]) -> str:
         if isinstance(transition.get("duration_s"), (int, float)):
             metrics["gpugate_sglang_last_transition_duration_seconds"][1].append(
                 f"{{{labels}}} {transition['duration_s']}")
+        view = row.get("router") or {}
+        if view.get("listed") is not None:
+            routed = f'{labels},router="{_label(view.get("router"))}"'
+            metrics["gpugate_sglang_router_listed"][1].append(f"{{{routed}}} {int(bool(view.get('listed')))}")
+            metrics["gpugate_sglang_router_healthy"][1].append(f"{{{routed}}} {int(bool(view.get('healthy')))}")
         for index, used in enumerate(row.get("gpu_used") or []):
             if isinstance(used, (int, float)):
                 metrics["gpugate_gpu_used_mib"][1].append(f'{{{labels},gpu="{index}"}} {used}')

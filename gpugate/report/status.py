@@ -54,6 +54,8 @@ class StatusRow(TypedDict, total=False):
     last_change: str   # the latest transition in a few words
     history: list[str]  # newest entries of the history, one line each
     problems: list[str]
+    router: dict[str, Any]   # a routed server as its router sees it (gpugate.router.membership); {} if not routed
+    router_text: str   # "lab: healthy", "lab: missing", "-"
 
 
 VERDICT_KINDS = {
@@ -61,14 +63,16 @@ VERDICT_KINDS = {
     "stopped": "stopped as desired", "transition_running": "transition running",
     "transition_failed": "transition failed", "gpu_held": "GPU memory held with no holder in the container",
     "unreachable": "unreachable", "unknown": "unknown", "invalid": "desired state invalid",
+    "unrouted": "serving, but its router does not list it",
 }
 OK_KINDS = ("serving", "stopped")
 FAILED_OUTCOMES = ("rolled_back", "nothing_serves", "interrupted")
 
 STATUS_COLUMNS = [
     ("host", "HOST"), ("vmid", "VMID"), ("port", "PORT"), ("verdict", "VERDICT"), ("server", "SERVER"),
-    ("model", "MODEL"), ("gpu_mib", "GPU MiB"), ("holders", "GPU HOLDERS"), ("last_change", "LAST CHANGE"),
-]
+    ("model", "MODEL"), ("router_text", "ROUTER"), ("gpu_mib", "GPU MiB"), ("holders", "GPU HOLDERS"),
+    ("last_change", "LAST CHANGE"),
+]  # ROUTER: shown only when a row is routed (render_status)
 
 
 def server_state(server: Mapping[str, Any]) -> tuple[str, str]:
@@ -258,7 +262,39 @@ def drift_items(match: Any, server: Mapping[str, Any], desired: Desired) -> list
     return items
 
 
-def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: Desired) -> StatusRow:
+_ROUTER_CACHE: dict[str, tuple[float, list[dict[str, Any]] | None, str | None]] = {}
+ROUTER_CACHE_S = 5.0  # one GET /workers per router for a whole status run (pyinfra asks per host)
+
+
+def router_view(desired: Desired) -> dict[str, Any] | None:
+    """A routed server's membership as its router sees it (None: not routed): one ``GET /workers``
+    per router per status run; a router that does not answer is ``unknown``, with why."""
+    routing = desired.routing
+    if routing is None:
+        return None
+    from gpugate import router  # noqa: PLC0415 -- only routed servers talk to a router
+
+    cached = _ROUTER_CACHE.get(routing.endpoint)
+    if cached is None or time.monotonic() - cached[0] > ROUTER_CACHE_S:
+        try:
+            cached = (time.monotonic(), router.client_for(routing).workers(), None)
+        except router.RouterError as error:
+            cached = (time.monotonic(), None, str(error)[:160])
+        _ROUTER_CACHE[routing.endpoint] = cached
+    return router.membership(routing, cached[1], cached[2])
+
+
+def router_text(view: Mapping[str, Any] | None) -> str:
+    """The ROUTER column.
+
+    >>> router_text({"router": "gw", "state": "healthy"}), router_text(None)
+    ('gw: healthy', '-')
+    """
+    return f"{view.get('router')}: {view.get('state')}" if view else "-"
+
+
+def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: Desired,
+               router: Mapping[str, Any] | None = None) -> StatusRow:
     """One row of the status from the agent's observation and the container's desired state
     (gpugate.settings.desired_state of its host data), with a verdict; the first that applies:
 
@@ -273,6 +309,10 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
     - no server runs: GPU memory held with no holder in the container on the server's OWN GPUs
       (the stuck memory of a killed server; a neighbour container's server on other GPUs is no
       verdict), before down but desired / stopped as desired.
+
+    - serving as desired, but routed and its router does not list it (``router``: router_view's
+      membership): ``serving, but its router does not list it`` (the deploy refuses it, or adds it
+      with ``router_register=true``; a router that does not answer is shown, not a verdict).
 
     ``ok`` is true for serving as desired and stopped as desired only: exactly when the deploy
     would change nothing.
@@ -332,6 +372,8 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
         kind, why = "drifted", flags_text
     elif match.verdict == "not_serving":
         kind, why = "down", state.split(" pid")[0] + (f", {health}" if health not in ("-", "") else "")
+    elif match.verdict == "as_desired" and router is not None and router.get("state") == "missing":
+        kind, why = "unrouted", f"router {router.get('router')} has no worker at {router.get('url')}"
     elif match.verdict == "as_desired":
         kind, why = "serving", ""
     elif held:
@@ -355,7 +397,7 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
         model=os.path.basename(model.rstrip("/")) if model and model.startswith("/") else model or "-",
         flags=flags_text, gpu_mib=gpu_mib, gpu_used=[gpu.get("used_mib") for gpu in gpus] if readable else [],
         holders=holders_text(gpu_doc), transition=transition, last_change=last_change,
-        history=history_lines(server), problems=problems)
+        history=history_lines(server), problems=problems, router=dict(router or {}), router_text=router_text(router))
 
 
 def unreachable_row(host: str, vmid: Any, reason: str, desired: Desired) -> StatusRow:
@@ -366,13 +408,15 @@ def unreachable_row(host: str, vmid: Any, reason: str, desired: Desired) -> Stat
                      verdict=_verdict("unreachable", reason), desired=bool(present), up=False, drifted=False,
                      server="-", health="-", model=os.path.basename(model.rstrip("/")) if model.startswith("/") else model,
                      flags="-", gpu_mib="-", gpu_used=[], holders="-", transition={}, last_change="",
-                     history=[], problems=[])
+                     history=[], problems=[], router={}, router_text="-")
 
 
 def render_status(rows: Sequence[StatusRow]) -> str:
     """The status table, a summary line, the newest history entries per container, then one
     line per problem (GPU probe errors)."""
-    text = format_table(STATUS_COLUMNS, rows)
+    # the ROUTER column only in a fleet with routed servers: the table others parse stays as it was
+    columns = [c for c in STATUS_COLUMNS if c[0] != "router_text" or any(row.get("router") for row in rows)]
+    text = format_table(columns, rows)
     bad = [row for row in rows if not row.get("ok")]
     counts: dict[str, int] = {}
     for row in bad:

@@ -127,10 +127,16 @@ def sshd_config_text(hdir: Path, port: int, authorized_keys: Path) -> str:
 
 
 def fleet_document(lab_dir: Path, hosts: list[tuple[str, int]], vmids: dict[str, list[int]],
-                   server: dict | None = None) -> dict:
+                   server: dict | None = None, router: dict | None = None) -> dict:
     """The fleet.yaml content for the lab (the shape inventory.py reads). ``server`` replaces the
-    default sglang section (a real-GPU lab: tp over the real GPUs, the torch env's python)."""
+    default sglang section (a real-GPU lab: tp over the real GPUs, the torch env's python).
+    ``router``: gpugate_lab.router's state (``url``, ``ports``): a ``routers:`` section and each
+    server's ``router:``/``router_url:`` (its published port)."""
     doc: dict = {"hosts": {}}
+    if router:
+        from gpugate_lab.router import ROUTER_NAME  # noqa: PLC0415
+
+        doc["routers"] = {ROUTER_NAME: {"url": router["url"], "kind": "smg"}}
     server = server or {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 8}}
     for name, port in hosts:
         doc["hosts"][name] = {
@@ -146,6 +152,12 @@ def fleet_document(lab_dir: Path, hosts: list[tuple[str, int]], vmids: dict[str,
                 for vmid, share in split_gpus(vmids.get(name, []), _host_gpu_count(lab_dir, name, server)).items()
             },
         }
+        if router:
+            for vmid, container in doc["hosts"][name]["containers"].items():
+                published = (router.get("ports") or {}).get(f"{name}:{vmid}")
+                if published:
+                    container["sglang"]["router"] = "lab"
+                    container["sglang"]["router_url"] = f"http://127.0.0.1:{published}"
     return doc
 
 
@@ -191,7 +203,11 @@ def _server_on(server: dict, share: tuple[int, int] | None) -> dict:
 
 def render_fleet_yaml(doc: dict) -> str:
     """YAML without needing PyYAML's flow style quirks: nested block mappings, flow for ssh."""
-    lines = ["# written by `gpugate lab up`; the lab's fleet", "hosts:"]
+    lines = ["# written by `gpugate lab up`; the lab's fleet"]
+    for name, router in (doc.get("routers") or {}).items():
+        lines += ["routers:"] if len(lines) == 1 else []
+        lines.append(f"  {name}: {{url: {json.dumps(router['url'])}, kind: {router['kind']}}}")
+    lines.append("hosts:")
     for name, host in doc["hosts"].items():
         ssh = host["ssh"]
         lines.append(f"  {name}:")
@@ -209,6 +225,8 @@ def render_fleet_yaml(doc: dict) -> str:
             lines.append(f"      {vmid}:")
             python = f", python: {json.dumps(sg['python'])}" if sg.get("python") else ""
             python += ", present: false" if sg.get("present") is False else ""
+            if sg.get("router"):
+                python += f", router: {sg['router']}, router_url: {json.dumps(sg['router_url'])}"
             lines.append(f"        sglang: {{model_path: {sg['model_path']}, port: {sg['port']}, flags: {{{flags}}}{python}}}")
     return "\n".join(lines) + "\n"
 
@@ -475,11 +493,13 @@ def write_fleet_file(lab_dir: Path, text: str) -> str | None:
 
 
 def up(lab_dir: Path, hosts: int | None = None, gpus: int = DEFAULT_GPUS, gpu_mib: int = DEFAULT_GPU_MIB,
-       vmids: tuple[int, ...] = DEFAULT_VMIDS, gpu_binding: dict | None = None, init: str | None = None) -> dict:
+       vmids: tuple[int, ...] = DEFAULT_VMIDS, gpu_binding: dict | None = None, init: str | None = None,
+       router: bool = False) -> dict:
     """Bring the lab up with ``hosts`` hosts (None: the hosts it has; see planned_hosts). Hosts that
     run are left exactly as they are, stopped ones are started, new ones made. Returns the status,
     with ``notes`` (what the operator must know: the fleet file kept, ...). ``init``: the PID 1 of
-    the containers of the hosts it starts (``lab`` or ``systemd``; None: as they were)."""
+    the containers of the hosts it starts (``lab`` or ``systemd``; None: as they were). ``router``:
+    a real smg on loopback in front of every container's server (gpugate_lab.router)."""
     if os.geteuid() != 0:
         raise LabError("the lab needs root (namespaces, mounts, sshd)")
     lab_dir = Path(lab_dir).resolve()
@@ -505,8 +525,16 @@ def up(lab_dir: Path, hosts: int | None = None, gpus: int = DEFAULT_GPUS, gpu_mi
                 future.result()
     state = status(lab_dir)
     vmid_map = {h["name"]: [c["vmid"] for c in h["containers"]] for h in state["hosts"]}
+    router_state = None
+    if router:
+        from gpugate_lab import router as lab_router  # noqa: PLC0415 -- only --router needs smg
+
+        server = real_gpu_server(gpu_binding) if gpu_binding else {"port": 30000}
+        router_state = lab_router.start(lab_dir, [(name, vmid, int(server.get("port", 30000)))
+                                                  for name, ids in vmid_map.items() for vmid in ids], pick_port)
+        state["router"] = {"url": router_state["url"], "ports": router_state["ports"]}
     doc = fleet_document(lab_dir, [(h["name"], h["port"]) for h in state["hosts"]], vmid_map,
-                         real_gpu_server(gpu_binding) if gpu_binding else None)
+                         real_gpu_server(gpu_binding) if gpu_binding else None, router_state)
     note = write_fleet_file(lab_dir, render_fleet_yaml(doc))
     (lab_dir / "lab.json").write_text(json.dumps(state, indent=2) + "\n")
     state["notes"] = [note] if note else []
@@ -537,6 +565,9 @@ def down(lab_dir: Path) -> list[str]:
     the same hosts and host keys.
     """
     lab_dir = Path(lab_dir).resolve()
+    from gpugate_lab import router as lab_router  # noqa: PLC0415
+
+    lab_router.stop(lab_dir)
     stopped = []
     pids = {}
     for name in existing_hosts(lab_dir):

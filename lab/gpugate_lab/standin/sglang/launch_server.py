@@ -14,8 +14,15 @@ What it copies from SGLang (shared/reference/sglang-lifecycle.md):
   HTTP: /health 503 until a warmup /generate succeeded, then 200 ("The server is fired up and ready
   to roll!"); /health_generate; /get_server_info and /server_info (resolved args + version);
   /get_model_info; /v1/models; POST /generate, /v1/completions, /v1/chat/completions, /flush_cache.
-- SIGTERM during load: default action (dies). SIGTERM when serving: graceful drain (503, in-flight
-  requests finish), then the workers are killed and it exits 0.
+- SIGTERM during load: default action (dies). SIGTERM when serving: SGLang 0.5.23's graceful drain
+  (tokenizer_manager.py ``sigterm_watchdog``): /health turns 503 at once, but new requests are still
+  admitted (``generate_request`` has no check on the drain flag); the watchdog notices the SIGTERM
+  on its next tick (every ``$SGLANG_STANDIN_DRAIN_TICK_S``, SGLang's 5 s; default 0.05 here so the
+  suite stays fast), then polls the remaining requests every tick until none is left, then the
+  schedulers take ``$SGLANG_STANDIN_SCHEDULER_EXIT_S`` (default 0; SGLang waits up to
+  ``_SCHEDULER_EXIT_TIMEOUT_SECS`` = 15 s for them) before the tree is killed and it exits 0.
+- /metrics (with ``--enable-metrics``, as SGLang mounts it): ``sglang:num_running_reqs`` and
+  ``sglang:num_queue_reqs``; /get_load; /ready (200 iff healthy, no generation); /version.
 - a dead child (a scheduler SIGKILLed, ``fuser -k`` of the GPU device files from the Proxmox host):
   SGLang's SubprocessWatchdog notices within 1 s ("Subprocess scheduler_0 (pid=N) crashed with exit
   code -9. Triggering SIGQUIT for cleanup..."), the SIGQUIT handler ("It usually means one child
@@ -277,6 +284,17 @@ class State:
         self.rid = 0
         self.real = None  # _real.RealWorkers in a real-GPU lab: generation is a real forward pass
 
+    def metrics_text(self) -> str:
+        """SGLang's request gauges (observability/metrics_collector.py), labelled as it labels them;
+        the stand-in runs every request at once, so the queue is always empty."""
+        labels = '{engine_type="unified",model_name="%s",pp_rank="0",tp_rank="0"}' % self.server_args["served_model_name"]
+        return ("# HELP sglang:num_running_reqs The number of running requests.\n"
+                "# TYPE sglang:num_running_reqs gauge\n"
+                "sglang:num_running_reqs%s %.1f\n"
+                "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n"
+                "# TYPE sglang:num_queue_reqs gauge\n"
+                "sglang:num_queue_reqs%s 0.0\n" % (labels, self.inflight, labels))
+
     def healthy(self) -> bool:
         if self.draining or not self.up:
             return False
@@ -384,6 +402,12 @@ def make_handler(state: State):
                 return self._send(200, {"object": "list", "data": [{
                     "id": sa["served_model_name"], "object": "model", "created": int(time.time()),
                     "owned_by": "sglang", "root": sa["model_path"], "max_model_len": sa.get("context_length") or 32768}]})
+            if path == "/ready":  # SGLang 0.5.23 http_server.py: not paused and healthy, no generation
+                return self._send(200 if state.healthy() else 503, b"", "text/plain")
+            if path == "/version":
+                return self._send(200, {"version": sglang.__version__})
+            if path == "/metrics" and sa.get("enable_metrics"):
+                return self._send(200, state.metrics_text(), "text/plain; version=0.0.4")
             if path == "/get_load":
                 return self._send(200, [{"dp_rank": 0, "num_reqs": state.inflight, "num_waiting_reqs": 0}])
             return self._send(404, {"detail": "Not Found"})
@@ -395,8 +419,7 @@ def make_handler(state: State):
                 return self._send(200, "Cache flushed.\nPlease check backend logs for more details.", "text/plain")
             if path not in ("/generate", "/v1/completions", "/v1/chat/completions"):
                 return self._send(404, {"detail": "Not Found"})
-            if state.draining:
-                return self._send(503, {"error": {"message": "The server is shutting down."}})
+            # no check of state.draining here: SGLang's generate_request admits while it drains
             if path == "/generate":
                 params = body.get("sampling_params") or {}
                 return self._send(200, state.generate(str(body.get("text", "")),
@@ -442,7 +465,20 @@ def _warmup(state: State, host: str, port: int) -> None:
     log("The server is fired up and ready to roll!")
 
 
-def _drain_and_exit(state: State, workers: Workers) -> None:
+SCHEDULER_EXIT_TIMEOUT_S = 15.0  # SGLang's _SCHEDULER_EXIT_TIMEOUT_SECS
+
+
+def drain_timings() -> tuple:
+    """(tick, scheduler exit) in seconds from the env: SGLang's are (5, up to 15)."""
+    tick = max(0.01, float(os.environ.get("SGLANG_STANDIN_DRAIN_TICK_S", "0.05")))
+    schedulers = min(SCHEDULER_EXIT_TIMEOUT_S, max(0.0, float(os.environ.get("SGLANG_STANDIN_SCHEDULER_EXIT_S", "0"))))
+    return tick, schedulers
+
+
+def _drain_and_exit(state: State, workers: Workers, started: float) -> None:
+    tick, schedulers = drain_timings()
+    # the watchdog loop runs since the start and sleeps a tick between looks at the drain flag
+    time.sleep(tick - (time.monotonic() - started) % tick)
     last_report = 0.0
     while True:
         if not gpusim.read_faults().get("ignore-sigterm") and state.inflight == 0:
@@ -451,7 +487,8 @@ def _drain_and_exit(state: State, workers: Workers) -> None:
         if now - last_report >= 5:
             log("Gracefully exiting... Remaining number of requests %d." % state.inflight)
             last_report = now
-        time.sleep(0.05)
+        time.sleep(tick)
+    time.sleep(schedulers)  # ShutdownReq sent; the schedulers release their memory and exit
     workers.kill()
     log("Gracefully exited.")
     os._exit(0)
@@ -546,7 +583,7 @@ def main(argv=None) -> int:
             return
         state.draining = True
         log("SIGTERM received. signum=%d. Draining requests and shutting down..." % signum)
-        threading.Thread(target=_drain_and_exit, args=(state, workers), daemon=True).start()
+        threading.Thread(target=_drain_and_exit, args=(state, workers, started), daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_sigterm)
     threading.Thread(target=_warmup, args=(state, host, port), daemon=True).start()

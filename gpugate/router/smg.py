@@ -1,0 +1,232 @@
+"""A small client of smg's worker API (the Shepherd Model Gateway, PyPI ``smg`` 1.13.0), stdlib only.
+
+What it uses, as smg serves it (lightseekorg/smg ``model_gateway/src/server.rs``, worker_routes;
+``crates/protocols/src/worker.rs`` for the bodies):
+
+- ``GET /workers`` -> ``{"workers": [{id, url, model_id, labels, priority, is_healthy, status, ...}], ...}``
+- ``DELETE /workers/{id}`` -> 202; smg marks the worker ``draining`` (no new requests), waits its
+  settle time and drops it; it does not wait for the worker's in-flight work (drain_workers.rs),
+  which is why gpugate reads the server's own gauges before the stop (:func:`in_flight`).
+- ``POST /workers {"url", "model_id", "labels", "priority", "runtime"}`` -> 202 with ``worker_id``;
+  the worker stays pending until smg's first health probe passes.
+
+The API key (``Authorization: Bearer``) comes from the control machine's environment variable that
+fleet.yaml names (``api_key_env``); it is read per request and never printed: errors name the
+router, the path and the status only.
+
+Example::
+
+    >>> client = SmgClient("http://127.0.0.1:9")      # nothing listens there
+    >>> try:
+    ...     client.workers()
+    ... except RouterError as error:
+    ...     print(error)                                # doctest: +ELLIPSIS
+    router http://127.0.0.1:9 unreachable: GET /workers: ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["RouterError", "SmgClient", "in_flight", "in_flight_from_metrics", "same_url", "healthy_peers",
+           "rejoin_body"]
+
+REQUEST_TIMEOUT_S = 5.0
+
+
+class RouterError(RuntimeError):
+    """The router did not answer, or answered what gpugate cannot use. ``unreachable`` tells the
+    first (a refusal before anything stops) from the second."""
+
+    def __init__(self, message: str, unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+def same_url(a: str | None, b: str | None) -> bool:
+    """Worker URLs compared as smg keeps them (no trailing slash, scheme and host in any case).
+
+    >>> same_url("http://127.0.0.1:31129/", "HTTP://127.0.0.1:31129"), same_url("http://a:1", "http://a:2")
+    (True, False)
+    """
+    def norm(url: str | None) -> str:
+        text = (url or "").strip().rstrip("/")
+        scheme, _, rest = text.partition("://")
+        host, slash, path = rest.partition("/")
+        return f"{scheme.lower()}://{host.lower()}{slash}{path}"
+    return bool(a) and bool(b) and norm(a) == norm(b)
+
+
+def healthy_peers(workers: Sequence[Mapping[str, Any]], model_id: str | None, url: str) -> list[str]:
+    """The URLs of the other workers of the same model that smg lists healthy and ready: those that
+    serve while ``url`` is out (``min_serving``).
+
+    >>> ws = [{"url": "http://a:1", "model_id": "m", "is_healthy": True, "status": "ready"},
+    ...       {"url": "http://b:1", "model_id": "m", "is_healthy": True, "status": "draining"},
+    ...       {"url": "http://c:1", "model_id": "x", "is_healthy": True, "status": "ready"}]
+    >>> healthy_peers(ws, "m", "http://z:1")
+    ['http://a:1']
+    """
+    return [str(w.get("url")) for w in workers
+            if not same_url(w.get("url"), url) and w.get("is_healthy") and w.get("status", "ready") == "ready"
+            and (model_id is None or w.get("model_id") == model_id)]
+
+
+def rejoin_body(worker: Mapping[str, Any] | None, url: str) -> dict[str, Any]:
+    """The ``POST /workers`` body that adds ``url`` back with what it had: its model id, labels,
+    priority and cost (smg's own labels, such as ``served_model_name``, go back as they were).
+
+    >>> rejoin_body({"id": "w1", "model_id": "m", "labels": {"zone": "a"}, "priority": 7, "cost": 1.0,
+    ...              "is_healthy": True}, "http://a:1")
+    {'url': 'http://a:1', 'runtime': 'sglang', 'model_id': 'm', 'labels': {'zone': 'a'}, 'priority': 7, 'cost': 1.0}
+    """
+    body: dict[str, Any] = {"url": url, "runtime": "sglang"}
+    for key in ("model_id", "labels", "priority", "cost"):
+        if worker and worker.get(key) is not None:
+            body[key] = worker[key]
+    return body
+
+
+_SAMPLE = re.compile(r"^(sglang:num_running_reqs|sglang:num_queue_reqs)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*")
+
+
+def in_flight_from_metrics(text: str) -> int | None:
+    """The requests a SGLang server still holds, from its Prometheus text: ``sglang:num_running_reqs``
+    plus ``sglang:num_queue_reqs``, summed over every label set (one per TP/DP rank); None when
+    the page has neither gauge (``--enable-metrics`` off).
+
+    >>> in_flight_from_metrics('sglang:num_running_reqs{tp_rank="0"} 2.0\\nsglang:num_queue_reqs{tp_rank="0"} 1.0\\n')
+    3
+    >>> in_flight_from_metrics("# nothing here\\n") is None
+    True
+    """
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(3) != "NaN":
+            total += float(match.group(3))
+            seen = True
+    return int(round(total)) if seen else None
+
+
+def _get(url: str, timeout: float) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, method="GET")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 -- http(s) from settings
+            return response.status, response.read(1 << 22)
+    except urllib.error.HTTPError as error:
+        return error.code, b""
+
+
+def in_flight(server_url: str, timeout: float = REQUEST_TIMEOUT_S) -> int | None:
+    """The server's in-flight requests, read from the server itself: ``/metrics`` (SGLang's gauges,
+    with ``--enable-metrics``), else ``/get_load`` (``num_reqs`` + ``num_waiting_reqs`` per DP rank).
+    None when neither answers (unreachable or both absent)."""
+    try:
+        status, body = _get(server_url.rstrip("/") + "/metrics", timeout)
+        if status == 200:
+            count = in_flight_from_metrics(body.decode(errors="replace"))
+            if count is not None:
+                return count
+        status, body = _get(server_url.rstrip("/") + "/get_load", timeout)
+        if status == 200:
+            loads = json.loads(body or b"[]")
+            loads = loads if isinstance(loads, list) else [loads]
+            return int(sum(int(item.get("num_reqs") or 0) + int(item.get("num_waiting_reqs") or 0)
+                           for item in loads if isinstance(item, Mapping)))
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def server_ready(server_url: str, timeout: float = REQUEST_TIMEOUT_S) -> bool:
+    """SGLang's ``/ready`` (0.5.23: 200 iff not paused and healthy, no generation), else, on a server
+    without it (404), ``/health_generate`` (a real one-token generation)."""
+    try:
+        status, _body = _get(server_url.rstrip("/") + "/ready", timeout)
+        if status == 404:
+            status, _body = _get(server_url.rstrip("/") + "/health_generate", max(timeout, 20.0))
+        return status == 200
+    except OSError:
+        return False
+
+
+class SmgClient:
+    """smg's worker API at ``endpoint``; ``api_key_env``: the variable holding its key (or None)."""
+
+    def __init__(self, endpoint: str, api_key_env: str | None = None, timeout: float = REQUEST_TIMEOUT_S):
+        self.endpoint = endpoint.rstrip("/")
+        self.api_key_env = api_key_env
+        self.timeout = timeout
+
+    def _request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> tuple[int, Any]:
+        headers = {"accept": "application/json"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["content-type"] = "application/json"
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        if self.api_key_env and not key:
+            raise RouterError(f"router {self.endpoint}: ${self.api_key_env} (its API key) is not set on this "
+                              f"machine", unreachable=True)
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        request = urllib.request.Request(self.endpoint + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310
+                status, raw = response.status, response.read(1 << 24)
+        except urllib.error.HTTPError as error:
+            status, raw = error.code, error.read(1 << 16)
+        except (OSError, ValueError) as error:
+            reason = getattr(error, "reason", None) or error
+            raise RouterError(f"router {self.endpoint} unreachable: {method} {path.split('?')[0]}: {reason}",
+                              unreachable=True) from None
+        try:
+            return status, json.loads(raw) if raw else None
+        except ValueError:
+            return status, None
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Every worker smg lists (``GET /workers``)."""
+        status, doc = self._request("GET", "/workers")
+        if status == 401 or status == 403:
+            raise RouterError(f"router {self.endpoint}: GET /workers refused ({status}): check the API key "
+                              f"(${self.api_key_env or '(none configured)'})", unreachable=True)
+        if status != 200 or not isinstance(doc, Mapping) or not isinstance(doc.get("workers"), list):
+            raise RouterError(f"router {self.endpoint}: GET /workers answered {status}, not a worker list",
+                              unreachable=True)
+        return [dict(w) for w in doc["workers"] if isinstance(w, Mapping)]
+
+    def find(self, url: str) -> dict[str, Any] | None:
+        """The worker smg lists at ``url`` (or None)."""
+        return next((w for w in self.workers() if same_url(w.get("url"), url)), None)
+
+    def remove(self, worker_id: str) -> None:
+        """``DELETE /workers/{id}``: smg stops sending it requests at once (draining), drops it later."""
+        status, doc = self._request("DELETE", "/workers/" + urllib.parse.quote(str(worker_id), safe=""))
+        if status not in (200, 202, 204, 404):
+            raise RouterError(f"router {self.endpoint}: DELETE /workers/{worker_id} answered {status}: "
+                              f"{_message(doc)}")
+
+    def add(self, body: Mapping[str, Any]) -> str | None:
+        """``POST /workers``: the worker id smg gives (202); an existing worker of that URL is fine."""
+        status, doc = self._request("POST", "/workers", body)
+        if status in (200, 201, 202):
+            return (doc or {}).get("worker_id") if isinstance(doc, Mapping) else None
+        if isinstance(doc, Mapping) and doc.get("code") == "WORKER_ALREADY_EXISTS":
+            found = self.find(str(body.get("url")))
+            return found.get("id") if found else None
+        raise RouterError(f"router {self.endpoint}: POST /workers answered {status}: {_message(doc)}")
+
+
+def _message(doc: Any) -> str:
+    if isinstance(doc, Mapping):
+        return str(doc.get("error") or doc.get("message") or doc)[:200]
+    return "no JSON body"

@@ -1,0 +1,299 @@
+"""Routed servers behind a real smg (issue 21), through the REAL pyinfra CLI: 3 replicas in one lab
+host (containers 129, 130, 131, 2 GPUs each), smg on loopback (``gpugate lab up --router``), a client
+sending requests through smg for the whole run. The tests run in order, each from the state the
+previous one left (as an operator's successive runs would).
+
+The stand-in loads in 0.4 s and drains with SGLang's shape at a 0.5 s tick (SGLang's is 5 s: the
+watchdog's first look, its polls, then the schedulers), so every test stays well under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Lab, LabHost, lab_unavailable_reason
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+VMIDS = (129, 130, 131)
+ENV = {"SGLANG_STANDIN_LOAD_S": "0.4", "SGLANG_STANDIN_DRAIN_TICK_S": "0.5", "SGLANG_STANDIN_SCHEDULER_EXIT_S": "0.3"}
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory):
+    reason = lab_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    from gpugate_lab import core
+
+    lab_dir = tmp_path_factory.mktemp("lab-router")
+    try:
+        state = core.up(lab_dir, hosts=1, gpus=8, vmids=VMIDS, router=True)
+        lab = Lab(dir=Path(state["dir"]), hosts=[LabHost(h["name"], h["port"], h["key"], h["known_hosts"])
+                                                 for h in state["hosts"]], fleet_path=Path(state["fleet"]))
+        yield lab, state["router"]
+    finally:
+        core.down(lab_dir)
+
+
+def write_fleet(lab: Lab, router: dict, extra_flags: dict | None = None, router_url: str | None = None) -> None:
+    """The lab's fleet with ``extra_flags`` on every server (a fleet-wide flag change)."""
+    from gpugate_lab import core
+
+    doc = core.fleet_document(lab.dir, [(h.name, h.port) for h in lab.hosts], {"pve1": list(VMIDS)},
+                              router=router)
+    if router_url:
+        doc["routers"]["lab"]["url"] = router_url
+    for container in doc["hosts"]["pve1"]["containers"].values():
+        container["sglang"]["flags"].update(extra_flags or {})
+    path = lab.dir / "fleet.test.yaml"
+    path.write_text(core.render_fleet_yaml(doc))
+    lab.fleet_path = path
+
+
+def deploy(lab: Lab, *extra: str) -> tuple[int, str]:
+    result = lab.pyinfra("inventory.py", "deploy.py", "--data", f"sglang_env={json.dumps(ENV)}",
+                         "--data", "router_join_timeout_s=20", *extra, timeout=240)
+    with open(lab.dir / "deploys.log", "a") as log:  # every run's output, for a failure's post-mortem
+        log.write(f"=== {time.strftime('%H:%M:%S')} deploy {' '.join(extra)}\n{result.stdout}{result.stderr}")
+    return result.returncode, result.stdout + result.stderr
+
+
+def workers(router: dict) -> list[dict]:
+    with urllib.request.urlopen(router["url"] + "/workers", timeout=5) as response:
+        return json.load(response)["workers"]
+
+
+def server_info(router: dict, vmid: int) -> dict:
+    url = f"http://127.0.0.1:{router['ports'][f'pve1:{vmid}']}/server_info"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.load(response)
+
+
+class Client:
+    """Requests through smg, continuously, from 3 threads, bounded in count and in time."""
+
+    def __init__(self, url: str, max_requests: int = 20000, max_s: float = 120.0):
+        self.url, self.max_requests, self.max_s = url, max_requests, max_s
+        self.ok, self.failed, self.errors = 0, 0, []
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(3)]
+
+    def _loop(self) -> None:
+        began = time.monotonic()
+        body = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 20}}).encode()
+        while not self.stop.is_set() and time.monotonic() - began < self.max_s:
+            with self.lock:
+                if self.ok + self.failed >= self.max_requests:
+                    return
+            request = urllib.request.Request(self.url + "/generate", data=body,
+                                             headers={"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    response.read()
+                    good = response.status == 200
+                    error = None if good else f"status {response.status}"
+            except (urllib.error.URLError, OSError) as exc:
+                good, error = False, repr(exc)[:200]
+            with self.lock:
+                if good:
+                    self.ok += 1
+                else:
+                    self.failed += 1
+                    self.errors.append(error)
+
+    def __enter__(self) -> "Client":
+        for thread in self.threads:
+            thread.start()
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=40)
+
+
+def listed_healthy(router: dict) -> set[str]:
+    return {w["url"] for w in workers(router) if w.get("is_healthy") and w.get("status") == "ready"}
+
+
+def published(router: dict) -> set[str]:
+    return {f"http://127.0.0.1:{port}" for port in router["ports"].values()}
+
+
+def wait_listed(router: dict, timeout_s: float = 10.0) -> set[str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and listed_healthy(router) != published(router):
+        time.sleep(0.2)
+    return listed_healthy(router)
+
+
+def test_first_deploy_refuses_unregistered_servers_then_registers_them(routed):
+    lab, router = routed
+    write_fleet(lab, router)
+    code, out = deploy(lab, "--dry")
+    assert code != 0, out
+    assert "does not list this server" in out and "router_register=true" in out, out
+    code, out = deploy(lab, "--data", "router_register=true")
+    assert code == 0, out
+    assert wait_listed(router) == published(router), workers(router)
+
+
+def test_dry_shows_the_router_steps(routed):
+    lab, router = routed
+    write_fleet(lab, router, {"disable-radix-cache": True})
+    code, out = deploy(lab, "--dry", "--data", "rolling=true")
+    assert code == 0, out
+    assert out.count("router lab: leave it (DELETE /workers/") == 3, out
+    assert "wait until its in-flight requests are 0" in out and "re-add it" in out, out
+
+
+def test_rolling_flag_change_behind_smg_fails_no_request(routed):
+    lab, router = routed
+    write_fleet(lab, router, {"disable-radix-cache": True})
+    with Client(router["url"]) as client:
+        code, out = deploy(lab, "--data", "rolling=true")
+    assert code == 0, out
+    assert client.failed == 0 and client.ok > 50, (client.failed, client.ok, client.errors[:5], out)
+    for vmid in VMIDS:
+        assert server_info(router, vmid)["disable_radix_cache"] is True
+    assert listed_healthy(router) == published(router), workers(router)
+    # one at a time: each rejoined before the next one left
+    order = [line for line in out.splitlines() if "router lab: left it" in line or "back in router lab" in line]
+    assert [("left" in line) for line in order] == [True, False] * 3, order
+
+
+def test_refused_when_the_router_does_not_answer(routed):
+    lab, router = routed
+    write_fleet(lab, router, {"disable-radix-cache": False}, router_url="http://127.0.0.1:9")
+    before = {vmid: server_info(router, vmid)["disable_radix_cache"] for vmid in VMIDS}
+    code, out = deploy(lab, "--data", "rolling=true")
+    assert code != 0, out
+    # the first refusal stops the rolling change: the others are not even asked
+    assert out.count("REFUSED, nothing touched: router lab (http://127.0.0.1:9) did not answer") == 1, out
+    assert "not touched: the rolling restart stopped after the failure of @pct/pve1:129" in out, out
+    assert {vmid: server_info(router, vmid)["disable_radix_cache"] for vmid in VMIDS} == before
+
+
+def test_refused_when_fewer_than_min_serving_would_stay(routed):
+    lab, router = routed
+    write_fleet(lab, router, {"disable-radix-cache": False})
+    code, out = deploy(lab, "--data", "rolling=true", "--data", "min_serving=3", "--limit", "@pct/pve1:129")
+    assert code != 0, out
+    assert "would leave 2 healthy worker(s)" in out and "min_serving 3" in out, out
+    assert server_info(router, 129)["disable_radix_cache"] is True
+    assert listed_healthy(router) == published(router)
+
+
+def test_crash_mid_rolling_change_stops_there_leaves_it_out_and_says_so(routed):
+    """The lab's crash-on-start fault crashes every start, the rollback's too: NOTHING SERVES on 130,
+    which stays out of smg (said so); 129 changed and rejoined, 131 untouched; no client saw it."""
+    lab, router = routed
+    write_fleet(lab, router, {"disable-radix-cache": False})
+    lab.fault("pve1", 130, "crash-on-start")
+    try:
+        with Client(router["url"]) as client:
+            code, out = deploy(lab, "--data", "rolling=true")
+    finally:
+        lab.fault("pve1", 130, "crash-on-start", clear=True)
+    assert code != 0, out
+    assert "NOTHING SERVES" in out and "router lab: left out of the router" in out, out
+    assert "not touched: the rolling restart stopped after the failure of @pct/pve1:130" in out, out
+    assert client.failed == 0, (client.failed, client.errors[:5], out)
+    assert server_info(router, 129)["disable_radix_cache"] is False       # changed
+    assert server_info(router, 131)["disable_radix_cache"] is True        # untouched
+    by_vmid = {vmid: f"http://127.0.0.1:{router['ports'][f'pve1:{vmid}']}" for vmid in VMIDS}
+    assert listed_healthy(router) == {by_vmid[129], by_vmid[131]}, workers(router)
+
+
+def test_after_the_fix_a_rerun_registers_the_left_out_server_and_finishes(routed):
+    lab, router = routed
+    write_fleet(lab, router, {"disable-radix-cache": False})
+    with Client(router["url"]) as client:
+        code, out = deploy(lab, "--data", "rolling=true", "--data", "router_register=true")
+    assert code == 0, out
+    assert client.failed == 0, (client.failed, client.errors[:5], out)
+    for vmid in VMIDS:
+        assert server_info(router, vmid)["disable_radix_cache"] is False
+    assert wait_listed(router) == published(router), workers(router)
+
+
+def status(lab: Lab, *extra: str) -> tuple[int, dict]:
+    result = lab.pyinfra("inventory.py", "runbooks/status.py", "--data", "format=json",
+                         "--data", f"sglang_env={json.dumps(ENV)}", *extra, timeout=120)
+    return result.returncode, json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_status_shows_membership_and_a_server_missing_from_its_router_is_not_as_desired(routed, tmp_path):
+    lab, router = routed
+    write_fleet(lab, router, {"disable-radix-cache": False})
+    code, doc = status(lab)
+    assert code == 0 and doc["ok"], doc
+    assert {s["router_text"] for s in doc["servers"]} == {"lab: healthy"}, doc
+    url = f"http://127.0.0.1:{router['ports']['pve1:131']}"
+    worker = next(w for w in workers(router) if w["url"] == url)
+    urllib.request.urlopen(urllib.request.Request(router["url"] + "/workers/" + worker["id"], method="DELETE"),
+                           timeout=5).read()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(w["url"] == url for w in workers(router)):
+        time.sleep(0.2)
+    prom = tmp_path / "gpugate.prom"
+    code, doc = status(lab, "--data", f"prom={prom}")
+    row = next(s for s in doc["servers"] if s["vmid"] == 131)
+    assert code != 0 and not doc["ok"] and row["kind"] == "unrouted" and row["router_text"] == "lab: missing", row
+    assert 'gpugate_sglang_router_listed{host="pve1",vmid="131",port="30000",router="lab"} 0' in prom.read_text()
+    # the deploy agrees: it refuses what the status calls not as desired, and adds it when asked
+    code, out = deploy(lab, "--limit", "@pct/pve1:131")
+    assert code != 0 and "it serves as desired, but router lab" in out, out
+    code, out = deploy(lab, "--limit", "@pct/pve1:131", "--data", "router_register=true")
+    assert code == 0 and "back in router lab" in out and "stopping" not in out, out
+    code, doc = status(lab)
+    assert code == 0 and doc["ok"], doc
+
+
+def test_router_that_goes_away_mid_run_stops_the_rolling_change(routed):
+    """smg is killed while the first container is out: that container restarts and verifies (the
+    transition is not interrupted), cannot rejoin and says so; the rolling change stops there."""
+    import subprocess
+    import shutil
+    import sys
+
+    from gpugate_lab import core
+    from gpugate_lab import router as lab_router
+
+    lab, router = routed
+    write_fleet(lab, router, {"disable-radix-cache": True})
+    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    proc = subprocess.Popen([exe, "-y", "inventory.py", "deploy.py", "--data", f"sglang_env={json.dumps(ENV)}",
+                             "--data", "router_join_timeout_s=5", "--data", "rolling=true"],
+                            cwd=Path(__file__).resolve().parents[2], env=lab.env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "router lab: left it" in line:
+                os.kill(lab_router.read_state(lab.dir)["smg_pid"], signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        state = lab_router.start(lab.dir, [("pve1", vmid, 30000) for vmid in VMIDS], core.pick_port)
+        router.update(url=state["url"], ports=state["ports"])
+    out = "".join(lines)
+    assert proc.returncode != 0, out
+    assert "verified" in out and "could not re-add it to router lab" in out, out
+    assert out.count("not touched: the rolling restart stopped after the failure of @pct/pve1:129") == 2, out
+    assert server_info(router, 129)["disable_radix_cache"] is True
+    assert server_info(router, 131)["disable_radix_cache"] is False

@@ -1,0 +1,130 @@
+"""gpugate.router without a network: the fleet's routers: section, the settings, the preflight's
+refusals and the leave/rejoin steps against a recorded fake client (the lab tests use the real smg)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpugate import router
+from gpugate.fleet import FleetError, fleet_to_inventory, parse_fleet
+from gpugate.router.smg import RouterError, in_flight_from_metrics, rejoin_body
+from gpugate.spec import Routing, desired_state
+
+GW = {"gw": {"url": "http://127.0.0.1:30080", "api_key_env": "GW_KEY"}}
+
+
+def fleet(sglang: dict, routers: dict | None = GW) -> dict:
+    doc = {"hosts": {"pve1": {"containers": {129: {"sglang": {"model_path": "/m", **sglang}}}}}}
+    if routers is not None:
+        doc["routers"] = routers
+    return doc
+
+
+def test_a_routed_server_carries_its_router_to_the_desired_state():
+    groups = fleet_to_inventory(parse_fleet(fleet({"router": "gw", "router_url": "http://127.0.0.1:31129"})))
+    data = groups["pve_pve1"][0][0][1]
+    routing = desired_state(data).routing
+    assert routing == Routing("gw", "http://127.0.0.1:30080", "http://127.0.0.1:31129", api_key_env="GW_KEY")
+    assert "GW_KEY" not in str(data.get("router_endpoint"))
+
+
+@pytest.mark.parametrize("sglang, routers, where", [
+    ({"router": "gx", "router_url": "http://127.0.0.1:1"}, GW, "sglang.router: no router 'gx'"),
+    ({"router": "gw"}, GW, "sglang.router_url: missing"),
+    ({"router_url": "http://127.0.0.1:1"}, GW, "sglang.router_url: given without router"),
+    ({"router": "gw", "router_url": "http://u:p@h:1"}, GW, "sglang.router_url: expected an URL"),
+    ({}, {"gw": {"url": "http://h:1", "kind": "nginx"}}, "routers.gw.kind: unknown router kind"),
+    ({}, {"gw": {}}, "routers.gw.url: missing"),
+    ({}, {"gw": {"url": "http://h:1", "api_key": "sk-1"}}, "routers.gw.api_key: unknown key"),
+])
+def test_the_fleet_refuses_what_cannot_route(sglang, routers, where):
+    with pytest.raises(FleetError) as error:
+        parse_fleet(fleet(sglang, routers))
+    assert where in str(error.value)
+    assert "sk-1" not in str(error.value)
+
+
+def test_a_router_named_by_data_alone_is_the_containers_problem():
+    desired = desired_state({"sglang_model_path": "/m", "sglang_router": "gw"})
+    assert desired.problem and "its URL is not known" in desired.problem
+
+
+class FakeClient:
+    """The SmgClient surface, answering from a list and recording the calls."""
+
+    def __init__(self, workers=None, error=None):
+        self.list, self.error, self.calls = list(workers or []), error, []
+
+    def workers(self):
+        if self.error:
+            raise RouterError(self.error, unreachable=True)
+        return [dict(w) for w in self.list]
+
+    def find(self, url):
+        return next((w for w in self.workers() if w["url"] == url), None)
+
+    def remove(self, worker_id):
+        self.calls.append(("DELETE", worker_id))
+        self.list = [dict(w, status="draining") if w["id"] == worker_id else w for w in self.list]
+
+    def add(self, body):
+        self.calls.append(("POST", body))
+        self.list.append({"id": "new", "url": body["url"], "model_id": body.get("model_id"), "is_healthy": True,
+                          "status": "ready"})
+        return "new"
+
+
+ROUTING = Routing("gw", "http://g:1", "http://a:1", min_serving=1)
+A = {"id": "wa", "url": "http://a:1", "model_id": "m", "is_healthy": True, "status": "ready", "priority": 7,
+     "labels": {"zone": "x"}}
+B = {"id": "wb", "url": "http://b:1", "model_id": "m", "is_healthy": True, "status": "ready"}
+
+
+def test_preflight_refuses_an_unreachable_router_an_unlisted_server_and_too_few_peers():
+    assert "did not answer" in router.preflight(ROUTING, FakeClient(error="refused")).problem
+    assert "router_register=true" in router.preflight(ROUTING, FakeClient([B])).problem
+    assert router.preflight(Routing("gw", "http://g:1", "http://a:1", register=True), FakeClient([B])).problem is None
+    assert "would leave 0 healthy worker(s) of m (min_serving 1)" in router.preflight(ROUTING, FakeClient([A])).problem
+    ok = router.preflight(ROUTING, FakeClient([A, B]))
+    assert ok.problem is None and ok.worker["id"] == "wa" and ok.peers == ["http://b:1"]
+
+
+def test_leave_removes_then_waits_for_zero_in_flight(monkeypatch):
+    reads = iter([3, 1, 0, 0])
+    monkeypatch.setattr(router, "in_flight", lambda url: next(reads))
+    client, said = FakeClient([A, B]), []
+    router.leave(ROUTING, client, A, 60, said.append, sleep=lambda s: None)
+    assert client.calls == [("DELETE", "wa")]
+    assert said and "0 requests in flight" in said[0]
+
+
+def test_rejoin_waits_out_the_draining_entry_then_adds_it_back_as_it_was(monkeypatch):
+    monkeypatch.setattr(router, "server_ready", lambda url: True)
+    client = FakeClient([dict(A, status="draining"), B])
+    ticks = iter(range(100))
+
+    def sleep(_s):  # smg drops the draining entry after its settle time
+        if next(ticks) == 2:
+            client.list = [B]
+    ok, message = router.rejoin(ROUTING, client, A, 30, lambda line: None, sleep=sleep)
+    assert ok and "listed healthy" in message
+    assert client.calls == [("POST", rejoin_body(A, "http://a:1"))]
+    assert client.calls[0][1]["priority"] == 7 and client.calls[0][1]["labels"] == {"zone": "x"}
+
+
+def test_the_in_flight_count_sums_every_rank():
+    text = ('sglang:num_running_reqs{tp_rank="0"} 2.0\nsglang:num_running_reqs{tp_rank="1"} 1.0\n'
+            'sglang:num_queue_reqs{tp_rank="0"} 4.0\nsglang:other 9\n')
+    assert in_flight_from_metrics(text) == 7
+
+
+def test_the_api_key_is_never_in_a_message(monkeypatch):
+    from gpugate.router.smg import SmgClient
+    monkeypatch.setenv("GW_KEY", "sk-secret-123")
+    with pytest.raises(RouterError) as error:
+        SmgClient("http://127.0.0.1:9", "GW_KEY").workers()
+    assert "sk-secret-123" not in str(error.value)
+    monkeypatch.delenv("GW_KEY")
+    with pytest.raises(RouterError) as error:
+        SmgClient("http://127.0.0.1:9", "GW_KEY").workers()
+    assert "$GW_KEY (its API key) is not set" in str(error.value)
