@@ -269,6 +269,11 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
     # The model
     if server.get("model_path_exists") is False:
         problems.append(f"the model path {spec.model_path} does not exist in the container")
+    elif server.get("model_path_kind") not in (None, "directory", "missing"):
+        # SGLang loads a directory (or a hub id); a config.json named instead would stop the server
+        # for a start that cannot work
+        problems.append(f"the model path {spec.model_path} is a {server['model_path_kind']}, not a directory: give "
+                        f"the model's directory (or a hub id)")
     # The SGLang version
     have = server.get("sglang_version")
     if spec.sglang_version and have and have != spec.sglang_version:
@@ -282,6 +287,9 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
                         f"the container has {limit / 1e9:.0f} GB (limit at 90%)")
     for warning in spec.warnings:
         notes.append(warning)
+    history_problem = (server.get("history") or {}).get("problem")
+    if history_problem:  # the container's agent set a history aside (or will): said with the plan
+        notes.append(history_problem)
     if replacing:
         notes.append("port change: the server on :" + ", :".join(str(p) for p in replacing)
                      + " drains and stops first (the rollback returns to it)")

@@ -140,6 +140,8 @@ def journal_ends(run):
         first = json.loads(head.decode("utf-8"))
     except ValueError:
         pass
+    if not isinstance(first, dict):  # a journal whose first line is not an event: as if unreadable
+        first = None
     last, outcome = None, None
     for line in reversed(tail.split(b"\n")):
         try:

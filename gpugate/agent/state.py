@@ -74,13 +74,21 @@ def add_site_dirs():
 
 
 def json_file(path):
+    """A state file's JSON object, or None when it is gone, unreadable, not JSON or not an object
+    (every state file holds an object; anything else must not reach a ``.get`` as a traceback).
+
+    >>> import tempfile; path = os.path.join(tempfile.mkdtemp(), "lock"); _ = open(path, "w").write("[1]")
+    >>> json_file(path) is None
+    True
+    """
     text = read_file(path)
     if text is None:
         return None
     try:
-        return json.loads(text)
+        doc = json.loads(text)
     except ValueError:
         return None
+    return doc if isinstance(doc, dict) else None
 
 
 def makedirs(path, mode=0o755):

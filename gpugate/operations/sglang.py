@@ -740,6 +740,12 @@ def server(desired: Desired, restore_previous: bool = False):
     plan = make_plan(observation, spec, **plan_args)
     lines = plan_lines(plan, port)
     show = not state.is_executing or not state.check_for_changes  # once: at prepare, or at execute under -y
+    history_note = ((observation.get("sglang") or {}).get("history") or {}).get("problem")
+    if history_note and show:  # a history that did not read is never passed over silently (issue 20)
+        emit("history", path=desired.audit_log, host=host.name, vmid=host.data.get("pct_vmid"), port=port,
+             phase="end", message=history_note)
+        if plan.action == "noop":
+            host.log(f"    note: {history_note}")
     if plan.problems:
         if plan.last and show:
             host.log(plan.last)

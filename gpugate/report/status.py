@@ -286,6 +286,9 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
         problems = [f"{error.get('source')}: {error.get('message')}" for error in gpu_doc.get("errors") or []
                     if isinstance(error, Mapping)]
     problems += [f"GPU {gpu.get('index')}: {gpu['error']}" for gpu in gpus if gpu.get("error")]
+    history_problem = (server.get("history") or {}).get("problem") if isinstance(server.get("history"), Mapping) else None
+    if history_problem:
+        problems.append(history_problem)
     transition = transition_summary(server)
     # only the server's own GPUs: a neighbour container's healthy server holds memory on its GPUs,
     # which this container's NVML sees as held from outside (the lab's 129 on 0-3, 130 on 4-7)
