@@ -201,6 +201,10 @@ def replaces_doc(replaced: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- checks before the stop
+# What the agent keeps in each of its directories (gpugate.agent.state), for the refusal's words.
+STATE_DIR_USES = {"/var/lib/gpugate": "history of good specs", "/var/lib/gpugate/runs": "journal",
+                  "/run/gpugate": "transition lock and pid file", "/etc/gpugate": "env file",
+                  "/var/log/gpugate": "server log"}
 def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: int = 64, min_free_mib: int = 64,
            end_other_gpu_holders: bool = False, replacing: Sequence[int] = ()) -> tuple[list[str], list[str]]:
     """Everything that can be checked before anything stops -> (problems, notes). A problem means:
@@ -259,6 +263,10 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
         if isinstance(free, (int, float)) and free < min_free_mib:
             problems.append(f"{path} has {free} MiB free, under the minimum of {min_free_mib} MiB "
                             f"(min_free_mib) for the server log, the journal and the history")
+    # The state directories: the journal, the history, the lock and pid file, the env file, the log
+    for path, why in sorted((container.get("unwritable") or {}).items()):
+        problems.append(f"{path} cannot be written in the container ({why}): the transition could not keep its "
+                        f"{STATE_DIR_USES.get(path, 'state')}")
     # The port
     for holder in container.get("port_holders") or []:
         cmdline = holder.get("cmdline") or ""

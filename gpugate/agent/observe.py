@@ -135,6 +135,7 @@ def observe(args):
     skip = tree_set | own
     container = {"free_mib": {state.LOG_DIR: state.free_mib(state.LOG_DIR if os.path.isdir(state.LOG_DIR) else "/var/log"),
                               state.STATE_DIR: state.free_mib(state.STATE_DIR if os.path.isdir(state.STATE_DIR) else "/var/lib")},
+                 "unwritable": state.unwritable_state_dirs(),
                  "pid1": server.pid1_comm(), "memory_limit_bytes": server.memory_limit_bytes(),
                  "port_holders": [{"pid": pid, "cmdline": redactor.text(" ".join(redact.redact_argv(table.get(pid, {}).get("argv") or [])))[:300],
                                    "server": pid in tree_set} for pid in report["listener_pids"]],

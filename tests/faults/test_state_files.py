@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.conftest import module_lab
-from tests.faults.conftest import FAST_ENV, deploy, observed, pyinfra, said, sh
+from tests.faults.conftest import FAST_ENV, deploy, main_pid, observed, pyinfra, said, sh
 
 pytestmark = [pytest.mark.faults, pytest.mark.lab]
 
@@ -95,3 +95,42 @@ def test_garbage_in_the_other_state_files_is_no_traceback(lab):
     run = deploy(lab, TP2_FP8)
     assert "Traceback" not in run.output, run
     assert run.returncode == 0, run
+
+
+def test_a_read_only_state_directory_is_refused_before_anything_stops(lab):
+    run = deploy(lab, TP2)
+    assert run.returncode == 0, run
+    pid = main_pid(lab)
+    # a read-only /var/lib/gpugate, for real: a read-only bind mount in the container's mount namespace
+    made = sh(lab, "pve1", 129, "mount --bind /var/lib/gpugate /var/lib/gpugate && "
+                                "mount -o remount,bind,ro /var/lib/gpugate /var/lib/gpugate")
+    assert made.returncode == 0, made.stderr
+    try:
+        run = deploy(lab, TP2_FP8)
+        assert run.returncode != 0, run
+        said(run, "sglang :30000 REFUSED, nothing touched",
+             "/var/lib/gpugate cannot be written in the container (read-only file system): the transition could "
+             "not keep its history of good specs")
+        assert main_pid(lab) == pid  # the server that serves was not stopped
+    finally:
+        sh(lab, "pve1", 129, "umount /var/lib/gpugate")
+    run = deploy(lab, TP2_FP8)
+    assert run.returncode == 0, run
+
+
+def test_a_model_path_that_is_a_file_is_refused_before_anything_stops(lab):
+    run = deploy(lab, TP2)
+    assert run.returncode == 0, run
+    pid = main_pid(lab)
+    sh(lab, "pve1", 129, "mkdir -p /opt/models/filemodel && echo '{}' > /opt/models/filemodel/config.json")
+    run = deploy(lab, TP2_FP8, data={"sglang_model_path": "/opt/models/filemodel/config.json"})
+    assert run.returncode != 0, run
+    said(run, "sglang :30000 REFUSED, nothing touched: the model path /opt/models/filemodel/config.json is a file, "
+              "not a directory")
+    assert main_pid(lab) == pid
+    from gpugate import agentcmd
+
+    for path, kind in (("/opt/models/filemodel/config.json", "file"), ("/opt/models/filemodel", "directory"),
+                       ("/opt/models/none", "missing")):  # observe says what the path is
+        out = sh(lab, "pve1", 129, agentcmd.inline_observe_command("/usr/bin/python3", {"port": 30000, "model_path": path}))
+        assert agentcmd.parse_output(out.stdout.splitlines())["sglang"]["model_path_kind"] == kind, out
