@@ -325,6 +325,23 @@ def steps_for(action: str, spec: Spec | None, max_used_mib: int, budgets: Mappin
     return tuple(steps)
 
 
+def stall_text(agent: Mapping[str, Any] | None, bound_s: float) -> str | None:
+    """What a stuck agent looks like, or None while it writes (``agent``: the agent's view of the
+    run's agent, gpugate.agent.journal.agent_view). It writes its journal at least every 1.5 s in
+    each long phase, so a silence over ``bound_s`` means it is stuck, whatever it was doing.
+
+    >>> stall_text({"pid": 41, "state": "T", "state_name": "stopped", "silent_s": 31.2}, 30)
+    'the agent pid 41 has written nothing for 31 s (state T: stopped)'
+    >>> stall_text({"pid": 41, "state": "S", "state_name": "sleeping", "silent_s": 2.0}, 30) is None
+    True
+    """
+    silent = (agent or {}).get("silent_s")
+    if not isinstance(silent, (int, float)) or silent <= bound_s:
+        return None
+    state = f" (state {agent.get('state')}: {agent.get('state_name')})" if agent.get("state") else " (gone)"
+    return f"the agent pid {agent.get('pid')} has written nothing for {silent:.0f} s{state}"
+
+
 def last_run_line(server: Mapping[str, Any]) -> str | None:
     """The latest transition of this container, when it ended otherwise than verified or while
     nobody watched (a controller killed mid-run): what the operator should know first."""
@@ -338,7 +355,8 @@ def last_run_line(server: Mapping[str, Any]) -> str | None:
 
 def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, restart: bool = False,
               rollback_k: int | None = None, max_used_mib: int = 64, min_free_mib: int = 64,
-              end_other_gpu_holders: bool = False, budgets: Mapping[str, float] | None = None) -> Plan:
+              end_other_gpu_holders: bool = False, budgets: Mapping[str, float] | None = None,
+              agent_silence_s: float = 30.0) -> Plan:
     """Decide from the observation. ``spec`` None with ``rollback_k`` None: no server on ``port``;
     ``rollback_k``: the rollback runbook (the k-th newest good spec unlike the running one)."""
     server = observation.get("sglang") or {}
@@ -348,6 +366,12 @@ def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, r
     transition = server.get("transition") or {}
     if transition.get("active"):
         step = transition.get("step") or "its start"
+        stalled = stall_text(transition.get("agent"), agent_silence_s)
+        if stalled:  # attaching would hang as the first controller did: say it and touch nothing
+            why = (f"the transition of run {transition.get('run')} is stalled at {step}: {stalled}; "
+                   f"nothing was touched (it holds the container's lock: see the agent's process, "
+                   f"then end it or let it go on)")
+            return Plan("refuse", (why,), problems=(why,))
         return Plan("attach", (f"a transition runs in the container (run {transition.get('run')}"
                                f"{' by ' + transition['by'] if transition.get('by') else ''}, at {step}): "
                                f"following it instead of starting another",), attach_run=transition.get("run"))

@@ -30,7 +30,7 @@ from pyinfra.context import host, state
 
 from gpugate import agentcmd
 from gpugate.facts.sglang import SglangObservation, SglangObservationInline, flag_table, observation_from
-from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, same_desired
+from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, same_desired, stall_text
 from gpugate.engine import get as engine
 from gpugate.match import for_container
 from gpugate.spec import Desired, Spec, SpecError, build_spec, redact_flags
@@ -511,6 +511,15 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
             continue
         misses = 0
         watch.read_at = time.time()
+        stalled = None if answer.get("events") else stall_text(answer.get("agent"),
+                                                               float(job.plan_args.get("agent_silence_s", 30.0)))
+        if stalled:  # silence has a bound: say what is seen and leave the container alone
+            book.ended(name, "stalled")
+            _say(host_obj, job.port, f"{stalled}: the transition of run {run} is stalled (at "
+                                     f"{narrator.doing(time.time())}); nothing was touched, this controller stops "
+                                     f"following it; follow with runbooks/status.py", error=True)
+            _audit(job, host_obj, "outcome", "end", run=run, outcome="stalled", message=stalled)
+            return False
         for event in answer.get("events") or []:
             if event.get("step") == "run" and event.get("phase") == "begin" and "desired" not in seen:
                 seen.update(desired=event.get("desired"), by=event.get("by"))
@@ -736,6 +745,7 @@ def server(desired: Desired, restore_previous: bool = False):
     plan_args: dict[str, Any] = dict(port=port, restart=restarted,
                                      rollback_k=desired.rollback_to if restoring else None,
                                      max_used_mib=max_used_mib, min_free_mib=desired.min_free_mib,
+                                     agent_silence_s=desired.agent_silence_s,
                                      end_other_gpu_holders=end_other_gpu_holders, budgets=budget)
     plan = make_plan(observation, spec, **plan_args)
     lines = plan_lines(plan, port)

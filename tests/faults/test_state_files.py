@@ -24,9 +24,10 @@ def lab(tmp_path_factory):
     yield from module_lab(tmp_path_factory, "faults-state-files", hosts=1, gpus=2)
 
 
-def status(lab, flags):
+def status(lab, flags, env=None, data=None):
+    extra = [word for key, value in (data or {}).items() for word in ("--data", f"{key}={value}")]
     return pyinfra(lab, ["inventory.py", "runbooks/status.py", "--data", f"sglang_flags={json.dumps(flags)}",
-                         "--data", f"sglang_env={json.dumps(FAST_ENV)}", "--limit", "pve_pve1"])
+                         "--data", f"sglang_env={json.dumps(env or FAST_ENV)}", *extra, "--limit", "pve_pve1"])
 
 
 def good_keys(lab):
@@ -134,3 +135,43 @@ def test_a_model_path_that_is_a_file_is_refused_before_anything_stops(lab):
                        ("/opt/models/none", "missing")):  # observe says what the path is
         out = sh(lab, "pve1", 129, agentcmd.inline_observe_command("/usr/bin/python3", {"port": 30000, "model_path": path}))
         assert agentcmd.parse_output(out.stdout.splitlines())["sglang"]["model_path_kind"] == kind, out
+
+
+def agent_pid(lab):
+    out = sh(lab, "pve1", 129, "python3 -c \"import json; print(json.load(open('/run/gpugate/transition.lock'))['pid'])\"")
+    return int(out.stdout.strip())
+
+
+def test_a_frozen_agent_is_named_within_the_bound_and_nothing_is_touched(lab):
+    import time
+
+    slow = {**FAST_ENV, "SGLANG_STANDIN_LOAD_S": "8"}  # a slow load (budgets as data: the test stays short)
+    bound = {"agent_silence_s": 4, "start_timeout_s": 60}
+    frozen = {}
+
+    def freeze(_process):
+        frozen["pid"] = agent_pid(lab)
+        sh(lab, "pve1", 129, f"kill -STOP {frozen['pid']}")  # a real SIGSTOP of the detached agent
+        frozen["at"] = time.monotonic()
+
+    flags = {"tp": 2, "kv-cache-dtype": "fp8_e5m2"}
+    run = deploy(lab, flags, env=slow, data=bound, when=[("sglang :30000 started pid", freeze)], timeout=60)
+    try:
+        took = time.monotonic() - frozen["at"]
+        assert run.returncode != 0, run
+        said(run, f"the agent pid {frozen['pid']} has written nothing for", "(state T: stopped)",
+             "is stalled", "nothing was touched")
+        assert took < 4 + 3 + 3, took  # the bound, one follow wait, the command's own time
+        began = time.monotonic()
+        again = deploy(lab, flags, env=slow, data=bound, timeout=30)
+        assert again.returncode != 0, again
+        said(again, "REFUSED, nothing touched", "is stalled at load",
+             f"the agent pid {frozen['pid']} has written nothing for", "(state T: stopped)")
+        seen = status(lab, flags, env=slow, data=bound)
+        said(seen, "is stalled at load", f"the agent pid {frozen['pid']}", "(state T: stopped)")
+        assert time.monotonic() - began < 15
+    finally:
+        sh(lab, "pve1", 129, f"kill -CONT {frozen['pid']}")
+    # let go, the agent runs its transition to its end
+    from tests.faults.conftest import wait_until
+    assert wait_until(lambda: (observed(lab).get("transition") or {}).get("outcome") == "verified", 30)
