@@ -33,6 +33,7 @@ from gpugate.facts.sglang import SglangObservation, SglangObservationInline, fla
 from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, same_desired, stall_text
 from gpugate.engine import get as engine
 from gpugate.match import for_container
+from gpugate.claims import own_claim_run
 from gpugate.spec import Desired, Spec, SpecError, build_spec, redact_flags
 
 FOLLOW_WAIT_S = 3.0       # one follow command waits up to this long for new journal events
@@ -420,6 +421,15 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     _audit(job, host_obj, "plan", "begin", run=run, **job.story)
     if plan.gpus and hasattr(host_obj.connector, "hold_gpu_locks"):
         ok, message = host_obj.connector.hold_gpu_locks(list(plan.gpus), run, python=job.python)
+        claim = getattr(host_obj.connector, "gpu_claim", None) or {}
+        for gone in claim.get("released") or []:
+            _say(host_obj, job.port, f"released a stale GPU claim: run {gone.get('run')} of container "
+                                     f"{gone.get('vmid')} never began ({gone.get('why')})")
+        own = None if ok or claim.get("began") is not True else own_claim_run(claim.get("owner"),
+                                                                              host_obj.data.get("pct_vmid"))
+        if own:  # this container's own run holds the claim: follow it, as the plan does a running one
+            _say(host_obj, job.port, f"the GPU claim is held by run {own} of this container: following it instead")
+            return _attach(host_obj, job, own)
         if not ok:
             book.refused.append(name)
             book.outcomes[name] = "refused (GPU claims; nothing touched)"
@@ -438,6 +448,8 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         doc["desired"] = None
     if job.end_pids:
         doc["end_gpu_holders"] = job.end_pids
+    if plan.gpus and (getattr(host_obj.connector, "gpu_claim", None) or {}).get("until"):
+        doc["claim_until"] = host_obj.connector.gpu_claim["until"]  # the agent refuses a hand-off after it
     watch = Watch(name, job.port, run, Narrator())
     book.watching[name] = watch
     stdin = agentcmd.start_stdin(doc, include_source=not job.observation.get("agent_installed", True))
