@@ -4,10 +4,14 @@ Sent inline by ``PctConnector.hold_gpu_locks`` as ``python3 -c <packed source> '
 
 1. takes ``/run/gpugate/gpu-<i>.lock`` for each GPU of the transition, in index order (so two
    holders that wait never deadlock), each an exclusive kernel flock: a dead holder frees it;
-2. a GPU held by another transition: releases what it took, prints
-   ``{"ok": false, "gpu": i, "owner": <that holder's record>}`` and exits (after ``wait_s``);
+2. a GPU held by another transition: when that claim's hand-off window is over and its container
+   says no such run began (``check_command``: the agent's ``wait`` with no grace), its holder is
+   ended and the lock taken (``released`` says so); otherwise releases what it took, prints
+   ``{"ok": false, "gpu": i, "owner": <that holder's record>, "began": <does that run exist>}``
+   and exits (after ``wait_s``); a lock file that cannot be opened (a directory):
+   ``{"ok": false, "gpu": i, "error": ...}``;
 3. all held: forks a detached child (new session, stdio on /dev/null) that keeps the locks, writes
-   its record ``{"vmid", "run", "gpus", "pid", "since"}`` into each lock file, and runs
+   its record ``{"vmid", "run", "gpus", "pid", "since", "handoff_until"}`` into each lock file, and runs
    ``pct exec <vmid> -- sh -c '<command>'``, the container agent's ``wait`` for the run
    (gpugate.agentcmd.wait_command: returns when that run has ended, or when it did not begin within
    grace_s); when that returns the locks go, and a line (with the wait's answer) is appended to

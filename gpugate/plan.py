@@ -335,11 +335,12 @@ def stall_text(agent: Mapping[str, Any] | None, bound_s: float) -> str | None:
     >>> stall_text({"pid": 41, "state": "S", "state_name": "sleeping", "silent_s": 2.0}, 30) is None
     True
     """
-    silent = (agent or {}).get("silent_s")
+    view: Mapping[str, Any] = agent or {}
+    silent = view.get("silent_s")
     if not isinstance(silent, (int, float)) or silent <= bound_s:
         return None
-    state = f" (state {agent.get('state')}: {agent.get('state_name')})" if agent.get("state") else " (gone)"
-    return f"the agent pid {agent.get('pid')} has written nothing for {silent:.0f} s{state}"
+    state = f" (state {view.get('state')}: {view.get('state_name')})" if view.get("state") else " (gone)"
+    return f"the agent pid {view.get('pid')} has written nothing for {silent:.0f} s{state}"
 
 
 def last_run_line(server: Mapping[str, Any]) -> str | None:

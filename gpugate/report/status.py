@@ -290,7 +290,8 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
     history_problem = (server.get("history") or {}).get("problem") if isinstance(server.get("history"), Mapping) else None
     if history_problem:
         problems.append(history_problem)
-    raw_transition = server.get("transition") if isinstance(server.get("transition"), Mapping) else {}
+    raw = server.get("transition")
+    raw_transition: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
     stalled = stall_text(raw_transition.get("agent"), desired.agent_silence_s) if raw_transition.get("active") else None
     if stalled:
         problems.append(f"the transition of run {raw_transition.get('run')} is stalled at "
