@@ -334,10 +334,13 @@ def stall_text(agent: Mapping[str, Any] | None, bound_s: float) -> str | None:
     'the agent pid 41 has written nothing for 31 s (state T: stopped)'
     >>> stall_text({"pid": 41, "state": "S", "state_name": "sleeping", "silent_s": 2.0}, 30) is None
     True
+    >>> stall_text({"pid": 41, "state": "S", "silent_s": 50.0, "quiet_s": 30}, 30) is None  # a generation
+    True
     """
     view: Mapping[str, Any] = agent or {}
     silent = view.get("silent_s")
-    if not isinstance(silent, (int, float)) or silent <= bound_s:
+    quiet = view.get("quiet_s") if isinstance(view.get("quiet_s"), (int, float)) else 0
+    if not isinstance(silent, (int, float)) or silent <= bound_s + quiet:  # quiet_s: an announced blocking call
         return None
     state = f" (state {view.get('state')}: {view.get('state_name')})" if view.get("state") else " (gone)"
     return f"the agent pid {view.get('pid')} has written nothing for {silent:.0f} s{state}"

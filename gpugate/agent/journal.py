@@ -70,8 +70,10 @@ def agent_view(run, lock):
         silent = round(max(0.0, time.time() - os.stat(journal_path(run)).st_mtime), 1)
     except OSError:
         silent = None
+    _first, last, _outcome = journal_ends(run)
+    quiet = (last or {}).get("quiet_s")  # a call that may block this long was announced (a generation)
     return {"pid": lock["pid"], "state": letter, "state_name": STATE_NAMES.get(letter or "", letter),
-            "silent_s": silent}
+            "silent_s": silent, "quiet_s": quiet if isinstance(quiet, (int, float)) else 0}
 
 
 def journal_path(run):

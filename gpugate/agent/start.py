@@ -286,6 +286,10 @@ class StartSteps:
                 status, _ = server.http_get(host, port, "/health", 5.0, sglang.argv_token(spec["argv"]))
                 phase = "starting" if status != 200 else "generating"
                 if status == 200:
+                    # the generation may block up to its timeout: say so first, so that this silence
+                    # is not taken for a stuck agent (quiet_s: the controller's bound grows by it)
+                    self.event("load", "progress", target=target, port=port, state="generating",
+                               elapsed_s=round(time.time() - began, 1), quiet_s=self.budgets["generate_timeout_s"])
                     generated, error = server.http_get(host, port, "/health_generate", self.budgets["generate_timeout_s"],
                                                 sglang.argv_token(spec["argv"]))
                     if generated == 200:
