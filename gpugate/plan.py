@@ -339,7 +339,8 @@ def stall_text(agent: Mapping[str, Any] | None, bound_s: float) -> str | None:
     """
     view: Mapping[str, Any] = agent or {}
     silent = view.get("silent_s")
-    quiet = view.get("quiet_s") if isinstance(view.get("quiet_s"), (int, float)) else 0
+    announced = view.get("quiet_s")
+    quiet = float(announced) if isinstance(announced, (int, float)) else 0.0
     if not isinstance(silent, (int, float)) or silent <= bound_s + quiet:  # quiet_s: an announced blocking call
         return None
     state = f" (state {view.get('state')}: {view.get('state_name')})" if view.get("state") else " (gone)"
