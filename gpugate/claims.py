@@ -27,12 +27,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["ServerClaim", "overlapping_claims", "overlaps_of", "servers_of_inventory", "claim_host", "gpu_ranges",
-           "LOCK_DIR", "lock_path", "busy_message"]
+           "LOCK_DIR", "HANDOFF_S", "lock_path", "busy_message", "own_claim_run"]
 
 # (Proxmox host, vmid, port, the server's GPUs as host GPU indexes)
 ServerClaim = tuple[str, int, int, tuple[int, ...]]
 
 LOCK_DIR = "/run/gpugate"
+# The hand-off window of a GPU claim: the controller hands off right after taking the claim (a few
+# seconds, the agent's install included); a claim whose run has not begun by then is let go by its
+# holder, a hand-off that comes later is refused by the container's agent (so the run cannot begin
+# unclaimed), and another deploy that meets such a claim past its window releases it at once.
+HANDOFF_S = 15.0
 
 
 def lock_path(gpu: int, lock_dir: str = LOCK_DIR) -> str:
@@ -169,3 +174,15 @@ def busy_message(pve_host: str, vmid: int, gpu: int, owner: Mapping[str, Any] | 
     return (f"GPU {gpu} of {pve_host} is claimed by {who}: a transition there holds it. ct {vmid} did not "
             f"begin run {run}; nothing was touched (retry when that run ended, or give the servers "
             f"disjoint GPUs)")
+
+
+def own_claim_run(owner: Mapping[str, Any] | None, vmid: Any) -> str | None:
+    """The run to attach to when a GPU claim is held by a run of this very container (two deploys
+    of one container at once: the other's run holds the claim), else None.
+
+    >>> own_claim_run({"vmid": 129, "run": "r1"}, "129"), own_claim_run({"vmid": 130, "run": "r1"}, 129)
+    ('r1', None)
+    """
+    if not owner or owner.get("vmid") is None or not owner.get("run"):
+        return None
+    return str(owner["run"]) if str(owner.get("vmid")) == str(vmid) else None

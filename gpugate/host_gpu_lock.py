@@ -4,10 +4,14 @@ Sent inline by ``PctConnector.hold_gpu_locks`` as ``python3 -c <packed source> '
 
 1. takes ``/run/gpugate/gpu-<i>.lock`` for each GPU of the transition, in index order (so two
    holders that wait never deadlock), each an exclusive kernel flock: a dead holder frees it;
-2. a GPU held by another transition: releases what it took, prints
-   ``{"ok": false, "gpu": i, "owner": <that holder's record>}`` and exits (after ``wait_s``);
+2. a GPU held by another transition: when that claim's hand-off window is over and its container
+   says no such run began (``check_command``: the agent's ``wait`` with no grace), its holder is
+   ended and the lock taken (``released`` says so); otherwise releases what it took, prints
+   ``{"ok": false, "gpu": i, "owner": <that holder's record>, "began": <does that run exist>}``
+   and exits (after ``wait_s``); a lock file that cannot be opened (a directory):
+   ``{"ok": false, "gpu": i, "error": ...}``;
 3. all held: forks a detached child (new session, stdio on /dev/null) that keeps the locks, writes
-   its record ``{"vmid", "run", "gpus", "pid", "since"}`` into each lock file, and runs
+   its record ``{"vmid", "run", "gpus", "pid", "since", "handoff_until"}`` into each lock file, and runs
    ``pct exec <vmid> -- sh -c '<command>'``, the container agent's ``wait`` for the run
    (gpugate.agentcmd.wait_command: returns when that run has ended, or when it did not begin within
    grace_s); when that returns the locks go, and a line (with the wait's answer) is appended to
@@ -33,12 +37,23 @@ def _read_owner(fd):
 
 
 def acquire(lock_dir, gpus, wait_s):
-    """([fd, ...], None) with every lock held, or ([], {"gpu": i, "owner": ...}) when one is busy."""
-    os.makedirs(lock_dir, mode=0o755, exist_ok=True)
+    """([fd, ...], None) with every lock held, or ([], {"gpu": i, "owner": ...}) when one is busy,
+    or ([], {"gpu": i, "error": why}) when a lock file cannot be opened (a directory in its place)."""
+    try:
+        os.makedirs(lock_dir, mode=0o755, exist_ok=True)
+    except OSError as exc:
+        return [], {"gpu": None, "error": "the lock directory %s cannot be made (%s)" % (lock_dir, exc.strerror or exc)}
     deadline = time.monotonic() + max(0.0, float(wait_s))
     held = []
     for gpu in sorted(set(int(g) for g in gpus)):
-        fd = os.open(os.path.join(lock_dir, "gpu-%d.lock" % gpu), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        path = os.path.join(lock_dir, "gpu-%d.lock" % gpu)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:  # a directory (or anything not a file) where the lock file should be
+            for other in held:
+                os.close(other)
+            what = "is a directory, not a lock file" if os.path.isdir(path) else "cannot be opened (%s)" % (exc.strerror or exc)
+            return [], {"gpu": gpu, "error": "%s %s: remove it on the Proxmox host" % (path, what)}
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -52,6 +67,68 @@ def acquire(lock_dir, gpus, wait_s):
                 time.sleep(0.05)
         held.append(fd)
     return held, None
+
+
+RUN_ID_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
+
+
+def stale(owner, now):
+    """Whether a busy lock's ``owner`` record may be a claim whose run never began: its hand-off
+    window is over (``handoff_until``, plus 1 s: the container's agent refuses a hand-off within
+    2 s of it), so that run can no longer begin; the container is asked next.
+
+    >>> stale({"run": "r1", "vmid": 129, "pid": 7, "handoff_until": 10.0}, 11.5), stale({"handoff_until": 10.0}, 10.5)
+    (True, False)
+    """
+    if not isinstance(owner, dict) or not owner.get("pid") or not owner.get("run"):
+        return False
+    until = owner.get("handoff_until")
+    return isinstance(until, (int, float)) and now > until + 1.0
+
+
+def run_began(args, owner):
+    """Ask the owner's container whether its run began: the agent's ``wait`` for that run with no
+    grace and no wait (``check_command``: its shell text with ``@RUN@`` for the run id). -> True,
+    False, or None when the container gives no clear answer (then nothing is released)."""
+    run = str(owner.get("run") or "")
+    template = args.get("check_command") or ""
+    if "@RUN@" not in template or not run or not set(run) <= RUN_ID_CHARS or not str(owner.get("vmid", "")).isdigit():
+        return None
+    wait_args = dict(args, vmid=owner["vmid"], command=template.replace("@RUN@", run))
+    try:
+        done = subprocess.run(_wait_argv(wait_args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in reversed(done.stdout.decode("utf-8", "replace").splitlines()):
+        try:
+            answer = json.loads(line.strip())
+        except ValueError:
+            continue
+        if isinstance(answer, dict) and answer.get("run") == run and "appeared" in answer:
+            return bool(answer["appeared"])
+    return None
+
+
+def release_stale(args, owner):
+    """End the holder of a claim whose run never began (its container says so, and the run can no
+    longer begin): a SIGKILL of the holder recorded in the lock, whose kernel flocks then go.
+    -> what was released, or None."""
+    if not stale(owner, time.time()) or run_began(args, owner) is not False:
+        return None
+    pid = int(owner["pid"])
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as handle:
+            if b"python" not in handle.read():  # the recorded pid is no longer a holder: nothing to end
+                return None
+        os.kill(pid, 9)  # SIGKILL: a wedged holder (stopped, stuck in pct) would not act on a SIGTERM
+    except (OSError, ValueError):
+        return None
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline and os.path.exists("/proc/%d" % pid):
+        time.sleep(0.05)
+    return {"vmid": owner.get("vmid"), "run": owner.get("run"), "pid": pid, "gpus": owner.get("gpus"),
+            "why": "no run %s began in container %s" % (owner.get("run"), owner.get("vmid"))}
 
 
 def _record(held, record):
@@ -75,8 +152,9 @@ def _hold(args, held, ready_w):
     null = os.open(os.devnull, os.O_RDWR)
     for std in (0, 1, 2):
         os.dup2(null, std)
+    now = time.time()
     record = {"vmid": args["vmid"], "run": args["run"], "gpus": sorted(set(args["gpus"])), "pid": os.getpid(),
-              "since": time.time()}
+              "since": now, "handoff_until": now + float(args.get("grace_s", 30))}
     _record(held, record)
     os.write(ready_w, b"1")
     os.close(ready_w)
@@ -107,8 +185,18 @@ def _hold(args, held, ready_w):
 def main(argv):
     args = json.loads(argv[-1])
     held, busy = acquire(args["lock_dir"], args["gpus"], args.get("wait_s", 0))
+    released = []
+    while busy is not None and busy.get("owner") and len(released) < 8:
+        # a claim whose run never began ends here, not after its holder's own grace
+        gone = release_stale(args, busy["owner"])
+        if gone is None:
+            break
+        released.append(gone)
+        held, busy = acquire(args["lock_dir"], args["gpus"], 1.0)
     if busy is not None:
-        print(json.dumps(dict(busy, ok=False)))
+        if busy.get("owner"):  # whether the claiming run exists: a deploy of that same container attaches to it
+            busy["began"] = run_began(args, busy["owner"])
+        print(json.dumps(dict(busy, ok=False, released=released)))
         return 0
     ready_r, ready_w = os.pipe()
     pid = os.fork()
@@ -122,7 +210,8 @@ def main(argv):
     for fd in held:
         os.close(fd)  # the child's copies keep the locks
     ready = os.read(ready_r, 1)
-    print(json.dumps({"ok": bool(ready), "pid": pid} if ready else {"ok": False, "error": "the holder died"}))
+    print(json.dumps({"ok": bool(ready), "pid": pid, "released": released, "handoff_until": time.time() + float(args.get("grace_s", 30))}
+                     if ready else {"ok": False, "error": "the holder died"}))
     return 0
 
 

@@ -201,6 +201,10 @@ def replaces_doc(replaced: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- checks before the stop
+# What the agent keeps in each of its directories (gpugate.agent.state), for the refusal's words.
+STATE_DIR_USES = {"/var/lib/gpugate": "history of good specs", "/var/lib/gpugate/runs": "journal",
+                  "/run/gpugate": "transition lock and pid file", "/etc/gpugate": "env file",
+                  "/var/log/gpugate": "server log"}
 def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: int = 64, min_free_mib: int = 64,
            end_other_gpu_holders: bool = False, replacing: Sequence[int] = ()) -> tuple[list[str], list[str]]:
     """Everything that can be checked before anything stops -> (problems, notes). A problem means:
@@ -259,6 +263,10 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
         if isinstance(free, (int, float)) and free < min_free_mib:
             problems.append(f"{path} has {free} MiB free, under the minimum of {min_free_mib} MiB "
                             f"(min_free_mib) for the server log, the journal and the history")
+    # The state directories: the journal, the history, the lock and pid file, the env file, the log
+    for path, why in sorted((container.get("unwritable") or {}).items()):
+        problems.append(f"{path} cannot be written in the container ({why}): the transition could not keep its "
+                        f"{STATE_DIR_USES.get(path, 'state')}")
     # The port
     for holder in container.get("port_holders") or []:
         cmdline = holder.get("cmdline") or ""
@@ -269,6 +277,11 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
     # The model
     if server.get("model_path_exists") is False:
         problems.append(f"the model path {spec.model_path} does not exist in the container")
+    elif server.get("model_path_kind") not in (None, "directory", "missing"):
+        # SGLang loads a directory (or a hub id); a config.json named instead would stop the server
+        # for a start that cannot work
+        problems.append(f"the model path {spec.model_path} is a {server['model_path_kind']}, not a directory: give "
+                        f"the model's directory (or a hub id)")
     # The SGLang version
     have = server.get("sglang_version")
     if spec.sglang_version and have and have != spec.sglang_version:
@@ -282,6 +295,9 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
                         f"the container has {limit / 1e9:.0f} GB (limit at 90%)")
     for warning in spec.warnings:
         notes.append(warning)
+    history_problem = (server.get("history") or {}).get("problem")
+    if history_problem:  # the container's agent set a history aside (or will): said with the plan
+        notes.append(history_problem)
     if replacing:
         notes.append("port change: the server on :" + ", :".join(str(p) for p in replacing)
                      + " drains and stops first (the rollback returns to it)")
@@ -307,6 +323,28 @@ def steps_for(action: str, spec: Spec | None, max_used_mib: int, budgets: Mappin
               "healthy + a generation", "verify argv and /get_server_info", "commit to the history",
               "on any failure from the stop on: roll back to the last good spec"]
     return tuple(steps)
+
+
+def stall_text(agent: Mapping[str, Any] | None, bound_s: float) -> str | None:
+    """What a stuck agent looks like, or None while it writes (``agent``: the agent's view of the
+    run's agent, gpugate.agent.journal.agent_view). It writes its journal at least every 1.5 s in
+    each long phase, so a silence over ``bound_s`` means it is stuck, whatever it was doing.
+
+    >>> stall_text({"pid": 41, "state": "T", "state_name": "stopped", "silent_s": 31.2}, 30)
+    'the agent pid 41 has written nothing for 31 s (state T: stopped)'
+    >>> stall_text({"pid": 41, "state": "S", "state_name": "sleeping", "silent_s": 2.0}, 30) is None
+    True
+    >>> stall_text({"pid": 41, "state": "S", "silent_s": 50.0, "quiet_s": 30}, 30) is None  # a generation
+    True
+    """
+    view: Mapping[str, Any] = agent or {}
+    silent = view.get("silent_s")
+    announced = view.get("quiet_s")
+    quiet = float(announced) if isinstance(announced, (int, float)) else 0.0
+    if not isinstance(silent, (int, float)) or silent <= bound_s + quiet:  # quiet_s: an announced blocking call
+        return None
+    state = f" (state {view.get('state')}: {view.get('state_name')})" if view.get("state") else " (gone)"
+    return f"the agent pid {view.get('pid')} has written nothing for {silent:.0f} s{state}"
 
 
 def last_run_line(server: Mapping[str, Any]) -> str | None:
@@ -346,7 +384,8 @@ def held_by_other_servers(observation: Mapping[str, Any], port: int, gpus: Itera
 def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, restart: bool = False,
               siblings: tuple[int, ...] = (),
               rollback_k: int | None = None, max_used_mib: int = 64, min_free_mib: int = 64,
-              end_other_gpu_holders: bool = False, budgets: Mapping[str, float] | None = None) -> Plan:
+              end_other_gpu_holders: bool = False, budgets: Mapping[str, float] | None = None,
+              agent_silence_s: float = 30.0) -> Plan:
     """Decide from the observation. ``spec`` None with ``rollback_k`` None: no server on ``port``;
     ``rollback_k``: the rollback runbook (the k-th newest good spec unlike the running one)."""
     server = observation.get("sglang") or {}
@@ -356,6 +395,12 @@ def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, r
     transition = server.get("transition") or {}
     if transition.get("active"):
         step = transition.get("step") or "its start"
+        stalled = stall_text(transition.get("agent"), agent_silence_s)
+        if stalled:  # attaching would hang as the first controller did: say it and touch nothing
+            why = (f"the transition of run {transition.get('run')} is stalled at {step}: {stalled}; "
+                   f"nothing was touched (it holds the container's lock: see the agent's process, "
+                   f"then end it or let it go on)")
+            return Plan("refuse", (why,), problems=(why,))
         return Plan("attach", (f"a transition runs in the container (run {transition.get('run')}"
                                f"{' by ' + transition['by'] if transition.get('by') else ''}, at {step}): "
                                f"following it instead of starting another",), attach_run=transition.get("run"))

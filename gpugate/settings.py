@@ -368,6 +368,9 @@ SETTINGS: dict[str, Setting] = _rows(
     Setting("start_timeout_s", to_number, 2700.0,
             "until healthy and generating (45 min: a cold TP8 load with CUDA graphs)"),
     Setting("generate_timeout_s", to_number, 30.0, "the first real generation after /health turns 200"),
+    Setting("agent_silence_s", to_number, 30.0,
+            "the container's agent writes its journal at least every 1.5 s in every long phase: silent longer "
+            "than this, it is stuck (the controller says so and stops following; nothing is touched)"),
     Setting("min_free_mib", to_count, 64, "free MiB the log and state dirs need, checked before the stop"),
     Setting("end_other_gpu_holders", to_bool, False,
             "true: the agent may end other processes with memory on this server's GPUs"),

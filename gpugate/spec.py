@@ -387,6 +387,7 @@ class Desired:
     flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # as written: re-checked per version
     sglang_version: str | None = None
     min_free_mib: int = SETTINGS["min_free_mib"].default
+    agent_silence_s: float = SETTINGS["agent_silence_s"].default
     end_other_gpu_holders: bool = False
     rolling: bool = False
     max_failures: int = SETTINGS["max_failures"].default
@@ -471,6 +472,7 @@ def _desired(values: Mapping[str, Any]) -> Desired:
                    budgets=budgets({key: values[setting] for key, setting in BUDGET_SETTINGS.items()}),
                    problem=problem, flags=dict(values["sglang_flags"] or {}),
                    sglang_version=values["sglang_version"], min_free_mib=int(values["min_free_mib"]),
+                   agent_silence_s=float(values["agent_silence_s"]),
                    end_other_gpu_holders=bool(values["end_other_gpu_holders"]), rolling=bool(values["rolling"]),
                    max_failures=int(values["max_failures"]), audit_log=values["audit_log"],
                    restarted=bool(values["sglang_restarted"]), rollback_to=int(values["rollback_to"]),

@@ -167,10 +167,26 @@ def prune_journals(keep=50, protect=()):
             pass
 
 
+def claim_lapsed(doc, now=None):
+    """A hand-off that came after its GPU claim's window (``claim_until``, the Proxmox host's clock,
+    which an LXC container shares) is refused: the claim's holder lets go then, so the run would
+    run unclaimed. 2 s of margin: the holder looks 1 s after the window.
+
+    >>> claim_lapsed({"run": "r1", "claim_until": 100.0}, now=99.0)[:40], claim_lapsed({"claim_until": 100.0}, now=97.0)
+    ('the hand-off of run r1 came after its GP', None)
+    """
+    until = doc.get("claim_until")
+    now = time.time() if now is None else now
+    if isinstance(until, (int, float)) and now > until - 2.0:
+        return ("the hand-off of run %s came after its GPU claim on the Proxmox host lapsed (%.0f s late): "
+                "nothing was touched; re-run" % (doc.get("run"), now - until + 2.0))
+    return None
+
+
 def command_start(doc):
     """Validate, take the lock in a detached child, answer once it holds it."""
     doc, problem = resolve_history_desired(doc)
-    problem = problem or validate_start(doc)
+    problem = problem or validate_start(doc) or claim_lapsed(doc)
     if problem:
         return {"ok": False, "error": problem}
     read_fd, write_fd = os.pipe()

@@ -5,7 +5,10 @@ rollback needs, never leave the container.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import time
 
 from gpugate.agent import state
 from gpugate.rules import redact
@@ -13,6 +16,7 @@ from gpugate.rules import redact
 
 HISTORY_GOOD = 5
 HISTORY_FAILED = 10
+PREV = ".prev"  # the copy save_history keeps of the history it replaces
 
 
 def spec_key(spec):
@@ -26,17 +30,177 @@ def spec_key(spec):
     return redact.sha256(material.encode("utf-8")).hexdigest()[:16]
 
 
-def load_history(port):
-    doc = state.json_file(state.paths(port)["history"])
-    if not isinstance(doc, dict) or doc.get("schema") != 2:
-        return {"schema": 2, "port": int(port), "good": [], "failed": [], "last": None}
+def empty_history(port):
+    return {"schema": 2, "port": int(port), "good": [], "failed": [], "last": None}
+
+
+def shape_problem(doc):
+    """Why ``doc`` is not a history this agent can use, or None (every reader relies on this shape:
+    a record of the wrong type would fail later, far from the file that caused it).
+
+    >>> shape_problem({"schema": 2, "good": [1, "x"], "failed": []})
+    'wrong shape: good[0] is int, not an object'
+    >>> shape_problem({"schema": 2, "good": [], "failed": [], "last": None}) is None
+    True
+    """
+    if not isinstance(doc, dict):
+        return "wrong shape: %s, not an object" % type(doc).__name__
+    if doc.get("schema") != 2:
+        return "wrong shape: schema %r, not 2" % (doc.get("schema"),)
+    for name in ("good", "failed"):
+        items = doc.get(name, [])
+        if not isinstance(items, list):
+            return "wrong shape: %s is %s, not a list" % (name, type(items).__name__)
+        for index, item in enumerate(items):
+            if not isinstance(item, dict):
+                return "wrong shape: %s[%d] is %s, not an object" % (name, index, type(item).__name__)
+            if name == "good" and not (isinstance(item.get("spec"), dict) and isinstance(item.get("record"), dict)):
+                return "wrong shape: good[%d] has no spec and record" % index
+    if doc.get("last") is not None and not isinstance(doc.get("last"), dict):
+        return "wrong shape: last is %s, not an object" % type(doc.get("last")).__name__
+    if doc.get("recovered") is not None and not isinstance(doc.get("recovered"), dict):
+        return "wrong shape: recovered is %s, not an object" % type(doc.get("recovered")).__name__
+    return None
+
+
+def parse_problem(text):
+    """Why ``text`` is not JSON (None when it is), in the words the operator reads: a file that
+    ends inside its JSON is "truncated JSON" (a disk that filled, a write cut short).
+
+    >>> parse_problem('{"schema": 2, "good": [{"ke'), parse_problem('{}'), parse_problem('{x}')[:12]
+    ('truncated JSON', None, 'not JSON (Ex')
+    """
+    try:
+        json.loads(text)
+        return None
+    except ValueError as error:
+        position = getattr(error, "pos", None)
+        cut = "Unterminated string" in str(error) or position is not None and position >= len(text.rstrip()) - 1
+        if cut or not text.strip():
+            return "truncated JSON" if text.strip() else "empty file"
+        return "not JSON (%s)" % str(error)[:80]
+
+
+def read_history(path):
+    """-> (doc, problem): (None, None) when there is no file; (doc, None) when it reads and has the
+    shape; (None, why) otherwise. Never raises: a state file must never end in a traceback."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(16 * 1024 * 1024 + 1)
+    except OSError as error:
+        if error.errno == errno.ENOENT:
+            return None, None
+        return None, "cannot be read (%s)" % (error.strerror or type(error).__name__)
+    if len(raw) > 16 * 1024 * 1024:
+        return None, "over 16 MiB"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
+    problem = parse_problem(text)
+    if problem:
+        return None, problem
+    doc = json.loads(text)
+    problem = shape_problem(doc)
+    return (None, problem) if problem else (doc, None)
+
+
+def aside_name(path, problem, t=None):
+    """The name a history that does not read is kept under: it says so, and when.
+
+    >>> aside_name("/v/sglang-30000.json", "truncated JSON", 0)
+    '/v/sglang-30000.json.unreadable-19700101T000000Z'
+    >>> aside_name("/v/s.json", "wrong shape: good[0] is int", 0)
+    '/v/s.json.wrong-shape-19700101T000000Z'
+    """
+    kind = "wrong-shape" if problem.startswith("wrong shape") else "unreadable"
+    return "%s.%s-%s" % (path, kind, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(t if t is not None else time.time())))
+
+
+def copy_time(path):
+    """When the kept copy was written, as the operator reads times (``2026-12-01 21:14Z``)."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%MZ", time.gmtime(os.stat(path).st_mtime))
+    except OSError:
+        return None
+
+
+def recovery_text(port, recovered):
+    """The one line that says what happened to a history that did not read.
+
+    >>> recovery_text(30000, {"reason": "truncated JSON", "kept_as": "/v/h.unreadable-X", "copy_of": "2026-12-01 21:14Z"})
+    'the history of :30000 was unreadable (truncated JSON): kept as /v/h.unreadable-X; using the copy of 2026-12-01 21:14Z'
+    >>> recovery_text(30000, {"reason": "truncated JSON", "kept_as": None, "copy_of": None})[:99]
+    'the history of :30000 is unreadable (truncated JSON): it is set aside by the next transition; no ea'
+    """
+    if recovered.get("kept_as"):
+        head = "the history of :%d was unreadable (%s): kept as %s" % (int(port), recovered.get("reason"), recovered["kept_as"])
+    else:
+        head = "the history of :%d is unreadable (%s): it is set aside by the next transition" % (int(port), recovered.get("reason"))
+        if recovered.get("aside_error"):
+            head = "the history of :%d is unreadable (%s) and could not be set aside (%s)" % (
+                int(port), recovered.get("reason"), recovered["aside_error"])
+    if recovered.get("copy_of"):
+        return head + "; using the copy of %s" % recovered["copy_of"]
+    return head + "; no earlier copy reads: the history starts empty"
+
+
+def load_history(port, repair=True):
+    """The history of ``port``. A file that does not read or has the wrong shape is never taken for
+    an empty history silently: with ``repair`` (the agent's transition) it is renamed to a name that
+    says so, the previous copy (``.prev``, kept by save_history) is used and written back, and the
+    doc's ``recovered`` says what happened; without it (observe: read-only) the same is reported and
+    the copy is used, nothing moved."""
+    path = state.paths(port)["history"]
+    doc, problem = read_history(path)
+    if problem is None:
+        doc = doc if doc is not None else empty_history(port)
+        doc.setdefault("good", [])
+        doc.setdefault("failed", [])
+        return doc
+    prev_doc, _prev_problem = read_history(path + PREV)
+    recovered = {"reason": problem, "kept_as": None, "copy_of": copy_time(path + PREV) if prev_doc else None,
+                 "at": state.now_iso()}
+    doc = prev_doc if prev_doc is not None else empty_history(port)
     doc.setdefault("good", [])
     doc.setdefault("failed", [])
+    if not repair:
+        doc["recovered"] = recovered
+        return doc
+    kept = aside_name(path, problem)
+    try:
+        os.rename(path, kept)
+        recovered["kept_as"] = kept
+    except OSError as error:
+        recovered["aside_error"] = error.strerror or type(error).__name__
+    doc["recovered"] = recovered
+    if recovered["kept_as"]:
+        try:
+            state.write_private(path, json.dumps(doc, indent=1, sort_keys=True))
+        except OSError:
+            pass  # the next save writes it; the copy is still in .prev
     return doc
 
 
+def recovery_note(port, doc):
+    """The line to report for ``doc``'s recovery, or None: shown while the file set aside exists
+    (the operator removes it once looked at), or while the bad file is still in place."""
+    recovered = doc.get("recovered")
+    if not isinstance(recovered, dict):
+        return None
+    if recovered.get("kept_as") and not os.path.exists(recovered["kept_as"]):
+        return None
+    return recovery_text(port, recovered)
+
+
 def save_history(port, doc):
-    state.write_private(state.paths(port)["history"], json.dumps(doc, indent=1, sort_keys=True))
+    """Atomically replace the history; the copy it replaces (when it reads) is kept as ``.prev``
+    first, so that a file cut short later still leaves the one before."""
+    path = state.paths(port)["history"]
+    current, problem = read_history(path)
+    if current is not None and problem is None:
+        state.write_private(path + PREV, json.dumps(current, indent=1, sort_keys=True))
+    state.write_private(path, json.dumps(doc, indent=1, sort_keys=True))
 
 
 def make_record(spec, by=None, capacity=None, extra=None):
@@ -58,9 +222,11 @@ def make_record(spec, by=None, capacity=None, extra=None):
     return record
 
 
-def public_history(doc):
+def public_history(doc, port=None):
+    port = port or doc.get("port")
     return {"good": [entry.get("record") for entry in doc.get("good") or []],
-            "failed": list(doc.get("failed") or []), "last": doc.get("last")}
+            "failed": list(doc.get("failed") or []), "last": doc.get("last"),
+            "problem": recovery_note(port, doc) if port else None}
 
 
 def clean_spec(spec):

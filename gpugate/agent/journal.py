@@ -52,6 +52,30 @@ def lock_status():
             "since": info.get("since") if held else None}
 
 
+# /proc/PID/stat's state letters, in the words the operator reads (proc(5))
+STATE_NAMES = {"R": "running", "S": "sleeping", "D": "uninterruptible sleep (I/O)", "T": "stopped",
+               "t": "stopped by a tracer", "Z": "zombie", "X": "dead", "I": "idle"}
+
+
+def agent_view(run, lock):
+    """The agent that holds the lock for ``run``: {pid, state, state_name, silent_s}, where
+    ``silent_s`` is how long its journal has not been written. The agent writes it at least every
+    PROGRESS_S in every long phase (drain, gate, load: the heartbeat), so a long silence means it
+    is stuck (SIGSTOP, I/O on a dead mount), whatever it was doing. None when no agent holds it."""
+    if not (lock.get("held") and lock.get("run") == run and lock.get("pid")):
+        return None
+    stat = procfs.read_stat(lock["pid"])
+    letter = stat[1] if stat else None
+    try:
+        silent = round(max(0.0, time.time() - os.stat(journal_path(run)).st_mtime), 1)
+    except OSError:
+        silent = None
+    _first, last, _outcome = journal_ends(run)
+    quiet = (last or {}).get("quiet_s")  # a call that may block this long was announced (a generation)
+    return {"pid": lock["pid"], "state": letter, "state_name": STATE_NAMES.get(letter or "", letter),
+            "silent_s": silent, "quiet_s": quiet if isinstance(quiet, (int, float)) else 0}
+
+
 def journal_path(run):
     return "%s/%s.jsonl" % (state.RUNS_DIR, run)
 
@@ -140,6 +164,8 @@ def journal_ends(run):
         first = json.loads(head.decode("utf-8"))
     except ValueError:
         pass
+    if not isinstance(first, dict):  # a journal whose first line is not an event: as if unreadable
+        first = None
     last, outcome = None, None
     for line in reversed(tail.split(b"\n")):
         try:
@@ -197,6 +223,8 @@ def transition_summary(run=None, lock=None):
            "ports": first.get("ports"), "by": first.get("by"),
            "desired": first.get("desired"), "from": first.get("from"), "outcome": None, "reasons": None,
            "message": None}
+    if active:
+        doc["agent"] = agent_view(run, lock)
     if outcome is not None:
         doc.update(outcome=outcome.get("outcome"), reasons=outcome.get("reasons"), message=outcome.get("message"),
                    updated=outcome.get("t"), recovered_by=outcome.get("recovered_by"))

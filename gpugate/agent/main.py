@@ -46,6 +46,7 @@ def command_follow(args):
         # batch: gather the events of up to wait_s in one answer (one command per wait, not per event)
         if (events and not args.get("batch")) or ended or time.time() >= deadline:
             return {"events": events or [], "offset": new_offset, "active": active, "ended": ended,
+                    "agent": journal.agent_view(run, lock) if active and not ended else None,
                     "outcome": outcome.get("outcome") if outcome else None,
                     "reasons": outcome.get("reasons") if outcome else None,
                     "message": outcome.get("message") if outcome else None}

@@ -69,7 +69,7 @@ def observe(args):
     files = state.paths(port)
     table = procfs.table()
     own = server.own_pids(table)
-    past = history.load_history(port)
+    past = history.load_history(port, repair=False)  # read-only: reports, moves nothing
     redactor = redact.Redactor()
     for entry in past.get("good") or []:
         redactor.add(redact.spec_secrets(entry.get("spec")))
@@ -141,12 +141,13 @@ def observe(args):
     report["shm_stale"] = sorted(name for name in state.listdir("/dev/shm") if name.startswith(sglang.SHM_PREFIXES))
     model_path = args.get("model_path")
     report["model_path_exists"] = os.path.exists(model_path) if model_path and model_path.startswith("/") else None
+    report["model_path_kind"] = path_kind(model_path) if model_path and model_path.startswith("/") else None
     tail = int(args.get("tail_lines") or 0)
     report["log_tail"] = [redactor.text(line) for line in logs.server_log_tail(port, tail)] if tail else None
     lock = journal.lock_status()
     report["lock"] = lock
     report["transition"] = redactor.deep(journal.transition_summary(lock=lock))
-    report["history"] = history.public_history(past)
+    report["history"] = history.public_history(past, port)
     report["sglang_version"] = installed.sglang_version()
     try:
         report["flag_table"] = installed.flag_table_key()
@@ -159,6 +160,7 @@ def observe(args):
     skip = tree_set | own
     container = {"free_mib": {state.LOG_DIR: state.free_mib(state.LOG_DIR if os.path.isdir(state.LOG_DIR) else "/var/log"),
                               state.STATE_DIR: state.free_mib(state.STATE_DIR if os.path.isdir(state.STATE_DIR) else "/var/lib")},
+                 "unwritable": state.unwritable_state_dirs(),
                  "pid1": server.pid1_comm(), "memory_limit_bytes": server.memory_limit_bytes(),
                  "port_holders": [{"pid": pid, "cmdline": redactor.text(" ".join(redact.redact_argv(table.get(pid, {}).get("argv") or [])))[:300],
                                    "server": pid in tree_set} for pid in report["listener_pids"]],
@@ -166,6 +168,20 @@ def observe(args):
     report["elapsed_ms"] = round((time.time() - began) * 1000, 1)
     return {"sglang": report, "gpu": gpu_doc, "container": container,
             "agent": {"sha256": state.RUNTIME["sha256"], "schema": state.SCHEMA, "pid": os.getpid()}}
+
+
+def path_kind(path):
+    """What ``path`` is, for the model path's check before the stop: a model is a directory
+    (SGLang reads its config.json and weights from it), never a file.
+
+    >>> path_kind("/"), path_kind("/proc/self/stat"), path_kind("/no/such/path")
+    ('directory', 'file', 'missing')
+    """
+    if os.path.isdir(path):
+        return "directory"
+    if os.path.isfile(path):
+        return "file"
+    return "other" if os.path.lexists(path) else "missing"
 
 
 def pump_warnings(recorded, main):

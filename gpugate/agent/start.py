@@ -268,6 +268,7 @@ class StartSteps:
         deadline = began + timeout
         ticks = (procfs.read_stat(pid) or (None,) * 5)[4]
         phase = "loading"
+        quiet_at = 0.0  # when the last announcement of a blocking generation was written
         self.event("load", "begin", target=target, port=port, pid=pid, timeout_s=timeout)
         while True:
             self._reap()
@@ -286,6 +287,12 @@ class StartSteps:
                 status, _ = server.http_get(host, port, "/health", 5.0, sglang.argv_token(spec["argv"]))
                 phase = "starting" if status != 200 else "generating"
                 if status == 200:
+                    # the generation may block up to its timeout: say so first, so that this silence
+                    # is not taken for a stuck agent (quiet_s: the controller's bound grows by it)
+                    if time.time() - quiet_at >= 1.0:  # at most once a second, when generations fail fast
+                        quiet_at = time.time()
+                        self.event("load", "progress", target=target, port=port, state="generating",
+                                   elapsed_s=round(time.time() - began, 1), quiet_s=self.budgets["generate_timeout_s"])
                     generated, error = server.http_get(host, port, "/health_generate", self.budgets["generate_timeout_s"],
                                                 sglang.argv_token(spec["argv"]))
                     if generated == 200:

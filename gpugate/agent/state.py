@@ -74,13 +74,21 @@ def add_site_dirs():
 
 
 def json_file(path):
+    """A state file's JSON object, or None when it is gone, unreadable, not JSON or not an object
+    (every state file holds an object; anything else must not reach a ``.get`` as a traceback).
+
+    >>> import tempfile; path = os.path.join(tempfile.mkdtemp(), "lock"); _ = open(path, "w").write("[1]")
+    >>> json_file(path) is None
+    True
+    """
     text = read_file(path)
     if text is None:
         return None
     try:
-        return json.loads(text)
+        doc = json.loads(text)
     except ValueError:
         return None
+    return doc if isinstance(doc, dict) else None
 
 
 def makedirs(path, mode=0o755):
@@ -115,6 +123,45 @@ def write_private(path, data, mode=0o600):
         raise
     os.close(fd)
     os.replace(tmp, path)
+
+
+def unwritable(path):
+    """Why the agent could not write in the directory ``path`` (None when it can): checked on the
+    directory, or on its nearest existing parent where the agent would create it. access(2) answers
+    for a read-only mount even as root, which ignores the mode bits.
+
+    >>> import tempfile; unwritable(os.path.join(tempfile.mkdtemp(), "not", "yet")) is None
+    True
+    >>> unwritable("/proc/self/stat")
+    'a file, not a directory'
+    """
+    probe = path
+    while probe and not os.path.lexists(probe):
+        probe = os.path.dirname(probe.rstrip("/")) or "/"
+        if probe == "/":
+            break
+    if not os.path.isdir(probe):
+        return "a file, not a directory" if probe == path else "%s is not a directory" % probe
+    if os.access(probe, os.W_OK):
+        return None
+    try:
+        if os.statvfs(probe).f_flag & os.ST_RDONLY:
+            return "read-only file system"
+    except OSError:
+        pass
+    return "not writable"
+
+
+def unwritable_state_dirs():
+    """{directory: why} for each state directory a transition writes that it could not: checked
+    before anything stops (a journal that cannot be written leaves nobody knowing what runs; the
+    server log's fallback to RUN_DIR serves a rollback only)."""
+    found = {}
+    for path in (STATE_DIR, RUNS_DIR, RUN_DIR, ETC_DIR, LOG_DIR):
+        why = unwritable(path)
+        if why:
+            found[path] = why
+    return found
 
 
 def free_mib(path):

@@ -76,6 +76,7 @@ class StopSteps:
             self._reap()
             waiting = dict((pid, t) for pid, t in waiting.items() if procfs.alive(pid, t))
             if waiting:
+                self.progress("kill", target=target, port=port, waiting=len(waiting))  # the heartbeat
                 time.sleep(DRAIN_POLL_S)
         if targets or strays:
             self.event("kill", "end", target=target, port=port, killed=sorted(targets),

@@ -56,7 +56,7 @@ from pyinfra.connectors.util import (
     make_unix_command_for_host,
 )
 
-from gpugate.claims import LOCK_DIR, busy_message, gpu_ranges
+from gpugate.claims import HANDOFF_S, LOCK_DIR, busy_message, gpu_ranges
 from gpugate.settings import SETTINGS
 
 if TYPE_CHECKING:
@@ -848,7 +848,7 @@ class PctConnector(BaseConnector):
         gpus: Sequence[int],
         run: str,
         python: str = "/usr/bin/python3",
-        grace_s: float = 30,
+        grace_s: float = HANDOFF_S,
         wait_s: float = 0,
         lock_dir: str = LOCK_DIR,
     ) -> tuple[bool, str]:
@@ -860,7 +860,11 @@ class PctConnector(BaseConnector):
         grace_s)>'``: the run has ended, or it did not begin within ``grace_s``). Call it right
         before the hand-off: ``(True, what)`` -> hand off; ``(False, why)`` -> refuse, nothing was
         touched (``why`` names the container whose run holds a GPU, after waiting up to
-        ``wait_s`` for it to end).
+        ``wait_s`` for it to end). ``grace_s`` is the hand-off window: the holder lets go when no
+        run began by then, the container's agent refuses a hand-off that comes later, and a claim
+        met past its window whose run its container does not know is released at once (its
+        holder ended). ``self.gpu_claim`` keeps the last answer: ``owner`` (a busy claim's record),
+        ``began`` (whether its run exists in its container), ``until`` (this claim's window), ``released`` (stale claims ended on the way).
 
         .. code:: python
 
@@ -876,6 +880,7 @@ class PctConnector(BaseConnector):
         args = {
             "vmid": self.vmid, "gpus": gpu_list, "run": str(run), "wait_s": wait_s, "lock_dir": lock_dir,
             "command": wait_command(python, str(run), grace_s=grace_s), "path": CONTAINER_PATH,
+            "grace_s": grace_s, "check_command": wait_command(python, "@RUN@", grace_s=0, timeout_s=0),
             "pct": ["sudo", "-n", self.binary] if self.use_sudo else [self.binary],  # argv: no shell quoting
             "clear_env": bool(self.data["pct_clear_env"]),
         }
@@ -887,12 +892,20 @@ class PctConnector(BaseConnector):
             "python3", "-S", "-c", QuoteString(pack(source)), QuoteString(json.dumps(args))]
         status, output = self.pve.run_shell_command(StringCommand(*bits), _timeout=int(max(30, wait_s + 30)))
         answer = _last_json(output.stdout_lines)
+        self.gpu_claim = {"owner": (answer or {}).get("owner"), "until": (answer or {}).get("handoff_until"),
+                          "began": (answer or {}).get("began"),
+                          "released": (answer or {}).get("released") or []}
         where = f"GPU {gpu_ranges(gpu_list)} of {self.pve_host_name}"
         if not status or answer is None:
             detail = " / ".join(_strip_host_noise(output.stderr_lines)) or output.stdout or "no answer"
             return False, f"could not take the locks of {where} for run {run}: {detail}; nothing was touched"
+        released = "".join(f"; released the claim of run {gone.get('run')} (container {gone.get('vmid')}, GPU "
+                           f"{gpu_ranges(gone.get('gpus') or [])}): {gone.get('why')}" for gone in answer.get("released") or [])
         if answer.get("ok"):
-            return True, f"holding the locks of {where} for run {run} (holder pid {answer.get('pid')} on the host)"
+            return True, (f"holding the locks of {where} for run {run} (holder pid {answer.get('pid')} on the host)"
+                          f"{released}")
+        if answer.get("error") and "gpu" in answer:
+            return False, f"could not take the locks of {where} for run {run}: {answer['error']}; nothing was touched"
         if "gpu" in answer:
             return False, busy_message(self.pve_host_name, self.vmid, int(answer["gpu"]), answer.get("owner"), run)
         return False, f"could not take the locks of {where} for run {run}: {answer.get('error')}; nothing was touched"

@@ -30,9 +30,10 @@ from pyinfra.context import host, state
 
 from gpugate import agentcmd
 from gpugate.facts.sglang import SglangObservation, SglangObservationInline, flag_table, observation_from
-from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, same_desired
+from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, same_desired, stall_text
 from gpugate.engine import get as engine
 from gpugate.match import for_container
+from gpugate.claims import own_claim_run
 from gpugate.spec import Desired, Routing, Spec, SpecError, build_spec, redact_flags
 
 FOLLOW_WAIT_S = 3.0       # one follow command waits up to this long for new journal events
@@ -427,6 +428,15 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         return False
     if plan.gpus and hasattr(host_obj.connector, "hold_gpu_locks"):
         ok, message = host_obj.connector.hold_gpu_locks(list(plan.gpus), run, python=job.python)
+        claim = getattr(host_obj.connector, "gpu_claim", None) or {}
+        for gone in claim.get("released") or []:
+            _say(host_obj, job.port, f"released a stale GPU claim: run {gone.get('run')} of container "
+                                     f"{gone.get('vmid')} never began ({gone.get('why')})")
+        own = None if ok or claim.get("began") is not True else own_claim_run(claim.get("owner"),
+                                                                              host_obj.data.get("pct_vmid"))
+        if own:  # this container's own run holds the claim: follow it, as the plan does a running one
+            _say(host_obj, job.port, f"the GPU claim is held by run {own} of this container: following it instead")
+            return _attach(host_obj, job, own)
         if not ok:
             book.refused.append(name)
             book.outcomes[name] = "refused (GPU claims; nothing touched)"
@@ -446,6 +456,8 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         doc["desired"] = None
     if job.end_pids:
         doc["end_gpu_holders"] = job.end_pids
+    if plan.gpus and (getattr(host_obj.connector, "gpu_claim", None) or {}).get("until"):
+        doc["claim_until"] = host_obj.connector.gpu_claim["until"]  # the agent refuses a hand-off after it
     watch = Watch(name, job.port, run, Narrator())
     book.watching[name] = watch
     stdin = agentcmd.start_stdin(doc, include_source=not job.observation.get("agent_installed", True))
@@ -614,6 +626,15 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
             continue
         misses = 0
         watch.read_at = time.time()
+        stalled = None if answer.get("events") else stall_text(answer.get("agent"),
+                                                               float(job.plan_args.get("agent_silence_s", 30.0)))
+        if stalled:  # silence has a bound: say what is seen and leave the container alone
+            book.ended(name, "stalled")
+            _say(host_obj, job.port, f"{stalled}: the transition of run {run} is stalled (at "
+                                     f"{narrator.doing(time.time())}); nothing was touched, this controller stops "
+                                     f"following it; follow with runbooks/status.py", error=True)
+            _audit(job, host_obj, "outcome", "end", run=run, outcome="stalled", message=stalled)
+            return False
         for event in answer.get("events") or []:
             if event.get("step") == "run" and event.get("phase") == "begin" and "desired" not in seen:
                 seen.update(desired=event.get("desired"), by=event.get("by"))
@@ -839,10 +860,17 @@ def server(desired: Desired, restore_previous: bool = False):
     plan_args: dict[str, Any] = dict(port=port, restart=restarted, siblings=desired.siblings,
                                      rollback_k=desired.rollback_to if restoring else None,
                                      max_used_mib=max_used_mib, min_free_mib=desired.min_free_mib,
+                                     agent_silence_s=desired.agent_silence_s,
                                      end_other_gpu_holders=end_other_gpu_holders, budgets=budget)
     plan = make_plan(observation, spec, **plan_args)
     lines = plan_lines(plan, port)
     show = not state.is_executing or not state.check_for_changes  # once: at prepare, or at execute under -y
+    history_note = ((observation.get("sglang") or {}).get("history") or {}).get("problem")
+    if history_note and show:  # a history that did not read is never passed over silently (issue 20)
+        emit("history", path=desired.audit_log, host=host.name, vmid=host.data.get("pct_vmid"), port=port,
+             phase="end", message=history_note)
+        if plan.action == "noop":
+            host.log(f"    note: {history_note}")
     if plan.problems:
         if plan.last and show:
             host.log(plan.last)

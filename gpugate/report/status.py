@@ -22,6 +22,7 @@ from pyinfra import logger
 
 from gpugate.engine import get as engine
 from gpugate.match import compare, for_container
+from gpugate.plan import stall_text
 from gpugate.rules import gate as rules_gate
 from gpugate.report.fleet import connect_errors
 from gpugate.report.prometheus import status_prometheus, write_atomically
@@ -340,6 +341,15 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
         problems = [f"{error.get('source')}: {error.get('message')}" for error in gpu_doc.get("errors") or []
                     if isinstance(error, Mapping)]
     problems += [f"GPU {gpu.get('index')}: {gpu['error']}" for gpu in gpus if gpu.get("error")]
+    history_problem = (server.get("history") or {}).get("problem") if isinstance(server.get("history"), Mapping) else None
+    if history_problem:
+        problems.append(history_problem)
+    raw = server.get("transition")
+    raw_transition: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    stalled = stall_text(raw_transition.get("agent"), desired.agent_silence_s) if raw_transition.get("active") else None
+    if stalled:
+        problems.append(f"the transition of run {raw_transition.get('run')} is stalled at "
+                        f"{raw_transition.get('step') or 'its start'}: {stalled}")
     transition = transition_summary(server)
     # only the server's own GPUs: a neighbour container's healthy server holds memory on its GPUs,
     # which this container's NVML sees as held from outside (the lab's 129 on 0-3, 130 on 4-7)
@@ -358,7 +368,8 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
         kind, why = "unknown", f"probe failed: {str(server['error'])[:100]}"
     elif transition.get("active"):
         kind, why = "transition_running", (f"{transition.get('step') or '?'} (run {transition.get('run')}"
-                                          f"{', since ' + when_text(transition.get('began')) if transition.get('began') else ''})")
+                                          f"{', since ' + when_text(transition.get('began')) if transition.get('began') else ''})"
+                                          f"{', STALLED (its agent writes nothing: see problems)' if stalled else ''}")
     elif transition.get("outcome") in FAILED_OUTCOMES:
         reasons = transition.get("reasons")
         detail = ("; ".join(f"{k}: {v}" for k, v in reasons.items()) if isinstance(reasons, Mapping)
