@@ -110,7 +110,7 @@ def leave(routing: Routing, client: SmgClient, worker: Mapping[str, Any], budget
         if found is None or found.get("status") != "ready":
             break
         sleep(POLL_S)
-    left, zeros = None, 0
+    left, zeros, unread = None, 0, 0
     while now() - start < budget_s:
         left = in_flight(routing.worker_url)
         # twice 0, a poll apart: a request smg picked just before the removal has arrived by then
@@ -118,6 +118,11 @@ def leave(routing: Routing, client: SmgClient, worker: Mapping[str, Any], budget
         if zeros >= 2:
             say(f"router {routing.router}: left it; 0 requests in flight after {now() - start:.1f} s")
             return
+        # twice unreadable (not running, or neither gauge nor load endpoint): waiting cannot tell more,
+        # and SGLang's own SIGTERM drain waits for what a running server still holds
+        unread = unread + 1 if left is None else 0
+        if unread >= 2:
+            break
         sleep(POLL_S)
     if left is None:
         say(f"router {routing.router}: left it; its in-flight count cannot be read (/metrics, /get_load): "

@@ -98,6 +98,17 @@ def test_leave_removes_then_waits_for_zero_in_flight(monkeypatch):
     assert said and "0 requests in flight" in said[0]
 
 
+def test_leave_does_not_wait_out_the_budget_for_a_count_it_cannot_read(monkeypatch):
+    # a routed server that is not running (left out after NOTHING SERVES) answers nothing: the
+    # leave waited out the whole 60 s drain budget on it before the start
+    reads = []
+    monkeypatch.setattr(router, "in_flight", lambda url: reads.append(url))
+    clock = iter(range(1000))
+    said = []
+    router.leave(ROUTING, FakeClient([A, B]), A, 60, said.append, now=lambda: next(clock), sleep=lambda s: None)
+    assert len(reads) == 2 and "cannot be read" in said[0]
+
+
 def test_rejoin_waits_out_the_draining_entry_then_adds_it_back_as_it_was(monkeypatch):
     monkeypatch.setattr(router, "server_ready", lambda url: True)
     client = FakeClient([dict(A, status="draining"), B])
