@@ -3,33 +3,13 @@ free_gpus refusal, the rollback spec. No network; documents shaped like the prob
 
 from __future__ import annotations
 
-import pytest
-
-import types
-
 from gpugate import agentcmd
-from gpugate.report import fleet, holders, prometheus, status, text
 from gpugate.spec import desired_state
+from tests.unit.report_rows import argv_for, rb
 
 
-def _status_row(host, vmid, observation, flags, model, present=True, port=30000, max_used_mib=64, desired_env=None):
-    """The status row of a container whose host data say these flags, model, env and present."""
-    data = {"sglang_flags": dict(flags or {}), "sglang_model_path": model, "sglang_present": present,
-            "sglang_port": port, "gpu_max_used_mib": max_used_mib, "sglang_env": dict(desired_env or {})}
-    return status.status_row(host, vmid, observation, desired_state(data))
 
-
-def _argv(model, flags):
-    """The argv sglang.server renders for a model and flags (what the agent then sees running)."""
-    from gpugate.spec import build_spec
-
-    return list(build_spec(model, 30000, {"tp": 8} if flags is None else flags).argv)
-
-rb = types.SimpleNamespace(**{name: getattr(module, name) for module in (text, fleet, holders, prometheus, status)
-                              for name in dir(module) if not name.startswith("__")})
-rb.status_row = _status_row
-
-ARGV = _argv("/opt/models/kimi", None)
+ARGV = argv_for("/opt/models/kimi", None)
 
 
 def gpu_doc(used=(0,) * 8, holders=(), per_process=True, source="nvml"):
@@ -49,7 +29,7 @@ def workers(n=8, mib=86000):
 
 
 def serving(flags=None, health=200, listening=True, argv=None, lock=None):
-    argv = argv or _argv("/opt/models/kimi", flags)
+    argv = argv or argv_for("/opt/models/kimi", flags)
     return {"port": 30000, "running": True, "listening": listening, "lock": lock,
             "serving": health == 200 and listening,
             "main": {"pid": 60, "pgid": 60, "argv": argv, "argv_hash": agentcmd.argv_hash(argv), "state": "S",
@@ -115,11 +95,7 @@ def _spec_server(flags, api_key_seen="***"):
 
 
 def test_secret_flag_values_never_reach_the_table():
-    from gpugate.agentcmd import argv_hash
-    from gpugate.spec import build_spec
-
     desired = {"tp": 4, "api-key": "sk-live-s3cret"}
-    desired_hash = argv_hash(list(build_spec("/opt/models/kimi", 30000, desired).argv))
     # after a verified deploy of these flags (deploy says "No changes"): serving as desired
     same = rb.status_row("pve1", 129, {"sglang": _spec_server(desired), "gpu": gpu_doc()}, desired,
                          "/opt/models/kimi")

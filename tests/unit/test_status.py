@@ -9,29 +9,11 @@ import stat
 import threading
 import time
 
-import types
-
 from gpugate import agentcmd
-from gpugate.report import fleet, holders, prometheus, status, text
 from gpugate.spec import desired_state
+from tests.unit.report_rows import argv_for, rb, status_row_for
 
 
-def _status_row(host, vmid, observation, flags, model, present=True, port=30000, max_used_mib=64, desired_env=None):
-    """The status row of a container whose host data say these flags, model, env and present."""
-    data = {"sglang_flags": dict(flags or {}), "sglang_model_path": model, "sglang_present": present,
-            "sglang_port": port, "gpu_max_used_mib": max_used_mib, "sglang_env": dict(desired_env or {})}
-    return status.status_row(host, vmid, observation, desired_state(data))
-
-
-def _argv(model, flags):
-    """The argv sglang.server renders for a model and flags (what the agent then sees running)."""
-    from gpugate.spec import build_spec
-
-    return list(build_spec(model, 30000, {"tp": 8} if flags is None else flags).argv)
-
-rb = types.SimpleNamespace(**{name: getattr(module, name) for module in (text, fleet, holders, prometheus, status)
-                              for name in dir(module) if not name.startswith("__")})
-rb.status_row = _status_row
 
 ARGV = ["/usr/bin/python3", "-m", "sglang.launch_server", "--model-path", "/opt/models/lab-model",
         "--port", "30000", "--tp-size", "8"]
@@ -66,7 +48,7 @@ def observation(running=True, serving=True, flags=None, transition=None, history
               "listening": running, "transition": transition, "history": history or {"good": [], "failed": []},
               "lock": {"held": bool(transition and transition.get("active")), "run": None}}
     if running:
-        argv = _argv("/opt/models/lab-model", flags)
+        argv = argv_for("/opt/models/lab-model", flags)
         server["main"] = {"pid": 60, "pgid": 60, "state": "S", "age_s": 300, "argv": argv,
                           "argv_hash": agentcmd.argv_hash(argv)}
         server["command"] = {"model_path": "/opt/models/lab-model", "host": "127.0.0.1", "port": 30000,
@@ -83,7 +65,7 @@ def observation(running=True, serving=True, flags=None, transition=None, history
 
 
 def row_for(doc, desired=None, present=True):
-    return _status_row("pve1", 129, doc, {"tp": 8} if desired is None else desired, "/opt/models/lab-model",
+    return status_row_for("pve1", 129, doc, {"tp": 8} if desired is None else desired, "/opt/models/lab-model",
                        present=present)
 
 
