@@ -31,9 +31,10 @@ from typing import Any
 
 from gpugate.spec import Spec, SpecError, gpu_set, redact_flags, resolve_supervisor
 from gpugate.engine import get as engine
+from gpugate.engine.sglang import weight_cache as cache
 from gpugate.rules.redact import argv_hash, env_hash
 
-__all__ = ["Match", "compare", "VERDICTS"]
+__all__ = ["Match", "compare", "VERDICTS", "CacheVerdict", "cache_verdict"]
 
 VERDICTS = {
     "as_desired": "the desired server runs and serves",
@@ -91,10 +92,13 @@ def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None 
     if pinned and have and have != pinned:  # the deploy refuses it: it can never be as desired
         return Match("differs", (f"the container has SGLang {have}; sglang_version pins {pinned}",),
                      flag_items=(f"SGLang {have} in the container, {pinned} pinned",), replaced=replaced, exact=exact)
-    if exact and not replaced:
+    weights = cache_verdict(observation, spec)
+    if exact and not replaced and weights.mode in ("keep", "none"):
         if server.get("serving"):
             return Match("as_desired", exact=True)
         return Match("not_serving", exact=True)
+    if exact and not replaced:  # the engine is the desired one; its weight cache is not
+        return Match("differs", (weights.why,), flag_items=(weights.why,), exact=True)
     flag_lines, changed_env = diff_lines(server, spec), env_lines(server, spec)
     why = []
     command = [what for what, sign in (("the interpreter", "interpreter "), ("the model", "--model-path "),
@@ -111,6 +115,41 @@ def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None 
         why.append("the running command differs from the desired one (a secret value or the supervisor)")
     return Match("differs", tuple(why), lines=tuple(flag_lines + changed_env),
                  flag_items=tuple(flag_items(server, spec)), replaced=replaced, exact=exact)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheVerdict:
+    """What a start of ``spec`` does with the weight cache (docs/weight-cache.md): ``keep`` (the
+    daemons hold the desired key: an engine-only restart), ``start`` (none runs, or of another
+    key: they (re)start first), ``stop`` (one runs and none is wanted), ``none``."""
+
+    mode: str
+    why: str
+    changes: tuple[str, ...] = ()
+
+
+def cache_verdict(observation: Mapping[str, Any], spec: Spec | None) -> CacheVerdict:
+    """The desired key (from the spec's daemon command and what observe read of the model, SGLang
+    and torch) against the running daemons' recorded key."""
+    server = observation.get("sglang") or {}
+    running = server.get("weight_cache") or None
+    if spec is None or not spec.weight_cache:
+        if running and running.get("pids"):
+            return CacheVerdict("stop", "a weight cache runs for this server and none is wanted")
+        return CacheVerdict("none", "no weight cache")
+    want = cache.cache_key(list(spec.daemon_argv), spec.env, server.get("model_config_sha256"),
+                           server.get("sglang_version"), server.get("torch_version"))
+    if not running:
+        return CacheVerdict("start", "no weight cache runs")
+    if not running.get("running"):
+        return CacheVerdict("start", "the weight cache is not ready: " + "; ".join(running.get("problems") or ["?"]))
+    have = running.get("key") or {}
+    if have.get("id") != want["id"]:
+        shown = [dict(inputs or {}, argv=engine().redact_argv(list((inputs or {}).get("argv") or [])))
+                 for inputs in (have.get("inputs"), want["inputs"])]  # a secret's change shows as ***
+        changes = tuple(cache.key_changes(*shown))
+        return CacheVerdict("start", "the weight cache's key changes (" + (", ".join(changes) or "?") + ")", changes)
+    return CacheVerdict("keep", "the weight cache's key is unchanged")
 
 
 def for_container(spec: Spec | None, observation: Mapping[str, Any]) -> Spec | None:

@@ -162,6 +162,15 @@ def to_python(value: Any) -> str:
     return value
 
 
+def to_optional_bool(value: Any) -> bool | None:
+    """to_bool, or None (unset: the default is decided where it is used).
+
+    >>> to_optional_bool(None), to_optional_bool("yes")
+    (None, True)
+    """
+    return None if value is None else to_bool(value)
+
+
 def to_supervisor(value: Any) -> str:
     if value not in SUPERVISORS:
         raise ValueError(f"expected one of {', '.join(SUPERVISORS)}, got {describe(value)}")
@@ -341,6 +350,12 @@ SETTINGS: dict[str, Setting] = _rows(
             "the SGLang release the container must have (its flag table); quoted", "server", "sglang_version"),
     Setting("sglang_extra_args", to_extra_args, [], "argv items passed through as written, unchecked",
             "server", "extra_args"),
+    Setting("sglang_weight_cache", to_bool, False,
+            "true: SGLang's weight-cache daemons hold the weights across restarts (docs/weight-cache.md)",
+            "server", "weight_cache"),
+    Setting("sglang_gated_launch", to_optional_bool, None,
+            "start the new engine during the drain, gated until the GPUs are free (default: where SGLang "
+            "has --gated-launch-port and the supervisor is process)", "server", "gated_launch"),
     Setting("sglang_servers", to_servers, [],
             "several servers in one container: fleet.yaml's sglang: as a list, each on its own port", "fleet"),
     # --- the gateway in front of the server (fleet.yaml routers:, docs/transition.md "Routed") ---

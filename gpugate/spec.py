@@ -160,6 +160,9 @@ class Spec:
     argv: tuple[str, ...] = ()
     gpus: tuple[int, ...] | None = None
     warnings: tuple[str, ...] = ()
+    weight_cache: bool = False            # SGLang's weight-cache daemons hold the weights (docs/weight-cache.md)
+    daemon_argv: tuple[str, ...] = ()     # their command, when weight_cache
+    gated_launch: bool = False            # the new engine starts during the drain, gated
 
     def record(self, by: str | None = None) -> dict[str, Any]:
         """What may be shown and stored anywhere: secret flags ``***``, env as names only (the
@@ -176,6 +179,8 @@ class Spec:
             record["extra_args"] = engine().redact_argv(list(self.extra_args))
         if self.sglang_version:
             record["sglang_version"] = self.sglang_version
+        if self.weight_cache:
+            record["weight_cache"] = {"argv": engine().redact_argv(list(self.daemon_argv))}
         if by:
             record["by"] = by
         return record
@@ -208,6 +213,10 @@ class Spec:
                                "expect_info": self.expect_info()}
         if self.secret_flags():
             doc["secret_flags"] = self.secret_flags()
+        if self.weight_cache:
+            doc["weight_cache"] = {"argv": list(self.daemon_argv)}
+        if self.gated_launch:
+            doc["gated_launch"] = True
         if self.supervisor == "systemd":
             doc["unit_text"] = unit_text or ""
         return doc
@@ -253,11 +262,15 @@ def _one_line(what: str, text: str) -> None:
 def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].default, flags: Mapping[str, Any] | None = None,
                env: Mapping[str, Any] | None = None, *, host: str | None = None, supervisor: str | None = None,
                python: str | None = None, extra_args: Sequence[str] | None = None,
-               sglang_version: str | None = None, table: Any = None) -> Spec:
+               sglang_version: str | None = None, table: Any = None, weight_cache: bool = False,
+               gated_launch: bool | None = None) -> Spec:
     """Validate the desired server completely (no host needed) and render its argv once; raise
     SpecError naming the problem. ``table``: a per-version flag table (gpugate.engine.sglang.flags,
     H3) to validate against instead of the built-in one. ``extra_args``: argv elements passed
-    verbatim after the flags, unchecked (a warning says so).
+    verbatim after the flags, unchecked (a warning says so). ``weight_cache``: the engine maps its
+    weights from SGLang's weight-cache daemons (``--weight-cache-mode client``; their command is
+    ``daemon_argv``). ``gated_launch``: None (the default) where the release has
+    ``--gated-launch-port`` and the supervisor is a process.
 
     >>> build_spec("/m", 30000, {"tp": 2}).argv[-2:]
     ('--tp-size', '2')
@@ -298,6 +311,7 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
     try:
         # a per-version table (H3's, when given) goes through; the built-in one otherwise
         normal = engine().validate_flags(flags or {}, table)
+        normal = _with_weight_cache(normal, weight_cache, extra_args or (), table)
         for name, value in normal.items():
             # argv carries any byte but NUL; a line break would still end a line of the systemd unit
             for text in (value if isinstance(value, (list, tuple)) else [value]):
@@ -326,9 +340,56 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
             raise
         gpus = None
         warnings.append(f"{error}; the gate waits for every GPU")
+    gated = _gated_launch(gated_launch, supervisor, table)
+    daemon = tuple(engine().weight_cache_argv(python, model_path, normal, table)) if weight_cache else ()
     return Spec(model_path=model_path, port=port, flags=dict(normal), env=clean_env, host=host,
                 supervisor=supervisor, python=python, extra_args=extras, sglang_version=sglang_version,
-                argv=argv, gpus=gpus, warnings=tuple(warnings))
+                argv=argv, gpus=gpus, warnings=tuple(warnings), weight_cache=bool(weight_cache),
+                daemon_argv=daemon, gated_launch=gated)
+
+
+# SGLang's IPC allowlist (weight_cache/protocol.py IPC_QUANT_ALLOWLIST): unquantized, or block-wise
+# FP8; any other method is a hard error of the daemon and the engine
+WEIGHT_CACHE_QUANTIZATION = (None, "fp8")
+
+
+def _with_weight_cache(normal: dict[str, Any], wanted: bool, extras: Sequence[str], table: Any) -> dict[str, Any]:
+    """The flags with ``--weight-cache-mode client`` where the weight cache is wanted; FlagError for
+    what would make SGLang refuse it, or make the daemons hold other weights than the engine maps."""
+    from gpugate.engine.sglang.weight_cache import WEIGHT_FLAGS
+
+    if "weight-cache-mode" in normal:
+        raise engine().FlagError("weight-cache-mode", "gpugate sets it: write weight_cache: true (or false) instead")
+    if not wanted:
+        return normal
+    if normal.get("quantization") not in WEIGHT_CACHE_QUANTIZATION:
+        raise engine().FlagError("quantization", f"{normal['quantization']!r} cannot use the weight cache (SGLang shares "
+                                 f"only unquantized or block-wise fp8 weights over CUDA IPC): set weight_cache: false")
+    try:
+        parsed = engine().parse_argv(["python3", "-m", "sglang.launch_server", *extras]) if extras else None
+    except ValueError:
+        parsed = None
+    shaping = sorted(set(parsed.flags) & set(WEIGHT_FLAGS)) if parsed is not None else []
+    if shaping:
+        raise engine().FlagError(shaping[0], "shapes the weights: with weight_cache: true give it in flags, not "
+                                 "extra_args (the daemons must get it too)")
+    if not engine().supports("weight-cache-mode", table):
+        raise engine().FlagError("weight-cache-mode", "this SGLang has no weight cache (0.5.23 and later): set "
+                                 "weight_cache: false")
+    return {**normal, "weight-cache-mode": "client"}
+
+
+def _gated_launch(wanted: bool | None, supervisor: str, table: Any) -> bool:
+    """Whether the engine is started gated (None: where it can be)."""
+    has = engine().supports("gated-launch-port", table)
+    if wanted is None:
+        return has and supervisor != "systemd"
+    if wanted and not has:
+        raise SpecError("gated_launch: this SGLang has no --gated-launch-port (0.5.23 and later): set gated_launch: false")
+    if wanted and supervisor == "systemd":
+        raise SpecError("gated_launch: not with the systemd supervisor (the unit's command is fixed): use supervisor: "
+                        "process, or gated_launch: false")
+    return bool(wanted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,6 +455,7 @@ class Desired:
     audit_log: str | None = None
     restarted: bool = False
     rollback_to: int = 1
+    gated_launch: bool | None = None  # as written (None: where it can be); decided per container's SGLang
     siblings: tuple[int, ...] = ()   # the ports of the container's other desired servers
     routing: Routing | None = None   # behind a router: leave, drain, restart, rejoin
 
@@ -465,7 +527,8 @@ def _desired(values: Mapping[str, Any]) -> Desired:
             spec = build_spec(values["sglang_model_path"], port, values["sglang_flags"], values["sglang_env"],
                               host=values["sglang_host"], supervisor=values["sglang_supervisor"],
                               python=values["sglang_python"], extra_args=values["sglang_extra_args"],
-                              sglang_version=values["sglang_version"])
+                              sglang_version=values["sglang_version"], weight_cache=bool(values["sglang_weight_cache"]),
+                              gated_launch=values["sglang_gated_launch"])
         except SpecError as error:
             problem = str(error)
     return Desired(port=port, present=present, python=values["sglang_python"], spec=spec,
@@ -476,4 +539,5 @@ def _desired(values: Mapping[str, Any]) -> Desired:
                    end_other_gpu_holders=bool(values["end_other_gpu_holders"]), rolling=bool(values["rolling"]),
                    max_failures=int(values["max_failures"]), audit_log=values["audit_log"],
                    restarted=bool(values["sglang_restarted"]), rollback_to=int(values["rollback_to"]),
+                   gated_launch=values["sglang_gated_launch"],
                    routing=routing)

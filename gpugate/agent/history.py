@@ -25,8 +25,11 @@ def spec_key(spec):
     >>> spec_key({"argv": ["a"], "env": {"X": "1"}}) == spec_key({"argv": ["a"], "env": {"X": "2"}})
     False
     """
-    material = json.dumps([spec.get("argv") or [], sorted((spec.get("env") or {}).items()),
-                           spec.get("supervisor") or "process", spec.get("unit_text") or ""])
+    parts = [spec.get("argv") or [], sorted((spec.get("env") or {}).items()),
+             spec.get("supervisor") or "process", spec.get("unit_text") or ""]
+    if spec.get("weight_cache"):  # only where there is one: the keys of older records stay as they were
+        parts.append((spec["weight_cache"] or {}).get("argv") or [])
+    material = json.dumps(parts)
     return redact.sha256(material.encode("utf-8")).hexdigest()[:16]
 
 
@@ -215,6 +218,8 @@ def make_record(spec, by=None, capacity=None, extra=None):
                    "env_hashes": dict((name, redact.env_hash(value)) for name, value in sorted(env.items())),
                    "port": spec.get("port"), "gpus": spec.get("gpus"), "supervisor": spec.get("supervisor") or "process",
                    "key": spec_key(spec), "at": state.now_iso(), "by": by})
+    if spec.get("weight_cache"):
+        record["weight_cache"] = {"argv": redactor.deep(redact.redact_argv((spec["weight_cache"] or {}).get("argv") or [], flags))}
     if capacity is not None:
         record["capacity"] = capacity
     if extra:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 import time
 
-from gpugate.agent import history, journal, logs, server, state
+from gpugate.agent import history, journal, logs, server, state, weight_cache
 from gpugate.engine.sglang import installed
 from gpugate.engine.sglang import processes as sglang
+from gpugate.engine.sglang import weight_cache as cache
 from gpugate.rules import gate, procfs, redact
 from gpugate.rules.procfs import read_file
 
@@ -45,10 +46,12 @@ def gpu_uuids(gpu_doc):
     return [g.get("uuid") for g in (gpu_doc or {}).get("gpus") or []]
 
 
-def gpu_holders(gpu_doc, skip_pids, redactor):
+def gpu_holders(gpu_doc, skip_pids, redactor, cache_pids=None):
     """GPU holders that are not ``skip_pids``: with the GPUs where they hold memory (a CUDA
-    context) and whether they hold memory at all (an NVML monitor holds the files at 0 MiB)."""
+    context) and whether they hold memory at all (an NVML monitor holds the files at 0 MiB);
+    ``cache_pids``: pid -> the port whose weight-cache daemon it is (a holder that is expected)."""
     out = []
+    cache_pids = cache_pids or {}
     for holder in (gpu_doc or {}).get("holders") or []:
         if holder.get("pid") in skip_pids:
             continue
@@ -58,7 +61,8 @@ def gpu_holders(gpu_doc, skip_pids, redactor):
         stat = procfs.read_stat(holder["pid"])
         out.append({"pid": holder["pid"], "start_ticks": stat[4] if stat else None, "cmdline": redactor.text(" ".join(redact.redact_argv(argv)) or holder.get("cmdline", ""))[:300],
                     "state": holder.get("state"), "gpus": gpus, "used_mib": holder.get("used_mib"),
-                    "memory": memory, "server_part": sglang.is_server_part(argv), "client": sglang.is_client_argv(argv)})
+                    "memory": memory, "server_part": sglang.is_server_part(argv), "client": sglang.is_client_argv(argv),
+                    "weight_cache": cache_pids.get(holder["pid"])})
     return out
 
 
@@ -113,9 +117,10 @@ def observe(args):
     host = sglang.argv_host(main["argv"]) if main else args.get("host") or "127.0.0.1"
     if main:
         uptime = float((read_file("/proc/uptime") or "0").split()[0])
+        steady = cache.steady_argv(main["argv"])  # a gated launch's --gated-launch-port is not what runs
         report["main"] = {"pid": main["pid"], "pgid": main["pgid"], "state": main["state"],
-                          "start_ticks": main["start_ticks"], "argv": redactor.deep(redact.redact_argv(main["argv"], secret_flags)),
-                          "argv_hash": redact.argv_hash(main["argv"]),
+                          "start_ticks": main["start_ticks"], "argv": redactor.deep(redact.redact_argv(steady, secret_flags)),
+                          "argv_hash": redact.argv_hash(steady),
                           "age_s": round(uptime - main["start_ticks"] / float(os.sysconf("SC_CLK_TCK")), 1),
                           "supervisor": server.supervisor_of(main["pid"], port)}
         names = set(args.get("env_names") or [])
@@ -157,6 +162,10 @@ def observe(args):
     report["warnings"] = pump_warnings(report["pid_file"], main)
     if main is None:
         report["gpus"] = args.get("gpus")
+    report["weight_cache"] = weight_cache.view(port, table, gpu_doc)
+    report["torch_version"] = installed.torch_version()
+    report["model_config_sha256"] = cache.model_config_sha256(model_path)
+    cache_pids = dict((pid, port) for pid in (report["weight_cache"] or {}).get("pids") or [])
     skip = tree_set | own
     container = {"free_mib": {state.LOG_DIR: state.free_mib(state.LOG_DIR if os.path.isdir(state.LOG_DIR) else "/var/log"),
                               state.STATE_DIR: state.free_mib(state.STATE_DIR if os.path.isdir(state.STATE_DIR) else "/var/lib")},
@@ -164,7 +173,7 @@ def observe(args):
                  "pid1": server.pid1_comm(), "memory_limit_bytes": server.memory_limit_bytes(),
                  "port_holders": [{"pid": pid, "cmdline": redactor.text(" ".join(redact.redact_argv(table.get(pid, {}).get("argv") or [])))[:300],
                                    "server": pid in tree_set} for pid in report["listener_pids"]],
-                 "gpu_holders": gpu_holders(gpu_doc, skip, redactor)}
+                 "gpu_holders": gpu_holders(gpu_doc, skip, redactor, cache_pids)}
     report["elapsed_ms"] = round((time.time() - began) * 1000, 1)
     return {"sglang": report, "gpu": gpu_doc, "container": container,
             "agent": {"sha256": state.RUNTIME["sha256"], "schema": state.SCHEMA, "pid": os.getpid()}}

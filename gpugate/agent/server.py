@@ -126,9 +126,10 @@ def _connect(host, port, timeout):
     raise error or OSError("getaddrinfo returned no address for %s" % host)
 
 
-def http_get(host, port, path, timeout=3.0, token=None):
+def http_get(host, port, path, timeout=3.0, token=None, method="GET"):
     """(status, body) or (None, error text). 503 is an answer, not an error. ``token``: the
-    server's --api-key / --admin-api-key, sent as a bearer token (never printed)."""
+    server's --api-key / --admin-api-key, sent as a bearer token (never printed). ``method``
+    POST sends an empty body (gated launch's ``POST /gate/activate``)."""
     deadline = time.time() + timeout
     try:
         conn = _connect(sglang.connect_host(host), int(port), timeout)
@@ -136,8 +137,9 @@ def http_get(host, port, path, timeout=3.0, token=None):
         return None, "%s: %s" % (type(error).__name__, error)
     try:
         auth = "Authorization: Bearer %s\r\n" % token if token else ""
-        conn.sendall(("GET %s HTTP/1.0\r\nHost: 127.0.0.1:%d\r\n%sConnection: close\r\n\r\n"
-                      % (path, int(port), auth)).encode())
+        length = "Content-Length: 0\r\n" if method == "POST" else ""
+        conn.sendall(("%s %s HTTP/1.0\r\nHost: 127.0.0.1:%d\r\n%s%sConnection: close\r\n\r\n"
+                      % (method, path, int(port), auth, length)).encode())
         chunks, size = [], 0
         while size < 4 * 1024 * 1024:
             conn.settimeout(max(0.05, deadline - time.time()))

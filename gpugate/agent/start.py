@@ -11,8 +11,9 @@ import json
 import os
 import time
 
-from gpugate.agent import logs, observe, server, state, supervise
+from gpugate.agent import logs, observe, server, state, supervise, weight_cache
 from gpugate.engine.sglang import processes as sglang
+from gpugate.engine.sglang import weight_cache as cache
 from gpugate.rules import gate as rules_gate
 from gpugate.rules import procfs, redact
 
@@ -20,7 +21,7 @@ GATE_POLL_S = 0.05
 LOAD_POLL_S = 0.05  # the moment it turns ready is downtime; a look is /proc + netlink (+ one local GET)
 
 
-def gate_decision(doc, gpus, max_used_mib, expected_mib=None):
+def gate_decision(doc, gpus, max_used_mib, expected_mib=None, ignore_pids=()):
     """(passed, problems, used MiB per GPU, permanent) for this server's GPUs (None: every GPU), by
     gpugate.rules.gate.decide: a holder with memory on one of them blocks; one that only holds the
     device files (an NVML monitor at 0 MiB) does not.
@@ -29,7 +30,8 @@ def gate_decision(doc, gpus, max_used_mib, expected_mib=None):
     >>> gate_decision(reading, [0], 64)[0], gate_decision(reading, [0, 5], 64)[1:]
     (True, (['GPU 5 is not visible'], {'0': 0}, True))
     """
-    verdict = rules_gate.decide(doc, max_used_mib, gpus, expected_mib=expected_mib, idle_holders_block=False)
+    verdict = rules_gate.decide(doc, max_used_mib, gpus, ignore_pids=ignore_pids, expected_mib=expected_mib,
+                                idle_holders_block=False)
     if doc.get("source") in (None, "none"):
         errors = doc.get("errors") or []
         problems = ["no GPU reading: %s" % "; ".join(str(e.get("message"))[:120] for e in errors)]
@@ -52,14 +54,34 @@ class StartSteps:
 
     # ------------------------------------------------------------------ gate, prepare, start, load, verify
     def _start_verified(self, spec, target):
-        self._gate(spec, target)
+        """The start of ``spec`` from a stopped server: its weight cache kept, stopped or started
+        (gpugate.agent.weight_cache), the gate, prepare, the engine (started now, or the gated
+        engine launched during the drain, activated now), ready, verify, commit."""
+        mode, why = self._cache_state(spec)
+        self.event("cache", "end", target=target, port=spec["port"], mode=mode, why=why)
+        if mode != "keep":
+            self._stop_cache(spec["port"], target, why)
+        gated = self.gated if self.gated and self.gated["target"] == target else None
+        self._gate(spec, target, keep_cache=mode == "keep", gated=gated)
         self._prepare(spec, target)
-        pid, offset = self._start(spec, target)
+        if mode == "start":
+            self._start_cache(spec, target)
+        if gated:
+            pid, offset = self._activate_gated(spec, target)
+        else:
+            pid, offset = self._start(spec, target)
         self._wait_ready(spec, pid, target, offset)
         info = self._verify(spec, pid, target)
         self._commit(spec, info, rollback=target == "rollback")
 
-    def _gate(self, spec, target):
+    @staticmethod
+    def _read_gpus():
+        return observe.read_gpus(keep_open=True)
+
+    def _gate(self, spec, target, keep_cache=False, gated=None):
+        """Until this server's GPUs are free: at most ``max_used_mib`` each, no holder; a kept
+        weight cache's daemons and a gated engine of ours hold what they hold there (expected),
+        and are no holders. Anything else blocks."""
         gpus = spec.get("gpus")
         max_used = int(self.budgets["max_used_mib"])
         began = time.time()
@@ -67,12 +89,20 @@ class StartSteps:
         self.event("gate", "begin", target=target, gpus=gpus, max_used_mib=max_used)
         polls = 0
         while True:
-            doc = observe.read_gpus(keep_open=True, exclude=server.own_pids(procfs.table()))
+            table = procfs.table()
+            ours = set()
+            if keep_cache:
+                ours.update(weight_cache.tree(table, weight_cache.read_record(spec["port"]))[1])
+            if gated:
+                ours.update(self._gated_tree(table))
+            doc = observe.read_gpus(keep_open=True, exclude=server.own_pids(table))
+            expected = weight_cache.used_by(doc, ours) if ours else None
             polls += 1
-            passed, problems, used, permanent = gate_decision(doc, gpus, max_used)
+            passed, problems, used, permanent = gate_decision(doc, gpus, max_used, expected, ours)
             if passed:
                 self.event("gate", "end", target=target, passed=True, used_mib=used, polls=polls,
                            elapsed_s=round(time.time() - began, 3),
+                           expected_mib=dict((str(k), v) for k, v in (expected or {}).items()) or None,
                            monitors=[h["pid"] for h in doc.get("holders") or [] if not h.get("gpus")])
                 return
             if permanent or time.time() >= deadline:
@@ -123,7 +153,7 @@ class StartSteps:
             pid = self._start_systemd(spec, target)
             offset = None
         else:
-            pid, offset = self._start_process(spec, target)
+            pid, offset, _ = self._start_process(spec, target)
         self.event("start", "end", target=target, port=port, pid=pid)
         return pid, offset
 
@@ -155,7 +185,9 @@ class StartSteps:
                 pass
         raise state.Failure("cannot write the server log %s: %s" % (log_path, getattr(header, "strerror", None) or header))
 
-    def _start_process(self, spec, target):
+    def _start_process(self, spec, target, write_pid=True):
+        """-> (pid, log offset, the pid file's record); the pid file written unless ``write_pid``
+        is False (a gated engine: the stop of the old server reads the pid file first)."""
         import subprocess
 
         port = spec["port"]
@@ -197,11 +229,92 @@ class StartSteps:
         if pump is not None:  # observe warns when it is gone while the server runs (pump_warnings)
             pump_stat = procfs.read_stat(pump.pid)
             record["pump"] = {"pid": pump.pid, "start_ticks": pump_stat[4] if pump_stat else None}
+        if write_pid:
+            self._write_pid_file(port, record)
+        return child.pid, offset, record
+
+    @staticmethod
+    def _write_pid_file(port, record):
         try:
+            state.makedirs(state.RUN_DIR, 0o755)
             state.write_private(state.paths(port)["pid"], json.dumps(record), 0o644)
         except OSError as error:
             raise state.Failure("cannot write the pid file %s: %s" % (state.paths(port)["pid"], error))
-        return child.pid, offset
+
+    # ------------------------------------------------------------------ gated launch
+    def _launch_gated(self, spec, target):
+        """Start the engine with ``--gated-launch-port`` while the old server still drains: its
+        imports and distributed init overlap the drain, and it blocks at its gate (before any
+        sizable GPU allocation) until ``_activate_gated``. A launch that fails here costs only the
+        overlap: the start is then an ordinary one."""
+        host = sglang.argv_host(spec["argv"])
+        try:
+            gate_port = free_port(host)
+            pid, offset, record = self._start_process(dict(spec, argv=cache.gated_argv(spec["argv"], gate_port)),
+                                                      target, write_pid=False)
+        except (state.Failure, OSError) as error:
+            self.warnings.append("gated launch not used: %s" % error)
+            return
+        self.gated = {"pid": pid, "start_ticks": record["start_ticks"], "gate_port": gate_port, "host": host,
+                      "target": target, "offset": offset, "record": record, "began": time.time(), "activated": False}
+        self.event("gated", "begin", target=target, port=spec["port"], pid=pid, gate_port=gate_port)
+
+    def _gated_tree(self, table):
+        gated = self.gated
+        if not gated or not procfs.alive(gated["pid"], gated["start_ticks"]):
+            return []
+        return [gated["pid"]] + procfs.descendants(table, gated["pid"])
+
+    def _activate_gated(self, spec, target):
+        """Wait until the gated engine serves its gate's /health (it has imported and initialised
+        its distributed environment), then ``POST /gate/activate``: from here it loads and
+        allocates, and it is the server of its port (its pid file is written)."""
+        gated = self.gated
+        pid, port = gated["pid"], spec["port"]
+        deadline = gated["began"] + float(self.budgets["start_timeout_s"])
+        while True:
+            self._reap()
+            if not procfs.alive(pid, gated["start_ticks"]):
+                code = self.exit_codes.get(pid)
+                self._settle_log(port)
+                tail = self._tail(port, gated["offset"])
+                self.event("gated", "end", target=target, port=port, reached=False, exit_code=code, log_tail=tail)
+                raise state.Failure("the server exited before its gated launch%s%s" % (
+                    " with code %s" % code if code is not None else "", ": " + logs.crash_line(tail, port) if tail else ""))
+            status, _ = server.http_get(gated["host"], gated["gate_port"], "/health", 2.0)
+            if status == 200:
+                break
+            if time.time() >= deadline:
+                self.event("gated", "end", target=target, port=port, reached=False, state="timeout")
+                raise state.Failure("the server did not reach its gated launch within %gs" % self.budgets["start_timeout_s"])
+            self.progress("gated", target=target, port=port, elapsed_s=round(time.time() - gated["began"], 1))
+            time.sleep(LOAD_POLL_S)
+        self.event("gated", "end", target=target, port=port, reached=True,
+                   elapsed_s=round(time.time() - gated["began"], 2))
+        status, body = server.http_get(gated["host"], gated["gate_port"], "/gate/activate", 5.0, method="POST")
+        if status != 200:
+            raise state.Failure("POST /gate/activate on :%d: %s" % (gated["gate_port"], status or body))
+        gated["activated"] = True
+        self._write_pid_file(port, gated["record"])
+        self.event("activate", "end", target=target, port=port, pid=pid, gate_port=gated["gate_port"])
+        return pid, gated["offset"]
+
+    def _end_gated(self):
+        """A gated engine that was never activated ends with the run (any path that does not
+        activate it: a refusal, a failure, the rollback)."""
+        gated = self.gated
+        if not gated or gated["activated"]:
+            return
+        table = procfs.table()
+        pids = self._gated_tree(table)
+        self.gated = None
+        if pids:
+            self.event("gated", "end", target=gated["target"], ended=pids)
+            for pid in pids:
+                procfs.kill(pid, table.get(pid, {}).get("start_ticks"))
+            procfs.end_processes(dict((pid, table.get(pid, {}).get("start_ticks")) for pid in pids),
+                                 float(self.budgets["kill_grace_s"]), 0.02)
+            self._reap()
 
     def _log_pump(self, log_path, spec):
         """The write end of a pipe into a log pump (``logpump``: its own session, outliving us; it
@@ -335,7 +448,7 @@ class StartSteps:
     def _verify(self, spec, pid, target):
         self.event("verify", "begin", target=target, port=spec["port"])
         problems = []
-        argv = procfs.read_argv(pid)
+        argv = cache.steady_argv(procfs.read_argv(pid))
         if argv != spec["argv"]:
             problems.append("the running argv differs from the desired argv")
         table = procfs.table()
@@ -367,3 +480,13 @@ class StartSteps:
         if problems:
             raise state.Failure("verify: " + "; ".join(problems))
         return capacity
+
+
+def free_port(host):
+    """A TCP port free on ``host`` now (the gated launch's control port)."""
+    import socket
+
+    bind = "" if sglang.connect_host(host) == "127.0.0.1" and host != "127.0.0.1" else sglang.connect_host(host)
+    with socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((bind, 0))
+        return sock.getsockname()[1]

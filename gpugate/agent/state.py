@@ -198,7 +198,11 @@ def paths(port):
     return {"env": "%s/sglang-%d.env" % (ETC_DIR, port), "history": "%s/sglang-%d.json" % (STATE_DIR, port),
             "log": "%s/sglang-%d.log" % (LOG_DIR, port), "pid": "%s/sglang-%d.pid" % (RUN_DIR, port),
             "fallback_log": "%s/sglang-%d.log" % (RUN_DIR, port),
-            "unit": "/etc/systemd/system/sglang-%d.service" % port, "unit_name": "sglang-%d.service" % port}
+            "unit": "/etc/systemd/system/sglang-%d.service" % port, "unit_name": "sglang-%d.service" % port,
+            # the server's weight-cache daemons (gpugate.agent.weight_cache)
+            "cache": "%s/weight-cache-%d.json" % (RUN_DIR, port), "cache_log": "%s/weight-cache-%d.log" % (LOG_DIR, port),
+            "cache_unit": "/etc/systemd/system/sglang-weight-cache-%d.service" % port,
+            "cache_unit_name": "sglang-weight-cache-%d.service" % port}
 
 
 def read_pid_file(port):

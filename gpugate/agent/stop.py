@@ -25,7 +25,7 @@ class StopSteps:
         """Drain (SIGTERM, up to ``drain_timeout_s``), SIGKILL what is left of the server's own
         tree, sweep stray server parts of this port / holding this server's GPUs."""
         table = procfs.table()
-        own = server.own_pids(table)
+        own = server.own_pids(table) | set(self._gated_tree(table))  # a gated engine of ours waits for this stop
         main, tree = server.find_server(table, port, own)
         snapshot = dict((pid, table[pid]["start_ticks"]) for pid in tree if pid in table)
         spec_gpus = self._gpus_for_port(port)
@@ -116,7 +116,7 @@ class StopSteps:
         """pid -> (start ticks, why) of server parts outside any live tree we keep: a main of this
         port, a part listening on it, or an orphaned part holding memory on this server's GPUs."""
         table = procfs.table()
-        own = server.own_pids(table)
+        own = server.own_pids(table) | set(self._gated_tree(table))
         out = {}
         inodes = server.listeners(port)
         holders_on = {}

@@ -11,7 +11,9 @@ import os
 from gpugate.agent import history, server, state
 from gpugate.agent.start import StartSteps
 from gpugate.agent.stop import StopSteps
+from gpugate.agent.weight_cache import CacheSteps
 from gpugate.engine.sglang import processes as sglang
+from gpugate.engine.sglang import weight_cache as cache
 from gpugate.rules import procfs, redact
 from gpugate.rules.procfs import read_file
 
@@ -33,7 +35,7 @@ def budgets(doc):
     return chosen
 
 
-class Transition(StopSteps, StartSteps):
+class Transition(StopSteps, StartSteps, CacheSteps):
     """One run of the state machine, to exactly one outcome (verified | rolled_back |
     nothing_serves; ``refused`` only when nothing was touched)."""
 
@@ -55,6 +57,7 @@ class Transition(StopSteps, StartSteps):
         self.rollback = None
         self.exit_codes = {}
         self.pumps = {}  # port -> the log pump of the server we started there
+        self.gated = None  # the engine launched with --gated-launch-port during the drain, until activated
 
     # ------------------------------------------------------------------ journal helpers
     def event(self, step, phase, **fields):
@@ -77,6 +80,10 @@ class Transition(StopSteps, StartSteps):
             except BaseException as second:  # noqa: BLE001
                 result = ("nothing_serves", {"desired": reason, "rollback": "cleanup failed: %s" % second},
                           "NOTHING SERVES")
+        try:
+            self._end_gated()  # never activated: it ends with the run
+        except Exception as error:  # noqa: BLE001
+            self.warnings.append("gated engine: %s" % error)
         outcome, reasons, message = result
         self._record_last(outcome, reasons, message)
         self.event("outcome", "end", outcome=outcome, reasons=reasons, message=message,
@@ -107,11 +114,15 @@ class Transition(StopSteps, StartSteps):
                 except Exception as error:  # noqa: BLE001 - ours too: every path after the stop ends in an outcome
                     return self._after_failure(failure_reason(error))
         try:
+            if desired and desired.get("gated_launch") and desired.get("supervisor") != "systemd":
+                self._launch_gated(desired, "desired")  # its imports and dist init overlap the drain
             if self.replaces:
                 self._stop(self.replaces["port"], "replaces", self.budgets["drain_timeout_s"])
+                self._stop_cache(self.replaces["port"], "replaces", "its server moves to :%d" % self.port)
             self._stop(self.port, "desired", self.budgets["drain_timeout_s"])
             self._end_gpu_holders()
             if desired is None:
+                self._stop_cache(self.port, "desired", "present: false")
                 return "verified", None, "no server on :%d, as desired" % self.port
             self._start_verified(desired, "desired")
             return "verified", None, "the desired server serves, verified"
@@ -121,6 +132,7 @@ class Transition(StopSteps, StartSteps):
             return self._after_failure(failure_reason(error))
 
     def _after_failure(self, reason):
+        self._end_gated()
         self.event("failed", "end", target="desired", reason=reason)
         self._record_failed(reason)
         if self.rollback is None:
@@ -141,10 +153,15 @@ class Transition(StopSteps, StartSteps):
 
     def _cleanup_outcome(self, reason, rollback_reason):
         notes = []
+        try:
+            self._end_gated()
+        except Exception as error:  # noqa: BLE001
+            notes.append("gated engine: %s" % error)
         ports = sorted(set([self.port] + [s["port"] for s in (self.replaces, self.rollback) if s]))
         for port in ports:
             try:
                 self._stop(port, "cleanup", self.budgets["kill_grace_s"])
+                self._stop_cache(port, "cleanup", "nothing serves")
             except state.Failure as failure:
                 notes.append(str(failure))
             except Exception as error:  # noqa: BLE001
@@ -184,8 +201,10 @@ class Transition(StopSteps, StartSteps):
         """The pid of a main process that runs exactly ``spec`` (argv and env), else None."""
         table = procfs.table()
         main, _ = server.find_server(table, spec["port"])
-        if main is None or main["argv"] != spec["argv"]:
+        if main is None or cache.steady_argv(main["argv"]) != spec["argv"]:
             return None
+        if spec.get("weight_cache") and self._cache_state(spec)[0] != "keep":
+            return None  # its daemons are gone or of another key: restart, never wait for it
         environ = procfs.read_environ(main["pid"]) or {}
         for name, value in (spec.get("env") or {}).items():
             if environ.get(name) != value:
@@ -211,7 +230,7 @@ class Transition(StopSteps, StartSteps):
         past = history.load_history(port)
         for entry in past.get("good") or []:
             spec = entry.get("spec") or {}
-            if spec.get("argv") == main["argv"] and all(environ.get(k) == v for k, v in (spec.get("env") or {}).items()):
+            if spec.get("argv") == cache.steady_argv(main["argv"]) and all(environ.get(k) == v for k, v in (spec.get("env") or {}).items()):
                 return dict(spec, _history=True)
         env = self._env_we_gave(port, main, environ)
         source = "captured from the running server"
@@ -221,7 +240,7 @@ class Transition(StopSteps, StartSteps):
             env = sglang.adopted_env(environ, list((self.desired or {}).get("env") or ()), main["argv"])
             source = "adopted: a server gpugate did not start"
         supervisor = server.supervisor_of(main["pid"], port)
-        spec = {"argv": list(main["argv"]), "env": env, "port": port, "supervisor": supervisor,
+        spec = {"argv": cache.steady_argv(main["argv"]), "env": env, "port": port, "supervisor": supervisor,
                 "gpus": sglang.server_gpus(main["argv"], environ), "record": {"source": source}}
         if supervisor == "systemd":
             spec["unit_text"] = read_file(state.paths(port)["unit"]) or ""
@@ -297,7 +316,7 @@ class Transition(StopSteps, StartSteps):
                     good[0]["record"]["capacity"] = capacity
                     history.save_history(port, doc)
                 return False
-            record = history.make_record(spec, by=by, capacity=capacity)
+            record = history.make_record(spec, by=by, capacity=capacity, extra=self._cache_key_record(spec))
             rest = [entry for entry in good if entry.get("key") != key]
             doc["good"] = ([{"key": key, "spec": spec, "record": record}] + rest)[:history.HISTORY_GOOD]
             history.save_history(port, doc)
@@ -305,6 +324,16 @@ class Transition(StopSteps, StartSteps):
         except OSError as error:
             self.warnings.append("history not written: %s" % error)
             return False
+
+    @staticmethod
+    def _cache_key_record(spec):
+        """The key the server's daemons hold, for its history record (None without a cache)."""
+        if not spec.get("weight_cache"):
+            return None
+        from gpugate.agent import weight_cache
+
+        key = (weight_cache.read_record(spec["port"]) or {}).get("key") or {}
+        return {"weight_cache_key": key.get("id")} if key else None
 
     def _record_failed(self, reason):
         if not self.desired:

@@ -95,6 +95,13 @@ class Engine(Protocol):
                      ) -> tuple[bool, list[str]]:
         """`gpugate check`: whether these flags are valid for the pinned release, and why not."""
 
+    # --- fast restarts: the weight cache and the gated launch (docs/weight-cache.md) ---
+    def supports(self, option: str, table: Any = None) -> bool:
+        """Whether this release has the flag (``gated-launch-port``)."""
+
+    def weight_cache_argv(self, python: str, model_path: str, flags: Mapping[str, Any], table: Any = None) -> list[str]:
+        """The command of the daemons that hold this server's weights across engine restarts."""
+
 
 def _sglang() -> Engine:
     from gpugate.engine.sglang import ENGINE  # noqa: PLC0415 -- an engine is loaded when named

@@ -295,7 +295,8 @@ def _observe(host_obj: Any, python: str, kwargs: Mapping[str, Any]) -> tuple[dic
 
 
 def _spec_for_version(host_obj: Any, python: str, spec: Spec, flags: Mapping[str, Any] | None,
-                      pinned: str | None, observation: Mapping[str, Any] | None = None) -> Spec:
+                      pinned: str | None, observation: Mapping[str, Any] | None = None,
+                      gated_choice: bool | None = None) -> Spec:
     """``spec`` validated again against SGLang's own flag table for this container (the container's,
     built once and cached there; else the pinned version's snapshot; else the newest: see
     gpugate.engine.sglang.flags.choose_table). SpecError names the flag and the version; the table used and
@@ -311,7 +312,7 @@ def _spec_for_version(host_obj: Any, python: str, spec: Spec, flags: Mapping[str
     table, note = engine().choose_table(doc, pinned)
     checked = build_spec(spec.model_path, spec.port, flags, spec.env, host=spec.host, supervisor=spec.supervisor,
                          python=spec.python, extra_args=spec.extra_args, sglang_version=spec.sglang_version,
-                         table=table)
+                         table=table, weight_cache=spec.weight_cache, gated_launch=gated_choice)
     extra = (f"flags checked against {note}",) + tuple(engine().flag_warnings(checked.flags, table))
     return dataclasses.replace(checked, warnings=tuple(checked.warnings) + extra)
 
@@ -849,7 +850,8 @@ def server(desired: Desired, restore_previous: bool = False):
     spec = for_container(spec, observation)  # auto: systemd where the container's PID 1 is systemd
     if spec is not None:  # the flags again, against the table of the SGLang that will run (issue 13)
         try:
-            spec = _spec_for_version(host, python, spec, desired.flags, desired.sglang_version, observation)
+            spec = _spec_for_version(host, python, spec, desired.flags, desired.sglang_version, observation,
+                                     desired.gated_launch)
         except SpecError as error:
             yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {error}", port)
             return

@@ -65,7 +65,7 @@ ALLOWED = {
     "gpugate.rules": ("gpugate.rules",),
     "gpugate.engine": ("gpugate.engine", "gpugate.rules"),
     "gpugate.agent": ("gpugate.agent", "gpugate.rules", "gpugate.engine.sglang.processes",
-                      "gpugate.engine.sglang.installed"),
+                      "gpugate.engine.sglang.installed", "gpugate.engine.sglang.weight_cache"),
     "gpugate.settings": (),
 }
 

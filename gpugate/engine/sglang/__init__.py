@@ -35,6 +35,8 @@ class SGLang:
     capacity_from_server_info = staticmethod(capacity.capacity_from_server_info)
     capacity_line = staticmethod(capacity.capacity_line)
     check_report = staticmethod(flags.check_report)
+    supports = staticmethod(flags.supports)
+    weight_cache_argv = staticmethod(flags.weight_cache_argv)
 
     @staticmethod
     def render_argv(model_path: str, port: int, flag_values, host: str) -> list[str]:

@@ -1248,3 +1248,31 @@ def check_report(flags: Mapping[str, Any], pinned: str | None = None,
     if extra_args:
         lines.append("extra_args passed verbatim, unchecked: " + " ".join(redact_argv(list(extra_args), table)))
     return True, lines
+
+
+def supports(option: str, table: FlagTable | str | None = None) -> bool:
+    """Whether this SGLang release has the flag (``gated-launch-port``: 0.5.23 and later).
+
+    >>> supports("gated-launch-port", "0.5.23"), supports("gated-launch-port", "0.5.10")
+    (True, False)
+    """
+    try:
+        canonical_name(option, table)
+    except FlagError:
+        return False
+    return True
+
+
+def weight_cache_argv(python: str, model_path: str, flags: Mapping[str, Any],
+                      table: FlagTable | str | None = None) -> list[str]:
+    """The standalone weight-cache daemon's command for a server with these (validated) flags: the
+    flags that shape the weights (weight_cache.WEIGHT_FLAGS), nothing else, so that a change of
+    any other flag keeps the daemons (docs/weight-cache.md).
+
+    >>> weight_cache_argv("/usr/bin/python3", "/m", {"tp-size": 2, "kv-cache-dtype": "fp8_e4m3"})
+    ['/usr/bin/python3', '-m', 'sglang.srt.weight_cache.daemon', '--model-path', '/m', '--tp-size', '2']
+    """
+    from gpugate.engine.sglang import weight_cache
+
+    kept = {name: value for name, value in flags.items() if name in weight_cache.WEIGHT_FLAGS}
+    return [python, "-m", weight_cache.DAEMON_MODULE, "--model-path", model_path, *render_flag_args(kept, table)]

@@ -15,10 +15,10 @@ from gpugate.rules.redact import sha256
 FLAG_TABLE_DIR = "/var/lib/gpugate/sglang-flags"  # gpugate/remote/flag_table.py's CACHE_DIR
 
 
-def _dist_info_version(directory, name):
-    """The version an ``sglang-*.dist-info`` (or ``.egg-info``) entry of ``directory`` declares, else None."""
+def _dist_info_version(directory, name, package="sglang"):
+    """The version a ``<package>-*.dist-info`` (or ``.egg-info``) entry of ``directory`` declares, else None."""
     lower = name.lower()
-    if not (lower.startswith("sglang-") and (lower.endswith(".dist-info") or lower.endswith(".egg-info"))):
+    if not (lower.startswith(package + "-") and (lower.endswith(".dist-info") or lower.endswith(".egg-info"))):
         return None
     meta = read_file(os.path.join(directory, name, "METADATA")) or read_file(os.path.join(directory, name, "PKG-INFO"))
     for line in (meta or "").splitlines():
@@ -54,6 +54,17 @@ def sglang_version():
                 match = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
                 if match:
                     return match.group(1)
+    return None
+
+
+def torch_version():
+    """The installed torch's version (dist-info METADATA; never imports torch): part of the weight
+    cache's key (SGLang's CacheConfig has ``torch_version``). None where torch is not installed."""
+    for directory, names in _path_listings():
+        for name in names:
+            version = _dist_info_version(directory, name, "torch")
+            if version is not None:
+                return version
     return None
 
 

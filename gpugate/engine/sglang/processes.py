@@ -122,7 +122,8 @@ def is_client_argv(argv: Sequence[str] | None) -> bool:
     True
     """
     module = python_module(argv or []) or ""
-    return module.startswith("sglang.") and not is_main_argv(argv)
+    # the weight cache's daemon is a server's own part (gpugate.agent.weight_cache), not a client
+    return module.startswith("sglang.") and module != "sglang.srt.weight_cache.daemon" and not is_main_argv(argv)
 
 
 def argv_port(argv: Sequence[str]) -> int:

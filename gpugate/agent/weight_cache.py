@@ -1,0 +1,273 @@
+"""A server's weight-cache daemons (docs/weight-cache.md): SGLang's standalone daemon, started by
+the agent before the engine, one launcher per server and one child per GPU, recorded with the key
+they hold in ``/run/gpugate/weight-cache-<port>.json``; what observe reports of them; and the
+transition's steps around them (a mixin of gpugate.agent.transition.Transition): keep them when
+the key holds, stop them when it changes or no cache is wanted, start them and wait for every
+GPU's ``.ready``.
+
+Only the daemons of this server's record are ever signalled: a daemon gpugate did not start, or
+of another server, is a GPU holder like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from gpugate.agent import logs, server, state, supervise
+from gpugate.engine.sglang import installed
+from gpugate.engine.sglang import weight_cache as cache
+from gpugate.rules import procfs, redact
+from gpugate.rules.procfs import read_file
+
+READY_POLL_S = 0.05
+
+
+def read_record(port):
+    """The agent's record of the server's daemons, or None."""
+    text = read_file(state.paths(port)["cache"])
+    try:
+        doc = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and isinstance((doc.get("launcher") or {}).get("pid"), int) else None
+
+
+def tree(table, record):
+    """(the launcher's proc or None, the pids of its live tree) of a record: a launcher whose pid
+    is now another process (start time differs) is gone."""
+    launcher = (record or {}).get("launcher") or {}
+    proc = table.get(launcher.get("pid"))
+    if proc is None or proc["state"] in ("Z", "X") or launcher.get("start_ticks") not in (None, proc["start_ticks"]):
+        return None, []
+    return proc, [proc["pid"]] + [pid for pid in procfs.descendants(table, proc["pid"])
+                                  if table.get(pid, {}).get("state") not in ("Z", "X")]
+
+
+def uuid_of(gpu_doc, index):
+    for gpu in (gpu_doc or {}).get("gpus") or []:
+        if gpu.get("index") == index:
+            return gpu.get("uuid")
+    return None
+
+
+def used_by(gpu_doc, pids):
+    """GPU index -> MiB that ``pids`` hold there (the driver's per-process figures)."""
+    out = {}
+    for holder in (gpu_doc or {}).get("holders") or []:
+        if holder.get("pid") in pids and holder.get("used_mib"):
+            for index in holder.get("gpus") or []:
+                out[index] = out.get(index, 0) + (holder["used_mib"] if len(holder.get("gpus") or []) == 1 else 0)
+    for gpu in (gpu_doc or {}).get("gpus") or []:  # the per-GPU process list is exact where it exists
+        figures = [p.get("used_mib") or 0 for p in gpu.get("processes") or [] if p.get("pid") in pids]
+        if figures:
+            out[gpu.get("index")] = sum(figures)
+    return out
+
+
+def view(port, table, gpu_doc, record=None):
+    """What runs of the server's daemons: ``{"running", "launcher", "pids", "key", "gpus": [{index,
+    uuid, pid, ready, used_mib, config}], "problems", "supervisor", "started"}``; None without a
+    record. ``running``: the launcher lives and every GPU's ``.ready`` names a live daemon of its
+    tree (an engine may map them)."""
+    record = record if record is not None else read_record(port)
+    if record is None:
+        return None
+    launcher, pids = tree(table, record)
+    live = set(pids)
+    used = used_by(gpu_doc, live)
+    gpus, problems = [], []
+    for index in record.get("gpus") or []:
+        uuid = uuid_of(gpu_doc, index) or (record.get("uuids") or {}).get(str(index))
+        ready = None
+        if uuid:
+            ready = cache.parse_ready(read_file(cache.file_paths(uuid, record.get("env") or {})[1]))
+        pid = (ready or {}).get("pid")
+        entry = {"index": index, "uuid": uuid, "pid": pid, "ready": bool(ready and pid in live),
+                 "used_mib": used.get(index), "config": cache.config_summary((ready or {}).get("config"))}
+        if launcher is not None and not entry["ready"]:
+            problems.append("GPU %d: %s" % (index, "no .ready yet" if ready is None else
+                                            "the .ready names pid %s, not a daemon of this server" % pid))
+        gpus.append(entry)
+    if launcher is None:
+        problems.insert(0, "the daemons are gone (launcher pid %s)" % (record.get("launcher") or {}).get("pid"))
+    return {"running": launcher is not None and not problems, "launcher": launcher["pid"] if launcher else None,
+            "pids": sorted(live), "key": record.get("key"), "gpus": gpus, "problems": problems,
+            "supervisor": record.get("supervisor") or "process", "started": record.get("started"),
+            "argv": record.get("argv_shown")}
+
+
+def desired_key(spec):
+    """The key of the cache ``spec`` (a SpecDoc with ``weight_cache``) wants, from what the
+    container has now: its config.json, its SGLang and torch."""
+    wanted = (spec or {}).get("weight_cache") or {}
+    return cache.cache_key(wanted.get("argv"), spec.get("env") or {},
+                           cache.model_config_sha256(procs_model(spec)), installed.sglang_version(),
+                           installed.torch_version())
+
+
+def procs_model(spec):
+    from gpugate.engine.sglang import processes
+
+    return processes.argv_model((spec or {}).get("argv") or [])
+
+
+def stale_files(gpu_doc, gpus, env=None, keep=()):
+    """The socket and .ready files of these GPUs whose daemon is gone (SGLang's
+    cleanup_stale_daemon_files: a client start against a socket nobody listens on is a hard
+    error); those of a live pid in ``keep`` or of any live process are left."""
+    out = []
+    for index in gpus or []:
+        uuid = uuid_of(gpu_doc, index)
+        if not uuid:
+            continue
+        sock, ready_path = cache.file_paths(uuid, env)
+        ready = cache.parse_ready(read_file(ready_path))
+        if ready and (ready["pid"] in keep or procfs.alive(ready["pid"])):
+            continue
+        out += [path for path in (sock, ready_path) if os.path.lexists(path)]
+    return out
+
+
+class CacheSteps:
+    """The transition's steps for the daemons; the Transition holds the state they use."""
+
+    def _cache_state(self, spec):
+        """``("none"|"keep"|"start", why)`` for starting ``spec``: none wanted (and the daemons
+        of this port, if any, are stopped), the running daemons hold its key, or they must
+        (re)start."""
+        port = spec["port"]
+        if not spec.get("weight_cache"):
+            return "none", "no weight cache"
+        record = read_record(port)
+        table = procfs.table()
+        want = desired_key(spec)
+        if record is None:
+            return "start", "no weight cache runs"
+        info = view(port, table, self._read_gpus())
+        if not info["running"]:
+            return "start", "; ".join(info["problems"])
+        if (record.get("key") or {}).get("id") != want["id"]:
+            changes = cache.key_changes((record.get("key") or {}).get("inputs"), want["inputs"])
+            return "start", "the key changes (%s)" % (", ".join(changes) or "?")
+        return "keep", "the key is unchanged"
+
+    def _stop_cache(self, port, target, why):
+        """End the daemons of this server's record (SIGTERM to each daemon and the launcher, the
+        kill grace, SIGKILL), then their stale files. Nothing when no record."""
+        record = read_record(port)
+        if record is None:
+            return
+        table = procfs.table()
+        launcher, pids = tree(table, record)
+        self.event("cache_stop", "begin", target=target, port=port, pids=pids, why=why)
+        if pids:
+            self.touched = True
+        if record.get("supervisor") == "systemd" and server.pid1_comm() == "systemd":
+            supervise.systemctl("stop", "--no-block", state.paths(port)["cache_unit_name"])
+        targets = dict((pid, table[pid]["start_ticks"]) for pid in pids if pid in table)
+        ended = procfs.end_processes(targets, float(self.budgets["kill_grace_s"]), 0.02,
+                                     settle_s=float(self.budgets["kill_grace_s"]))
+        self._reap()
+        removed = []
+        for path in stale_files(self._read_gpus(), record.get("gpus"), record.get("env") or {}):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+        try:
+            os.unlink(state.paths(port)["cache"])
+        except OSError:
+            pass
+        self.event("cache_stop", "end", target=target, port=port, terminated=ended["terminated"],
+                   killed=ended["killed"], survivors=ended["survivors"], removed=removed)
+        if ended["survivors"]:
+            raise state.Failure("weight-cache daemons outlived SIGKILL on :%d: %s" % (
+                port, ", ".join(str(pid) for pid in ended["survivors"])))
+
+    def _start_cache(self, spec, target):
+        """Start the daemons (the launcher under the server's supervisor), record them with the key
+        they will hold, and wait until every GPU's ``.ready`` names a daemon of theirs."""
+        port = spec["port"]
+        wanted = spec["weight_cache"]
+        key = desired_key(spec)
+        gpu_doc = self._read_gpus()
+        gpus = spec.get("gpus") or []
+        for path in stale_files(gpu_doc, gpus, spec.get("env") or {}):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self.touched = True
+        argv = list(wanted["argv"])
+        flags = tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())
+        shown = redact.redact_argv(argv, flags)
+        self.event("cache_start", "begin", target=target, port=port, argv=shown, key=key["id"])
+        began = time.time()
+        env = dict(state.BASE_ENV)
+        env.update(spec.get("env") or {})
+        log_path = state.paths(port)["cache_log"]
+        try:
+            state.makedirs(state.LOG_DIR, 0o750)
+            logs.rotate_log(log_path)
+            handle = state.open_private_append(log_path)
+        except OSError as error:
+            raise state.Failure("cannot write the weight cache's log %s: %s" % (log_path, error.strerror or error))
+        import subprocess
+
+        try:
+            handle.write(("\n=== gpugate start %s run %s (%s): %s\n" % (
+                state.now_iso(), self.run, target, self.redactor.text(" ".join(shown)))).encode("utf-8"))
+            handle.flush()
+            offset = handle.tell()
+            output = self._log_pump(log_path, dict(spec, port="cache-%d" % port)) or handle
+            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                                     env=env, cwd="/", start_new_session=True, close_fds=True)
+        except OSError as error:
+            raise state.Failure("cannot start the weight cache %s: %s" % (argv[0], error))
+        finally:
+            handle.close()
+            if "output" in locals() and output is not handle:
+                os.close(output)
+        self.children[child.pid] = child
+        stat = procfs.read_stat(child.pid)
+        record = {"launcher": {"pid": child.pid, "start_ticks": stat[4] if stat else None}, "port": port,
+                  "gpus": gpus, "uuids": dict((str(i), uuid_of(gpu_doc, i)) for i in gpus),
+                  "key": key, "argv_shown": shown, "supervisor": "process", "log": log_path, "run": self.run,
+                  "started": state.now_iso(),
+                  "env": dict((k, v) for k, v in (spec.get("env") or {}).items()
+                              if k in (cache.SOCKET_TEMPLATE_ENV, cache.READY_TEMPLATE_ENV))}
+        try:
+            state.makedirs(state.RUN_DIR, 0o755)
+            state.write_private(state.paths(port)["cache"], json.dumps(record), 0o600)  # the key's argv: secrets
+        except OSError as error:
+            raise state.Failure("cannot write the weight cache's record %s: %s" % (state.paths(port)["cache"], error))
+        deadline = began + float(self.budgets["start_timeout_s"])
+        while True:
+            self._reap()
+            info = view(port, procfs.table(), self._read_gpus(), record)
+            if info["running"]:
+                self.event("cache_start", "end", target=target, port=port, ok=True, launcher=child.pid,
+                           daemons=[g["pid"] for g in info["gpus"]], elapsed_s=round(time.time() - began, 2))
+                return info
+            if info["launcher"] is None:
+                code = self.exit_codes.get(child.pid)
+                pump = self.pumps.get("cache-%d" % port)
+                settle = time.time() + 1.0  # the pump writes what the launcher printed last
+                while pump is not None and pump.poll() is None and time.time() < settle:
+                    time.sleep(0.02)
+                tail = [self.redactor.text(line) for line in logs.log_tail(log_path, 20, offset)]
+                self.event("cache_start", "end", target=target, port=port, ok=False, exit_code=code, log_tail=tail)
+                raise state.Failure("the weight cache exited during its load%s%s" % (
+                    " with code %s" % code if code is not None else "",
+                    ": " + logs.crash_line(tail, port) if tail else ""))
+            if time.time() >= deadline:
+                self.event("cache_start", "end", target=target, port=port, ok=False, problems=info["problems"])
+                raise state.Failure("the weight cache was not ready within %gs: %s" % (
+                    self.budgets["start_timeout_s"], "; ".join(info["problems"])))
+            self.progress("cache_start", target=target, port=port, elapsed_s=round(time.time() - began, 1),
+                          ready=sum(1 for g in info["gpus"] if g["ready"]), of=len(info["gpus"]))
+            time.sleep(READY_POLL_S)
+
