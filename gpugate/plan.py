@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gpugate.engine import get as engine
-from gpugate.match import compare, interpreter_lines, running_command
+from gpugate.match import cache_verdict, compare, interpreter_lines, running_command
 from gpugate.rules import gate as rules_gate
 from gpugate.rules.redact import argv_hash, env_hash
 from gpugate.spec import Spec, option_items, redact_flags
@@ -48,6 +48,7 @@ class Plan:
     last: str | None = None                       # the previous run's outcome, when worth saying
     gpus: tuple[int, ...] | None = None           # the GPUs the new server takes (locks)
     target: Mapping[str, Any] | None = None       # rollback runbook: the history record to run
+    kind: str | None = None                       # which restart (the weight cache kept or not, gated)
 
     @property
     def touches(self) -> bool:
@@ -224,8 +225,8 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
     blockers, monitors = [], []
     for holder in container.get("gpu_holders") or []:
         mine = rules_gate.memory_gpus(holder, gpus)
-        if holder.get("server_part"):
-            continue
+        if holder.get("server_part") or holder.get("weight_cache") in (spec.port, *replacing):
+            continue  # the agent stops the server's parts; its own weight cache it keeps or stops
         if holder.get("memory") and mine:
             blockers.append((holder, mine))
         elif not holder.get("memory"):
@@ -306,23 +307,54 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
 
 # ---------------------------------------------------------------- the plan
 def steps_for(action: str, spec: Spec | None, max_used_mib: int, budgets: Mapping[str, float],
-              replacing: Sequence[int] = ()) -> tuple[str, ...]:
-    """The steps the agent will take (printed by --dry)."""
+              replacing: Sequence[int] = (), cache: str = "none") -> tuple[str, ...]:
+    """The steps the agent will take (printed by --dry). ``cache``: what a start does with the
+    weight cache (match.cache_verdict's mode)."""
     if action in ("noop", "attach"):
         return ()
     stop = f"stop (SIGTERM drain <= {budgets.get('drain_timeout_s', 60):g} s, SIGKILL of the tree, sweep)"
     steps = ["hand off to the container's agent (one command)"]
+    gated = bool(spec and spec.gated_launch and action != "stop")
+    if gated:
+        steps.append("start the new engine gated (--gated-launch-port): its imports and dist init overlap the drain")
     if replacing:
         steps.append(f"stop :{', :'.join(str(p) for p in replacing)} first")
     steps.append(stop)
     if action == "stop" or spec is None and action != "start":
+        if cache == "stop" or action == "stop":
+            steps.append("stop this server's weight-cache daemons, if any")
         return tuple(steps)
-    steps += [f"gate ({gpu_text(spec.gpus if spec else None)} <= {max_used_mib} MiB, no holder)",
-              "prepare (/dev/shm, port, env file)",
+    where = gpu_text(spec.gpus if spec else None)
+    if cache == "start":
+        steps.append("stop the weight-cache daemons of the old key, if any")
+    elif cache == "stop":
+        steps.append("stop the weight-cache daemons (none wanted)")
+    steps.append(f"gate ({where} <= {max_used_mib} MiB" + (" + the kept weight cache's memory" if cache == "keep" else "")
+                 + (" + the gated engine's contexts" if gated else "") + ", no other holder)")
+    steps.append("prepare (/dev/shm, port, env file)")
+    if cache == "start":
+        steps.append("start the weight-cache daemons, wait for every GPU's .ready")
+    steps += ["activate the gated engine (POST /gate/activate)" if gated else
               "start (" + ("systemd unit" if spec and spec.supervisor == "systemd" else "own session, pid file, log") + ")",
               "healthy + a generation", "verify argv and /get_server_info", "commit to the history",
               "on any failure from the stop on: roll back to the last good spec"]
     return tuple(steps)
+
+
+def restart_kind(verdict_mode: str, why: str, spec: Spec | None) -> str | None:
+    """Which restart a plan is, in words (None without a weight cache either side).
+
+    >>> restart_kind("keep", "the weight cache's key is unchanged", None)
+    "engine only: the weights stay on every GPU (the weight cache's key is unchanged)"
+    """
+    where = gpu_text(spec.gpus if spec else None)
+    if verdict_mode == "keep":
+        return f"engine only: the weights stay on {where} ({why})"
+    if verdict_mode == "start":
+        return f"engine and weight cache: {why}"
+    if verdict_mode == "stop":
+        return "engine, and the weight cache stops (weight_cache: false)"
+    return None
 
 
 def stall_text(agent: Mapping[str, Any] | None, bound_s: float) -> str | None:
@@ -444,6 +476,7 @@ def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, r
     lines = list(match.lines)
     reasons = list(match.why)
     action = "start" if match.verdict == "not_running" else "restart"
+    weights = cache_verdict(observation, spec)
     if match.verdict != "not_running" and match.exact:
         reasons.append("restart requested (same spec)" if restart else
                        f"sglang on :{spec.port} runs the desired spec but does not serve ({health_text(server)}): "
@@ -454,9 +487,9 @@ def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, r
     if strays:
         reasons.append(f"{len(strays)} stray sglang server part(s) will be swept")
     return Plan(action, tuple(reasons), lines=tuple(lines), problems=tuple(problems), notes=tuple(notes),
-                steps=steps_for(action, spec, max_used_mib, budgets, replacing),
+                steps=steps_for(action, spec, max_used_mib, budgets, replacing, weights.mode),
                 replaces=replaces_doc(replaced[0]) if len(replaced) == 1 else None, rollback_to="auto",
-                restart=restart, last=last, gpus=spec.gpus)
+                restart=restart, last=last, gpus=spec.gpus, kind=restart_kind(weights.mode, weights.why, spec))
 
 
 def spec_summary(server: Mapping[str, Any]) -> str:
@@ -482,6 +515,8 @@ def plan_lines(plan: Plan, port: int) -> list[str]:
         return lines
     lines.append(f"sglang :{port} will {plan.action}: {'; '.join(plan.reasons)}")
     lines += ["    " + line for line in plan.lines]
+    if plan.kind:
+        lines.append(f"    {plan.action}: {plan.kind}")
     lines += [f"    note: {note}" for note in plan.notes]
     if plan.steps:
         lines.append("    steps: " + " -> ".join(plan.steps))
@@ -553,6 +588,11 @@ class Narrator:
         if step == "gate":
             problems = "; ".join(event.get("problems") or [])
             return (f"gate: {elapsed:.0f} s: GPU MiB {_compact(event.get('used_mib'))}" + (f"; {problems}" if problems else ""))
+        if step == "cache_start":
+            return f"weight cache loading: {event.get('ready')}/{event.get('of')} GPU(s) ready, {elapsed:.0f} s" \
+                if isinstance(elapsed, (int, float)) else "weight cache loading"
+        if step == "gated":
+            return f"the gated engine initialises: {elapsed:.0f} s" if isinstance(elapsed, (int, float)) else None
         if step == "load":
             state = event.get("state") or "loading"
             what = {"loading": "loading (port closed)", "starting": "starting (/health 503)",
@@ -605,6 +645,29 @@ class Narrator:
             return f"gate did NOT pass in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}; " + "; ".join(event.get("problems") or [])
         if step == "start" and phase == "end":
             return f"started pid {event.get('pid')}"
+        if step == "cache" and phase == "end" and event.get("mode") != "none":
+            return {"keep": "weight cache kept: ", "start": "weight cache (re)starts: "}.get(
+                event.get("mode"), "weight cache: ") + str(event.get("why") or "")
+        if step == "cache_stop" and phase == "end" and (event.get("terminated") or event.get("killed")):
+            return f"stopped the weight-cache daemons ({len(event.get('terminated') or [])} ended on SIGTERM, " \
+                   f"{len(event.get('killed') or [])} SIGKILLed)"
+        if step == "cache_start" and phase == "end":
+            self.timings.setdefault(f"{target}:weight cache", float(event.get("elapsed_s") or 0))
+            if event.get("ok"):
+                return f"weight cache ready on every GPU after {_seconds(event.get('elapsed_s'))} (daemons {event.get('daemons')})"
+            tail = [str(line) for line in event.get("log_tail") or []]
+            if tail:
+                self.tails[f"{target} weight cache"] = tail
+            return "the weight cache did NOT come up: " + ("; ".join(event.get("problems") or []) or
+                                                         f"exit code {event.get('exit_code')}")
+        if step == "gated" and phase == "begin":
+            return f"started the new engine gated (pid {event.get('pid')}, gate :{event.get('gate_port')}) during the drain"
+        if step == "gated" and phase == "end" and event.get("reached"):
+            return f"the gated engine reached its gate {_seconds(event.get('elapsed_s'))} after its start"
+        if step == "gated" and phase == "end" and event.get("ended"):
+            return f"ended the gated engine, never activated (pids {event.get('ended')})"
+        if step == "activate" and phase == "end":
+            return f"activated the gated engine (pid {event.get('pid')}): it loads now"
         if step == "load" and phase == "end":
             self.timings.setdefault(f"{target}:load", float(event.get("elapsed_s") or 0))
             state = event.get("state")

@@ -31,6 +31,8 @@ def status_prometheus(rows: Sequence[Mapping[str, Any]]) -> str:
         "gpugate_gpu_used_mib": ("GPU memory in use (NVML v2), per GPU seen from the container", []),
         "gpugate_sglang_router_listed": ("1 when the server's router lists it (routed servers; label router)", []),
         "gpugate_sglang_router_healthy": ("1 when its router lists it healthy and ready (label router)", []),
+        "gpugate_weight_cache_ready": ("1 when the server's weight-cache daemons serve on every GPU (label key)", []),
+        "gpugate_weight_cache_used_mib": ("GPU memory a weight-cache daemon holds (labels gpu, pid)", []),
     }
     for row in rows:
         labels = f'host="{_label(row.get("host"))}",vmid="{_label(row.get("vmid"))}",port="{_label(row.get("port"))}"'
@@ -52,6 +54,14 @@ def status_prometheus(rows: Sequence[Mapping[str, Any]]) -> str:
             routed = f'{labels},router="{_label(view.get("router"))}"'
             metrics["gpugate_sglang_router_listed"][1].append(f"{{{routed}}} {int(bool(view.get('listed')))}")
             metrics["gpugate_sglang_router_healthy"][1].append(f"{{{routed}}} {int(bool(view.get('healthy')))}")
+        cache = row.get("weight_cache") or {}
+        if cache:
+            key = _label(str((cache.get("key") or {}).get("id") or ""))
+            metrics["gpugate_weight_cache_ready"][1].append(f'{{{labels},key="{key}"}} {int(bool(cache.get("running")))}')
+            for gpu in cache.get("gpus") or []:
+                if isinstance(gpu.get("used_mib"), (int, float)):
+                    metrics["gpugate_weight_cache_used_mib"][1].append(
+                        f'{{{labels},gpu="{gpu.get("index")}",pid="{gpu.get("pid")}"}} {gpu["used_mib"]}')
         for index, used in enumerate(row.get("gpu_used") or []):
             if isinstance(used, (int, float)):
                 metrics["gpugate_gpu_used_mib"][1].append(f'{{{labels},gpu="{index}"}} {used}')

@@ -57,6 +57,8 @@ class StatusRow(TypedDict, total=False):
     problems: list[str]
     router: dict[str, Any]   # a routed server as its router sees it (gpugate.router.membership); {} if not routed
     router_text: str   # "lab: healthy", "lab: missing", "-"
+    weight_cache: dict[str, Any]  # the server's weight-cache daemons (observe's view); {} without
+    weight_cache_text: str  # "key 3f2a9c0d: GPU0 pid 45 12000 MiB, ...", "-"
 
 
 VERDICT_KINDS = {
@@ -72,8 +74,26 @@ FAILED_OUTCOMES = ("rolled_back", "nothing_serves", "interrupted")
 STATUS_COLUMNS = [
     ("host", "HOST"), ("vmid", "VMID"), ("port", "PORT"), ("verdict", "VERDICT"), ("server", "SERVER"),
     ("model", "MODEL"), ("router_text", "ROUTER"), ("gpu_mib", "GPU MiB"), ("holders", "GPU HOLDERS"),
-    ("last_change", "LAST CHANGE"),
-]  # ROUTER: shown only when a row is routed (render_status)
+    ("weight_cache_text", "WEIGHT CACHE"), ("last_change", "LAST CHANGE"),
+]  # ROUTER, WEIGHT CACHE: shown only when a row is routed, or has a weight cache (render_status)
+
+
+def weight_cache_text(view: Mapping[str, Any] | None) -> str:
+    """The daemons in one cell: ``key 3f2a9c0d (tp 0/2, /m): GPU0 pid 45 12000 MiB, GPU1 pid 46 12000 MiB``.
+
+    >>> weight_cache_text({"running": True, "key": {"id": "3f2a9c0d11"}, "gpus": [{"index": 0, "pid": 45, "used_mib": 12000, "config": "tp 0/1, /m"}]})
+    'key 3f2a9c0d (tp 0/1, /m): GPU0 pid 45 12000 MiB'
+    """
+    if not view:
+        return "-"
+    gpus = view.get("gpus") or []
+    cells = ", ".join(f"GPU{g.get('index')} pid {g.get('pid') or '-'} "
+                      f"{g.get('used_mib') if g.get('used_mib') is not None else '?'} MiB" for g in gpus)
+    config = (gpus[0].get("config") if gpus else None) or "?"
+    text = f"key {str((view.get('key') or {}).get('id') or '?')[:8]} ({config}): {cells or 'no GPU'}"
+    if not view.get("running"):
+        text = "NOT READY: " + "; ".join(view.get("problems") or ["?"]) + " | " + text
+    return text
 
 
 def server_state(server: Mapping[str, Any]) -> tuple[str, str]:
@@ -408,7 +428,8 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
         model=os.path.basename(model.rstrip("/")) if model and model.startswith("/") else model or "-",
         flags=flags_text, gpu_mib=gpu_mib, gpu_used=[gpu.get("used_mib") for gpu in gpus] if readable else [],
         holders=holders_text(gpu_doc), transition=transition, last_change=last_change,
-        history=history_lines(server), problems=problems, router=dict(router or {}), router_text=router_text(router))
+        history=history_lines(server), problems=problems, router=dict(router or {}), router_text=router_text(router),
+        weight_cache=dict(server.get("weight_cache") or {}), weight_cache_text=weight_cache_text(server.get("weight_cache")))
 
 
 def unreachable_row(host: str, vmid: Any, reason: str, desired: Desired) -> StatusRow:
@@ -419,14 +440,15 @@ def unreachable_row(host: str, vmid: Any, reason: str, desired: Desired) -> Stat
                      verdict=_verdict("unreachable", reason), desired=bool(present), up=False, drifted=False,
                      server="-", health="-", model=os.path.basename(model.rstrip("/")) if model.startswith("/") else model,
                      flags="-", gpu_mib="-", gpu_used=[], holders="-", transition={}, last_change="",
-                     history=[], problems=[], router={}, router_text="-")
+                     history=[], problems=[], router={}, router_text="-", weight_cache={}, weight_cache_text="-")
 
 
 def render_status(rows: Sequence[StatusRow]) -> str:
     """The status table, a summary line, the newest history entries per container, then one
     line per problem (GPU probe errors)."""
     # the ROUTER column only in a fleet with routed servers: the table others parse stays as it was
-    columns = [c for c in STATUS_COLUMNS if c[0] != "router_text" or any(row.get("router") for row in rows)]
+    columns = [c for c in STATUS_COLUMNS if (c[0] != "router_text" or any(row.get("router") for row in rows))
+               and (c[0] != "weight_cache_text" or any(row.get("weight_cache") for row in rows))]
     text = format_table(columns, rows)
     bad = [row for row in rows if not row.get("ok")]
     counts: dict[str, int] = {}

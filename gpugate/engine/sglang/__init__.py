@@ -7,7 +7,7 @@ Example::
 
     >>> from gpugate.engine.sglang import ENGINE
     >>> ENGINE.validate_flags({"tp": 8, "disable-radix-cache": True})
-    {'tp-size': 8, 'disable-radix-cache': True}
+    {'disable-radix-cache': True, 'tp-size': 8}
 """
 
 from __future__ import annotations

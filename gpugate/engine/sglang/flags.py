@@ -30,7 +30,7 @@ Example::
     Traceback (most recent call last):
     FlagError: --cuda-graph-max-bs: not a flag of SGLang 0.5.23 (did you mean --cuda-graph-max-bs-decode?)
     >>> flag_warnings({"disable-cuda-graph": True}, table=t)[0][:60]
-    "--disable-cuda-graph is deprecated in SGLang 0.5.23: '--disab"
+    "--disable-cuda-graph is deprecated in SGLang 0.5.23: '--disa"
 """
 
 from __future__ import annotations
