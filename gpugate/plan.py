@@ -647,7 +647,7 @@ class Narrator:
             return f"started pid {event.get('pid')}"
         if step == "cache" and phase == "end" and event.get("mode") != "none":
             return {"keep": "weight cache kept: ", "start": "weight cache (re)starts: "}.get(
-                event.get("mode"), "weight cache: ") + str(event.get("why") or "")
+                str(event.get("mode")), "weight cache: ") + str(event.get("why") or "")
         if step == "cache_stop" and phase == "end" and (event.get("terminated") or event.get("killed")):
             return f"stopped the weight-cache daemons ({len(event.get('terminated') or [])} ended on SIGTERM, " \
                    f"{len(event.get('killed') or [])} SIGKILLed)"
