@@ -340,7 +340,7 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
             raise
         gpus = None
         warnings.append(f"{error}; the gate waits for every GPU")
-    gated = _gated_launch(gated_launch, supervisor, table)
+    gated = _gated_launch(gated_launch, supervisor, table, normal)
     daemon = tuple(engine().weight_cache_argv(python, model_path, normal, table)) if weight_cache else ()
     return Spec(model_path=model_path, port=port, flags=dict(normal), env=clean_env, host=host,
                 supervisor=supervisor, python=python, extra_args=extras, sglang_version=sglang_version,
@@ -379,11 +379,20 @@ def _with_weight_cache(normal: dict[str, Any], wanted: bool, extras: Sequence[st
     return {**normal, "weight-cache-mode": "client"}
 
 
-def _gated_launch(wanted: bool | None, supervisor: str, table: Any) -> bool:
-    """Whether the engine is started gated (None: where it can be)."""
+def _gated_launch(wanted: bool | None, supervisor: str, table: Any, flags: Mapping[str, Any] | None = None) -> bool:
+    """Whether the engine is started gated (None: where it can be). Never where the new engine's
+    own ports are the old one's: with DP attention on one node SGLang derives its ZMQ ports from
+    --port (server_args.py PortArgs, ``port + 233``), and an explicit --nccl-port is fixed, so the
+    new engine would wait for the old one's ports and fail."""
     has = engine().supports("gated-launch-port", table)
+    flags = flags or {}
+    clash = ("--enable-dp-attention" if flags.get("enable-dp-attention") and not flags.get("dist-init-addr")
+             else "--nccl-port" if flags.get("nccl-port") else None)
     if wanted is None:
-        return has and supervisor != "systemd"
+        return has and supervisor != "systemd" and clash is None
+    if wanted and clash:
+        raise SpecError(f"gated_launch: not with {clash} (the new engine would need the old one's ports while it "
+                        f"drains): set gated_launch: false")
     if wanted and not has:
         raise SpecError("gated_launch: this SGLang has no --gated-launch-port (0.5.23 and later): set gated_launch: false")
     if wanted and supervisor == "systemd":
