@@ -1,0 +1,130 @@
+"""The weight cache and the gated launch through the real pyinfra CLI (issue 22, docs/weight-cache.md):
+``weight_cache: true`` runs SGLang's standalone daemons (the lab's stand-in follows SGLang 0.5.23's
+weight_cache/daemon.py: a launcher, one child per GPU, a socket and a ``.ready`` per GPU UUID); an
+engine-only flag change keeps their pids and the new engine maps them; a change of the key restarts
+them; ``present: false`` stops them; and each failure around them ends in the new server verified,
+the old one serving again, or a loud NOTHING SERVES, never in a client start against daemons of
+another key (SGLang's hard error)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO_ROOT, module_lab
+from tests.e2e.lab_processes import ct_sh
+
+pytestmark = [pytest.mark.lab]
+
+# the stand-in's phases (lab/gpugate_lab/standin/sglang/_timing.py): a disk load the cache saves
+ENV = {"SGLANG_STANDIN_LOAD_S": "0.2", "SGLANG_STANDIN_WEIGHT_LOAD_S": "1.5", "SGLANG_STANDIN_IPC_MAP_S": "0.05"}
+SERVER = {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 2}, "env": ENV, "weight_cache": True}
+FP8 = dict(SERVER, flags={"tp": 2, "kv-cache-dtype": "fp8_e4m3"})
+TP4 = dict(SERVER, flags={"tp": 4, "kv-cache-dtype": "fp8_e4m3"})
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    yield from module_lab(tmp_path_factory, "lab-weight-cache", hosts=1, gpus=4)
+
+
+def fleet(lab, path: Path, server: dict, **data) -> Path:
+    document = yaml.safe_load(lab.fleet_path.read_text())
+    container = document["hosts"]["pve1"]["containers"][129]
+    container["sglang"] = server
+    if data:
+        container.setdefault("data", {}).update(data)
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def pyinfra(lab, path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    return subprocess.run([exe, "inventory.py", *args], cwd=REPO_ROOT, env=dict(lab.env(), GPUGATE_FLEET=str(path)),
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def processes(lab) -> dict[str, list[int]]:
+    """The container's engine mains, daemon launchers and daemon children (pids), from /proc."""
+    script = ("for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
+              "s=$(awk '{print $4}' $p/stat 2>/dev/null); echo \"${p#/proc/} $s $c\"; done")
+    out = ct_sh(lab, "pve1", 129, script).stdout
+    found: dict[str, list[int]] = {"engine": [], "launcher": [], "daemon": []}
+    rows = [line.split(" ", 2) for line in out.splitlines() if line.count(" ") >= 2]
+    launchers = {int(pid) for pid, _, cmd in rows if "sglang.srt.weight_cache.daemon" in cmd}
+    for pid, ppid, cmd in rows:
+        if "sglang.launch_server" in cmd:
+            found["engine"].append(int(pid))
+        elif int(pid) in launchers:
+            found["launcher"].append(int(pid))
+        elif ppid.isdigit() and int(ppid) in launchers and "multiprocessing" in cmd:
+            found["daemon"].append(int(pid))
+    return {kind: sorted(pids) for kind, pids in found.items()}
+
+
+def status(lab, path: Path) -> dict:
+    run = pyinfra(lab, path, "-y", "runbooks/status.py", "--data", "format=json")
+    return json.loads(run.stdout)["servers"][0]
+
+
+def journal_steps(output: str) -> str:
+    return output
+
+
+def test_an_engine_only_change_keeps_the_weights_and_a_key_change_restarts_them(lab, tmp_path):
+    base = fleet(lab, tmp_path / "base.yaml", SERVER)
+    first = pyinfra(lab, base, "-y", "deploy.py")
+    out = first.stdout + first.stderr
+    assert first.returncode == 0, out
+    assert "weight cache ready on every GPU" in out, out
+    before = processes(lab)
+    assert len(before["engine"]) == 1 and len(before["launcher"]) == 1 and len(before["daemon"]) == 2, before
+    row = status(lab, base)
+    assert row["verdict"] == "serving as desired", row
+    assert row["weight_cache"]["running"] and [g["index"] for g in row["weight_cache"]["gpus"]] == [0, 1], row
+    assert all(g["pid"] in before["daemon"] and g["used_mib"] for g in row["weight_cache"]["gpus"]), row
+
+    # the seeds' fp8 KV change: --dry names an engine-only restart, and the daemons keep their pids
+    fp8 = fleet(lab, tmp_path / "fp8.yaml", FP8)
+    dry = pyinfra(lab, fp8, "deploy.py", "--dry")
+    assert "restart: engine only: the weights stay on GPU 0-1 (the weight cache's key is unchanged)" in dry.stdout, \
+        dry.stdout + dry.stderr
+    run = pyinfra(lab, fp8, "-y", "deploy.py")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    after = processes(lab)
+    assert after["launcher"] == before["launcher"] and after["daemon"] == before["daemon"], (before, after)
+    assert after["engine"] != before["engine"], (before, after)
+    assert "weight cache kept" in out, out
+    log = ct_sh(lab, "pve1", 129, "cat /var/log/gpugate/sglang-30000.log").stdout
+    assert "Zero-copy: mapped" in log.split("=== gpugate start")[-1], log[-3000:]
+
+    # a change of the key (tp 2 -> 4): --dry says so, the daemons restart before the engine
+    tp4 = fleet(lab, tmp_path / "tp4.yaml", TP4)
+    dry = pyinfra(lab, tp4, "deploy.py", "--dry")
+    assert "restart: engine and weight cache: the weight cache's key changes (--tp-size 2 -> 4)" in dry.stdout, \
+        dry.stdout + dry.stderr
+    run = pyinfra(lab, tp4, "-y", "deploy.py")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    moved = processes(lab)
+    assert moved["launcher"] != after["launcher"] and len(moved["daemon"]) == 4, moved
+    assert not set(moved["daemon"]) & set(after["daemon"])
+    prom = pyinfra(lab, tp4, "-y", "runbooks/status.py", "--data", f"prom={tmp_path / 'gpugate.prom'}")
+    assert prom.returncode == 0, prom.stdout + prom.stderr
+    text = (tmp_path / "gpugate.prom").read_text()
+    assert "gpugate_weight_cache_ready{" in text and text.count("gpugate_weight_cache_used_mib{") == 4, text
+
+    # present: false stops the engine and its daemons, and frees the GPUs
+    gone = fleet(lab, tmp_path / "gone.yaml", dict(TP4, present=False))
+    run = pyinfra(lab, gone, "-y", "deploy.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert processes(lab) == {"engine": [], "launcher": [], "daemon": []}
+    files = ct_sh(lab, "pve1", 129, "ls /tmp | grep sglang_weight_cache || true").stdout
+    assert files.strip() == "", files
