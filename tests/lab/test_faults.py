@@ -77,7 +77,7 @@ def test_stuck_memory_stays_after_the_holders_die_until_cleared(sim, start_stand
     s = start_standin("--model-path", str(model_dir))
     s.wait_healthy()
     message = apply(sim, "stuck-memory")
-    assert "2 current allocation(s) now stuck" in message  # context + weights/KV of the one scheduler
+    assert "3 current allocation(s) now stuck" in message  # context, weights and KV of the one scheduler
     held = sim.used(0)
     workers = s.child_pids()
     s.proc.send_signal(signal.SIGKILL)

@@ -233,8 +233,27 @@ def run_scheduler(job, log, say):
 
         def free_now():
             return total - sum(t.numel() * t.element_size() for t in held)
+    from sglang import _timing  # noqa: PLC0415
+    from sglang.srt.distributed import gated_launch  # noqa: PLC0415
+
+    def logline(message, bare=False):
+        if bare:
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+        else:
+            log(prefix, message)
+
+    _timing.spend("DIST_INIT")
+    gate_s = gated_launch.maybe_wait_for_gated_launch(job.get("gate"), int(job.get("rank") or 0), logline)
+    if job.get("gate"):  # SGLang measures pre_model_load_memory after the gate: the old server is gone by now
+        pre_free = torch.cuda.mem_get_info(device)[0] if real["device"] == "cuda" else pre_free
     log(prefix, "Load weight begin. avail mem=%.2f GB" % (pre_free / gib))
     began = time.monotonic()
+    weight_set, weight_report = load_weight_set(torch, job, device, logline)
+    if weight_set is not None and real["device"] != "cuda":
+        held.append(weight_set)
+    # ModelRunner.account_preloaded_weights: the baseline was taken with the daemon's weights in place
+    pre_free += int(weight_report.get("preloaded_weights_bytes") or 0)
     model, logits_of, kind = build_model(torch, device, dtype, int(real.get("seed") or 0))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if real["device"] != "cuda":
@@ -256,7 +275,8 @@ def run_scheduler(job, log, say):
         torch.cuda.synchronize(device)
     log(prefix, "Memory pool end. avail mem=%.2f GB (warm-up %d tokens, load %.2f s)" % (
         free_now() / gib, len(warm), time.monotonic() - began))
-    say("READY")
+    weight_report["gate_s"] = round(gate_s, 3)
+    say("READY " + json.dumps(weight_report))
     for line in sys.stdin:
         try:
             request = json.loads(line)
@@ -269,4 +289,43 @@ def run_scheduler(job, log, say):
         except Exception as exc:  # noqa: BLE001 -- answer, keep serving
             say(json.dumps({"ok": False, "error": "%s: %s" % (type(exc).__name__, exc)}))
     # stdin closed: the parent is gone. Its death signal decides (orphan-worker keeps the memory).
-    return pool
+    return pool, weight_set
+
+
+def load_weight_set(torch, job, device, log):
+    """This rank's weight set (sglang/_weights.py): read from ``$SGLANG_STANDIN_WEIGHTS_FILE`` into its
+    own device memory (cold, or a client's fallback), or, with ``--weight-cache-mode client|daemon``,
+    the daemon's tensors rebuilt from their CUDA IPC handles (zero copy: no memory of its own). Returns
+    (tensor or None, the figures for the READY report and the log)."""
+    from sglang import _timing, _weights  # noqa: PLC0415
+
+    tp_rank, tp_size = int(job.get("tp_rank") or 0), int((job.get("cache_args") or {}).get("tp_size") or job.get("tp_size") or 1)
+    cache = job.get("weight_cache") or {}
+
+    def disk_load():
+        tensor, figures = _weights.load_real(torch, device, tp_rank, tp_size, log)
+        _timing.spend("WEIGHT_LOAD")
+        return {"via": "disk", "tensor": tensor, "figures": figures}
+
+    if cache.get("mode") in ("client", "daemon"):
+        from sglang.srt.weight_cache.ipc_loader import IpcModelLoader  # noqa: PLC0415
+
+        loaded = IpcModelLoader(socket_path=cache.get("socket"), weight_cache_mode=cache["mode"]).load_model(
+            job["cache_args"], int(job["gpu"]), tp_rank, int(job.get("pp_rank") or 0), log, disk_load)
+    else:
+        loaded = disk_load()
+    if loaded["via"] == "ipc":
+        tensor = next(iter(loaded["tensors"].values()), None)
+        report = {"weights": "ipc", "bytes": int(tensor.numel()) if tensor is not None else 0,
+                  "map_s": loaded.get("map_s"), "daemon_pid": loaded.get("pid"),
+                  "preloaded_weights_bytes": int(loaded.get("preloaded_weights_bytes") or 0)}
+    else:
+        tensor = loaded["tensor"]
+        report = dict(loaded["figures"], weights="disk")
+    if tensor is not None:
+        report["checksum"] = _weights.checksum(torch, tensor)
+        report["data_ptr"] = int(tensor.data_ptr())
+    if str(device).startswith("cuda"):
+        report["mem_get_info_free"] = int(torch.cuda.mem_get_info(device)[0])
+    log("Weight set: %s" % json.dumps(report, sort_keys=True))
+    return tensor, report

@@ -64,6 +64,88 @@ def _die_with_parent(parent_pid: int) -> None:
         _on_parent_death(signal.SIGUSR2, None)
 
 
+def _run_sim_scheduler(job, holdings):
+    """A scheduler's start in the simulated lab, in SGLang's order; returns what READY reports.
+
+    CUDA context on its GPU (``CUDA_VISIBLE_DEVICES`` mapped as CUDA maps it) -> distributed init
+    (``$SGLANG_STANDIN_DIST_INIT_S``) -> gated launch (``--gated-launch-port``: only the context is
+    held while it waits) -> weights: the disk load (its weights held, ``$SGLANG_STANDIN_WEIGHT_LOAD_S``)
+    or, with ``--weight-cache-mode client|daemon``, the daemon's mapped (nothing held,
+    ``$SGLANG_STANDIN_IPC_MAP_S``) -> the KV pool (``$SGLANG_STANDIN_KV_ALLOC_S``: the static pool
+    ``mem_fraction_static`` x total less the weights, all of it required free, as the stand-in always
+    sized it; after a map, SGLang's own rule from the free memory, see below) -> CUDA graphs
+    (``$SGLANG_STANDIN_GRAPH_CAPTURE_S``)."""
+    from sglang import _platform, _timing  # noqa: PLC0415
+    from sglang.srt.distributed import gated_launch  # noqa: PLC0415
+
+    gpu, prefix = int(job["gpu"]), job["log_prefix"]
+    stuck = bool(gpusim.read_faults().get("stuck-memory"))
+
+    def log(message, bare=False):
+        if bare:
+            try:
+                sys.stderr.write(message + "\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+        else:
+            _log(prefix, message)
+
+    config = gpusim.load_config()
+    physical = _platform.physical_gpu(gpu, config)
+    holdings.append(gpusim.allocate(physical, CONTEXT_MIB, stuck=stuck, require_free=True))
+    _timing.spend("DIST_INIT")
+    gate_s = gated_launch.maybe_wait_for_gated_launch(job.get("gate"), int(job.get("rank") or 0), log)
+
+    gib = 1024.0
+    before = gpusim.memory_info(physical).free_mib
+    log("Load weight begin. avail mem=%.2f GB" % (before / gib))
+    tic = time.monotonic()
+    weight_mib = min(int(job.get("weight_mib") or 0), int(job["mib"]))
+    cache = job.get("weight_cache") or {}
+
+    def disk_load():
+        try:
+            holdings.append(gpusim.allocate(physical, weight_mib, stuck=stuck, require_free=True))
+        except gpusim.NotEnoughMemory:
+            raise RuntimeError("CUDA out of memory. Tried to allocate %.2f GiB." % (weight_mib / gib))
+        _timing.spend("WEIGHT_LOAD")
+        return {"via": "disk"}
+
+    if cache.get("mode") in ("client", "daemon"):
+        from sglang.srt.weight_cache.ipc_loader import IpcModelLoader  # noqa: PLC0415
+
+        loaded = IpcModelLoader(socket_path=cache.get("socket"), weight_cache_mode=cache["mode"]).load_model(
+            job["cache_args"], gpu, int(job.get("tp_rank") or 0), int(job.get("pp_rank") or 0), log, disk_load)
+        holdings.append(loaded)  # the mapped tensors live as long as the scheduler
+    else:
+        loaded = disk_load()
+    after = gpusim.memory_info(physical).free_mib
+    log("Load weight end. elapsed=%.2f s, type=%s, avail mem=%.2f GB, mem usage=%.2f GB." % (
+        time.monotonic() - tic, job.get("model_type") or "LlamaForCausalLM", after / gib, (before - after) / gib))
+    kv_mib = int(job["mib"]) - weight_mib
+    if loaded["via"] == "ipc":
+        # SGLang sizes this pool from what is free (profile_max_num_token), its baseline taken with the
+        # daemon's weights already on the GPU and given back (ModelRunner.account_preloaded_weights):
+        # rest = free after the load - (free before + the daemon's weights) x (1 - mem_fraction_static)
+        pre = before + int(loaded.get("preloaded_weights_bytes") or 0) / float(1 << 20)
+        kv_mib = int(after - pre * (1 - float(job.get("mem_fraction_static") or 0.88)))
+        if kv_mib <= 0:
+            raise RuntimeError("Not enough memory. Please try to increase --mem-fraction-static.")
+    try:
+        holdings.append(gpusim.allocate(physical, kv_mib, stuck=stuck, require_free=True))
+    except gpusim.NotEnoughMemory:
+        raise RuntimeError("Not enough memory. Please try to increase --mem-fraction-static.")
+    _timing.spend("KV_ALLOC")
+    log("KV Cache is allocated. avail mem=%.2f GB" % (gpusim.memory_info(physical).free_mib / gib))
+    log("Memory pool end. avail mem=%.2f GB" % (gpusim.memory_info(physical).free_mib / gib))
+    if _timing.phase_s("GRAPH_CAPTURE"):
+        log("Capture decode CUDA graph begin. avail mem=%.2f GB" % (gpusim.memory_info(physical).free_mib / gib))
+        log("Capture decode CUDA graph end. elapsed=%.2f s, mem usage=0.00 GB, avail mem=%.2f GB." % (
+            _timing.spend("GRAPH_CAPTURE"), gpusim.memory_info(physical).free_mib / gib))
+    return {"gate_s": round(gate_s, 3), "weights": loaded["via"], "gpu": physical}
+
+
 def main() -> int:
     global _title
     job = json.loads(os.environ.pop("SGLANG_STANDIN_WORKER"))
@@ -86,30 +168,21 @@ def main() -> int:
         while True:  # it said READY and served until its parent closed the pipe; it holds on to the pool
             signal.pause()
     elif job["kind"] == "scheduler":
-        gpu, prefix = int(job["gpu"]), job["log_prefix"]
-        stuck = bool(gpusim.read_faults().get("stuck-memory"))
         try:
-            config = gpusim.load_config()
-            if not 0 <= gpu < int(config["count"]):
-                raise RuntimeError("CUDA error: invalid device ordinal")
-            free = gpusim.memory_info(gpu).free_mib
-            _log(prefix, "Load weight begin. avail mem=%.2f GB" % (free / 1024))
-            holdings.append(gpusim.allocate(gpu, CONTEXT_MIB, stuck=stuck, require_free=True))
-            try:
-                holdings.append(gpusim.allocate(gpu, int(job["mib"]), stuck=stuck, require_free=True))
-            except gpusim.NotEnoughMemory:
-                raise RuntimeError("Not enough memory. Please try to increase --mem-fraction-static.")
-            _log(prefix, "KV Cache is allocated. avail mem=%.2f GB" % (gpusim.memory_info(gpu).free_mib / 1024))
+            ready = _run_sim_scheduler(job, holdings)
         except Exception as exc:
             if isinstance(exc, gpusim.NotEnoughMemory):
                 exc = RuntimeError("CUDA out of memory.")
-            _log(prefix, "Scheduler hit an exception: Traceback (most recent call last):\n"
+            _log(job["log_prefix"], "Scheduler hit an exception: Traceback (most recent call last):\n"
                  '  File "/usr/lib/python3/dist-packages/sglang/srt/managers/scheduler.py", line 2960, '
                  "in run_scheduler_process\n    scheduler = Scheduler(server_args, port_args, gpu_id, tp_rank, "
                  "moe_ep_rank, pp_rank, dp_rank)\n%s: %s" % (type(exc).__name__, exc))
-            sys.stdout.write("ERROR %s\n" % exc)
+            sys.stdout.write("ERROR %s\n" % str(exc).replace("\n", " "))
             sys.stdout.flush()
             return 1
+        _say("READY " + json.dumps(ready))
+        while True:
+            signal.pause()
     sys.stdout.write("READY\n")
     sys.stdout.flush()
     while True:

@@ -52,10 +52,14 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import sglang
-from sglang import _capacity, _real
+from sglang import _capacity, _real, _timing, _weights
 from sglang._sim import gpusim
 
 DEFAULT_MEM_FRACTION_STATIC = 0.88
+# what a scheduler needs of the server args for the weight cache's key (weight_cache/protocol.py)
+CACHE_ARG_KEYS = ("model_path", "tp_size", "pp_size", "dp_size", "ep_size", "moe_dp_size", "enable_dp_attention",
+                  "enable_dp_lm_head", "attn_cp_size", "moe_dense_tp_size", "moe_a2a_backend", "quantization",
+                  "dtype", "revision", "weight_cache_timeout")
 HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -153,18 +157,30 @@ def worker_plan(server_args: dict, total_mib: int) -> list:
     """One entry per scheduler (title, log prefix, gpu, MiB) plus the detokenizer, named as SGLang names them."""
     tp, dp = int(server_args["tp_size"]), int(server_args.get("dp_size") or 1)
     mib = int(total_mib * float(server_args["mem_fraction_static"]))
+    weights = _weights.weight_mib(server_args, total_mib)
+    cache_args = {k: server_args.get(k) for k in CACHE_ARG_KEYS}
+    mode = server_args.get("weight_cache_mode") or "off"
     plan = []
     for d in range(dp):
         for t in range(tp):
             parts = ([f"DP{d}"] if dp > 1 else []) + ([f"TP{t}"] if tp > 1 else [])
             rank = d * tp + t
-            plan.append({
+            job = {
                 "kind": "scheduler",
                 "title": "sglang::scheduler" + ("_" + "_".join(parts) if parts else ""),
                 "log_prefix": " ".join(parts) if parts else "TP0",
                 "gpu": int(server_args["base_gpu_id"]) + rank * int(server_args["gpu_id_step"]),
                 "mib": mib,
-            })
+                "weight_mib": weights,
+                "mem_fraction_static": float(server_args["mem_fraction_static"]),
+                "rank": rank,
+                "tp_rank": t,
+                "pp_rank": 0,
+            }
+            if mode != "off":
+                job["weight_cache"] = {"mode": mode, "socket": server_args.get("weight_cache_socket")}
+                job["cache_args"] = cache_args
+            plan.append(job)
     plan.append({"kind": "detokenizer", "title": "sglang::detokenizer", "log_prefix": "", "gpu": None, "mib": 0})
     return plan
 
@@ -175,6 +191,8 @@ class Workers:
     def __init__(self):
         self.procs = []
         self.names = []
+        self.reports = []
+        self.daemons = []  # --weight-cache-mode daemon: the engine's own weight-cache daemons
         self.stopping = False
 
     def watch(self, interval: float = 1.0) -> None:
@@ -208,15 +226,39 @@ class Workers:
                 env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
             self.procs.append(subprocess.Popen(
                 [job["title"], "-m", "sglang._scheduler"], executable=sys.executable, env=env,
+                pass_fds=tuple(job.get("pass_fds") or ()),
                 # real mode: generation requests go to the scheduler on its stdin (sglang/_real.py)
                 stdin=subprocess.PIPE if job.get("real") else subprocess.DEVNULL, stdout=subprocess.PIPE))
+        for job in plan:  # the gate's pipe ends now live in the schedulers
+            for fd in job.get("pass_fds") or ():
+                os.close(fd)
 
     def wait_ready(self) -> str:
-        """'' when all reported READY, else the first error."""
+        """'' when all reported READY, else the first error (whichever child fails first, as SGLang's
+        _wait_for_scheduler_ready notices any dead scheduler). Each READY may carry a JSON report
+        (``self.reports``: gate_s, weights)."""
+        import selectors
+
+        self.reports = []
+        pending = {proc.stdout.fileno(): proc for proc in self.procs}
+        lines = {}
+        with selectors.DefaultSelector() as sel:
+            for fd in pending:
+                sel.register(fd, selectors.EVENT_READ)
+            while pending:
+                for key, _ in sel.select():
+                    proc = pending.pop(key.fd)
+                    sel.unregister(key.fd)
+                    line = proc.stdout.readline().decode(errors="replace").strip()
+                    if line != "READY" and not line.startswith("READY "):
+                        return line[len("ERROR "):] if line.startswith("ERROR ") else "scheduler died during initialization"
+                    lines[proc.pid] = line
         for proc in self.procs:
-            line = proc.stdout.readline().decode(errors="replace").strip()
-            if line != "READY":
-                return line[len("ERROR "):] if line.startswith("ERROR ") else "scheduler died during initialization"
+            extra = lines[proc.pid][len("READY"):].strip()
+            try:
+                self.reports.append(json.loads(extra) if extra else {})
+            except ValueError:
+                self.reports.append({})
         return ""
 
     def kill(self) -> None:
@@ -225,6 +267,11 @@ class Workers:
             try:
                 proc.kill()
             except OSError:
+                pass
+        for daemon in self.daemons:  # kill_process_tree reaches the engine's own daemons too (no cleanup)
+            try:
+                daemon.kill()
+            except (OSError, ValueError, AttributeError):
                 pass
         for proc in self.procs:
             try:
@@ -511,8 +558,96 @@ def _load(started: float, load_s: float, slow_start: bool) -> None:
         time.sleep(min(left, 0.05))
 
 
+def gate_pipes(plan: list, server_args: dict) -> None:
+    """``--gated-launch-port``: the rank-0 scheduler serves the gate; a pipe from it to every other
+    rank stands for the world group's broadcast of the flag (srt/distributed/gated_launch.py)."""
+    port = server_args.get("gated_launch_port")
+    schedulers = [job for job in plan if job["kind"] == "scheduler"]
+    if port is None or not schedulers:
+        return
+    first = schedulers[0]
+    first["gate"] = {"host": server_args.get("host") or "127.0.0.1", "port": int(port), "notify_fds": []}
+    first["pass_fds"] = []
+    for job in schedulers[1:]:
+        read_fd, write_fd = os.pipe()
+        job["gate"] = {"wait_fd": read_fd}
+        job["pass_fds"] = [read_fd]
+        first["gate"]["notify_fds"].append(write_fd)
+        first["pass_fds"].append(write_fd)
+
+
+def launch_weight_cache_daemons(server_args: dict, workers: Workers) -> None:
+    """``--weight-cache-mode daemon``: engine.py's ``_launch_weight_cache_daemons``. The engine's own
+    daemons (one per local rank, multiprocessing spawn, children of this process) load before the
+    schedulers start; a live daemon's files on one of the GPUs refuse (no --force here); each
+    ``.ready`` is awaited every check interval up to ``--weight-cache-timeout``; a daemon that exits
+    first fails the start. They die with this process (PR_SET_PDEATHSIG, and the drain's
+    kill_process_tree SIGKILLs them: as with SGLang's HTTP server, whose launch path never hands them to
+    the graceful ``_terminate_weight_cache_daemons``, their .sock/.ready files are left behind)."""
+    from sglang import _platform
+    from sglang.srt.weight_cache import daemon as wc
+    from sglang.srt.weight_cache.protocol import cleanup_stale_daemon_files, get_ready_path
+
+    pp_range, tp_range, pp_per_node, tp_per_node = wc.local_rank_ranges(server_args)
+    if int(server_args.get("nnodes") or 1) > 1 and not server_args.get("dist_init_addr"):
+        raise ValueError("Multi-node weight cache daemons (nnodes > 1) require --dist-init-addr so all nodes "
+                         "rendezvous at the same endpoint.")
+    if server_args.get("dist_init_addr"):
+        host, _, port = str(server_args["dist_init_addr"]).rpartition(":")
+        dist_init_method = "tcp://%s:%s" % (host, port)
+    else:
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            dist_init_method = "tcp://127.0.0.1:%d" % probe.getsockname()[1]
+    ranks = [(pp, tp) for pp in pp_range for tp in tp_range]
+    log("Launching %d weight cache daemon(s) on node %d for model=%s, pp_ranks=%d..%d, tp_ranks=%d..%d, "
+        "dist_init_method=%s" % (len(ranks), int(server_args.get("node_rank") or 0), server_args["model_path"],
+                                 pp_range.start, pp_range.stop - 1, tp_range.start, tp_range.stop - 1,
+                                 dist_init_method))
+    gpus = {rank: wc._gpu_of(server_args, rank[0], rank[1], pp_per_node, tp_per_node) for rank in ranks}
+    for rank in ranks:
+        cleanup_stale_daemon_files(_platform.get_device_uuid(gpus[rank]))
+    for pp_rank, tp_rank in ranks:
+        workers.daemons.append(wc.spawn_weight_cache_daemon(server_args, gpu_id=gpus[(pp_rank, tp_rank)],
+                                                            tp_rank=tp_rank, pp_rank=pp_rank,
+                                                            dist_init_method=dist_init_method))
+    timeout = int(server_args.get("weight_cache_timeout") or 1800)
+    check_interval = _timing.interval_s("DAEMON_CHECK")
+    start_time = time.time()
+    for pp_rank, tp_rank in ranks:
+        ready_path = get_ready_path(_platform.get_device_uuid(gpus[(pp_rank, tp_rank)]))
+        while not os.path.exists(ready_path):
+            time.sleep(check_interval)
+            if time.time() - start_time > timeout:
+                raise TimeoutError("Weight cache daemon for pp_rank=%d tp_rank=%d did not become ready within %ds"
+                                   % (pp_rank, tp_rank, timeout))
+            for p in workers.daemons:
+                if not p.is_alive():
+                    raise RuntimeError("Weight cache daemon (pid=%d) exited prematurely with code %s"
+                                       % (p.pid, p.exitcode))
+        log("Weight cache daemon for pp_rank=%d tp_rank=%d is ready" % (pp_rank, tp_rank))
+    log("All %d weight cache daemons on node %d are ready" % (len(ranks), int(server_args.get("node_rank") or 0)))
+
+
+def terminate_weight_cache_daemons(procs: list, timeout: float = 10.0) -> None:
+    """engine.py's ``_terminate_weight_cache_daemons``: SIGTERM (their handlers remove the files), join,
+    SIGKILL stragglers. SGLang calls it when the engine's own start fails after the daemons came up."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            log("Weight cache daemon (pid=%d) did not exit within %ss of SIGTERM; sending SIGKILL." % (p.pid, timeout))
+            p.kill()
+            p.join()
+
+
 def main(argv=None) -> int:
     started = time.monotonic()
+    _timing.spend("IMPORT")  # SGLang's launch_server imports sglang.srt.server_args before it parses
     args = build_parser().parse_args(argv)  # exits 2 on a bad flag, as SGLang's parser does
     error = model_path_error(args.model_path)
     if error:
@@ -537,6 +672,14 @@ def main(argv=None) -> int:
             for job in plan:
                 if job["kind"] == "scheduler":
                     job["real"] = _real.real_job(real, server_args)
+        if server_args.get("weight_cache_mode") == "daemon":
+            try:
+                launch_weight_cache_daemons(server_args, workers)
+            except Exception as exc:  # SGLang: the exception leaves _launch_subprocesses, the tree is killed
+                terminate_weight_cache_daemons(workers.daemons)
+                log_traceback("_launch_weight_cache_daemons", "%s: %s" % (type(exc).__name__, exc))
+                return 1
+        gate_pipes(plan, server_args)
         workers.spawn(plan)
         error = workers.wait_ready()
         if error:
@@ -545,10 +688,12 @@ def main(argv=None) -> int:
                           "RuntimeError: Initialization failed. Please see the error messages above.")
             workers.kill()
             return 1
+        # the load's clock leaves out a gated launch's wait (SGLANG_STANDIN_LOAD_S: sglang/_timing.py)
+        load_started = started + max([float(r.get("gate_s") or 0) for r in workers.reports] + [0.0])
         # real mode: the load is the real one (CUDA context, allocation, model, warm-up); no sleep added
         load_s = float(faults.get("slow-start") or os.environ.get("SGLANG_STANDIN_LOAD_S", "0" if real else "1.0"))
         if faults.get("crash-on-start"):
-            time.sleep(max(0.0, load_s / 2 - (time.monotonic() - started)))
+            time.sleep(max(0.0, load_s / 2 - (time.monotonic() - load_started)))
             log_traceback("_launch_subprocesses",
                           "RuntimeError: CUDA error: an illegal memory access was encountered (lab fault "
                           "crash-on-start)")
@@ -557,7 +702,7 @@ def main(argv=None) -> int:
         # after wait_for_ready, as SGLang's engine starts its SubprocessWatchdog
         signal.signal(signal.SIGQUIT, on_sigquit)
         workers.watch()
-        _load(started, load_s, bool(faults.get("slow-start")) and not real)
+        _load(load_started, load_s, bool(faults.get("slow-start")) and not real)
     except KeyboardInterrupt:
         workers.kill()
         return 1

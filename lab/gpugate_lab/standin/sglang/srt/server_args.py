@@ -199,7 +199,13 @@ class ServerArgs:
 
 
 def prepare_server_args(argv, prog="launch_server.py"):
-    """Parse ``argv`` as SGLang does (argparse; exits 2 with argparse's message on a bad flag)."""
+    """Parse ``argv`` as SGLang does (argparse; exits 2 with argparse's message on a bad flag), then set
+    up logging as 0.5.23's ``prepare_server_args`` does before ``ServerArgs.__post_init__``:
+    ``basicConfig(level=<--log-level>, format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
+    force=True)``. (0.5.23's own prog is ``sglang serve``; the weight-cache daemon passes it.)"""
     parser = argparse.ArgumentParser(prog=prog)
     ServerArgs.add_cli_args(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    level = getattr(logging, str(getattr(args, "log_level", None) or "info").upper(), logging.INFO)
+    logging.basicConfig(level=level, format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S", force=True)
+    return args

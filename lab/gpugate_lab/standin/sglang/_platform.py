@@ -1,0 +1,125 @@
+"""The stand-in's ``current_platform`` (SGLang: ``sglang/srt/platforms/cuda.py``): which physical GPU
+a process's device index names, its UUID, its compute capability, and the torch version.
+
+SGLang asks torch: ``get_device_uuid(i)`` is ``str(torch.cuda.get_device_properties(i).uuid)``, the
+device's UUID in the 8-4-4-4-12 form **without** NVML's ``GPU-`` prefix (torch's ``_CUuuid.__str__``);
+``i`` counts the devices ``CUDA_VISIBLE_DEVICES`` leaves visible (indices or ``GPU-`` UUIDs, in its
+order). ``compute_env_stamp`` (weight_cache/protocol.py) takes ``get_device_capability()`` of device 0
+and ``torch.__version__``.
+
+In a simulated lab the same answers come from the simulated driver's config (gpusim): the UUIDs nvidia-smi
+and NVML report, a compute capability from the GPU's name (``compute_capability``; override
+``$SGLANG_STANDIN_DEVICE_CAPABILITY``), and ``TORCH_VERSION`` (override ``$SGLANG_STANDIN_TORCH_VERSION``),
+the torch that SGLang 0.5.23 pins (``Requires-Dist: torch==2.14.1``) as its CUDA 13 wheel names itself.
+In real mode (``gpugate lab up --gpus real``) torch answers. Stdlib only in sim mode.
+"""
+
+import os
+
+from sglang import _real
+from sglang._sim import gpusim
+
+TORCH_VERSION = "2.14.1+cu130"
+# compute capability by GPU name (NVIDIA's CUDA GPU table); the simulated driver's default GPU is the
+# RTX PRO 6000 Blackwell Server Edition (12.0), the GPU machine's an H200 (9.0)
+CAPABILITY_BY_NAME = {
+    "NVIDIA H200": "9.0", "NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H100": "9.0", "NVIDIA H20": "9.0",
+    "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA A100-SXM4-40GB": "8.0", "NVIDIA L40S": "8.9",
+    "NVIDIA B200": "10.0", "NVIDIA RTX PRO 6000 Blackwell Server Edition": "12.0",
+}
+DEFAULT_CAPABILITY = "9.0"
+
+
+def compute_capability(config):
+    """``major.minor`` of the simulated GPUs: the config's own field, else by name."""
+    forced = os.environ.get("SGLANG_STANDIN_DEVICE_CAPABILITY")
+    if forced:
+        return forced
+    return str(config.get("compute_capability") or CAPABILITY_BY_NAME.get(str(config.get("name")), DEFAULT_CAPABILITY))
+
+
+def _config():
+    try:
+        return gpusim.load_config()
+    except gpusim.DriverUnavailable:
+        raise RuntimeError("No CUDA GPUs are available")
+
+
+def visible_devices():
+    """The entries of ``$CUDA_VISIBLE_DEVICES`` (None when unset: every device, in index order)."""
+    text = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if text is None:
+        return None
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def physical_gpu(index, config=None):
+    """The simulated GPU that device ``index`` of this process is, through ``CUDA_VISIBLE_DEVICES``
+    as CUDA maps it (an integer entry is an index, else a UUID or a UUID's prefix); raises
+    RuntimeError("CUDA error: invalid device ordinal") when there is no such device.
+
+    >>> physical_gpu(1, {"count": 4, "uuids": ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]}) in (1, 3)
+    True
+    """
+    config = config if config is not None else _config()
+    count = int(config["count"])
+    uuids = list(config.get("uuids") or [])
+    visible = visible_devices()
+    if visible is None:
+        physical = int(index)
+    else:
+        if not 0 <= int(index) < len(visible):
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        entry = visible[int(index)]
+        if entry.lstrip("-").isdigit():
+            physical = int(entry)
+        else:
+            matches = [i for i, u in enumerate(uuids) if u == entry or u.startswith(entry)]
+            if len(matches) != 1:
+                raise RuntimeError("CUDA error: invalid device ordinal")
+            physical = matches[0]
+    if not 0 <= physical < count:
+        raise RuntimeError("CUDA error: invalid device ordinal")
+    return physical
+
+
+def _torch():
+    import torch  # noqa: PLC0415 -- real mode only
+
+    return torch
+
+
+def device_type():
+    """``cuda`` (real GPUs), ``cpu`` (real mode on CPU torch) or ``sim`` (the simulated driver)."""
+    mode = _real.lab_mode()
+    return "sim" if not mode else str(mode.get("device") or "cuda")
+
+
+def get_device_uuid(index):
+    """SGLang's ``current_platform.get_device_uuid(index)``: torch's form, no ``GPU-`` prefix."""
+    kind = device_type()
+    if kind == "cpu":  # SGLang's CpuPlatform: the machine's architecture
+        import platform  # noqa: PLC0415
+
+        return platform.machine()
+    if kind == "cuda":
+        return str(_torch().cuda.get_device_properties(int(index)).uuid)
+    config = _config()
+    uuid = str(config["uuids"][physical_gpu(index, config)])
+    return uuid[len("GPU-"):] if uuid.startswith("GPU-") else uuid
+
+
+def get_device_capability(index=0):
+    kind = device_type()
+    if kind == "cpu":
+        return ""
+    if kind == "cuda":
+        major, minor = _torch().cuda.get_device_capability(int(index))
+        return "%d.%d" % (major, minor)
+    return compute_capability(_config())
+
+
+def torch_version():
+    if device_type() != "sim":
+        return str(_torch().__version__)
+    return os.environ.get("SGLANG_STANDIN_TORCH_VERSION") or TORCH_VERSION
