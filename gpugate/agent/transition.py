@@ -201,8 +201,8 @@ class Transition(StopSteps, StartSteps, CacheSteps):
         """The pid of a main process that runs exactly ``spec`` (argv and env), else None."""
         table = procfs.table()
         main, _ = server.find_server(table, spec["port"])
-        if main is None or cache.steady_argv(main["argv"]) != spec["argv"]:
-            return None
+        if main is None or main["argv"] != spec["argv"]:
+            return None  # a gated engine (--gated-launch-port) of a run whose agent is gone: never adopted
         if spec.get("weight_cache") and self._cache_state(spec)[0] != "keep":
             return None  # its daemons are gone or of another key: restart, never wait for it
         environ = procfs.read_environ(main["pid"]) or {}

@@ -93,15 +93,18 @@ def is_client(argv):
 
 
 def file_paths(uuid, env=None):
-    """(socket, ready) of the daemon of the GPU with this UUID, by SGLang's templates.
+    """(socket, ready) of the daemon of the GPU with this UUID (as NVML names it), by SGLang's
+    templates. SGLang names the GPU by torch's UUID (``get_device_properties(i).uuid``), which is
+    NVML's without its ``GPU-`` prefix.
 
-    >>> file_paths("GPU-1")
-    ('/tmp/sglang_weight_cache_GPU-1.sock', '/tmp/sglang_weight_cache_GPU-1.ready')
+    >>> file_paths("GPU-4a00f856-460a")
+    ('/tmp/sglang_weight_cache_4a00f856-460a.sock', '/tmp/sglang_weight_cache_4a00f856-460a.ready')
     """
     env = env if env is not None else os.environ
+    device_uuid = str(uuid)[4:] if str(uuid).startswith("GPU-") else str(uuid)
     socket_t = env.get(SOCKET_TEMPLATE_ENV) or SOCKET_TEMPLATE
     ready_t = env.get(READY_TEMPLATE_ENV) or READY_TEMPLATE
-    return socket_t.replace("{device_uuid}", str(uuid)), ready_t.replace("{device_uuid}", str(uuid))
+    return socket_t.replace("{device_uuid}", device_uuid), ready_t.replace("{device_uuid}", device_uuid)
 
 
 def parse_ready(text):
