@@ -1,0 +1,157 @@
+"""Failures around the weight cache and the gated launch (issue 22), each with real processes killed
+at real moments, through the real pyinfra CLI. Each ends in the new server verified, the last good
+one serving again, or a loud NOTHING SERVES, and never in a client start against daemons of
+another key (SGLang's hard error):
+
+- a daemon killed while the new engine loads on its weights (the engine's liveness watchdog ends
+  it): rolled back, with daemons of the old key started again;
+- a daemon of another key, started by hand on the server's GPUs: refused before anything is
+  touched; with ``end_other_gpu_holders`` it is ended and the deploy goes through;
+- daemons whose ``.ready`` never comes (the start timeout): rolled back to the cold server, the
+  loading daemons stopped;
+- an engine that never reaches its gated launch: ended, rolled back;
+- an engine that crashes after its activation: rolled back.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.conftest import module_lab
+from tests.e2e.lab_processes import ct_sh, start_in_container
+from tests.faults.conftest import deploy_args, pyinfra
+
+pytestmark = [pytest.mark.lab, pytest.mark.faults]
+
+TP2 = {"tp": 2}
+FP8 = {"tp": 2, "kv-cache-dtype": "fp8_e4m3"}
+ENV = {"SGLANG_STANDIN_LOAD_S": "0.3", "SGLANG_STANDIN_WEIGHT_LOAD_S": "0.5", "SGLANG_STANDIN_DAEMON_LIVENESS_S": "0.1"}
+CACHE = {"sglang_weight_cache": True}
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    yield from module_lab(tmp_path_factory, "lab-weight-cache-faults", hosts=1, gpus=2)
+
+
+def ps(lab) -> list[tuple[int, int, str]]:
+    out = ct_sh(lab, "pve1", 129, "for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
+                                  "s=$(awk '{print $4}' $p/stat 2>/dev/null); echo \"${p#/proc/} $s $c\"; done").stdout
+    rows = []
+    for line in out.splitlines():
+        parts = line.split(" ", 2)
+        if len(parts) == 3 and parts[1].isdigit():
+            rows.append((int(parts[0]), int(parts[1]), parts[2]))
+    return rows
+
+
+def daemons(lab) -> tuple[list[int], list[int]]:
+    """(launcher pids, daemon child pids) in the container."""
+    rows = ps(lab)
+    launchers = [pid for pid, _, cmd in rows if "sglang.srt.weight_cache.daemon" in cmd]
+    children = [pid for pid, ppid, cmd in rows if ppid in launchers and "spawn_main" in cmd]
+    return launchers, children
+
+
+def engine_flags(lab) -> list[str]:
+    return [cmd for _, _, cmd in ps(lab) if "sglang.launch_server" in cmd]
+
+
+def serving(lab) -> bool:
+    return ct_sh(lab, "pve1", 129, "curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:30000/health").stdout == "200"
+
+
+def reset(lab) -> None:
+    """Start from the cached server on tp 2 (the module's tests share the lab)."""
+    run = pyinfra(lab, deploy_args(TP2, ENV, CACHE))
+    assert run.returncode == 0, run
+
+
+def test_a_daemon_killed_while_the_new_engine_maps_its_weights_rolls_back_with_new_daemons(lab):
+    reset(lab)
+    launchers, children = daemons(lab)
+    assert len(launchers) == 1 and len(children) == 2
+
+    def kill_a_daemon(_process) -> None:
+        ct_sh(lab, "pve1", 129, f"kill -9 {children[0]}")
+
+    def release(_process) -> None:
+        lab.fault("pve1", 129, "slow-start", clear=True)
+
+    lab.fault("pve1", 129, "slow-start=60")  # the new engine holds in its load, on the daemons' weights
+    try:
+        run = pyinfra(lab, deploy_args(FP8, ENV, CACHE), when=[("it loads now", kill_a_daemon),
+                                                                 ("rolling back", release)])
+    finally:
+        lab.fault("pve1", 129, "slow-start", clear=True)
+    assert run.returncode != 0, run
+    assert "the previous server serves again" in run.output, run
+    assert serving(lab)
+    after_launchers, after_children = daemons(lab)
+    assert len(after_children) == 2 and after_launchers != launchers, (launchers, after_launchers)
+    assert not any("fp8_e4m3" in cmd for cmd in engine_flags(lab)), engine_flags(lab)
+
+
+def test_a_daemon_of_another_key_on_the_gpus_is_refused_untouched_or_ended_when_allowed(lab):
+    cold = pyinfra(lab, deploy_args(TP2, ENV))  # a server without cache; then a daemon by hand on its GPUs
+    assert cold.returncode == 0, cold
+    stranger = start_in_container(lab, "pve1", 129, "env SGLANG_STANDIN_WEIGHT_LOAD_S=0.1 python3 -m "
+                                  "sglang.srt.weight_cache.daemon --model-path /opt/models/lab-model --tp-size 2 "
+                                  "--dtype float16", "stranger-daemon")
+    deadline = time.monotonic() + 20
+    while len(daemons(lab)[1]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    before = engine_flags(lab)
+    run = pyinfra(lab, deploy_args(FP8, ENV, CACHE))
+    assert run.returncode != 0 and "REFUSED, nothing touched" in run.output, run
+    assert "which this server needs" in run.output, run
+    assert stranger.alive() and engine_flags(lab) == before and serving(lab)
+
+    run = pyinfra(lab, deploy_args(FP8, ENV, {**CACHE, "end_other_gpu_holders": True}))
+    assert run.returncode == 0, run
+    assert not stranger.alive()
+    assert any("fp8_e4m3" in cmd and "--weight-cache-mode client" in cmd for cmd in engine_flags(lab))
+    log = ct_sh(lab, "pve1", 129, "cat /var/log/gpugate/sglang-30000.log").stdout.split("=== gpugate start")[-1]
+    assert "Zero-copy: mapped" in log and "mismatch" not in log.lower(), log
+
+
+def test_daemons_that_never_get_ready_roll_back_to_the_cold_server_and_are_stopped(lab):
+    cold = pyinfra(lab, deploy_args(TP2, ENV, {"sglang_weight_cache": False}))
+    assert cold.returncode == 0, cold
+    slow = dict(ENV, SGLANG_STANDIN_WEIGHT_LOAD_S="60")
+    run = pyinfra(lab, deploy_args(FP8, slow, {**CACHE, "start_timeout_s": 3}))
+    assert run.returncode != 0, run
+    assert "the weight cache was not ready within 3s" in run.output, run
+    assert "the previous server serves again" in run.output, run
+    assert daemons(lab) == ([], []) and serving(lab)
+    assert ct_sh(lab, "pve1", 129, "ls /tmp | grep -c sglang_weight_cache || true").stdout.strip() == "0"
+
+
+def test_an_engine_that_never_reaches_its_gate_is_ended_and_the_old_server_serves_again(lab):
+    reset(lab)
+    stuck = dict(ENV, SGLANG_STANDIN_DIST_INIT_S="60")
+    run = pyinfra(lab, deploy_args(FP8, stuck, {**CACHE, "start_timeout_s": 3}))
+    assert run.returncode != 0, run
+    assert "did not reach its gated launch within 3s" in run.output, run
+    assert "the previous server serves again" in run.output, run
+    assert serving(lab) and len(engine_flags(lab)) == 1 and "fp8_e4m3" not in engine_flags(lab)[0]
+
+
+def test_an_engine_that_crashes_after_its_activation_rolls_back(lab):
+    reset(lab)
+    launchers, children = daemons(lab)
+    lab.fault("pve1", 129, "crash-on-start")
+
+    def heal(_process) -> None:
+        lab.fault("pve1", 129, "crash-on-start", clear=True)
+
+    try:
+        run = pyinfra(lab, deploy_args(FP8, ENV, CACHE), when=[("rolling back", heal)])
+    finally:
+        lab.fault("pve1", 129, "crash-on-start", clear=True)
+    assert run.returncode != 0, run
+    assert "activated the gated engine" in run.output and "the previous server serves again" in run.output, run
+    assert serving(lab)
+    assert daemons(lab) == (launchers, children)  # the key never changed: the weights stayed
