@@ -329,6 +329,7 @@ class State:
         self.lock = threading.Lock()
         self.token_s = float(os.environ.get("SGLANG_STANDIN_TOKEN_S", "0.002"))
         self.rid = 0
+        self.rids = set()  # the in-flight requests' ids (tokenizer_manager's rid_to_state)
         self.real = None  # _real.RealWorkers in a real-GPU lab: generation is a real forward pass
 
     def metrics_text(self) -> str:
@@ -352,6 +353,7 @@ class State:
             self.inflight += 1
             self.rid += 1
             rid = "%032x" % self.rid
+            self.rids.add(rid)
         try:
             if self.real is not None:
                 out = self.real.generate(text, max_new_tokens)
@@ -371,6 +373,7 @@ class State:
         finally:
             with self.lock:
                 self.inflight -= 1
+                self.rids.discard(rid)
 
 
 _CAPACITY = {}
@@ -526,14 +529,20 @@ def _drain_and_exit(state: State, workers: Workers, started: float) -> None:
     tick, schedulers = drain_timings()
     # the watchdog loop runs since the start and sleeps a tick between looks at the drain flag
     time.sleep(tick - (time.monotonic() - started) % tick)
-    last_report = 0.0
+    last_report = None
     while True:
-        if not gpusim.read_faults().get("ignore-sigterm") and state.inflight == 0:
-            break
+        # SGLang logs this on every look (every 5 s), the last one with 0; at the stand-in's short tick,
+        # at most once per 5 s while requests remain, and always the last one
+        with state.lock:
+            remain, rids = state.inflight, sorted(state.rids)
+        done = remain == 0 and not gpusim.read_faults().get("ignore-sigterm")
         now = time.monotonic()
-        if now - last_report >= 5:
-            log("Gracefully exiting... Remaining number of requests %d." % state.inflight)
+        if done or last_report is None or now - last_report >= 5:
+            log("Gracefully exiting... Remaining number of requests %d. Remaining requests remaining_rids=%r."
+                % (remain, rids))
             last_report = now
+        if done:
+            break
         time.sleep(tick)
     time.sleep(schedulers)  # ShutdownReq sent; the schedulers release their memory and exit
     workers.kill()
@@ -727,7 +736,8 @@ def main(argv=None) -> int:
         if state.draining:
             return
         state.draining = True
-        log("SIGTERM received. signum=%d. Draining requests and shutting down..." % signum)
+        # 0.5.23 installs it with loop.add_signal_handler, which calls it without arguments
+        log("SIGTERM received. signum=None frame=None. Draining requests and shutting down...")
         threading.Thread(target=_drain_and_exit, args=(state, workers, started), daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_sigterm)
