@@ -174,6 +174,7 @@ def worker_plan(server_args: dict, total_mib: int) -> list:
                 "weight_mib": weights,
                 "mem_fraction_static": float(server_args["mem_fraction_static"]),
                 "rank": rank,
+                "tp_size": tp,
                 "tp_rank": t,
                 "pp_rank": 0,
             }
