@@ -45,6 +45,26 @@ DEFAULT_DRIVER_VERSION = "580.159.04"
 DEFAULT_CUDA_VERSION = "13.0"
 
 
+# Compute capability by GPU name (NVIDIA's CUDA GPU table), for nvidia-smi's compute_cap, NVML's
+# nvmlDeviceGetCudaComputeCapability and the SGLang stand-in's weight-cache key; a config's own
+# "compute_capability" wins. The default GPU here is a Blackwell RTX PRO 6000 (12.0), the GPU machine's an H200.
+COMPUTE_CAPABILITY_BY_NAME = {
+    "NVIDIA H200": "9.0", "NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H100": "9.0", "NVIDIA H20": "9.0",
+    "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA A100-SXM4-40GB": "8.0", "NVIDIA L40S": "8.9",
+    "NVIDIA B200": "10.0", "NVIDIA RTX PRO 6000 Blackwell Server Edition": "12.0",
+}
+DEFAULT_COMPUTE_CAPABILITY = "9.0"
+
+
+def compute_capability(config: dict) -> str:
+    """``major.minor`` of the simulated GPUs.
+
+    Example: ``compute_capability({"name": "NVIDIA H200"})`` -> ``"9.0"``
+    """
+    return str(config.get("compute_capability")
+               or COMPUTE_CAPABILITY_BY_NAME.get(str(config.get("name")), DEFAULT_COMPUTE_CAPABILITY))
+
+
 class DriverUnavailable(Exception):
     """The simulated driver is absent (no GPU_DIR/config.json): NVML's DriverNotLoaded."""
 

@@ -61,6 +61,7 @@ GPU_FIELDS: Dict[str, Tuple[Optional[str], Callable[[GpuRow], Tuple[object, Opti
     "power.draw": ("W", lambda g: ("%.2f" % (65.0 if not g["used"] else 180.0), "W")),
     "persistence_mode": (None, lambda g: ("Enabled", None)),
     "compute_mode": (None, lambda g: ("Default", None)),
+    "compute_cap": (None, lambda g: (g["compute_cap"], None)),
     "mig.mode.current": (None, lambda g: (NA, None)),
     "pstate": (None, lambda g: ("P0" if g["used"] else "P8", None)),
     "serial": (None, lambda g: (NA, None)),
@@ -99,6 +100,7 @@ def gpu_rows(gpu_dir=None) -> List[GpuRow]:
             "driver_version": config.get("driver_version", gpusim.DEFAULT_DRIVER_VERSION),
             "cuda_version": config.get("cuda_version", gpusim.DEFAULT_CUDA_VERSION),
             "bus_id": "00000000:%02X:00.0" % (0x18 + 0x10 * i),
+            "compute_cap": gpusim.compute_capability(config),
             "total": mem.total_mib, "used": mem.used_mib, "free": mem.free_mib, "reserved": mem.reserved_mib,
         })
     return rows

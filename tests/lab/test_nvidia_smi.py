@@ -109,3 +109,9 @@ def test_missing_driver_exits_9_with_the_real_message(sim, installed):
 def test_query_without_format_is_refused(sim):
     code, out = smi("--query-gpu=index")
     assert code == 2 and "--format" in out
+
+
+def test_compute_cap_as_the_real_tool_reports_it(sim):
+    code, out = smi("--query-gpu=index,compute_cap", "--format=csv")
+    assert code == 0
+    assert out.splitlines()[:2] == ["index, compute_cap", "0, 12.0"]

@@ -21,7 +21,8 @@ API = ["nvmlInit", "nvmlInitWithFlags", "nvmlShutdown", "nvmlDeviceGetCount", "n
        "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetIndex", "nvmlDeviceGetUUID", "nvmlDeviceGetName",
        "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses",
        "nvmlSystemGetDriverVersion", "nvmlSystemGetNVMLVersion", "nvmlSystemGetCudaDriverVersion",
-       "nvmlErrorString", "nvmlDeviceGetMigMode", "nvmlSystemGetProcessName", "nvmlExceptionClass"]
+       "nvmlErrorString", "nvmlDeviceGetMigMode", "nvmlSystemGetProcessName", "nvmlExceptionClass",
+       "nvmlDeviceGetCudaComputeCapability"]
 
 
 @pytest.fixture
@@ -125,3 +126,12 @@ def test_installed_copy_runs_on_the_system_python(sim, installed):
     assert out.returncode == 0, out.stderr
     path, v2_used, v1_used = out.stdout.split()
     assert path.startswith(str(installed)) and int(v2_used) == 0 and int(v1_used) == RESERVED_MIB * MIB
+
+
+def test_compute_capability_follows_the_gpus_name(nvml, sim):
+    nvml.nvmlInit()
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(0)
+        assert nvml.nvmlDeviceGetCudaComputeCapability(handle) == (12, 0)  # the default RTX PRO 6000 Blackwell
+    finally:
+        nvml.nvmlShutdown()

@@ -244,6 +244,24 @@ def test_sigterm_on_a_child_removes_its_files(sim, wc, start_daemon, model_dir):
     assert "Shutdown complete" in d.log()
 
 
+def test_single_rank_daemons_of_one_group_meet_at_their_dist_init_method(sim, wc, start_daemon, model_dir):
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ranks = [start_daemon("--model-path", str(model_dir), "--tp-size", "2", "--gpu-id", str(r), "--tp-rank", str(r),
+                          "--dist-init-method", init) for r in (1, 0)]  # rank 1 first: it waits for rank 0's store
+    pids = {gpu: daemon_up(sim, wc, d, [gpu], launcher=False)[gpu] for gpu, d in zip((1, 0), ranks)}
+    assert pids == {1: ranks[0].proc.pid, 0: ranks[1].proc.pid}
+    assert [ready_config(paths(wc, sim, g)[1])[1]["tp_rank"] for g in (0, 1)] == [0, 1]
+
+
+def test_an_explicit_weight_cache_socket_is_asked_by_every_rank(sim, wc, start_daemon, start_standin, model_dir):
+    d = start_daemon("--model-path", str(model_dir), "--tp-size", "2")
+    daemon_up(sim, wc, d, [0, 1])
+    s = engine(start_standin, wc, "--model-path", str(model_dir), "--tp-size", "2", "--weight-cache-mode", "client",
+               "--weight-cache-socket", str(paths(wc, sim, 0)[0]))
+    assert s.proc.wait(timeout=30) == 1  # TP1 asks rank 0's daemon: another tp_rank, a mismatch
+    assert "'tp_rank': 1" in s.log() and "Daemon config mismatch!" in s.log()
+
+
 def test_sigterm_on_the_launcher_kills_it_and_its_children_leaving_stale_files(sim, wc, start_daemon, model_dir):
     small = ("--model-path", str(model_dir), "--tp-size", "2", "--mem-fraction-static", "0.4")
     d = start_daemon(*small)

@@ -334,6 +334,12 @@ def nvmlDeviceGetUUID(handle):
     return str(_check_handle(handle)["uuids"][handle._index])
 
 
+def nvmlDeviceGetCudaComputeCapability(handle):
+    """(major, minor), as nvidia-ml-py returns it."""
+    major, _, minor = _sim.compute_capability(_check_handle(handle)).partition(".")
+    return (int(major), int(minor or 0))
+
+
 def nvmlDeviceGetMemoryInfo(handle, version=None):
     _check_handle(handle)
     mem = _sim.memory_info(handle._index)

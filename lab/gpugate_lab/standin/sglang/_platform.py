@@ -7,11 +7,13 @@ device's UUID in the 8-4-4-4-12 form **without** NVML's ``GPU-`` prefix (torch's
 order). ``compute_env_stamp`` (weight_cache/protocol.py) takes ``get_device_capability()`` of device 0
 and ``torch.__version__``.
 
-In a simulated lab the same answers come from the simulated driver's config (gpusim): the UUIDs nvidia-smi
-and NVML report, a compute capability from the GPU's name (``compute_capability``; override
-``$SGLANG_STANDIN_DEVICE_CAPABILITY``), and ``TORCH_VERSION`` (override ``$SGLANG_STANDIN_TORCH_VERSION``),
-the torch that SGLang 0.5.23 pins (``Requires-Dist: torch==2.14.1``) as its CUDA 13 wheel names itself.
-In real mode (``gpugate lab up --gpus real``) torch answers. Stdlib only in sim mode.
+In a simulated lab the same answers come from the simulated driver's config (gpusim): the UUIDs
+nvidia-smi and NVML report; the compute capability nvidia-smi's ``compute_cap`` and NVML's
+``nvmlDeviceGetCudaComputeCapability`` report (by the GPU's name: gpusim.compute_capability; override
+``$SGLANG_STANDIN_DEVICE_CAPABILITY``); and ``TORCH_VERSION`` (override ``$SGLANG_STANDIN_TORCH_VERSION``),
+the torch SGLang 0.5.23 pins (``Requires-Dist: torch==2.14.1``) as its CUDA 13 wheel names itself
+(``2.14.1+cu130``; an assumption of the lab: the suffix is the wheel's CUDA build). In real mode
+(``gpugate lab up --gpus real``) torch answers. Stdlib only in sim mode.
 """
 
 import os
@@ -20,22 +22,12 @@ from sglang import _real
 from sglang._sim import gpusim
 
 TORCH_VERSION = "2.14.1+cu130"
-# compute capability by GPU name (NVIDIA's CUDA GPU table); the simulated driver's default GPU is the
-# RTX PRO 6000 Blackwell Server Edition (12.0), the GPU machine's an H200 (9.0)
-CAPABILITY_BY_NAME = {
-    "NVIDIA H200": "9.0", "NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H100": "9.0", "NVIDIA H20": "9.0",
-    "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA A100-SXM4-40GB": "8.0", "NVIDIA L40S": "8.9",
-    "NVIDIA B200": "10.0", "NVIDIA RTX PRO 6000 Blackwell Server Edition": "12.0",
-}
-DEFAULT_CAPABILITY = "9.0"
 
 
 def compute_capability(config):
-    """``major.minor`` of the simulated GPUs: the config's own field, else by name."""
-    forced = os.environ.get("SGLANG_STANDIN_DEVICE_CAPABILITY")
-    if forced:
-        return forced
-    return str(config.get("compute_capability") or CAPABILITY_BY_NAME.get(str(config.get("name")), DEFAULT_CAPABILITY))
+    """``major.minor`` of the simulated GPUs (the simulated driver's, as nvidia-smi's ``compute_cap``
+    reports it), or ``$SGLANG_STANDIN_DEVICE_CAPABILITY``."""
+    return os.environ.get("SGLANG_STANDIN_DEVICE_CAPABILITY") or gpusim.compute_capability(config)
 
 
 def _config():

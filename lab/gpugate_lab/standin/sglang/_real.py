@@ -6,7 +6,16 @@ it). Then, per TP rank, ``sglang::scheduler_TP<i>``:
 
 1. creates its CUDA context on GPU ``base_gpu_id + rank * gpu_id_step`` (SGLang's numbering, through
    ``CUDA_VISIBLE_DEVICES``) and reads the free memory before loading (``pre_model_load_memory``);
-2. builds a small randomly initialised transformer (transformers' ``LlamaForCausalLM`` from a config
+   Then the distributed init's time (``$SGLANG_STANDIN_DIST_INIT_S``) and, with ``--gated-launch-port``,
+   the gate (srt/distributed/gated_launch.py; the baseline is read again once it opens, as SGLang
+   measures ``pre_model_load_memory`` after it);
+2. its weight set (sglang/_weights.py): the bytes of ``$SGLANG_STANDIN_WEIGHTS_FILE`` (this rank's TP
+   slice) read in chunks into its own CUDA memory, or, with ``--weight-cache-mode client|daemon``, the
+   weight-cache daemon's tensor rebuilt from its CUDA IPC handle (``torch.multiprocessing``'s
+   ``rebuild_cuda_tensor``: zero copy, no memory of its own; the baseline then counts the daemon's
+   bytes back, ``account_preloaded_weights``); the figures (bytes, read or map seconds, a checksum of the
+   bytes, the data pointer, free memory) in the log line "Weight set: {...}" and the READY report;
+   then builds a small randomly initialised transformer (transformers' ``LlamaForCausalLM`` from a config
    made in code, no weights downloaded; a few ``torch.nn`` layers when transformers is missing);
 3. sizes its KV pool as SGLang does (``model_runner_kv_cache_mixin.profile_max_num_token``):
    ``rest = free after loading - pre_model_load_memory * (1 - mem_fraction_static)``; ``rest <= 0``
@@ -256,6 +265,8 @@ def run_scheduler(job, log, say):
     pre_free += int(weight_report.get("preloaded_weights_bytes") or 0)
     model, logits_of, kind = build_model(torch, device, dtype, int(real.get("seed") or 0))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if weight_set is not None and weight_report.get("weights") == "disk":  # a mapped set is the daemon's
+        weights += int(weight_set.numel())
     if real["device"] != "cuda":
         held.extend(model.parameters())
     log(prefix, "Load weight end. type=%s, dtype=%s, avail mem=%.2f GB, mem usage=%.2f GB." % (
@@ -299,7 +310,7 @@ def load_weight_set(torch, job, device, log):
     (tensor or None, the figures for the READY report and the log)."""
     from sglang import _timing, _weights  # noqa: PLC0415
 
-    tp_rank, tp_size = int(job.get("tp_rank") or 0), int((job.get("cache_args") or {}).get("tp_size") or job.get("tp_size") or 1)
+    tp_rank, tp_size = int(job.get("tp_rank") or 0), int(job.get("tp_size") or 1)
     cache = job.get("weight_cache") or {}
 
     def disk_load():

@@ -7,20 +7,42 @@ What it copies from SGLang (shared/reference/sglang-lifecycle.md):
   argparse's message. The model path must be a local dir with config.json or an HF id ``org/name``.
 - process tree: this process (cmdline unchanged) spawns ``sglang::scheduler_TP<i>`` per TP rank (plain
   ``sglang::scheduler`` when tp=1) and ``sglang::detokenizer``; each scheduler holds context +
-  ``mem_fraction_static`` x total MiB on GPU ``base_gpu_id + i*gpu_id_step`` and fails with
+  ``mem_fraction_static`` x total MiB (its weights, then its KV pool) on device ``base_gpu_id +
+  i*gpu_id_step`` (a physical GPU through ``CUDA_VISIBLE_DEVICES``) and fails with
   "RuntimeError: Not enough memory..." when that is not free. Workers die with their parent.
-- loading (``$SGLANG_STANDIN_LOAD_S``, default 1.0; fault ``slow-start=S``, read again while loading: its
-  clearing ends the load) with the port closed, then
+- each scheduler's start in SGLang's order (sglang/_scheduler.py): CUDA context on its GPU (through
+  ``CUDA_VISIBLE_DEVICES`` as CUDA maps it), distributed init, the gated launch's wait, weights (the
+  disk load, or the weight-cache daemon's mapped), KV pool, CUDA graphs; each phase's time an env var
+  (sglang/_timing.py: ``SGLANG_STANDIN_IMPORT_S``, ``_DIST_INIT_S``, ``_WEIGHT_LOAD_S``, ``_IPC_MAP_S``,
+  ``_KV_ALLOC_S``, ``_GRAPH_CAPTURE_S``, all 0 by default, with the real figures they stand for);
+- ``--weight-cache-mode client`` (srt/weight_cache/ipc_loader.py): each rank asks the daemon on its GPU
+  (``python3 -m sglang.srt.weight_cache.daemon``, srt/weight_cache/daemon.py) for its weights: no socket
+  -> "[IpcModelLoader] Daemon socket not found at P." and the disk load; a refused socket, another
+  CacheConfig, a quantization not verified for IPC -> the start fails with SGLang's RuntimeError; mapped
+  -> the rank holds context + KV only and SIGKILLs itself the moment the daemon's pid is gone (the
+  SubprocessWatchdog below then takes the tree down). ``--weight-cache-mode daemon``: this process
+  first spawns its own daemons (engine.py's ``_launch_weight_cache_daemons``), which die with it;
+- ``--gated-launch-port P`` (srt/distributed/gated_launch.py): after the distributed init the rank-0
+  scheduler serves ``GET /health`` and ``POST /gate/activate`` on --host:P and every rank waits, holding
+  only its CUDA context, until activated; SIGTERM meanwhile: the default action, as during any load;
+- loading (``$SGLANG_STANDIN_LOAD_S``, default 1.0: the least time from the start to the port's bind,
+  a gate's wait not counted, whatever the phases above leave of it spent with all the memory held;
+  fault ``slow-start=S``, read again while loading: its clearing ends the load) with the port closed, then
   HTTP: /health 503 until a warmup /generate succeeded, then 200 ("The server is fired up and ready
   to roll!"); /health_generate; /get_server_info and /server_info (resolved args + version);
   /get_model_info; /v1/models; POST /generate, /v1/completions, /v1/chat/completions, /flush_cache.
-- SIGTERM during load: default action (dies). SIGTERM when serving: SGLang 0.5.23's graceful drain
-  (tokenizer_manager.py ``sigterm_watchdog``): /health turns 503 at once, but new requests are still
-  admitted (``generate_request`` has no check on the drain flag); the watchdog notices the SIGTERM
-  on its next tick (every ``$SGLANG_STANDIN_DRAIN_TICK_S``, SGLang's 5 s; default 0.05 here so the
-  suite stays fast), then polls the remaining requests every tick until none is left, then the
-  schedulers take ``$SGLANG_STANDIN_SCHEDULER_EXIT_S`` (default 0; SGLang waits up to
-  ``_SCHEDULER_EXIT_TIMEOUT_SECS`` = 15 s for them) before the tree is killed and it exits 0.
+- SIGTERM during load: default action (dies; SGLang's handler is installed only with the tokenizer
+  manager's event loop). SIGTERM when serving: SGLang 0.5.23's graceful drain
+  (tokenizer_manager.py ``sigterm_watchdog``): "SIGTERM received. signum=None frame=None. Draining
+  requests and shutting down..." (``loop.add_signal_handler`` calls the handler without arguments);
+  /health turns 503 at once, but new requests are still admitted (``generate_request`` has no check
+  on the drain flag); the watchdog notices the SIGTERM on its next tick (every
+  ``$SGLANG_STANDIN_DRAIN_TICK_S``, SGLang's 5 s; default 0.05 here so the suite stays fast), then looks
+  at the remaining requests every tick ("Gracefully exiting... Remaining number of requests N.
+  Remaining requests remaining_rids=[...]." on each look in SGLang, at most every 5 s here, and the
+  last one with 0) until none is left, then the schedulers take ``$SGLANG_STANDIN_SCHEDULER_EXIT_S``
+  (default 0; SGLang waits up to ``_SCHEDULER_EXIT_TIMEOUT_SECS`` = 15 s for them) before the tree is
+  killed (an engine's own weight-cache daemons with it) and it exits 0.
 - /metrics (with ``--enable-metrics``, as SGLang mounts it): ``sglang:num_running_reqs`` and
   ``sglang:num_queue_reqs``; /get_load; /ready (200 iff healthy, no generation); /version.
 - a dead child (a scheduler SIGKILLed, ``fuser -k`` of the GPU device files from the Proxmox host):
@@ -174,6 +196,7 @@ def worker_plan(server_args: dict, total_mib: int) -> list:
                 "weight_mib": weights,
                 "mem_fraction_static": float(server_args["mem_fraction_static"]),
                 "rank": rank,
+                "tp_size": tp,
                 "tp_rank": t,
                 "pp_rank": 0,
             }
@@ -329,6 +352,7 @@ class State:
         self.lock = threading.Lock()
         self.token_s = float(os.environ.get("SGLANG_STANDIN_TOKEN_S", "0.002"))
         self.rid = 0
+        self.rids = set()  # the in-flight requests' ids (tokenizer_manager's rid_to_state)
         self.real = None  # _real.RealWorkers in a real-GPU lab: generation is a real forward pass
 
     def metrics_text(self) -> str:
@@ -352,6 +376,7 @@ class State:
             self.inflight += 1
             self.rid += 1
             rid = "%032x" % self.rid
+            self.rids.add(rid)
         try:
             if self.real is not None:
                 out = self.real.generate(text, max_new_tokens)
@@ -371,6 +396,7 @@ class State:
         finally:
             with self.lock:
                 self.inflight -= 1
+                self.rids.discard(rid)
 
 
 _CAPACITY = {}
@@ -526,14 +552,20 @@ def _drain_and_exit(state: State, workers: Workers, started: float) -> None:
     tick, schedulers = drain_timings()
     # the watchdog loop runs since the start and sleeps a tick between looks at the drain flag
     time.sleep(tick - (time.monotonic() - started) % tick)
-    last_report = 0.0
+    last_report = None
     while True:
-        if not gpusim.read_faults().get("ignore-sigterm") and state.inflight == 0:
-            break
+        # SGLang logs this on every look (every 5 s), the last one with 0; at the stand-in's short tick,
+        # at most once per 5 s while requests remain, and always the last one
+        with state.lock:
+            remain, rids = state.inflight, sorted(state.rids)
+        done = remain == 0 and not gpusim.read_faults().get("ignore-sigterm")
         now = time.monotonic()
-        if now - last_report >= 5:
-            log("Gracefully exiting... Remaining number of requests %d." % state.inflight)
+        if done or last_report is None or now - last_report >= 5:
+            log("Gracefully exiting... Remaining number of requests %d. Remaining requests remaining_rids=%r."
+                % (remain, rids))
             last_report = now
+        if done:
+            break
         time.sleep(tick)
     time.sleep(schedulers)  # ShutdownReq sent; the schedulers release their memory and exit
     workers.kill()
@@ -727,7 +759,8 @@ def main(argv=None) -> int:
         if state.draining:
             return
         state.draining = True
-        log("SIGTERM received. signum=%d. Draining requests and shutting down..." % signum)
+        # 0.5.23 installs it with loop.add_signal_handler, which calls it without arguments
+        log("SIGTERM received. signum=None frame=None. Draining requests and shutting down...")
         threading.Thread(target=_drain_and_exit, args=(state, workers, started), daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_sigterm)
