@@ -644,6 +644,8 @@ class Narrator:
                 return f"gate passed in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}, no holder{extra}"
             return f"gate did NOT pass in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}; " + "; ".join(event.get("problems") or [])
         if step == "start" and phase == "end":
+            if event.get("gated"):
+                return f"started pid {event.get('pid')}: the gated engine activated (POST /gate/activate), it loads now"
             return f"started pid {event.get('pid')}"
         if step == "cache" and phase == "end" and event.get("mode") != "none":
             return {"keep": "weight cache kept: ", "start": "weight cache (re)starts: "}.get(
@@ -666,8 +668,7 @@ class Narrator:
             return f"the gated engine reached its gate {_seconds(event.get('elapsed_s'))} after its start"
         if step == "gated" and phase == "end" and event.get("ended"):
             return f"ended the gated engine, never activated (pids {event.get('ended')})"
-        if step == "activate" and phase == "end":
-            return f"activated the gated engine (pid {event.get('pid')}): it loads now"
+
         if step == "load" and phase == "end":
             self.timings.setdefault(f"{target}:load", float(event.get("elapsed_s") or 0))
             state = event.get("state")

@@ -291,12 +291,17 @@ class StartSteps:
             time.sleep(LOAD_POLL_S)
         self.event("gated", "end", target=target, port=port, reached=True,
                    elapsed_s=round(time.time() - gated["began"], 2))
+        # the start of this server is its activation: from here it loads (the journal's order stays
+        # stop -> gate -> prepare -> start -> load, whichever way it was launched)
+        self.touched = True
+        self.event("start", "begin", target=target, port=port, supervisor="process", gated=True,
+                   argv=redact.redact_argv(spec["argv"], tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())))
         status, body = server.http_get(gated["host"], gated["gate_port"], "/gate/activate", 5.0, method="POST")
         if status != 200:
             raise state.Failure("POST /gate/activate on :%d: %s" % (gated["gate_port"], status or body))
         gated["activated"] = True
         self._write_pid_file(port, gated["record"])
-        self.event("activate", "end", target=target, port=port, pid=pid, gate_port=gated["gate_port"])
+        self.event("start", "end", target=target, port=port, pid=pid, gated=True, gate_port=gated["gate_port"])
         return pid, gated["offset"]
 
     def _end_gated(self):

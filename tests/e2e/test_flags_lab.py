@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from gpugate.engine.sglang.weight_cache import steady_argv
 from gpugate.engine.sglang.flags import FlagError, validate_flags
 from tests.conftest import REPO_ROOT, lab_unavailable_reason, start_lab
 
@@ -66,7 +67,7 @@ def running_argv(lab) -> list[str]:
     out = in_container(lab, "p=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[\"pid\"])' "
                             "/run/gpugate/sglang-30000.pid); tr '\\0' '\\n' < /proc/$p/cmdline")
     assert out.returncode == 0, out.stderr
-    return out.stdout.splitlines()
+    return steady_argv(out.stdout.splitlines())  # without a gated launch's --gated-launch-port
 
 
 def main_pid(lab) -> str:

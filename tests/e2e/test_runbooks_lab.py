@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from gpugate.engine.sglang.weight_cache import steady_argv
 from tests.conftest import REPO_ROOT, module_lab
 
 pytestmark = [pytest.mark.lab]
@@ -63,7 +64,7 @@ def main_pid(lab, host: str = "pve1") -> str:
 
 def running_argv(lab, host: str = "pve1") -> list[str]:
     pid = main_pid(lab, host)
-    return [a for a in in_ct(lab, host, f"tr '\\0' '\\n' < /proc/{pid}/cmdline").splitlines() if a] if pid else []
+    return steady_argv([a for a in in_ct(lab, host, f"tr '\\0' '\\n' < /proc/{pid}/cmdline").splitlines() if a]) if pid else []
 
 
 def gpu_used(lab, host: str) -> list[int]:

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from gpugate.engine.sglang.weight_cache import steady_argv
 from tests.conftest import module_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
@@ -57,7 +58,7 @@ def running_argv(lab) -> list[str]:
     pid = server_pid(lab)
     if not pid:
         return []
-    return [a for a in in_ct(lab, f"tr '\\0' '\\n' < /proc/{pid}/cmdline").splitlines() if a]
+    return steady_argv([a for a in in_ct(lab, f"tr '\\0' '\\n' < /proc/{pid}/cmdline").splitlines() if a])
 
 
 def gpu_used(lab) -> list[int]:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from gpugate.engine.sglang.weight_cache import steady_argv
 from tests.conftest import REPO_ROOT, Lab
 
 FLAGS = {"tp": 8}
@@ -102,7 +103,7 @@ def running_argv(lab: Lab, host: str = "pve1", vmid: int = 129) -> list[str]:
     if pid is None:
         return []
     out = sh(lab, host, vmid, f"tr '\\0' '\\n' < /proc/{pid}/cmdline")
-    return [a for a in out.stdout.splitlines() if a]
+    return steady_argv([a for a in out.stdout.splitlines() if a])  # without a gated launch's port
 
 
 def sglang_processes(lab: Lab, host: str = "pve1", vmid: int = 129) -> list[str]:

@@ -152,6 +152,6 @@ def test_an_engine_that_crashes_after_its_activation_rolls_back(lab):
     finally:
         lab.fault("pve1", 129, "crash-on-start", clear=True)
     assert run.returncode != 0, run
-    assert "activated the gated engine" in run.output and "the previous server serves again" in run.output, run
+    assert "the gated engine activated" in run.output and "the previous server serves again" in run.output, run
     assert serving(lab)
     assert daemons(lab) == (launchers, children)  # the key never changed: the weights stayed
