@@ -641,7 +641,9 @@ class Narrator:
             if event.get("passed"):
                 monitors = event.get("monitors") or []
                 extra = f"; monitor(s) {monitors} not waited for" if monitors else ""
-                return f"gate passed in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}, no holder{extra}"
+                own = (f" besides this server's own {_compact(event['expected_mib'])} (its weight cache, its gated engine)"
+                       if event.get("expected_mib") else "")
+                return f"gate passed in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}{own}, no holder{extra}"
             return f"gate did NOT pass in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}; " + "; ".join(event.get("problems") or [])
         if step == "start" and phase == "end":
             if event.get("gated"):

@@ -42,7 +42,10 @@ def gate_decision(doc, gpus, max_used_mib, expected_mib=None, ignore_pids=()):
     for index, error in verdict["unknown"]:
         problems.append("GPU %d: %s" % (index, error) if error else "GPU %d: memory use unknown (%s)" % (
             index, "v1 API: reserved memory counted in" if doc.get("memory_api") == "v1" else "no reading"))
-    problems += ["GPU %d: %d MiB used (> %d)" % (index, used, limit) for index, used, limit in verdict["over"]]
+    for index, used, limit in verdict["over"]:
+        ours = limit - max_used_mib  # what the kept weight cache and the gated engine hold there
+        problems.append("GPU %d: %d MiB used (> %d)%s" % (index, used - ours, max_used_mib,
+                                                         ", besides %d MiB of this server's own" % ours if ours else ""))
     for holder, on in verdict["blocking"]:
         problems.append("pid %d (%s) holds memory on GPU %s" % (holder["pid"], (holder.get("cmdline") or "")[:60],
                                                                ",".join(str(i) for i in on)))
@@ -99,6 +102,8 @@ class StartSteps:
             expected = weight_cache.used_by(doc, ours) if ours else None
             polls += 1
             passed, problems, used, permanent = gate_decision(doc, gpus, max_used, expected, ours)
+            if expected:  # the figures shown are the others' (ours are expected): what must go
+                used = dict((k, v - expected.get(int(k), 0) if v is not None else v) for k, v in used.items())
             if passed:
                 self.event("gate", "end", target=target, passed=True, used_mib=used, polls=polls,
                            elapsed_s=round(time.time() - began, 3),
