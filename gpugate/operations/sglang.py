@@ -601,7 +601,8 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
     book = _runbook()
     name = host_obj.name
     if watch is None:
-        watch = Watch(name, job.port, run, _narrator(job), handed_off=True)
+        # an attached run is another's: its verify is of its own spec, never this job's restored one
+        watch = Watch(name, job.port, run, Narrator() if attached else _narrator(job), handed_off=True)
         book.watching[name] = watch
         _say(host_obj, job.port, f"following run {run}")
     narrator = watch.narrator
