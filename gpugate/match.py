@@ -51,8 +51,8 @@ OK_VERDICTS = ("as_desired", "absent")
 @dataclasses.dataclass(frozen=True)
 class Match:
     """What :func:`compare` found. ``lines``: the plan's diff (``- --kv-cache-dtype auto``, ``+ env
-    HF_TOKEN=***``), secrets ``***``; ``flag_items``: the same flag differences in the status's
-    short form (``--kv-cache-dtype auto->fp8_e4m3``, ``+--disable-radix-cache``); ``why``: the
+    HF_TOKEN=***``), secrets ``***``; ``flag_items``: the same command differences for the status
+    (the lines of :func:`diff_lines`, in the one format: ``+ --disable-radix-cache``); ``why``: the
     reasons in words; ``replaced``: servers of other ports on the spec's GPUs (a port change)."""
 
     verdict: str
@@ -224,7 +224,7 @@ def diff_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
         lines += [f"- --model-path {running['model_path']}", f"+ --model-path {spec.model_path}"]
     if (running["host"] or "127.0.0.1") != spec.host:
         lines += [f"- --host {running['host'] or '127.0.0.1'}", f"+ --host {spec.host}"]
-    lines += engine().diff_flags(redact_flags(running["flags"]), redact_flags(spec.flags)).lines(redact=True)
+    lines += flag_differences(running["flags"], spec.flags)
     have_extra = running["unknown"]
     if list(have_extra) != list(spec.extra_args):
         if have_extra:
@@ -234,29 +234,30 @@ def diff_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
     return lines
 
 
-def flag_items(server: Mapping[str, Any], spec: Spec) -> list[str]:
-    """The differences of :func:`diff_lines` in the status's short form, one item each:
-    ``--kv-cache-dtype auto->fp8_e4m3``, ``+--disable-radix-cache``, ``model /m desired``,
-    ``host 0.0.0.0 desired``, ``interpreter /opt/venv/bin/python3 desired``, ``unknown args: ...``."""
-    from gpugate.report.text import flag_differences
+def flag_differences(running: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
+    """THE rendering of a flag difference, wherever one is shown (the plan and ``--dry``, the status,
+    the history, the runbooks, the lines from the journal): one line per argv change, sorted by flag
+    name, a sign, a space, then the flag as it is written: ``+ --flag value`` desired and not running,
+    ``- --flag value`` running and not desired; a changed value is its ``-`` line then its ``+``
+    line. Secrets ``***``: compared masked on both sides, so the agent's ``***`` for a running
+    --api-key is not a difference (the argv's hash tells a changed secret: status_row).
 
-    running = running_command(server)
-    if running is None:
+    >>> flag_differences({"tp-size": 8, "kv-cache-dtype": "auto"}, {"tp-size": 8, "kv-cache-dtype": "fp8_e4m3",
+    ...                                                              "disable-radix-cache": True})
+    ['+ --disable-radix-cache', '- --kv-cache-dtype auto', '+ --kv-cache-dtype fp8_e4m3']
+    >>> flag_differences({"tp-size": 4, "api-key": "***"}, {"tp-size": 4, "api-key": "sk-1"})
+    []
+    """
+    return engine().diff_flags(redact_flags(running), redact_flags(desired)).lines(redact=True)
+
+
+def flag_items(server: Mapping[str, Any], spec: Spec) -> list[str]:
+    """The differences of the running command from the desired one for the status: the lines of
+    :func:`diff_lines` (one format everywhere: ``- --kv-cache-dtype auto``, ``+ --kv-cache-dtype
+    fp8_e4m3``, ``+ --model-path /m``, ``+ interpreter /opt/venv/bin/python3``); none when nothing runs."""
+    if running_command(server) is None:
         return []
-    items = []
-    if running["model_path"] != spec.model_path:
-        items.append(f"model {spec.model_path} desired")
-    if (running["host"] or "127.0.0.1") != spec.host:
-        items.append(f"host {spec.host} desired")
-    if running["python"] not in ("?", spec.python):
-        items.append(f"interpreter {spec.python} desired")
-    items += flag_differences(running["flags"], spec.flags)
-    if list(running["unknown"]) != list(spec.extra_args):
-        if running["unknown"]:
-            items.append("unknown args: " + " ".join(running["unknown"]))
-        if spec.extra_args:
-            items.append("extra_args desired: " + " ".join(spec.extra_args))
-    return items
+    return diff_lines(server, spec)
 
 
 def _main_gpus(cmdline: str) -> tuple[int, ...] | None:

@@ -22,10 +22,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gpugate.engine import get as engine
-from gpugate.match import cache_verdict, compare, interpreter_lines, running_command
+from gpugate.match import cache_verdict, compare, flag_differences, interpreter_lines, running_command
 from gpugate.rules import gate as rules_gate
 from gpugate.rules.redact import argv_hash, env_hash
-from gpugate.spec import Spec, option_items, redact_flags
+from gpugate.spec import Spec, option_items
 
 OUTCOMES_OK = ("verified",)
 PROGRESS_EVERY_S = 3.0  # at most one progress line per step this often (the agent journals every 1.5 s)
@@ -172,7 +172,7 @@ def record_lines(server: Mapping[str, Any], record: Mapping[str, Any]) -> list[s
         lines += [f"- --model-path {running['model_path']}", f"+ --model-path {target.model_path}"]
     if (running["host"] or "127.0.0.1") != (target.host or "127.0.0.1"):
         lines += [f"- --host {running['host'] or '127.0.0.1'}", f"+ --host {target.host or '127.0.0.1'}"]
-    lines += engine().diff_flags(redact_flags(running["flags"]), redact_flags(target.flags)).lines(redact=True)
+    lines += flag_differences(running["flags"], target.flags)
     have = server.get("env_hashes") or {}
     wanted = record.get("env_hashes") or {}
     for name in sorted(set(have) | set(wanted)):
@@ -545,6 +545,8 @@ class Narrator:
         self.tails: dict[str, list[str]] = {}  # target -> the log tail of a crashed load
         self.outcome: dict[str, Any] | None = None
         self.gpus: Any = None
+        self.desired_what = "the desired flags"  # what a verify of the run's own spec matched (a rollback
+        # runbook's run starts a recorded spec: "the restored spec", never the desired flags it may lack)
 
     def lines(self, event: Mapping[str, Any]) -> list[str]:
         phase = event.get("phase")
@@ -691,7 +693,7 @@ class Narrator:
             if event.get("capacity"):
                 self.capacity = dict(event["capacity"])
             if event.get("ok"):
-                what = "the desired flags" if event.get("target") in (None, "desired") else "the recorded spec"
+                what = self.desired_what if event.get("target") in (None, "desired") else "the recorded spec"
                 return f"verified: the running argv and /get_server_info match {what}"
             return "verify FAILED: " + "; ".join(event.get("problems") or [])
         if step == "failed":

@@ -19,6 +19,7 @@ from gpugate.facts.gpu import HostGpuProcesses
 from gpugate.report.fleet import fleet_report
 from gpugate.report.holders import render_holders
 from gpugate.report.text import natural_key
+from gpugate.spec import desired_state
 
 
 def pve_host_of(target) -> str:
@@ -28,6 +29,7 @@ def pve_host_of(target) -> str:
 
 
 pve_host = pve_host_of(host)
+max_used_mib = desired_state(host.data).max_used_mib  # the gate's threshold: under it, driver overhead
 if isinstance(host.connector, PctConnector):
     # One reading per Proxmox host: taken by the first of its containers in this run.
     siblings = sorted((h.name for h in state.inventory.get_active_hosts() if pve_host_of(h) == pve_host),
@@ -35,7 +37,8 @@ if isinstance(host.connector, PctConnector):
     if siblings[0] == host.name:
         fact = HostGpuProcesses()
         _ok, output = host.connector.run_on_proxmox_host(StringCommand(fact.command()))
-        fleet_report(state, "who_holds_gpus", render_holders).add(pve_host, (pve_host,
-                                                                             fact.process(output.stdout_lines)))
+        fleet_report(state, "who_holds_gpus", render_holders).add(
+            pve_host, (pve_host, fact.process(output.stdout_lines), max_used_mib))
 else:
-    fleet_report(state, "who_holds_gpus", render_holders).add(pve_host, (pve_host, host.get_fact(HostGpuProcesses)))
+    fleet_report(state, "who_holds_gpus", render_holders).add(
+        pve_host, (pve_host, host.get_fact(HostGpuProcesses), max_used_mib))

@@ -33,6 +33,7 @@ from gpugate.facts.sglang import SglangObservation, SglangObservationInline, fla
 from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, same_desired, stall_text
 from gpugate.engine import get as engine
 from gpugate.match import for_container
+from gpugate.report.status import desired_differences, history_spec_text
 from gpugate.claims import own_claim_run
 from gpugate.spec import Desired, Routing, Spec, SpecError, build_spec, redact_flags
 
@@ -389,6 +390,8 @@ class Job:
     end_other_gpu_holders: bool = False
     routing: Routing | None = None          # behind a router: leave before the hand-off, rejoin after
     router_worker: dict[str, Any] | None = None   # its entry there when it left (what it rejoins with)
+    desired_spec: Spec | None = None        # the desired state's server (a rollback runbook's job has spec None)
+    desired_problem: str | None = None      # why the desired state makes no server, when it does not
 
 
 def _say(host_obj: Any, port: int, message: str, error: bool = False) -> None:
@@ -459,7 +462,7 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         doc["end_gpu_holders"] = job.end_pids
     if plan.gpus and (getattr(host_obj.connector, "gpu_claim", None) or {}).get("until"):
         doc["claim_until"] = host_obj.connector.gpu_claim["until"]  # the agent refuses a hand-off after it
-    watch = Watch(name, job.port, run, Narrator())
+    watch = Watch(name, job.port, run, _narrator(job))
     book.watching[name] = watch
     stdin = agentcmd.start_stdin(doc, include_source=not job.observation.get("agent_installed", True))
     ran, answer, trouble = _run(host_obj, agentcmd.start_command(job.python), stdin=stdin, timeout=120)
@@ -599,7 +602,8 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
     book = _runbook()
     name = host_obj.name
     if watch is None:
-        watch = Watch(name, job.port, run, Narrator(), handed_off=True)
+        # an attached run is another's: its verify is of its own spec, never this job's restored one
+        watch = Watch(name, job.port, run, Narrator() if attached else _narrator(job), handed_off=True)
         book.watching[name] = watch
         _say(host_obj, job.port, f"following run {run}")
     narrator = watch.narrator
@@ -637,6 +641,8 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
             _audit(job, host_obj, "outcome", "end", run=run, outcome="stalled", message=stalled)
             return False
         for event in answer.get("events") or []:
+            if event.get("step") == "rollback" and event.get("phase") == "begin":
+                seen["rollback_to"] = event.get("to")  # what serves again if the outcome is rolled_back
             if event.get("step") == "run" and event.get("phase") == "begin" and "desired" not in seen:
                 seen.update(desired=event.get("desired"), by=event.get("by"))
                 if attached and (job.restoring or not same_desired(event.get("desired"), job.spec, job.port)):
@@ -663,6 +669,9 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
     capacity = _capacity(job, narrator)
     if capacity.get("line") and outcome == "verified":
         _say(host_obj, job.port, capacity["line"])
+    if not seen.get("differs"):
+        for line in _restored_lines(job, outcome, seen.get("rollback_to")):
+            _say(host_obj, job.port, line, error=outcome != "verified")
     book.outcomes[name] = str(outcome)
     if not ok:
         book.failed.append(name)
@@ -675,6 +684,28 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
            message=answer.get("message"), attached=attached, timings=narrator.timings, total_s=narrator.total_s(),
            capacity_before=capacity.get("before"), capacity_after=capacity.get("after"), **story)
     return ok
+
+
+def _narrator(job: Job) -> Narrator:
+    narrator = Narrator()
+    if job.restoring:  # its run's "desired" spec is the recorded one it restores
+        narrator.desired_what = "the restored spec"
+    return narrator
+
+
+def _restored_lines(job: Job, outcome: str | None, rollback_to: Mapping[str, Any] | None) -> list[str]:
+    """After a rollback, which spec serves (its history label, key, when and by whom it was verified)
+    and how the desired state differs from it (issue 20): the rollback runbook's verified restore, or
+    a deploy whose agent rolled back (its rollback's target, from the journal)."""
+    server = job.observation.get("sglang") or {}
+    if job.restoring and outcome == "verified" and job.plan.target is not None:
+        record = job.plan.target
+        return [f"restored {history_spec_text(record, server)}, which its commit makes good 0 (newest); "
+                f"{desired_differences(record, job.desired_spec, job.desired_problem)}"]
+    if not job.restoring and outcome == "rolled_back" and rollback_to:
+        return [f"serving again: {history_spec_text(rollback_to, server)}; "
+                f"{desired_differences(rollback_to, job.spec)}"]
+    return []
 
 
 def _record_text(record: Mapping[str, Any] | None) -> str:
@@ -866,6 +897,11 @@ def server(desired: Desired, restore_previous: bool = False):
                                      end_other_gpu_holders=end_other_gpu_holders, budgets=budget)
     plan = make_plan(observation, spec, **plan_args)
     lines = plan_lines(plan, port)
+    desired_spec = for_container(desired.spec, observation) if restoring else None
+    if restoring and plan.target is not None and not plan.problems:  # which spec, and the desired state
+        at = next((i for i, line in enumerate(lines) if line.startswith("    steps: ")), len(lines))
+        lines.insert(at, f"    note: that is {history_spec_text(plan.target, observation.get('sglang') or {})}; "
+                         f"{desired_differences(plan.target, desired_spec, desired.problem)}")
     show = not state.is_executing or not state.check_for_changes  # once: at prepare, or at execute under -y
     history_note = ((observation.get("sglang") or {}).get("history") or {}).get("problem")
     if history_note and show:  # a history that did not read is never passed over silently (issue 20)
@@ -917,7 +953,7 @@ def server(desired: Desired, restore_previous: bool = False):
     job = Job(plan, spec, port, python, budget, observation, desired.audit_log, desired.rolling,
               desired.max_failures, restarted, end_pids, _story(observation, plan, spec), observe_args=observed_args,
               plan_args=plan_args, restoring=restoring, end_other_gpu_holders=end_other_gpu_holders,
-              routing=routing)
+              routing=routing, desired_spec=desired_spec, desired_problem=desired.problem if restoring else None)
     yield FunctionCommand(_execute, (job,), {})
 
 

@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from gpugate.report.status import foreign_mib
-from gpugate.report.text import compact_mib, format_table, index_ranges, natural_key
+from gpugate.report.text import compact_mib, driver_overhead_text, format_table, index_ranges, natural_key
+from gpugate.rules import gate as rules_gate
 
 # ---------------------------------------------------------------- who holds the GPUs (Proxmox host)
 
@@ -47,8 +48,10 @@ def holder_rows(pve_host: str, document: Mapping[str, Any], max_cmdline: int = 7
     return rows
 
 
-def host_summary(pve_host: str, document: Mapping[str, Any]) -> str:
-    """``pve1: GPU MiB 86658 x8; 9 GPU process(es); errors: ...`` (one line per Proxmox host)."""
+def host_summary(pve_host: str, document: Mapping[str, Any], max_used_mib: Any = 64) -> str:
+    """``pve1: GPU MiB 86658 x8; 9 GPU process(es); errors: ...`` (one line per Proxmox host). Memory
+    that no process holds is named by the gate's rule (gpugate.rules.gate.outside_memory): over
+    ``max_used_mib``, memory with no process (stuck in the driver?); at or under it, driver overhead."""
     gpus = document.get("gpus") or []
     line = f"{pve_host}: GPU MiB {compact_mib([gpu.get('used_mib') for gpu in gpus])}"
     processes = document.get("processes") or []
@@ -58,11 +61,13 @@ def host_summary(pve_host: str, document: Mapping[str, Any]) -> str:
         for index in process.get("gpus") or []:
             if len(process.get("gpus") or []) == 1 and isinstance(process.get("used_mib"), int):
                 accounted[index] = accounted.get(index, 0) + process["used_mib"]
-    unaccounted = [gpu.get("index") for gpu in gpus
-                   if (gpu.get("used_mib") or 0) > 0 and not any(gpu.get("processes") or [])
-                   and gpu.get("index") not in accounted]
-    if unaccounted:
-        line += f"; memory with no process on GPU {index_ranges(sorted(unaccounted))} (stuck in the driver?)"
+    unlisted = [gpu for gpu in gpus if (gpu.get("used_mib") or 0) > 0 and not any(gpu.get("processes") or [])
+                and gpu.get("index") not in accounted]
+    stuck, overhead = rules_gate.outside_memory({"gpus": [dict(gpu, processes=[]) for gpu in unlisted]}, max_used_mib)
+    if stuck:
+        line += f"; memory with no process on GPU {index_ranges(sorted(stuck))} (stuck in the driver?)"
+    if overhead:
+        line += f"; {driver_overhead_text(overhead, max_used_mib)}"
     line += f"; read by {document.get('source') or 'none'}"
     errors = document.get("errors") or []
     if errors and document.get("source") in (None, "none"):  # a fallback that answered is not a problem
@@ -70,12 +75,13 @@ def host_summary(pve_host: str, document: Mapping[str, Any]) -> str:
     return line
 
 
-def render_holders(reports: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+def render_holders(reports: Sequence[tuple[Any, ...]]) -> str:
     """The who_holds_gpus output: the process table for every Proxmox host, then one summary
-    line per host."""
-    rows = [row for pve_host, document in reports for row in holder_rows(pve_host, document)]
+    line per host. ``reports``: ``(pve_host, document)`` or ``(pve_host, document, max_used_mib)``
+    (the gate's threshold, which tells driver overhead from memory that no process holds)."""
+    rows = [row for pve_host, document, *_ in reports for row in holder_rows(pve_host, document)]
     table = format_table(HOLDER_COLUMNS, rows) if rows else "no GPU process on any Proxmox host"
-    return table + "\n" + "\n".join(host_summary(pve_host, document) for pve_host, document in reports)
+    return table + "\n" + "\n".join(host_summary(report[0], report[1], *report[2:3]) for report in reports)
 
 
 # ---------------------------------------------------------------- free_gpus
@@ -94,7 +100,7 @@ def free_gpus_refusal(server: Mapping[str, Any], gpu_doc: Mapping[str, Any], max
         return (f"{host}: sglang on :{port} runs (pid {main.get('pid')}); free_gpus does not end a managed "
                 f"server's workers. Restart it (runbooks/restart.py) or stop it "
                 f"(deploy.py --data sglang_present=false). Nothing was touched.")
-    foreign = {index: mib for index, mib in foreign_mib(gpu_doc).items() if mib > max_used_mib}
+    foreign = foreign_mib(gpu_doc, max_used_mib)  # driver overhead under the threshold is nobody's
     if foreign:
         detail = ", ".join(f"GPU {index}: {mib} MiB" for index, mib in sorted(foreign.items()))
         return (f"{host}: memory held from OUTSIDE the container ({detail}); no process in the container "

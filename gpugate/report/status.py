@@ -21,14 +21,14 @@ from typing import Any, TypedDict
 from pyinfra import logger
 
 from gpugate.engine import get as engine
-from gpugate.match import compare, for_container
+from gpugate.match import compare, diff_lines, env_lines, for_container, runs_exactly
 from gpugate.plan import stall_text
 from gpugate.rules import gate as rules_gate
 from gpugate.report.fleet import connect_errors
 from gpugate.report.prometheus import status_prometheus, write_atomically
-from gpugate.report.text import (age_text, compact_mib, epoch_of, flag_differences, format_table, index_ranges,
-                                 natural_key, when_text)
-from gpugate.spec import Desired, SpecError, desired_states, gpu_set
+from gpugate.report.text import (age_text, compact_mib, driver_overhead_text, epoch_of, flag_differences,
+                                 format_table, index_ranges, natural_key, when_text)
+from gpugate.spec import Desired, Spec, SpecError, desired_states, gpu_set
 
 # ---------------------------------------------------------------- status
 
@@ -40,7 +40,7 @@ class StatusRow(TypedDict, total=False):
     kind: str          # serving | drifted | down | stopped | transition_running | transition_failed | gpu_held
                        # | unreachable | unknown (see VERDICT_KINDS)
     ok: bool           # as desired: nothing to page about
-    verdict: str       # the kind in words, with why: "drifted: --kv-cache-dtype auto->fp8_e4m3"
+    verdict: str       # the kind in words, with why: "drifted: - --kv-cache-dtype auto, + --kv-cache-dtype fp8_e4m3"
     desired: bool      # a server should run here (sglang_present)
     up: bool           # it serves: main alive, /health 200, every scheduler alive
     drifted: bool      # it runs with other flags or another model than desired (or should not run)
@@ -50,10 +50,11 @@ class StatusRow(TypedDict, total=False):
     flags: str         # the flags that differ from the desired ones ("=" none, "-" not running)
     gpu_mib: str       # per-GPU used MiB (NVML v2), compacted
     gpu_used: list[Any]  # per-GPU used MiB in GPU order (None: unreadable); [] when unknown
-    holders: str       # GPU processes in the container, and memory held from outside it
+    holders: str       # GPU processes in the container, memory held from outside it, driver overhead
     transition: dict[str, Any]   # the latest transition: run, active, step, outcome, began, updated, duration_s
     last_change: str   # the latest transition in a few words
     history: list[str]  # newest entries of the history, one line each
+    good_specs: list[dict[str, Any]]  # the history's good specs in its order: label, key, at, by, against, changes
     problems: list[str]
     router: dict[str, Any]   # a routed server as its router sees it (gpugate.router.membership); {} if not routed
     router_text: str   # "lab: healthy", "lab: missing", "-"
@@ -130,24 +131,30 @@ def server_state(server: Mapping[str, Any]) -> tuple[str, str]:
     return state, text
 
 
-def foreign_mib(gpu_doc: Mapping[str, Any]) -> dict[int, int]:
-    """GPU index -> MiB in use that no process of the container accounts for (the host's or
-    another container's: NVML in a container lists only its own processes); the same reading as
-    sglang.server's pre-stop check (the one rule: gpugate.rules.gate)."""
-    return {int(index): int(mib) for index, mib in rules_gate.foreign_by_gpu(gpu_doc).items()}
+def foreign_mib(gpu_doc: Mapping[str, Any], max_used_mib: Any = 64) -> dict[int, int]:
+    """GPU index -> MiB in use that no process of the container accounts for, above the gate's
+    threshold: held from outside (the host's or another container's: NVML in a container lists
+    only its own processes); at or under it, it is driver overhead, never this. The one rule
+    (gpugate.rules.gate.outside_memory), as sglang.server's pre-stop check reads it."""
+    held, _overhead = rules_gate.outside_memory(gpu_doc, max_used_mib)
+    return {int(index): int(mib) for index, mib in held.items()}
 
 
-def holders_text(gpu_doc: Mapping[str, Any]) -> str:
-    """``9 in ct (sglang::scheduler_TP0..7, python3)``, ``none``, and memory held from outside."""
+def holders_text(gpu_doc: Mapping[str, Any], max_used_mib: Any = 64) -> str:
+    """``9 in ct (sglang::scheduler_TP0..7, python3)``, ``none``; memory held from outside (over
+    the gate's ``max_used_mib``), or driver overhead (at or under it: ``GPU 0: 8 MiB, driver
+    overhead (under the gate's 64 MiB)``, which is no holder and blocks nothing)."""
     if "source" not in gpu_doc:
         return f"GPU probe failed: {gpu_doc.get('error', '?')}"[:80]
     holders = gpu_doc.get("holders") or []
     parts = []
     if holders:
         parts.append(f"{len(holders)} in ct ({_names(holders)})")
-    foreign = foreign_mib(gpu_doc)
+    foreign, overhead = rules_gate.outside_memory(gpu_doc, max_used_mib)
     if foreign:
         parts.append(f"OUTSIDE the ct: {sum(foreign.values())} MiB on GPU {index_ranges(sorted(foreign))}")
+    if overhead:
+        parts.append(driver_overhead_text(overhead, max_used_mib))
     stuck = [h for h in holders if h.get("state") in ("D", "Z")]
     if stuck:
         parts.append(f"{len(stuck)} stuck (D/Z)")
@@ -214,29 +221,115 @@ def _record_flags(record: Mapping[str, Any]) -> dict[str, Any]:
     return dict(engine().parse_argv(argv).flags)
 
 
-def history_lines(server: Mapping[str, Any], limit: int = 3) -> list[str]:
-    """The newest entries of the container's history (good and failed, newest first), one line
-    each, a good entry with what changed against the one before it and its KV capacity:
-    ``2026-11-30 21:58Z good by ana@ops: --kv-cache-dtype auto->fp8_e4m3 (KV cache 319,488 tokens)``."""
+def good_label(index: int, count: int) -> str:
+    """The label of the ``index``-th entry of a history's good list, which is newest first (a
+    rollback or a same-spec restart moves its spec to the front): the labels follow that order,
+    never the time a spec was first verified. ``good K`` is ``rollback_to=K`` while good 0 runs.
+
+    >>> [good_label(i, 3) for i in range(3)], good_label(0, 1)
+    (['good 0 (newest)', 'good 1', 'good 2 (oldest kept)'], 'good 0 (newest)')
+    """
+    if index == 0:
+        return "good 0 (newest)"
+    return f"good {index}" + (" (oldest kept)" if index == count - 1 else "")
+
+
+def good_specs(server: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The good specs of the container's history in its order (newest first), each with its label,
+    key, when and by whom it was verified, its KV capacity, and what it changes against the one
+    after it (the next older, in the one diff format): the JSON's ``good_specs``, and the text's
+    history lines."""
     history = server.get("history")
     if not isinstance(history, Mapping):
         return []
     good = [r for r in history.get("good") or [] if isinstance(r, Mapping)]
-    entries: list[tuple[float, str]] = []
+    out = []
     for index, record in enumerate(good):
         older = good[index + 1] if index + 1 < len(good) else None
-        what = ", ".join(flag_differences(_record_flags(older), _record_flags(record))) if older else "first good spec"
         capacity = record.get("capacity")
         tokens = capacity.get("max_total_num_tokens") if isinstance(capacity, Mapping) else None
-        extra = f" (KV cache {tokens:,} tokens)" if isinstance(tokens, int) else ""
-        entries.append((epoch_of(record.get("at")) or 0.0,
-                        f"{when_text(record.get('at'))} good by {record.get('by') or '?'}: {what or 'same flags'}{extra}"))
-    for record in history.get("failed") or []:
-        if isinstance(record, Mapping):
-            entries.append((epoch_of(record.get("at")) or 0.0, f"{when_text(record.get('at'))} FAILED by "
-                            f"{record.get('by') or '?'}: {str(record.get('reason') or '?')[:120]}"))
-    entries.sort(key=lambda entry: entry[0], reverse=True)
-    return [text for _at, text in entries[:limit]]
+        out.append({"index": index, "label": good_label(index, len(good)), "key": record.get("key"),
+                    "at": record.get("at"), "by": record.get("by"),
+                    "kv_tokens": tokens if isinstance(tokens, int) else None,
+                    "against": f"good {index + 1}" if older is not None else None,
+                    "changes": flag_differences(_record_flags(older), _record_flags(record)) if older is not None
+                    else []})
+    return out
+
+
+def good_spec_line(entry: Mapping[str, Any]) -> str:
+    """One good spec as the history shows it: ``2026-11-30 21:58Z good 0 (newest) by ana@ops: + --kv-cache-dtype
+    fp8_e4m3 against good 1 (KV cache 319,488 tokens)``."""
+    if entry.get("against") is None:
+        what = "nothing older kept"
+    else:
+        what = f"{', '.join(entry.get('changes') or []) or 'the same flags'} against {entry['against']}"
+    tokens = entry.get("kv_tokens")
+    extra = f" (KV cache {tokens:,} tokens)" if isinstance(tokens, int) else ""
+    return f"{when_text(entry.get('at'))} {entry.get('label')} by {entry.get('by') or '?'}: {what}{extra}"
+
+
+def history_lines(server: Mapping[str, Any], limit: int = 3) -> list[str]:
+    """The newest entries of the container's history (good and failed, newest first), one line each:
+    the good specs in the history's own order (:func:`good_specs`, labelled ``good 0 (newest)``,
+    ``good 1``, ...), each failed attempt placed among them by its time, e.g.
+    ``2026-11-30 21:58Z good 0 (newest) by ana@ops: + --kv-cache-dtype fp8_e4m3 against good 1
+    (KV cache 319,488 tokens)``."""
+    history = server.get("history")
+    if not isinstance(history, Mapping):
+        return []
+    good = [(epoch_of(entry.get("at")) or 0.0, good_spec_line(entry)) for entry in good_specs(server)]
+    failed = sorted(((epoch_of(record.get("at")) or 0.0,
+                      f"{when_text(record.get('at'))} FAILED by {record.get('by') or '?'}: "
+                      f"{str(record.get('reason') or '?')[:120]}")
+                     for record in history.get("failed") or [] if isinstance(record, Mapping)),
+                    key=lambda entry: entry[0], reverse=True)
+    lines: list[str] = []
+    while (good or failed) and len(lines) < limit:  # a merge: the good list keeps its order
+        take_failed = bool(failed) and (not good or failed[0][0] > good[0][0])
+        lines.append((failed if take_failed else good).pop(0)[1])
+    return lines
+
+
+# ---------------------------------------------------------------- what a rollback restored
+def history_spec_text(record: Mapping[str, Any], server: Mapping[str, Any]) -> str:
+    """A history record (the rollback runbook's target, the agent's rollback ``to``) as the operator
+    finds it in the status: its label in the history the observation read, its key, when and by
+    whom it was verified. ``good 1 of :30000's history (key 3fa2c1d04e5b6a70, verified 2026-11-30
+    21:58Z by ana@ops)``; a spec the history does not hold: ``the server that ran before (not in the
+    history of :30000)``."""
+    port = server.get("port") or record.get("port")
+    key = record.get("key")
+    for entry in good_specs(server):
+        if key and entry.get("key") == key:
+            return (f"{entry['label']} of :{port}'s history (key {key}, verified {when_text(entry.get('at'))} "
+                    f"by {entry.get('by') or '?'})")
+    return f"the server that ran before (not in the history of :{port})"
+
+
+def desired_differences(record: Mapping[str, Any], spec: Spec | None, problem: str | None = None) -> str:
+    """How the desired state differs from a recorded spec that serves (a rollback's), in the one diff
+    format, as the next deploy would change it (and the status calls it drifted until then).
+
+    >>> from gpugate.spec import build_spec
+    >>> spec = build_spec("/m", 30000, {"tp": 2, "kv-cache-dtype": "fp8_e4m3"})
+    >>> record = {"argv": list(build_spec("/m", 30000, {"tp": 2}).argv), "env_hashes": {}}
+    >>> desired_differences(record, spec)
+    'the desired state differs from it: + --kv-cache-dtype fp8_e4m3 (the next deploy.py applies it)'
+    """
+    if spec is None:
+        return (f"the desired state has no server here ({problem or 'sglang_present: false'}): "
+                f"the next deploy.py {'refuses it' if problem else 'stops it'}")
+    argv = list(record.get("argv") or [])
+    served = {"running": True, "env_hashes": dict(record.get("env_hashes") or {}),
+              "main": {"argv": argv, "argv_hash": record.get("argv_hash"), "supervisor": record.get("supervisor")}}
+    lines = diff_lines(served, spec) + env_lines(served, spec)
+    if lines:
+        return f"the desired state differs from it: {', '.join(lines)} (the next deploy.py applies it)"
+    if record.get("argv_hash") and not runs_exactly(served, spec):
+        return ("the desired state differs from it only in a secret value, an environment value or the "
+                "supervisor (the next deploy.py applies it)")
+    return "it is the desired state"
 
 
 def _verdict(kind: str, why: str = "") -> str:
@@ -247,7 +340,7 @@ def own_gpus(desired: Desired, gpu_doc: Mapping[str, Any]) -> set[int]:
     """The GPUs the desired server uses (its Spec's), as indexes of the container's GPU document;
     every GPU of the document when the set cannot be told (UUIDs, no server desired).
 
-    >>> from gpugate.settings import desired_state
+    >>> from gpugate.spec import desired_state
     >>> desired = desired_state({"sglang_model_path": "/m", "sglang_flags": {"tp": 4, "base-gpu-id": 4}})
     >>> sorted(own_gpus(desired, {"gpus": [{"index": i} for i in range(8)]}))
     [4, 5, 6, 7]
@@ -264,8 +357,8 @@ def own_gpus(desired: Desired, gpu_doc: Mapping[str, Any]) -> set[int]:
 
 def drift_items(match: Any, server: Mapping[str, Any], desired: Desired) -> list[str]:
     """What the status says a differing server differs in, from the same comparison the deploy
-    plans by: flags in short form (``+--disable-radix-cache``), model, host, interpreter, extra
-    args; else the environment, a secret flag value or the supervisor, which have no value to show."""
+    plans by: its lines in the one diff format (``+ --disable-radix-cache``, ``- --model-path /a``,
+    extra args); else the environment, a secret flag value or the supervisor, which have no value to show."""
     items = list(match.flag_items)
     if not items:
         env = [line[2:].split("=")[0].split(" (")[0] for line in match.lines if " env " in f" {line}"]
@@ -374,7 +467,7 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
     # only the server's own GPUs: a neighbour container's healthy server holds memory on its GPUs,
     # which this container's NVML sees as held from outside (the lab's 129 on 0-3, 130 on 4-7)
     mine = own_gpus(desired, gpu_doc)
-    held = ({index: mib for index, mib in foreign_mib(gpu_doc).items() if mib > desired.max_used_mib and index in mine}
+    held = ({index: mib for index, mib in foreign_mib(gpu_doc, desired.max_used_mib).items() if index in mine}
             if readable else {})
     spec = for_container(desired.spec, observation)
     match = (compare(observation, spec, port, desired.siblings)
@@ -427,9 +520,10 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
         drifted=kind == "drifted", server=state, health=health,
         model=os.path.basename(model.rstrip("/")) if model and model.startswith("/") else model or "-",
         flags=flags_text, gpu_mib=gpu_mib, gpu_used=[gpu.get("used_mib") for gpu in gpus] if readable else [],
-        holders=holders_text(gpu_doc), transition=transition, last_change=last_change,
-        history=history_lines(server), problems=problems, router=dict(router or {}), router_text=router_text(router),
-        weight_cache=dict(server.get("weight_cache") or {}), weight_cache_text=weight_cache_text(server.get("weight_cache")))
+        holders=holders_text(gpu_doc, desired.max_used_mib), transition=transition, last_change=last_change,
+        history=history_lines(server), good_specs=good_specs(server), problems=problems, router=dict(router or {}),
+        router_text=router_text(router), weight_cache=dict(server.get("weight_cache") or {}),
+        weight_cache_text=weight_cache_text(server.get("weight_cache")))
 
 
 def unreachable_row(host: str, vmid: Any, reason: str, desired: Desired) -> StatusRow:
@@ -440,7 +534,8 @@ def unreachable_row(host: str, vmid: Any, reason: str, desired: Desired) -> Stat
                      verdict=_verdict("unreachable", reason), desired=bool(present), up=False, drifted=False,
                      server="-", health="-", model=os.path.basename(model.rstrip("/")) if model.startswith("/") else model,
                      flags="-", gpu_mib="-", gpu_used=[], holders="-", transition={}, last_change="",
-                     history=[], problems=[], router={}, router_text="-", weight_cache={}, weight_cache_text="-")
+                     history=[], good_specs=[], problems=[], router={}, router_text="-", weight_cache={},
+                     weight_cache_text="-")
 
 
 def render_status(rows: Sequence[StatusRow]) -> str:

@@ -1,5 +1,6 @@
-"""Small text helpers the reports share: tables, per-GPU MiB folded, flag differences in short
-form, GPU index ranges, times. Pure functions, no pyinfra.
+"""Small text helpers the reports share: tables, per-GPU MiB folded, THE flag difference (one
+format everywhere: ``+ --flag value`` / ``- --flag value``), driver overhead, GPU index ranges,
+times. Pure functions, no pyinfra.
 
 Example::
 
@@ -10,14 +11,11 @@ Example::
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, Optional
 
-from gpugate.spec import redact_flags
-from gpugate.engine import get as engine
-from gpugate.rules.redact import SECRET_MASK
+from gpugate.match import flag_differences  # noqa: F401 -- THE flag-difference format, for the reports
 
 # ---------------------------------------------------------------- tables
 
@@ -79,48 +77,23 @@ def compact_mib(values: Sequence[Optional[int]]) -> str:
 
 
 
-def flag_differences(running: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
-    """The running flags against the desired ones, one short item per flag, secrets masked:
-    ``--kv-cache-dtype auto->fp8_e4m3`` (changed), ``+--disable-radix-cache`` (desired, not
-    running), ``-cuda-graph-max-bs 8`` as ``---cuda-graph-max-bs 8`` (running, not desired).
+def driver_overhead_text(overhead: Mapping[Any, int], max_used_mib: Any) -> str:
+    """Memory no process accounts for, at or under the gate's threshold (gpugate.rules.gate.
+    outside_memory): the driver's own, never "held from outside". Empty when there is none.
 
-    Secret values are compared as the plan compares them (gpugate.plan.diff_lines): masked on both
-    sides, so the agent's ``***`` for a running --api-key is not a difference (the argv's hash
-    tells a changed secret: status_row).
-
-    >>> flag_differences({"tp-size": 8}, {"tp-size": 8, "disable-radix-cache": True})
-    ['+--disable-radix-cache']
-    >>> flag_differences({"tp-size": 4, "api-key": "***"}, {"tp-size": 4, "api-key": "sk-1"})
-    []
+    >>> driver_overhead_text({3: 12}, 64)
+    "GPU 3: 12 MiB, driver overhead (under the gate's 64 MiB)"
+    >>> driver_overhead_text({0: 8, 1: 8, 2: 16}, 64)
+    "GPU 0-1: 8 MiB each, GPU 2: 16 MiB, driver overhead (under the gate's 64 MiB)"
     """
-    diff = engine().diff_flags(redact_flags(running), redact_flags(desired))
-    items = []
-    for name in sorted(set(diff.added) | set(diff.removed) | set(diff.changed)):
-        if name in diff.changed:
-            before, after = diff.changed[name]
-            items.append(f"--{name} {_value(name, before)}->{_value(name, after)}")
-        elif name in diff.added:
-            items.append("+" + _flag_item(name, diff.added[name]))
-        else:
-            items.append("-" + _flag_item(name, diff.removed[name]))
-    return items
-
-
-def _value(name: str, value: Any) -> str:
-    if value == SECRET_MASK or (value not in (None, False, True) and engine().is_secret_value(name, value)):
-        return SECRET_MASK
-    if value is True:
-        return "on"
-    if value is False or value is None:
-        return "off"
-    if isinstance(value, (list, tuple)):
-        return " ".join(shlex.quote(str(item)) for item in value)
-    return shlex.quote(str(value))
-
-
-def _flag_item(name: str, value: Any) -> str:
-    return f"--{name}" if value is True else f"--{name} {_value(name, value)}"
-
+    if not overhead:
+        return ""
+    by_mib: dict[int, list[int]] = {}
+    for index, mib in sorted(overhead.items(), key=lambda item: int(item[0])):
+        by_mib.setdefault(int(mib), []).append(int(index))
+    parts = [f"GPU {index_ranges(indexes)}: {mib} MiB" + (" each" if len(indexes) > 1 else "")
+             for mib, indexes in sorted(by_mib.items(), key=lambda item: item[1][0])]
+    return f"{', '.join(parts)}, driver overhead (under the gate's {max_used_mib} MiB)"
 
 
 def age_text(seconds: Any) -> str:

@@ -116,6 +116,28 @@ def foreign_by_gpu(state: Mapping[str, Any], gpus: Iterable[int] | None = None) 
     return out
 
 
+def outside_memory(state: Mapping[str, Any], max_used_mib: float = 64,
+                   gpus: Iterable[int] | None = None) -> tuple:
+    """THE split of the memory no process of the container accounts for (:func:`foreign_mib`), by the
+    gate's own threshold: above ``max_used_mib`` it is held from outside (the host's or another
+    container's: report it, never kill for it); at or under it, it is driver overhead (NVML v2's
+    device total minus the per-process sum: a few MiB with nothing outside, as on an idle H200),
+    which passes the gate and is never called memory from outside.
+    -> ({index: MiB held from outside}, {index: MiB of driver overhead}).
+
+    >>> outside_memory({"gpus": [{"index": 0, "used_mib": 8, "processes": []},
+    ...                          {"index": 1, "used_mib": 900, "processes": []}]})
+    ({1: 900}, {0: 8})
+    """
+    held, overhead = {}, {}
+    for index, mib in foreign_by_gpu(state, gpus).items():
+        if mib > max_used_mib:
+            held[index] = mib
+        else:
+            overhead[index] = mib
+    return held, overhead
+
+
 def memory_gpus(holder: Mapping[str, Any], gpus: Iterable[int] | None = None) -> list:
     """The GPUs (of ``gpus``; None: any) where ``holder`` holds memory: those the driver lists it
     on, unless it is listed at 0 MiB (an NVML monitor holds the files, not memory).

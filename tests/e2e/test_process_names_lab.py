@@ -93,8 +93,8 @@ def test_no_gpugate_process_but_the_server_names_sglang_and_pkill_ends_only_the_
     assert tree, processes
     assert [c[:300] for c in ours if NAMES_SGLANG.search(c)] == []
 
-    # an operator's pkill -f sglang in the container: the server drains and exits; the log pump, which
-    # its pattern no longer matches, writes the drain's last lines into the log before it ends at EOF
+    # an operator's pkill -f sglang in the container: the server exits; the log pump, which its pattern
+    # no longer matches, writes the server's last lines into the log before it ends at EOF
     log = "/var/log/gpugate/sglang-30000.log"
     # ('[s]glang' is the pattern sglang that does not match the sh -c running it)
     assert ct_sh(lab, "pve1", 129, "pkill -f '[s]glang'").returncode == 0
@@ -102,4 +102,11 @@ def test_no_gpugate_process_but_the_server_names_sglang_and_pkill_ends_only_the_
              what="the server gone")
     wait_for(lambda: ct_sh(lab, "pve1", 129, "pgrep -x gpugate-logpump || true").stdout.strip() == "", timeout_s=10,
              what="the log pump ended at EOF")
-    assert "Gracefully exited." in ct_sh(lab, "pve1", 129, f"tail -n 5 {log}").stdout
+    tail = ct_sh(lab, "pve1", 129, f"tail -n 8 {log}").stdout
+    # The pkill signals the schedulers too, so the server ends in one of SGLang's two ways, by timing: its
+    # drain ("Gracefully exited."), or, when its SubprocessWatchdog (a poll a second) sees a scheduler the
+    # pkill ended before the drain has begun to stop them, its SIGQUIT handler's kill_process_tree. The
+    # server writes either line only after the pkill's signal: the pump outlived the pkill and wrote it.
+    # (This asserted "Gracefully exited." alone and failed when the watchdog won: issue 20, the flake.)
+    assert any(line.endswith("Gracefully exited.") or "kill_process_tree called" in line
+               for line in tail.splitlines()), tail

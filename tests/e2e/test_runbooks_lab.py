@@ -116,7 +116,7 @@ def test_status_shows_the_server_and_flags_that_differ(lab):
     assert result.returncode == 0, out
     result, stdout, out = run(lab, "status", flags=FP8)
     rows = table(stdout)
-    assert "drifted: +--kv-cache-dtype fp8_e4m3" in rows["pve1"] and "serving pid" in rows["pve1"]
+    assert "drifted: + --kv-cache-dtype fp8_e4m3" in rows["pve1"] and "serving pid" in rows["pve1"]
     assert "8 in ct (sglang::scheduler_TP0..7)" in rows["pve1"]
     result, stdout, _out = run(lab, "status", "--limit", "pve1")
     assert result.returncode == 0
@@ -236,10 +236,25 @@ def test_rollback_after_a_change_returns_to_the_previous_server(lab):
     assert "fp8_e4m3" in running_argv(lab)
     result, _stdout, out = run(lab, "rollback", "--limit", "pve_pve1", yes=False)  # the preview
     assert "- --kv-cache-dtype fp8_e4m3" in out and "+ --api-key ***" in out and "+ env HF_TOKEN=***" in out, out
+    # which spec (its history label and key, when, who) and what the desired state (here: tp 8, the
+    # FAST env) changes from it, in the one diff format (issue 20)
+    spec_text = r"good 1( \(oldest kept\))? of :30000's history \(key ([0-9a-f]{16}), verified \S+ \S+ by \S+\)"
+    assert re.search(r"note: that is " + spec_text + r"; the desired state differs from it: - --api-key \*\*\*, "
+                     r"- env HF_TOKEN \(the next deploy.py applies it\)", out), out
     assert "fp8_e4m3" in running_argv(lab)
     result, _stdout, out = run(lab, "rollback", "--limit", "pve_pve1")
     assert result.returncode == 0, out
-    assert "gate passed" in out and "verified" in out
+    assert "gate passed" in out and "verified: the running argv and /get_server_info match the restored spec" in out
+    restored = re.search(r"restored " + spec_text + r", which its commit makes good 0 \(newest\); the desired "
+                         r"state differs from it: - --api-key \*\*\*, - env HF_TOKEN", out)
+    assert restored, out
+    # the status's history follows the history's order: the restored spec is good 0 now, the fp8 one good 1
+    result, stdout, out = run(lab, "status", "--limit", "pve_pve1", "--data", "format=json")
+    (row,) = json.loads(stdout)["servers"]
+    assert [s["label"] for s in row["good_specs"]][:2] == ["good 0 (newest)", "good 1"]
+    assert row["good_specs"][0]["key"] == restored.group(2)
+    assert row["good_specs"][0]["changes"] == ["+ --api-key ***", "- --kv-cache-dtype fp8_e4m3"]
+    assert row["history"][0].split(" by ")[0].endswith(" good 0 (newest)")
     assert running_argv(lab) == before  # the exact argv, the api key included, from the container's history
     environ = in_ct(lab, "pve1", f"tr '\\0' '\\n' < /proc/{main_pid(lab)}/environ")
     assert "HF_TOKEN=secret-canary" in environ

@@ -4,6 +4,7 @@ the Prometheus file, an unreachable host and a fleet that is entirely unreachabl
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -44,10 +45,11 @@ def test_drifted_and_down_rows_history_and_exit_status(lab):
     result = pyinfra(lab, "runbooks/status.py", flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
     assert result.returncode == 1, result.stderr
     table = rows(result.stdout)
-    assert "drifted: +--kv-cache-dtype fp8_e4m3" in table["pve1"]
+    assert "drifted: + --kv-cache-dtype fp8_e4m3" in table["pve1"]  # one diff format (issue 20)
     assert "down but desired: no server runs" in table["pve2"]
     assert "2 server(s): 0 as desired, 2 NOT (down but desired 1, drifted 1)" in result.stdout
-    assert "history (newest first):\n  pve1:129  " in result.stdout and " good by " in result.stdout
+    assert "history (newest first):\n  pve1:129  " in result.stdout
+    assert re.search(r"pve1:129  \S+ \S+ good 0 \(newest\) by \S+: nothing older kept", result.stdout), result.stdout
     assert "gpugate: fleet " in result.stderr and "gpugate: fleet " not in result.stdout
 
     as_desired = pyinfra(lab, "runbooks/status.py", "--limit", "pve1")

@@ -138,6 +138,11 @@ def test_crash_rolls_back_and_the_rollback_runbook_goes_to_the_spec_before(lab):
     assert server["serving"] and server["main"]["argv_hash"] == b_hash
     assert good_hashes(server)[:2] == [b_hash, a_hash]  # C is never recorded as good
     assert "config.json" in server["history"]["failed"][0]["reason"]
+    # what serves again, by the status's label and key, and what C would change from it (issue 20)
+    assert (f"serving again: good 0 (newest) of :30000's history (key {server['history']['good'][0]['key']}, "
+            f"verified ") in out, out
+    assert "the desired state differs from it: - --model-path /opt/models/lab-model, + --model-path " \
+           "/opt/models/broken (the next deploy.py applies it)" in out, out
     # the rollback runbook goes to the newest good spec unlike the running one: A, not B again
     result = lab.pyinfra("inventory.py", "runbooks/rollback.py", "--limit", PVE1, timeout=240)
     out = result.stdout + result.stderr

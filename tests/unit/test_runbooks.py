@@ -78,8 +78,9 @@ def test_flags_that_differ_from_the_desired_ones_are_listed():
     running = {"tp-size": 8, "kv-cache-dtype": "auto", "cuda-graph-max-bs": 8}
     desired = {"tp": 8, "kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True}
     row = rb.status_row("pve1", 129, {"sglang": serving(running), "gpu": gpu_doc()}, desired, "/opt/models/kimi")
-    assert row["flags"] == ("---cuda-graph-max-bs 8, +--disable-radix-cache, "
-                            "--kv-cache-dtype auto->fp8_e4m3")
+    # one diff format everywhere (issue 20): a sign, a space, the flag as written; a change is - then +
+    assert row["flags"] == ("- --cuda-graph-max-bs 8, + --disable-radix-cache, "
+                            "- --kv-cache-dtype auto, + --kv-cache-dtype fp8_e4m3")
 
 
 def _spec_server(flags, api_key_seen="***"):
@@ -110,7 +111,7 @@ def test_secret_flag_values_never_reach_the_table():
                           "/opt/models/kimi")
     for row in (same, changed, clear):
         assert not any(text in str(row) for text in ("hunter2", "s3cret"))
-    assert clear["flags"] == "+--model-loader-extra-config ***"
+    assert clear["flags"] == "+ --model-loader-extra-config ***"
 
 
 def test_a_neighbours_gpus_are_no_verdict_of_this_container():
@@ -138,7 +139,7 @@ def test_a_neighbours_gpus_are_no_verdict_of_this_container():
 
 def test_another_model_is_a_difference():
     row = rb.status_row("pve1", 129, {"sglang": serving(), "gpu": gpu_doc()}, {"tp": 8}, "/opt/models/other")
-    assert row["flags"].startswith("model /opt/models/other desired")
+    assert row["flags"].startswith("- --model-path /opt/models/kimi, + --model-path /opt/models/other")
 
 
 def test_server_states_while_loading_starting_and_stopped():
@@ -164,6 +165,39 @@ def test_lock_holder_is_shown():
 def test_memory_held_from_outside_the_container_is_called_out():
     row = rb.status_row("h", 1, {"sglang": STOPPED, "gpu": gpu_doc([4096] * 8, per_process=False)}, {}, None)
     assert row["holders"] == "OUTSIDE the ct: 32768 MiB on GPU 0-7"
+
+
+def test_memory_under_the_gates_threshold_is_driver_overhead_not_memory_from_outside():
+    """The H200's 8 MiB per GPU that no process accounts for (NVML v2's device total minus the
+    per-process sum) with nothing outside: named driver overhead, by the gate's own threshold (one
+    rule: gpugate.rules.gate.outside_memory); over the threshold it is memory from outside."""
+    tp2 = workers(2, mib=126172)
+    doc = gpu_doc([126180, 126180], tp2)
+    for gpu in doc["gpus"]:  # the driver lists each scheduler with 8 MiB less than the GPU's total
+        gpu["processes"] = [dict(process, used_mib=126172) for process in gpu["processes"]]
+    row = rb.status_row("h", 1, {"sglang": serving({"tp-size": 2}), "gpu": doc}, {"tp": 2}, "/opt/models/kimi")
+    assert row["holders"] == ("2 in ct (sglang::scheduler_TP0..1); "
+                              "GPU 0-1: 8 MiB each, driver overhead (under the gate's 64 MiB)")
+    assert "OUTSIDE" not in row["holders"] and row["verdict"] == "serving as desired"
+    # a stopped server, 12 MiB left on GPU 3: down but desired, not "GPU memory held"
+    idle = gpu_doc([0, 0, 0, 12], per_process=False)
+    row = rb.status_row("h", 1, {"sglang": STOPPED, "gpu": idle}, {"tp": 4}, "/opt/models/kimi")
+    assert row["holders"] == "GPU 3: 12 MiB, driver overhead (under the gate's 64 MiB)"
+    assert row["verdict"] == "down but desired: no server runs"
+    # the threshold is the gate's own (gpu_max_used_mib): under 8 MiB, 12 MiB is held from outside
+    row = rb.status_row("h", 1, {"sglang": STOPPED, "gpu": idle}, {"tp": 4}, "/opt/models/kimi", max_used_mib=8)
+    assert row["holders"] == "OUTSIDE the ct: 12 MiB on GPU 3"
+    assert row["verdict"] == "GPU memory held with no holder in the container: 12 MiB on GPU 3"
+    # free_gpus refuses only for memory from outside
+    assert rb.free_gpus_refusal(STOPPED, idle, 64, "h", 30000) is None
+    assert "GPU 3: 12 MiB" in rb.free_gpus_refusal(STOPPED, idle, 8, "h", 30000)
+    # the holders view of a Proxmox host says the same, by the same rule
+    host = {"source": "nvml", "errors": [], "processes": [],
+            "gpus": [{"index": 0, "used_mib": 900, "processes": []}, {"index": 3, "used_mib": 12, "processes": []}]}
+    assert rb.host_summary("pve1", host) == (
+        "pve1: GPU MiB 900 12; 0 GPU process(es); memory with no process on GPU 0 (stuck in the driver?); "
+        "GPU 3: 12 MiB, driver overhead (under the gate's 64 MiB); read by nvml")
+    assert "memory with no process on GPU 0,3" in rb.render_holders([("pve1", host, 8)])
 
 
 def test_probe_failures_show_and_are_listed_under_the_table():

@@ -222,6 +222,42 @@ def test_rollback_with_nothing_to_go_to_is_refused():
     assert plan.problems and "nothing to roll back to" in plan.problems[0]
 
 
+def test_the_rollback_runbook_says_which_spec_it_restored_and_how_the_desired_state_differs():
+    """Issue 20: A verified, then B (+ fp8, fleet.yaml's), then the rollback runbook: it names the
+    spec it restores by its history label, key, time and operator, and says what the desired state
+    (fleet.yaml: B) changes from it, in the one diff format; its verify is the restored spec's."""
+    from gpugate.operations.sglang import Job, _narrator, _restored_lines
+
+    a, b = spec(), spec({"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    good = [record(b, at="2026-11-30T22:25:54Z"), record(a, at="2026-11-29T10:00:00Z", by="bo@ops")]
+    seen = observation(b, good=good)
+    plan = make_plan(seen, None, port=PORT, rollback_k=1)
+    job = Job(plan, None, PORT, "python3", {}, seen, None, False, 0, True, [], {}, restoring=True, desired_spec=b)
+    key = good[1]["key"]
+    assert _restored_lines(job, "verified", None) == [
+        f"restored good 1 (oldest kept) of :30000's history (key {key}, verified 2026-11-29 10:00Z by bo@ops), "
+        f"which its commit makes good 0 (newest); the desired state differs from it: + --kv-cache-dtype fp8_e4m3 "
+        f"(the next deploy.py applies it)"]
+    assert _restored_lines(job, "rolled_back", None) == []  # the restore failed: what runs is what ran
+    verify = {"t": 1, "step": "verify", "phase": "end", "target": "desired", "ok": True}
+    assert _narrator(job).lines(verify) == ["verified: the running argv and /get_server_info match the restored spec"]
+    # the desired state IS the restored spec: said so (the status then reads serving as desired)
+    same = Job(plan, None, PORT, "python3", {}, seen, None, False, 0, True, [], {}, restoring=True, desired_spec=a)
+    assert _restored_lines(same, "verified", None)[0].endswith("; it is the desired state")
+    # no server desired here: said so too
+    none = Job(plan, None, PORT, "python3", {}, seen, None, False, 0, True, [], {}, restoring=True)
+    assert "the desired state has no server here (sglang_present: false)" in _restored_lines(none, "verified", None)[0]
+
+    # a deploy of C that failed and rolled back: what serves again, and what C would have changed
+    c = spec({"tp": 8, "kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True})
+    deploy = Job(make_plan(seen, c, port=PORT), c, PORT, "python3", {}, seen, None, False, 0, False, [], {})
+    to = dict(record(b), at="2026-12-01T00:00:00Z")  # the agent's rollback event: a fresh record of the target
+    assert _restored_lines(deploy, "rolled_back", to) == [
+        f"serving again: good 0 (newest) of :30000's history (key {good[0]['key']}, verified 2026-11-30 22:25Z by "
+        f"alice@laptop); the desired state differs from it: + --disable-radix-cache (the next deploy.py applies it)"]
+    assert _narrator(deploy).lines(verify) == ["verified: the running argv and /get_server_info match the desired flags"]
+
+
 # ---------------------------------------------------------------- following the journal
 JOURNAL = [
     {"t": 100.0, "step": "run", "phase": "begin"},

@@ -72,7 +72,7 @@ def row_for(doc, desired=None, present=True):
 def test_each_verdict_from_a_recorded_observation():
     assert row_for(observation())["verdict"] == "serving as desired"
     drifted = row_for(observation(), {"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
-    assert drifted["verdict"] == "drifted: +--kv-cache-dtype fp8_e4m3" and drifted["drifted"]
+    assert drifted["verdict"] == "drifted: + --kv-cache-dtype fp8_e4m3" and drifted["drifted"]
     assert row_for(observation(), present=False)["verdict"] == "drifted: runs but should not"
     assert row_for(observation(running=False))["verdict"] == "down but desired: no server runs"
     assert row_for(observation(running=False), present=False)["verdict"] == "stopped as desired"
@@ -111,12 +111,48 @@ def test_history_shows_the_newest_entries_with_what_changed_and_the_capacity():
                                reason="invalid choice: 'fp9'")]}
     lines = row_for(observation(history=history))["history"]
     assert lines == [
-        "2026-11-30 21:58Z good by ana@ops: +--kv-cache-dtype fp8_e4m3 (KV cache 319,488 tokens)",
+        "2026-11-30 21:58Z good 0 (newest) by ana@ops: + --kv-cache-dtype fp8_e4m3 against good 1 "
+        "(KV cache 319,488 tokens)",
         "2026-11-30 21:00Z FAILED by ana@ops: invalid choice: 'fp9'",
-        "2026-11-29 10:00Z good by ana@ops: first good spec (KV cache 159,744 tokens)",
+        "2026-11-29 10:00Z good 1 (oldest kept) by ana@ops: nothing older kept (KV cache 159,744 tokens)",
     ]
     text = rb.render_status([row_for(observation(history=history))])
-    assert "history (newest first):\n  pve1:129  2026-11-30 21:58Z good" in text
+    assert "history (newest first):\n  pve1:129  2026-11-30 21:58Z good 0 (newest)" in text
+
+
+def test_history_labels_follow_the_historys_order_after_a_rollback_in_the_text_and_the_json():
+    """A (tp 8) verified, then B (+ fp8), then the rollback runbook back to A: the agent moves A to the
+    front of the good list (a new record, verified now). The labels follow the list: A is good 0, B
+    good 1; B is no "first good spec" (A was verified before it). The JSON says the same."""
+    a_first, b, a_again = "2026-11-29T10:00:00Z", "2026-11-30T21:58:00Z", "2026-11-30T23:10:00Z"
+    before = {"good": [dict(record(FP8_ARGV, b), key="b" * 16, argv_hash="B"),
+                       dict(record(ARGV, a_first), key="a" * 16, argv_hash="A")], "failed": []}
+    after = {"good": [dict(record(ARGV, a_again, by="bo@ops"), key="a" * 16, argv_hash="A"),
+                      dict(record(FP8_ARGV, b), key="b" * 16, argv_hash="B")], "failed": []}
+    assert row_for(observation(history=before))["history"][1].startswith("2026-11-29 10:00Z good 1 (oldest kept)")
+    row = row_for(observation(history=after))
+    assert row["history"] == [
+        "2026-11-30 23:10Z good 0 (newest) by bo@ops: - --kv-cache-dtype fp8_e4m3 against good 1",
+        "2026-11-30 21:58Z good 1 (oldest kept) by ana@ops: nothing older kept",
+    ]
+    document = json.loads(json.dumps(rb.status_document([row]), default=str))
+    specs = document["servers"][0]["good_specs"]
+    assert [(s["label"], s["key"], s["at"], s["against"], s["changes"]) for s in specs] == [
+        ("good 0 (newest)", "a" * 16, a_again, "good 1", ["- --kv-cache-dtype fp8_e4m3"]),
+        ("good 1 (oldest kept)", "b" * 16, b, None, []),
+    ]
+    assert [line.split(" by ")[0][18:] for line in row["history"]] == [s["label"] for s in specs]
+    # the order is the list's even where the times disagree (a hand-edited file, a clock set back)
+    skewed = {"good": [dict(record(ARGV, a_first), key="a" * 16), dict(record(FP8_ARGV, b), key="b" * 16)],
+              "failed": []}
+    assert [line[18:24] for line in row_for(observation(history=skewed))["history"]] == ["good 0", "good 1"]
+    # good K is what the rollback runbook's rollback_to=K restores while good 0 runs, and it says so
+    from gpugate.plan import rollback_choice
+
+    server = dict(observation(history=after)["sglang"], main={"argv_hash": "A"})
+    target, _why = rollback_choice(server, 1)
+    assert rb.history_spec_text(target, server) == (
+        f"good 1 (oldest kept) of :30000's history (key {'b' * 16}, verified 2026-11-30 21:58Z by ana@ops)")
 
 
 def test_table_has_a_row_for_an_unreachable_host_and_says_how_many_are_not_as_desired():

@@ -1012,7 +1012,7 @@ def _flag_display(name: str, value: Any, redact: bool, t: FlagTable | None = Non
         return f"--{name}"
     if value is False:
         return f"--no-{name}"
-    if redact and is_secret_value(name, value, t):
+    if value == SECRET_MASK or (redact and is_secret_value(name, value, t)):  # masked already: never quoted
         return f"--{name} {SECRET_MASK}"
     if isinstance(value, (list, tuple)):
         return f"--{name} " + " ".join(shlex.quote(_value_text(v)) for v in value)
