@@ -265,8 +265,10 @@ class StartSteps:
         self.event("gated", "begin", target=target, port=spec["port"], pid=pid, gate_port=gate_port)
 
     def _gated_tree(self, table):
+        """The gated engine's live tree until its activation (spared by the stop of the old server,
+        expected by the gate); once activated it is the port's server like any other."""
         gated = self.gated
-        if not gated or not procfs.alive(gated["pid"], gated["start_ticks"]):
+        if not gated or gated["activated"] or not procfs.alive(gated["pid"], gated["start_ticks"]):
             return []
         return [gated["pid"]] + procfs.descendants(table, gated["pid"])
 
@@ -283,7 +285,9 @@ class StartSteps:
                 code = self.exit_codes.get(pid)
                 self._settle_log(port)
                 tail = self._tail(port, gated["offset"])
-                self.event("gated", "end", target=target, port=port, reached=False, exit_code=code, log_tail=tail)
+                # to the operator it is the start's crash, as for an engine started after the gate
+                self.event("load", "end", target=target, port=port, state="crashed", exit_code=code, gated=True,
+                           elapsed_s=round(time.time() - gated["began"], 2), log_tail=tail)
                 raise state.Failure("the server exited before its gated launch%s%s" % (
                     " with code %s" % code if code is not None else "", ": " + logs.crash_line(tail, port) if tail else ""))
             status, _ = server.http_get(gated["host"], gated["gate_port"], "/health", 2.0)
