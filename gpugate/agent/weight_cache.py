@@ -206,36 +206,15 @@ class CacheSteps:
         shown = redact.redact_argv(argv, flags)
         self.event("cache_start", "begin", target=target, port=port, argv=shown, key=key["id"])
         began = time.time()
-        env = dict(state.BASE_ENV)
-        env.update(spec.get("env") or {})
-        log_path = state.paths(port)["cache_log"]
-        try:
-            state.makedirs(state.LOG_DIR, 0o750)
-            logs.rotate_log(log_path)
-            handle = state.open_private_append(log_path)
-        except OSError as error:
-            raise state.Failure("cannot write the weight cache's log %s: %s" % (log_path, error.strerror or error))
-        import subprocess
-
-        try:
-            handle.write(("\n=== gpugate start %s run %s (%s): %s\n" % (
-                state.now_iso(), self.run, target, self.redactor.text(" ".join(shown)))).encode("utf-8"))
-            handle.flush()
-            offset = handle.tell()
-            output = self._log_pump(log_path, dict(spec, port="cache-%d" % port)) or handle
-            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                                     env=env, cwd="/", start_new_session=True, close_fds=True)
-        except OSError as error:
-            raise state.Failure("cannot start the weight cache %s: %s" % (argv[0], error))
-        finally:
-            handle.close()
-            if "output" in locals() and output is not handle:
-                os.close(output)
-        self.children[child.pid] = child
-        stat = procfs.read_stat(child.pid)
-        record = {"launcher": {"pid": child.pid, "start_ticks": stat[4] if stat else None}, "port": port,
+        if wanted.get("unit_text") and server.pid1_comm() == "systemd":
+            launcher = self._start_cache_unit(port, wanted["unit_text"])
+            supervisor, log_path, child = "systemd", None, None
+        else:
+            launcher, log_path, child = self._start_cache_process(spec, target, argv, shown)
+            supervisor = "process"
+        record = {"launcher": launcher, "port": port,
                   "gpus": gpus, "uuids": dict((str(i), uuid_of(gpu_doc, i)) for i in gpus),
-                  "key": key, "argv_shown": shown, "supervisor": "process", "log": log_path, "run": self.run,
+                  "key": key, "argv_shown": shown, "supervisor": supervisor, "log": log_path, "run": self.run,
                   "started": state.now_iso(),
                   "env": dict((k, v) for k, v in (spec.get("env") or {}).items()
                               if k in (cache.SOCKET_TEMPLATE_ENV, cache.READY_TEMPLATE_ENV))}
@@ -249,16 +228,12 @@ class CacheSteps:
             self._reap()
             info = view(port, procfs.table(), self._read_gpus(), record)
             if info["running"]:
-                self.event("cache_start", "end", target=target, port=port, ok=True, launcher=child.pid,
+                self.event("cache_start", "end", target=target, port=port, ok=True, launcher=launcher["pid"],
                            daemons=[g["pid"] for g in info["gpus"]], elapsed_s=round(time.time() - began, 2))
                 return info
             if info["launcher"] is None:
-                code = self.exit_codes.get(child.pid)
-                pump = self.pumps.get("cache-%d" % port)
-                settle = time.time() + 1.0  # the pump writes what the launcher printed last
-                while pump is not None and pump.poll() is None and time.time() < settle:
-                    time.sleep(0.02)
-                tail = [self.redactor.text(line) for line in logs.log_tail(log_path, 20, offset)]
+                code = self.exit_codes.get(launcher["pid"])
+                tail = self._cache_tail(port, log_path, child)
                 self.event("cache_start", "end", target=target, port=port, ok=False, exit_code=code, log_tail=tail)
                 raise state.Failure("the weight cache exited during its load%s%s" % (
                     " with code %s" % code if code is not None else "",
@@ -270,4 +245,68 @@ class CacheSteps:
             self.progress("cache_start", target=target, port=port, elapsed_s=round(time.time() - began, 1),
                           ready=sum(1 for g in info["gpus"] if g["ready"]), of=len(info["gpus"]))
             time.sleep(READY_POLL_S)
+
+    def _start_cache_unit(self, port, unit_text):
+        """The daemons as the unit sglang-weight-cache-<port>.service: -> the launcher's {pid, start_ticks}."""
+        path, unit = state.paths(port)["cache_unit"], state.paths(port)["cache_unit_name"]
+        try:
+            state.write_private(path, unit_text, 0o600)
+        except OSError as error:
+            raise state.Failure("cannot write the unit %s: %s" % (path, error.strerror or error))
+        self._cache_unit_started = time.time()
+        for command in (["daemon-reload"], ["reset-failed", unit], ["start", unit]):
+            ok, output = supervise.systemctl(*command)
+            if not ok and command[0] != "reset-failed":
+                raise state.Failure("systemctl %s: %s" % (" ".join(command), self.redactor.text(output)[-300:]))
+        ok, output = supervise.systemctl("show", "-p", "MainPID", "--value", unit)
+        pid = int(output.strip()) if output.strip().isdigit() else 0
+        if pid <= 0:
+            raise state.Failure("%s has no main process after systemctl start" % unit)
+        stat = procfs.read_stat(pid)
+        return {"pid": pid, "start_ticks": stat[4] if stat else None}
+
+    def _cache_tail(self, port, log_path, child):
+        """The last lines the daemons printed (their log file, or the unit's journal)."""
+        if log_path is None:
+            logs.journal_sync()
+            unit = state.paths(port)["cache_unit_name"]
+            return [self.redactor.text(line) for line in logs.journal_tail(unit, 20, getattr(self, "_cache_unit_started", None))]
+        pump = self.pumps.get("cache-%d" % port)
+        settle = time.time() + 1.0  # the pump writes what the launcher printed last
+        while pump is not None and pump.poll() is None and time.time() < settle:
+            time.sleep(0.02)
+        return [self.redactor.text(line) for line in logs.log_tail(log_path, 20, self._cache_offset)]
+
+    def _start_cache_process(self, spec, target, argv, shown):
+        """The launcher as a detached process with its log pump: -> ({pid, start_ticks}, log, Popen)."""
+        port = spec["port"]
+        log_path = state.paths(port)["cache_log"]
+        try:
+            state.makedirs(state.LOG_DIR, 0o750)
+            logs.rotate_log(log_path)
+            handle = state.open_private_append(log_path)
+        except OSError as error:
+            raise state.Failure("cannot write the weight cache's log %s: %s" % (log_path, error.strerror or error))
+        import subprocess
+
+        env = dict(state.BASE_ENV)
+        env.update(spec.get("env") or {})
+        output = None
+        try:
+            handle.write(("\n=== gpugate start %s run %s (%s): %s\n" % (
+                state.now_iso(), self.run, target, self.redactor.text(" ".join(shown)))).encode("utf-8"))
+            handle.flush()
+            self._cache_offset = handle.tell()
+            output = self._log_pump(log_path, dict(spec, port="cache-%d" % port)) or handle
+            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                                     env=env, cwd="/", start_new_session=True, close_fds=True)
+        except OSError as error:
+            raise state.Failure("cannot start the weight cache %s: %s" % (argv[0], error))
+        finally:
+            handle.close()
+            if output is not None and output is not handle:
+                os.close(output)
+        self.children[child.pid] = child
+        stat = procfs.read_stat(child.pid)
+        return {"pid": child.pid, "start_ticks": stat[4] if stat else None}, log_path, child
 

@@ -456,6 +456,9 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         unit = render_unit(job.spec, job.budgets["drain_timeout_s"] + job.budgets["kill_grace_s"]) \
             if job.spec.supervisor == "systemd" else None
         doc["desired"] = job.spec.doc(unit_text=unit, by=_operator())
+        if job.spec.weight_cache and job.spec.supervisor == "systemd":
+            doc["desired"]["weight_cache"]["unit_text"] = render_unit(job.spec, job.budgets["kill_grace_s"],
+                                                                      "sglang-weight-cache.service.j2")
     else:
         doc["desired"] = None
     if job.end_pids:
@@ -794,20 +797,23 @@ def _capacity(job: Job, narrator: Narrator) -> dict[str, Any]:
     return {"before": before, "after": after, "line": line}
 
 
-def render_unit(spec: Spec, stop_timeout_s: float) -> str:
-    """The systemd unit (gpugate/templates/sglang.service.j2, package data) for this spec."""
+def _systemd_quote(arg: str) -> str:
+    # systemd's ExecStart splits like a shell with double quotes; '%' and '$' are its specifiers
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$") + '"'
+
+
+def render_unit(spec: Spec, stop_timeout_s: float, template: str = "sglang.service.j2") -> str:
+    """The systemd unit (gpugate/templates/sglang.service.j2, package data) for this spec; with
+    ``template`` sglang-weight-cache.service.j2, the unit of its weight-cache daemons."""
     import shlex
 
     from gpugate.resources import render_template
 
-    def systemd_quote(arg: str) -> str:
-        # systemd's ExecStart splits like a shell with double quotes; '%' and '$' are its specifiers
-        return '"' + arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$") + '"'
-
+    argv = spec.daemon_argv if template == "sglang-weight-cache.service.j2" else spec.argv
     return render_template(
-        "sglang.service.j2", port=spec.port, exec_start=" ".join(systemd_quote(a) for a in spec.argv),
+        template, port=spec.port, exec_start=" ".join(_systemd_quote(a) for a in argv),
         env_file=f"/etc/gpugate/sglang-{spec.port}.env", stop_timeout_s=int(stop_timeout_s),
-        argv_comment=shlex.join(engine().redact_argv(list(spec.argv))))
+        argv_comment=shlex.join(engine().redact_argv(list(argv))))
 
 
 def _story(observation: Mapping[str, Any], plan: Plan, spec: Spec | None) -> dict[str, Any]:

@@ -130,3 +130,34 @@ def test_a_start_that_crashes_shows_its_last_lines_from_journald_without_secrets
     # the server of the previous test serves again
     assert "the previous server serves again" in out, out
     assert unit(lab, "ActiveState")["ActiveState"] == "active"
+
+
+CACHE_UNIT = "sglang-weight-cache-30000.service"
+
+
+def cache_unit(lab) -> dict[str, str]:
+    out = in_ct(lab, f"systemctl show {CACHE_UNIT} -p ActiveState -p MainPID")
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def test_the_weight_cache_runs_as_its_own_unit_and_outlives_an_engine_only_restart(lab):
+    cached = ("--data", f"sglang_env={json.dumps(dict(FAST, SGLANG_STANDIN_WEIGHT_LOAD_S='0.5'))}",
+              "--data", "sglang_weight_cache=true")
+    first = pyinfra(lab, "deploy.py", {"tp": 8}, *cached)
+    out = first.stdout + first.stderr
+    assert first.returncode == 0 and "weight cache ready on every GPU" in out, out
+    daemons = cache_unit(lab)
+    assert daemons["ActiveState"] == "active" and daemons["MainPID"] != "0", daemons
+    assert "sglang.srt.weight_cache.daemon" in in_ct(lab, f"tr '\\0' ' ' < /proc/{daemons['MainPID']}/cmdline")
+
+    fp8 = pyinfra(lab, "deploy.py", {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}, *cached)
+    out = fp8.stdout + fp8.stderr
+    assert fp8.returncode == 0 and "weight cache kept" in out, out
+    assert cache_unit(lab) == daemons  # the same daemons, under the same unit
+    assert unit(lab, "ActiveState")["ActiveState"] == "active"
+
+    gone = pyinfra(lab, "deploy.py", {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}, *cached, "--data", "sglang_present=false")
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+    assert cache_unit(lab)["ActiveState"] in ("inactive", "failed") and cache_unit(lab)["MainPID"] == "0"
+    assert "weight_cache.daemon" not in in_ct(lab, "ps -eo args")
+    assert in_ct(lab, "ls /tmp | grep -c sglang_weight_cache || true").strip() == "0"
