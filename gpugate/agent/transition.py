@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from gpugate.agent import history, server, state
+from gpugate.agent import history, server, state, weight_cache
 from gpugate.agent.start import StartSteps
 from gpugate.agent.stop import StopSteps
 from gpugate.agent.weight_cache import CacheSteps
@@ -330,8 +330,6 @@ class Transition(StopSteps, StartSteps, CacheSteps):
         """The key the server's daemons hold, for its history record (None without a cache)."""
         if not spec.get("weight_cache"):
             return None
-        from gpugate.agent import weight_cache
-
         key = (weight_cache.read_record(spec["port"]) or {}).get("key") or {}
         return {"weight_cache_key": key.get("id")} if key else None
 
