@@ -39,6 +39,7 @@ from gpugate.spec import Desired, Routing, Spec, SpecError, build_spec, redact_f
 
 FOLLOW_WAIT_S = 3.0       # one follow command waits up to this long for new journal events
 FOLLOW_RETRIES = 3        # consecutive failed follow commands before the controller gives up watching
+LINK_SILENT_S = 5.0       # a follow unanswered this long beyond its own wait: the link is said to be silent
 
 
 def emit(step: str, **fields: Any) -> None:
@@ -596,6 +597,28 @@ def _install_agent(host_obj: Any, python: str) -> bool:
     return ran and bool(answer.get("ok"))
 
 
+def _run_saying_silence(host_obj: Any, job: Job, command: Any, timeout: float) -> tuple[bool, dict[str, Any], str | None]:
+    """_run of a follow, with a progress line every LINK_SILENT_S while the link stays silent
+    beyond the follow's own wait (a frozen SSH link is otherwise silence until its timeout)."""
+    import gevent  # pyinfra's own: the command's wait is a greenlet's, so a timer greenlet can speak
+
+    began = time.time()
+    link = host_obj.data.get("pve_host") or host_obj.name  # the Proxmox host the SSH link goes to
+
+    def say_silence() -> None:
+        while True:
+            _say(host_obj, job.port, f"no answer from the container for {time.time() - began:.0f} s (a follow "
+                                     f"answers within {FOLLOW_WAIT_S:g} s): the SSH link to {link} is silent; "
+                                     f"the transition goes on in the container, still waiting (up to {timeout:g} s)")
+            gevent.sleep(LINK_SILENT_S)
+
+    speaker = gevent.spawn_later(FOLLOW_WAIT_S + LINK_SILENT_S, say_silence)
+    try:
+        return _run(host_obj, command, timeout=timeout)
+    finally:
+        speaker.kill(block=False)
+
+
 def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | None = None,
             seen: dict[str, Any] | None = None) -> bool:
     """Follow the run's journal to its outcome, printing progress; the exit status is the
@@ -614,8 +637,9 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
     misses = 0
     answer: dict[str, Any] = {}
     while True:
-        ran, answer, trouble = _run(host_obj, agentcmd.follow_command(job.python, run, offset, wait_s=FOLLOW_WAIT_S, batch=True),
-                                    timeout=FOLLOW_WAIT_S + 60)
+        ran, answer, trouble = _run_saying_silence(
+            host_obj, job, agentcmd.follow_command(job.python, run, offset, wait_s=FOLLOW_WAIT_S, batch=True),
+            timeout=FOLLOW_WAIT_S + 60)
         if trouble and "is stopped" in trouble or trouble and "does not exist" in trouble:
             book.ended(name, trouble)
             _say(host_obj, job.port, f"{trouble}: following run {run} ends here (it was at "

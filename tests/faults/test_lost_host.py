@@ -43,3 +43,29 @@ def test_a_rolling_change_stops_at_a_lost_host_and_says_it_is_the_link(lab):
     said(run, "[@pct/pve3:129] sglang :30000 not touched")
     summary = run.output.split("not touched (the rolling restart stopped after 1 failed container(s): ", 1)[1]
     assert summary.startswith("@pct/pve2:129): @pct/pve3:129"), summary
+
+
+def test_a_frozen_ssh_link_is_said_while_it_lasts_and_the_run_goes_on(lab):
+    import threading
+
+    run = deploy(lab, TP2, limit="pve_pve1")
+    assert run.returncode == 0, run
+    frozen = []
+
+    def freeze_pve1(_process):
+        # every sshd of pve1 stopped for real (its listener and the session the follow runs in)
+        lab.host_exec("pve1", "pkill", "-STOP", "-x", "sshd")
+        frozen.append(threading.Timer(12.0, lambda: lab.host_exec("pve1", "pkill", "-CONT", "-x", "sshd")))
+        frozen[0].start()
+
+    try:
+        run = deploy(lab, TP2_FP8, limit="pve_pve1", when=[("[@pct/pve1:129] sglang :30000 started pid", freeze_pve1)])
+    finally:
+        for timer in frozen:
+            timer.join()
+        lab.host_exec("pve1", "pkill", "-CONT", "-x", "sshd")
+    assert run.returncode == 0, run
+    said(run, "no answer from the container for", "the SSH link to pve1 is silent",
+         "[@pct/pve1:129] sglang :30000 done in")
+    assert run.output.index("is silent") < run.output.index("sglang :30000 done in")
+    assert flag_value(running_argv(lab, "pve1"), "--kv-cache-dtype") == "fp8_e4m3"
