@@ -23,7 +23,7 @@ from tests.e2e.lab_processes import ct_sh
 pytestmark = [pytest.mark.lab]
 
 # the stand-in's phases (lab/gpugate_lab/standin/sglang/_timing.py): a disk load the cache saves
-ENV = {"SGLANG_STANDIN_LOAD_S": "0.2", "SGLANG_STANDIN_WEIGHT_LOAD_S": "1.5", "SGLANG_STANDIN_IPC_MAP_S": "0.05"}
+ENV = {"SGLANG_STANDIN_LOAD_S": "0.2", "SGLANG_STANDIN_WEIGHT_LOAD_S": "0.5", "SGLANG_STANDIN_IPC_MAP_S": "0.05"}
 SERVER = {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 2}, "env": ENV, "weight_cache": True}
 FP8 = dict(SERVER, flags={"tp": 2, "kv-cache-dtype": "fp8_e4m3"})
 TP4 = dict(SERVER, flags={"tp": 4, "kv-cache-dtype": "fp8_e4m3"})
@@ -73,7 +73,10 @@ def status(lab, path: Path) -> dict:
     return json.loads(run.stdout)["servers"][0]
 
 
-def test_an_engine_only_change_keeps_the_weights_and_a_key_change_restarts_them(lab, tmp_path):
+SEEN: dict[str, dict] = {}  # the module's tests run in order, each on the state the one before left
+
+
+def test_a_first_start_runs_the_daemons_before_the_engine_and_the_status_shows_them(lab, tmp_path):
     base = fleet(lab, tmp_path / "base.yaml", SERVER)
     first = pyinfra(lab, base, "-y", "deploy.py")
     out = first.stdout + first.stderr
@@ -85,12 +88,15 @@ def test_an_engine_only_change_keeps_the_weights_and_a_key_change_restarts_them(
     assert row["verdict"] == "serving as desired", row
     assert row["weight_cache"]["running"] and [g["index"] for g in row["weight_cache"]["gpus"]] == [0, 1], row
     assert all(g["pid"] in before["daemon"] and g["used_mib"] for g in row["weight_cache"]["gpus"]), row
+    SEEN["base"] = before
 
-    # the seeds' fp8 KV change: --dry names an engine-only restart, and the daemons keep their pids
+
+def test_the_seeds_fp8_change_is_an_engine_only_restart_on_the_same_daemons(lab, tmp_path):
+    before = SEEN["base"]
     fp8 = fleet(lab, tmp_path / "fp8.yaml", FP8)
     dry = pyinfra(lab, fp8, "deploy.py", "--dry")
-    assert "restart: engine only: the weights stay on GPU 0-1 (the weight cache's key is unchanged)" in dry.stdout + dry.stderr, \
-        dry.stdout + dry.stderr
+    assert "restart: engine only: the weights stay on GPU 0-1 (the weight cache's key is unchanged)" in \
+        dry.stdout + dry.stderr, dry.stdout + dry.stderr
     run = pyinfra(lab, fp8, "-y", "deploy.py")
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
@@ -100,12 +106,15 @@ def test_an_engine_only_change_keeps_the_weights_and_a_key_change_restarts_them(
     assert "weight cache kept" in out, out
     log = ct_sh(lab, "pve1", 129, "cat /var/log/gpugate/sglang-30000.log").stdout
     assert "Zero-copy: mapped" in log.split("=== gpugate start")[-1], log[-3000:]
+    SEEN["fp8"] = after
 
-    # a change of the key (tp 2 -> 4): --dry says so, the daemons restart before the engine
+
+def test_a_change_of_the_key_restarts_the_daemons_first(lab, tmp_path):
+    after = SEEN["fp8"]
     tp4 = fleet(lab, tmp_path / "tp4.yaml", TP4)
     dry = pyinfra(lab, tp4, "deploy.py", "--dry")
-    assert "restart: engine and weight cache: the weight cache's key changes (--tp-size 2 -> 4)" in dry.stdout + dry.stderr, \
-        dry.stdout + dry.stderr
+    assert "restart: engine and weight cache: the weight cache's key changes (--tp-size 2 -> 4)" in \
+        dry.stdout + dry.stderr, dry.stdout + dry.stderr
     run = pyinfra(lab, tp4, "-y", "deploy.py")
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
@@ -117,7 +126,8 @@ def test_an_engine_only_change_keeps_the_weights_and_a_key_change_restarts_them(
     text = (tmp_path / "gpugate.prom").read_text()
     assert "gpugate_weight_cache_ready{" in text and text.count("gpugate_weight_cache_used_mib{") == 4, text
 
-    # present: false stops the engine and its daemons, and frees the GPUs
+
+def test_present_false_stops_the_engine_and_its_daemons(lab, tmp_path):
     gone = fleet(lab, tmp_path / "gone.yaml", dict(TP4, present=False))
     run = pyinfra(lab, gone, "-y", "deploy.py")
     assert run.returncode == 0, run.stdout + run.stderr

@@ -55,11 +55,13 @@ def test_a_frozen_ssh_link_is_said_while_it_lasts_and_the_run_goes_on(lab):
     def freeze_pve1(_process):
         # every sshd of pve1 stopped for real (its listener and the session the follow runs in)
         lab.host_exec("pve1", "pkill", "-STOP", "-x", "sshd")
-        frozen.append(threading.Timer(12.0, lambda: lab.host_exec("pve1", "pkill", "-CONT", "-x", "sshd")))
+        frozen.append(threading.Timer(10.0, lambda: lab.host_exec("pve1", "pkill", "-CONT", "-x", "sshd")))
         frozen[0].start()
 
     try:
-        run = deploy(lab, TP2_FP8, limit="pve_pve1", when=[("[@pct/pve1:129] sglang :30000 started pid", freeze_pve1)])
+        # a load long enough for the run to go on during the freeze (budgets and times as data)
+        run = deploy(lab, TP2_FP8, env={"SGLANG_STANDIN_LOAD_S": "6"}, limit="pve_pve1",
+                     when=[("[@pct/pve1:129] sglang :30000 started pid", freeze_pve1)])
     finally:
         for timer in frozen:
             timer.join()
