@@ -12,13 +12,14 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT, module_lab
-from tests.e2e.lab_processes import ct_sh
+from tests.e2e.lab_processes import ct_sh, start_in_container
 
 pytestmark = [pytest.mark.lab]
 
@@ -66,6 +67,15 @@ def processes(lab) -> dict[str, list[int]]:
         elif ppid.isdigit() and int(ppid) in launchers and "spawn_main" in cmd:
             found["daemon"].append(int(pid))
     return {kind: sorted(pids) for kind, pids in found.items()}
+
+
+def wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def status(lab, path: Path) -> dict:
@@ -134,3 +144,16 @@ def test_present_false_stops_the_engine_and_its_daemons(lab, tmp_path):
     assert processes(lab) == {"engine": [], "launcher": [], "daemon": []}
     files = ct_sh(lab, "pve1", 129, "ls /tmp | grep sglang_weight_cache || true").stdout
     assert files.strip() == "", files
+
+
+def test_a_gated_engine_left_waiting_at_its_gate_is_never_adopted(lab, tmp_path):
+    # what an agent that died mid-run leaves: the desired command, launched gated, waiting at its gate
+    plain = dict(SERVER, weight_cache=False)
+    argv = ("/usr/bin/python3 -m sglang.launch_server --model-path /opt/models/lab-model --host 127.0.0.1 "
+            "--port 30000 --tp-size 2 --gated-launch-port 45999")
+    orphan = start_in_container(lab, "pve1", 129, "env SGLANG_STANDIN_LOAD_S=0.2 " + argv, "orphan-gated")
+    assert wait_for(lambda: "OK" in ct_sh(lab, "pve1", 129, "curl -s http://127.0.0.1:45999/health").stdout, 20)
+    run = pyinfra(lab, fleet(lab, tmp_path / "plain.yaml", plain), "-y", "deploy.py")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "already runs" not in out, out
+    assert not orphan.alive() and processes(lab)["engine"] and orphan.pid not in processes(lab)["engine"]
