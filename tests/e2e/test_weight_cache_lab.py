@@ -83,6 +83,15 @@ def status(lab, path: Path) -> dict:
     return json.loads(run.stdout)["servers"][0]
 
 
+def dry_then_deploy(lab, path: Path, kind: str) -> str:
+    """``--dry`` names the restart ``kind``; then the deploy, which must succeed: its output."""
+    dry = pyinfra(lab, path, "deploy.py", "--dry")
+    assert kind in dry.stdout + dry.stderr, dry.stdout + dry.stderr
+    run = pyinfra(lab, path, "-y", "deploy.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout + run.stderr
+
+
 SEEN: dict[str, dict] = {}  # the module's tests run in order, each on the state the one before left
 
 
@@ -103,13 +112,8 @@ def test_a_first_start_runs_the_daemons_before_the_engine_and_the_status_shows_t
 
 def test_the_seeds_fp8_change_is_an_engine_only_restart_on_the_same_daemons(lab, tmp_path):
     before = SEEN["base"]
-    fp8 = fleet(lab, tmp_path / "fp8.yaml", FP8)
-    dry = pyinfra(lab, fp8, "deploy.py", "--dry")
-    assert "restart: engine only: the weights stay on GPU 0-1 (the weight cache's key is unchanged)" in \
-        dry.stdout + dry.stderr, dry.stdout + dry.stderr
-    run = pyinfra(lab, fp8, "-y", "deploy.py")
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out
+    out = dry_then_deploy(lab, fleet(lab, tmp_path / "fp8.yaml", FP8),
+                          "restart: engine only: the weights stay on GPU 0-1 (the weight cache's key is unchanged)")
     after = processes(lab)
     assert after["launcher"] == before["launcher"] and after["daemon"] == before["daemon"], (before, after)
     assert after["engine"] != before["engine"], (before, after)
@@ -122,12 +126,7 @@ def test_the_seeds_fp8_change_is_an_engine_only_restart_on_the_same_daemons(lab,
 def test_a_change_of_the_key_restarts_the_daemons_first(lab, tmp_path):
     after = SEEN["fp8"]
     tp4 = fleet(lab, tmp_path / "tp4.yaml", TP4)
-    dry = pyinfra(lab, tp4, "deploy.py", "--dry")
-    assert "restart: engine and weight cache: the weight cache's key changes (--tp-size 2 -> 4)" in \
-        dry.stdout + dry.stderr, dry.stdout + dry.stderr
-    run = pyinfra(lab, tp4, "-y", "deploy.py")
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out
+    dry_then_deploy(lab, tp4, "restart: engine and weight cache: the weight cache's key changes (--tp-size 2 -> 4)")
     moved = processes(lab)
     assert moved["launcher"] != after["launcher"] and len(moved["daemon"]) == 4, moved
     assert not set(moved["daemon"]) & set(after["daemon"])
