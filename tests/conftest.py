@@ -195,6 +195,7 @@ LONGEST_MODULES = (
     "tests/e2e/test_runbooks_lab.py",
     "tests/faults/test_stop_and_gate.py",
     "tests/e2e/test_transition_lab.py",
+    "tests/faults/test_weight_cache_faults.py",
     "tests/lab/test_agent_lab.py",
     "tests/e2e/test_gate_lab.py",
     "tests/faults/test_fleet_and_input.py",
@@ -204,6 +205,8 @@ LONGEST_MODULES = (
     "tests/e2e/test_connector_lab.py",
     "tests/e2e/test_systemd_lab.py",
     "tests/e2e/test_flags_lab.py",
+    "tests/e2e/test_weight_cache_lab.py",
+    "tests/lab/test_weight_cache_standin.py",
 )
 
 
