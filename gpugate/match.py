@@ -148,7 +148,8 @@ def cache_verdict(observation: Mapping[str, Any], spec: Spec | None) -> CacheVer
         shown = [dict(inputs or {}, argv=engine().redact_argv(list((inputs or {}).get("argv") or [])))
                  for inputs in (have.get("inputs"), want["inputs"])]  # a secret's change shows as ***
         changes = tuple(cache.key_changes(*shown))
-        return CacheVerdict("start", "the weight cache's key changes (" + (", ".join(changes) or "?") + ")", changes)
+        return CacheVerdict("start", "the weight cache's key changes (" + (
+            ", ".join(changes) or "a secret value of the daemons' command") + ")", changes)
     return CacheVerdict("keep", "the weight cache's key is unchanged")
 
 

@@ -643,7 +643,7 @@ class Narrator:
             if event.get("passed"):
                 monitors = event.get("monitors") or []
                 extra = f"; monitor(s) {monitors} not waited for" if monitors else ""
-                own = (f" besides this server's own {_compact(event['expected_mib'])} (its weight cache, its gated engine)"
+                own = (f" besides this server's own {_compact(event['expected_mib'])} ({', '.join(event.get('own') or [])})"
                        if event.get("expected_mib") else "")
                 return f"gate passed in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}{own}, no holder{extra}"
             return f"gate did NOT pass in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}; " + "; ".join(event.get("problems") or [])
@@ -670,6 +670,9 @@ class Narrator:
             return f"started the new engine gated (pid {event.get('pid')}, gate :{event.get('gate_port')}) during the drain"
         if step == "gated" and phase == "end" and event.get("reached"):
             return f"the gated engine reached its gate {_seconds(event.get('elapsed_s'))} after its start"
+        if step == "gated" and phase == "end" and event.get("taken_by"):
+            return (f"the gated engine's gate port is taken by pid {', '.join(str(p) for p in event['taken_by'])}: "
+                    f"it can never be activated; ended, an ordinary start instead")
         if step == "gated" and phase == "end" and event.get("ended"):
             return f"ended the gated engine, never activated (pids {event.get('ended')})"
 

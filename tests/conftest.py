@@ -206,6 +206,7 @@ LONGEST_MODULES = (
     "tests/e2e/test_systemd_lab.py",
     "tests/e2e/test_flags_lab.py",
     "tests/e2e/test_weight_cache_lab.py",
+    "tests/e2e/test_weight_cache_edges_lab.py",
     "tests/lab/test_weight_cache_standin.py",
 )
 

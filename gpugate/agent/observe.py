@@ -165,7 +165,7 @@ def observe(args):
     report["weight_cache"] = weight_cache.view(port, table, gpu_doc)
     report["torch_version"] = installed.torch_version()
     report["model_config_sha256"] = cache.model_config_sha256(model_path)
-    cache_pids = dict((pid, port) for pid in (report["weight_cache"] or {}).get("pids") or [])
+    cache_pids = weight_cache.daemon_ports(table)  # every server's daemons: a port change replaces its own
     skip = tree_set | own
     container = {"free_mib": {state.LOG_DIR: state.free_mib(state.LOG_DIR if os.path.isdir(state.LOG_DIR) else "/var/log"),
                               state.STATE_DIR: state.free_mib(state.STATE_DIR if os.path.isdir(state.STATE_DIR) else "/var/lib")},

@@ -108,6 +108,7 @@ class StartSteps:
                 self.event("gate", "end", target=target, passed=True, used_mib=used, polls=polls,
                            elapsed_s=round(time.time() - began, 3),
                            expected_mib=dict((str(k), v) for k, v in (expected or {}).items()) or None,
+                           own=[what for what, on in (("its weight cache", keep_cache), ("its gated engine", gated)) if on],
                            monitors=[h["pid"] for h in doc.get("holders") or [] if not h.get("gpus")])
                 return
             if permanent or time.time() >= deadline:
@@ -290,7 +291,16 @@ class StartSteps:
                            elapsed_s=round(time.time() - gated["began"], 2), log_tail=tail)
                 raise state.Failure("the server exited before its gated launch%s%s" % (
                     " with code %s" % code if code is not None else "", ": " + logs.crash_line(tail, port) if tail else ""))
-            status, _ = server.http_get(gated["host"], gated["gate_port"], "/health", 2.0)
+            owners = set(server.socket_owners(server.listeners(gated["gate_port"]) or []))
+            if owners and not owners & set(self._gated_tree(procfs.table())):
+                # its gate could not bind (the port was taken since free_port chose it): this launch can
+                # never be activated; what it cost is the overlap, the start is an ordinary one
+                self.warnings.append("gated launch not used: its port %d is taken by pid %s" % (
+                    gated["gate_port"], ", ".join(str(p) for p in sorted(owners))))
+                self.event("gated", "end", target=target, port=port, reached=False, taken_by=sorted(owners))
+                self._end_gated()
+                return self._start(spec, target)
+            status, _ = server.http_get(gated["host"], gated["gate_port"], "/health", 2.0) if owners else (None, "")
             if status == 200:
                 break
             if time.time() >= deadline:

@@ -209,6 +209,12 @@ class Transition(StopSteps, StartSteps, CacheSteps):
         for name, value in (spec.get("env") or {}).items():
             if environ.get(name) != value:
                 return None
+        # and none that the spec drops: what we gave it (our env file), what a good spec of this port had
+        given = self._env_we_gave(spec["port"], main, environ) or {}
+        had = set(given) | set(name for entry in history.load_history(spec["port"]).get("good") or []
+                               for name in (entry.get("spec") or {}).get("env") or {})
+        if any(name in environ for name in had - set(spec.get("env") or {})):
+            return None
         gpus = spec.get("gpus") if spec.get("gpus") is not None else sglang.server_gpus(spec["argv"], spec.get("env"))
         tree = [main["pid"]] + procfs.descendants(table, main["pid"])
         workers = server.workers_of(table, tree, len(gpus) if gpus is not None else None)

@@ -45,6 +45,17 @@ def tree(table, record):
                                   if table.get(pid, {}).get("state") not in ("Z", "X")]
 
 
+def daemon_ports(table):
+    """pid -> the port whose recorded daemons it is, for every server of the container."""
+    out = {}
+    for name in state.listdir(state.RUN_DIR):
+        if name.startswith("weight-cache-") and name.endswith(".json") and name[13:-5].isdigit():
+            port = int(name[13:-5])
+            for pid in tree(table, read_record(port))[1]:
+                out[pid] = port
+    return out
+
+
 def uuid_of(gpu_doc, index):
     for gpu in (gpu_doc or {}).get("gpus") or []:
         if gpu.get("index") == index:
@@ -66,11 +77,12 @@ def used_by(gpu_doc, pids):
     return out
 
 
-def view(port, table, gpu_doc, record=None):
+def view(port, table, gpu_doc, record=None, probe=True):
     """What runs of the server's daemons: ``{"running", "launcher", "pids", "key", "gpus": [{index,
     uuid, pid, ready, used_mib, config}], "problems", "supervisor", "started"}``; None without a
     record. ``running``: the launcher lives and every GPU's ``.ready`` names a live daemon of its
-    tree (an engine may map them)."""
+    tree that is not stopped and (``probe``) answers a ping on its socket: an engine may map them.
+    The key's inputs are shown with the command's secrets masked."""
     record = record if record is not None else read_record(port)
     if record is None:
         return None
@@ -86,16 +98,49 @@ def view(port, table, gpu_doc, record=None):
         pid = (ready or {}).get("pid")
         entry = {"index": index, "uuid": uuid, "pid": pid, "ready": bool(ready and pid in live),
                  "used_mib": used.get(index), "config": cache.config_summary((ready or {}).get("config"))}
+        why = None
         if launcher is not None and not entry["ready"]:
-            problems.append("GPU %d: %s" % (index, "no .ready yet" if ready is None else
-                                            "the .ready names pid %s, not a daemon of this server" % pid))
+            why = "no .ready yet" if ready is None else "the .ready names pid %s, not a daemon of this server" % pid
+        elif entry["ready"] and table.get(pid, {}).get("state") in STOPPED_STATES:
+            why = "daemon pid %d is stopped (state %s)" % (pid, table[pid]["state"])
+        elif entry["ready"] and probe and not answers(cache.file_paths(uuid, record.get("env") or {})[0]):
+            why = "daemon pid %d does not answer on its socket within %gs" % (pid, PING_TIMEOUT_S)
+        if why:
+            entry["ready"] = False
+            problems.append("GPU %d: %s" % (index, why))
         gpus.append(entry)
     if launcher is None:
         problems.insert(0, "the daemons are gone (launcher pid %s)" % (record.get("launcher") or {}).get("pid"))
+    key = dict(record.get("key") or {})
+    if key.get("inputs"):  # what may be shown: the command as recorded with its secrets masked
+        key["inputs"] = dict(key["inputs"], argv=list(record.get("argv_shown") or []))
     return {"running": launcher is not None and not problems, "launcher": launcher["pid"] if launcher else None,
-            "pids": sorted(live), "key": record.get("key"), "gpus": gpus, "problems": problems,
+            "pids": sorted(live), "key": key, "gpus": gpus, "problems": problems,
             "supervisor": record.get("supervisor") or "process", "started": record.get("started"),
             "argv": record.get("argv_shown")}
+
+
+STOPPED_STATES = ("T", "t")  # SIGSTOPped or traced: its socket never answers an engine
+PING_TIMEOUT_S = 2.0
+
+
+def answers(socket_path, timeout=PING_TIMEOUT_S):
+    """Whether the daemon behind this socket answers SGLang's ``ping`` (protocol.py: a length-prefixed
+    pickle, ``{"type": "ping"}`` -> ``{"status": "ok"}``) within ``timeout``: a hung daemon is no cache."""
+    import pickle
+    import socket
+    import struct
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(socket_path)
+            data = pickle.dumps({"type": "ping"}, protocol=2)
+            sock.sendall(struct.pack("!I", len(data)) + data)
+            header = sock.recv(4)
+            return len(header) == 4 and struct.unpack("!I", header)[0] < 1 << 16
+    except (OSError, ValueError):
+        return False
 
 
 def desired_key(spec):
@@ -113,10 +158,21 @@ def procs_model(spec):
     return processes.argv_model((spec or {}).get("argv") or [])
 
 
+def is_daemon(pid):
+    """A weight-cache daemon: a launcher, or a spawned child of one (SGLang's single-rank mode is
+    the launcher's command itself)."""
+    argv = procfs.read_argv(pid)
+    if cache.is_daemon_argv(argv):
+        return True
+    stat = procfs.read_stat(pid)
+    return bool(stat) and "spawn_main" in " ".join(argv) and cache.is_daemon_argv(procfs.read_argv(stat[2]))
+
+
 def stale_files(gpu_doc, gpus, env=None, keep=()):
     """The socket and .ready files of these GPUs whose daemon is gone (SGLang's
     cleanup_stale_daemon_files: a client start against a socket nobody listens on is a hard
-    error); those of a live pid in ``keep`` or of any live process are left."""
+    error), or that name a live process that is no daemon (SGLang would refuse them as "already
+    running"); those of a pid in ``keep`` or of a live daemon are left."""
     out = []
     for index in gpus or []:
         uuid = uuid_of(gpu_doc, index)
@@ -124,8 +180,8 @@ def stale_files(gpu_doc, gpus, env=None, keep=()):
             continue
         sock, ready_path = cache.file_paths(uuid, env)
         ready = cache.parse_ready(read_file(ready_path))
-        if ready and (ready["pid"] in keep or procfs.alive(ready["pid"])):
-            continue
+        if ready and (ready["pid"] in keep or (procfs.alive(ready["pid"]) and is_daemon(ready["pid"]))):
+            continue  # a live daemon's files: its own (another's daemon is a holder the gate sees)
         out += [path for path in (sock, ready_path) if os.path.lexists(path)]
     return out
 

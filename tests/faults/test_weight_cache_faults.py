@@ -150,3 +150,23 @@ def test_an_engine_that_crashes_after_its_activation_rolls_back(lab):
     assert "rollback: weight cache kept" in run.output, run
     assert serving(lab)
     assert daemons(lab) == (launchers, children)  # the key never changed: the weights stayed
+
+
+def test_a_gate_port_taken_before_the_gated_engine_binds_it_falls_back_to_an_ordinary_start(lab):
+    reset(lab)
+    squatter = []
+
+    def take_the_gate_port(_process) -> None:
+        # the port free_port chose, from the gated engine's own argv; bound before its imports end
+        argv = next(cmd for cmd in engine_flags(lab) if "--gated-launch-port" in cmd).split()
+        port = argv[argv.index("--gated-launch-port") + 1]
+        squatter.append(start_in_container(lab, "pve1", 129, f"python3 -m http.server --bind 127.0.0.1 {port}",
+                                           "gate-squatter"))
+
+    slow_import = dict(ENV, SGLANG_STANDIN_IMPORT_S="5")  # its gate binds after its imports (a follow answers within 3 s)
+    run = pyinfra(lab, deploy_args(FP8, slow_import, CACHE), when=[("started the new engine gated", take_the_gate_port)])
+    assert run.returncode == 0, run
+    assert "the gated engine's gate port is taken by pid" in run.output and "an ordinary start instead" in run.output, run
+    assert serving(lab) and any("fp8_e4m3" in cmd for cmd in engine_flags(lab))
+    assert squatter and squatter[0].alive()  # never ours to end
+    ct_sh(lab, "pve1", 129, f"kill {squatter[0].pid}")

@@ -1,6 +1,8 @@
-"""Adversarial findings around the weight cache and the gated launch (branch adv): each test is a
-reproduction through the real pyinfra CLI that FAILS on main as of 932308a. See the report for the
-invariant or promise each one breaks."""
+"""What an adversarial pass broke around the weight cache and the gated launch (docs/reliability.md,
+issue 22), each a reproduction through the real pyinfra CLI that failed before its fix: a secret of
+the daemons' command in the status JSON (F1), an env var the spec drops left in a server started
+ungated (F5, not the cache's own), a SIGSTOPped daemon kept for an engine-only change (F2), a port
+change refused for the server's own daemons, a .ready naming a live process that is no daemon."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ SERVER = {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    yield from module_lab(tmp_path_factory, "lab-adv-weight-cache", hosts=1, gpus=4)
+    yield from module_lab(tmp_path_factory, "lab-weight-cache-edges", hosts=1, gpus=4)
 
 
 def reset(lab, tmp_path: Path) -> None:
@@ -77,3 +79,27 @@ def test_a_stopped_daemon_is_not_kept_for_an_engine_only_change(lab, tmp_path):
     ct_sh(lab, "pve1", 129, f"kill -CONT {daemon} 2>/dev/null || true")
     assert "NOTHING SERVES" not in out, out[-3000:]
     assert "engine only" not in dry.stdout, dry.stdout
+
+
+def test_a_port_change_with_a_weight_cache_is_not_refused_for_its_own_daemons(lab, tmp_path):
+    """F5: the replaced server's daemons are its own (observe labels every port's daemons)."""
+    reset(lab, tmp_path)
+    run, out = deploy(lab, fleet(lab, tmp_path / "a.yaml", SERVER))
+    assert run.returncode == 0, out
+    run, out = deploy(lab, fleet(lab, tmp_path / "b.yaml", dict(SERVER, port=30001)))
+    assert run.returncode == 0 and "REFUSED" not in out, out
+    assert "port change" in out and "weight cache ready on every GPU" in out, out
+    reset(lab, tmp_path)
+    pyinfra(lab, fleet(lab, tmp_path / "gone1.yaml", dict(SERVER, port=30001, present=False)), "-y", "deploy.py")
+
+
+def test_a_ready_file_naming_a_live_process_that_is_no_daemon_is_cleaned_not_obeyed(lab, tmp_path):
+    """F6: a stale .ready with pid=1 (alive, no daemon) and a socket file: SGLang's launcher would
+    refuse them as "already running"; the agent removes them first."""
+    reset(lab, tmp_path)
+    uuid = ct_sh(lab, "pve1", 129, "nvidia-smi --query-gpu=uuid --format=csv,noheader | head -1").stdout.strip()
+    name = "/tmp/sglang_weight_cache_" + uuid.removeprefix("GPU-")
+    ct_sh(lab, "pve1", 129, f"printf 'pid=1\\nconfig={{}}\\n' > {name}.ready && python3 -c "
+                            f"\"import socket; s=socket.socket(socket.AF_UNIX); s.bind('{name}.sock')\"")
+    run, out = deploy(lab, fleet(lab, tmp_path / "a.yaml", SERVER))
+    assert run.returncode == 0 and "already running" not in out, out
