@@ -114,7 +114,7 @@ PROFILES["h200-sim"] = dict(PROFILES["h200"], what=PROFILES["h200"]["what"] + " 
                             "the map 0.1 s)",
                             env=dict(PROFILES["h200"]["env"],
                                      SGLANG_STANDIN_WEIGHT_LOAD_S=("10", "rehearsal: ~32 GiB at ~3.4 GB/s"),
-                                     SGLANG_STANDIN_IPC_MAP_S=("0.1", "rehearsal"),
+                                     SGLANG_STANDIN_IPC_MAP_S=("0.1", "rehearsal: a map of a few hundred ms at most"),
                                      SGLANG_STANDIN_WEIGHT_MIB=("32768", "32 GiB, the H200 run's weight set")))
 QUICK_SCALE = 20.0
 
@@ -214,16 +214,23 @@ if mode == "nvml":
                 return f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
         except OSError:
             return "?"
+    proc_errors = []
     def read():
         used = [pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2).used >> 20 for h in handles]
         procs = {}
-        for h in handles:
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                mib = (p.usedGpuMemory or 0) >> 20
-                procs[str(p.pid)] = procs.get(str(p.pid), 0) + mib
-                if p.pid not in cmds:
-                    cmds[p.pid] = cmd_of(p.pid)
-                    new.append((p.pid, cmds[p.pid]))
+        try:
+            for h in handles:
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                    mib = (p.usedGpuMemory or 0) >> 20
+                    procs[str(p.pid)] = procs.get(str(p.pid), 0) + mib
+                    if p.pid not in cmds:
+                        cmds[p.pid] = cmd_of(p.pid)
+                        new.append((p.pid, cmds[p.pid]))
+        except Exception as exc:  # the totals still count
+            if not proc_errors:
+                proc_errors.append(str(exc))
+                new.append(("error", "per-process memory: %s" % exc))
+            procs = None
         return used, procs
 else:
     gdir = arg
@@ -356,11 +363,14 @@ def memory_order(samples: list[dict], began: float, ended: float) -> dict:
     >>> r = memory_order(s, 1, 5); (r["old_gone_t"], r["new_kv_t"], r["old_gone_before_new_kv"])
     (2, 4, True)
     """
-    rows = [s for s in samples if "procs" in s and isinstance(s.get("used"), list)]
+    rows = [s for s in samples if isinstance(s.get("used"), list)]
     before = [s for s in rows if s["t"] <= began]
     during = [s for s in rows if began < s["t"] <= ended]
     if not before or not during:
         return {"error": "no samples around the deploy"}
+    totals = total_order(before[-1], during)
+    if not all(isinstance(s.get("procs"), dict) for s in [before[-1]] + during):
+        return dict(totals, per_process=False)
     first, last = before[-1], during[-1]
     held_before = {p for p, m in first["procs"].items() if m > 0}
     held_after = {p for p, m in last["procs"].items() if m > 0}
@@ -382,7 +392,25 @@ def memory_order(samples: list[dict], began: float, ended: float) -> dict:
             "gap_s": round(new_kv - old_gone, 3) if old_gone is not None and new_kv is not None else None,
             "peak_used_mib": max(sum(s["used"]) for s in during), "used_before_mib": sum(first["used"]),
             "used_after_mib": sum(last["used"]), "samples": len(during),
-            "procs": {"kept": sorted(kept), "old": sorted(old), "new": sorted(new)}}
+            "procs": {"kept": sorted(kept), "old": sorted(old), "new": sorted(new)}, "totals": totals}
+
+
+def total_order(first: dict, during: list[dict]) -> dict:
+    """The same question from the GPUs' totals alone: the lowest total during the deploy (the old
+    engine gone, the new one's pool not yet there), when it was first reached, and when the total
+    came back to within 1 GiB of its end value (the new pool).
+
+    >>> r = total_order({"t": 0, "used": [100]}, [{"t": 2, "used": [40]}, {"t": 3, "used": [41]}, {"t": 4, "used": [2100]}])
+    >>> (r["low_mib"], r["low_t"], r["high_again_t"])
+    (40, 2, 4)
+    """
+    totals = [(s["t"], sum(s["used"])) for s in during]
+    low = min(v for _, v in totals)
+    low_t = next(t for t, v in totals if v <= low + 1024)
+    end = totals[-1][1]
+    high_t = next((t for t, v in totals if t > low_t and v >= end - 1024), None)
+    return {"before_mib": sum(first["used"]), "low_mib": low, "low_t": low_t, "end_mib": end, "high_again_t": high_t,
+            "peak_mib": max(v for _, v in totals)}
 
 
 def page_cache_fraction(path: str) -> float | None:

@@ -44,7 +44,9 @@ if [ "$SIMULATED" = 1 ]; then
 else
     need_kib=$(( (WEIGHTS_GIB + 2) * 1024 * 1024 ))
     best=""; best_kib=0
-    for dir in / /mnt /data /scratch /var/tmp; do
+    candidates=(/ /mnt /data /scratch /var/tmp)
+    case "$PWD" in /tmp*|/root*|/opt*|/home*|/srv*|/run*|/dev*) ;; *) candidates+=("$(dirname "$PWD")") ;; esac
+    for dir in "${candidates[@]}"; do
         [ -d "$dir" ] || continue
         kib=$(df -Pk "$dir" 2>/dev/null | awk 'NR==2 {print $4}')
         say "free in $dir: $((${kib:-0} / 1024 / 1024)) GiB ($(df -P "$dir" | awk 'NR==2 {print $1 " on " $6}'))"
