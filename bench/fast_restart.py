@@ -444,9 +444,10 @@ def page_cache_fraction(path: str) -> float | None:
         return None
 
 
-def make_weights(path: Path, size: int, log) -> dict:
+def make_weights(path: Path, size: int, log, fsync: bool = False) -> dict:
     """A file of ``size`` bytes of random-ish data (a 64 MiB random block, each copy stamped with its
-    index), written and fsync'd: on disk, and in the page cache after the write."""
+    index), in the page cache after the write; the kernel writes it back to the disk meanwhile
+    (``fsync``: wait for that here; the disk variant syncs before it drops the pages)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     block = bytearray(os.urandom(64 << 20))
     tic = time.monotonic()
@@ -458,10 +459,12 @@ def make_weights(path: Path, size: int, log) -> dict:
             handle.write(memoryview(block)[:n])
             done, index = done + n, index + 1
         write_s = time.monotonic() - tic
-        os.fsync(handle.fileno())
+        if fsync:
+            os.fsync(handle.fileno())
     total_s = time.monotonic() - tic
-    figures = {"path": str(path), "bytes": size, "write_s": round(write_s, 2), "with_fsync_s": round(total_s, 2),
-               "gbps": round(size / total_s / 1e9, 3), "in_page_cache_after_write": page_cache_fraction(str(path))}
+    figures = {"path": str(path), "bytes": size, "write_s": round(write_s, 2), "fsync": fsync,
+               "total_s": round(total_s, 2), "gbps": round(size / total_s / 1e9, 3),
+               "in_page_cache_after_write": page_cache_fraction(str(path)), "disk": disk_of(path)}
     log("weights file: %s" % json.dumps(figures))
     return figures
 
@@ -470,6 +473,21 @@ def container_of(doc: dict) -> dict:
     """Container VMID of HOST in a fleet document (its key an int or a string)."""
     containers = doc["hosts"][HOST]["containers"]
     return containers[VMID] if VMID in containers else containers[str(VMID)]
+
+
+def disk_of(path: Path) -> str:
+    """``df`` of the file's filesystem (device, size, mount point)."""
+    res = subprocess.run(["df", "-Ph", str(path)], capture_output=True, text=True)
+    return " ".join(res.stdout.split("\n")[1].split()) if res.returncode == 0 and "\n" in res.stdout else res.stderr[-200:]
+
+
+def dirty_kib() -> int | None:
+    """The page cache's dirty and writeback KiB now (/proc/meminfo)."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines() if ":" in line)
+        return int(fields["Dirty"].split()[0]) + int(fields["Writeback"].split()[0])
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 # ---------------------------------------------------------------- the run
@@ -681,6 +699,7 @@ class Bench:
         weights = self.server_env.get("SGLANG_STANDIN_WEIGHTS_FILE")
         if weights:
             record["weights_in_page_cache_before"] = page_cache_fraction(weights)
+            record["dirty_kib_before"] = dirty_kib()
         proc = self.client() if measured else None
         began = time.time()
         res = self.pyinfra(fleet)
@@ -910,6 +929,9 @@ def main(argv: list[str] | None = None) -> int:
             data = bench.doc["ways"].setdefault("a_disk", {"label": "(a) cold, page cache dropped", "setup": None,
                                                            "samples": []})
             drop = {"SGLANG_STANDIN_WEIGHTS_DROP_CACHE": "1"}
+            tic, dirty = time.monotonic(), dirty_kib()
+            os.sync()  # posix_fadvise(DONTNEED) drops clean pages only
+            data["sync"] = {"dirty_kib_before": dirty, "sync_s": round(time.monotonic() - tic, 2)}
             tp = profile["tp"]
             bench.say("(a) with the page cache dropped: setup")
             data["setup"] = bench.deploy("a", {"tp": tp}, measured=False, extra_env=drop)
