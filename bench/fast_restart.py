@@ -933,8 +933,9 @@ def main(argv: list[str] | None = None) -> int:
             os.sync()  # posix_fadvise(DONTNEED) drops clean pages only
             data["sync"] = {"dirty_kib_before": dirty, "sync_s": round(time.monotonic() - tic, 2)}
             tp = profile["tp"]
-            bench.say("(a) with the page cache dropped: setup")
-            data["setup"] = bench.deploy("a", {"tp": tp}, measured=False, extra_env=drop)
+            bench.say("(a) with the page cache dropped: setup (from (c): the daemons stop, the engine reads from disk)")
+            data["setup"] = bench.deploy("a", {"tp": tp}, measured=True, extra_env=drop)
+            bench.say("  setup rc %s, downtime %s s" % (data["setup"]["rc"], data["setup"]["figures"]["downtime_s"]))
             bench.save()
             if data["setup"]["rc"] == 0 and bench.left_s() > data["setup"]["wall_s"] * 1.2 + 10:
                 record = bench.deploy("a", {"tp": tp, "kv-cache-dtype": "fp8_e4m3"}, measured=True, extra_env=drop)
