@@ -758,6 +758,25 @@ def figures(record: dict) -> dict:
             out["after_last_old_answer_s"]["memory_" + key[:-2]] = round(mem[key] - last_old, 3)
     if spans.get("drain"):
         out["drain_s"] = spans["drain"]["s"]
+    sets = weight_sets(record.get("server_log") or [])
+    if sets:
+        out["weight_set"] = sets[0]
+    return out
+
+
+def weight_sets(lines: list[str]) -> list[dict]:
+    """The stand-in's "Weight set: {...}" figures (real mode: bytes, read_s or map_s, how).
+
+    >>> weight_sets(['[x TP0] Weight set: {"bytes": 8, "read_s": 1.5, "weights": "disk"}'])[0]["read_s"]
+    1.5
+    """
+    out = []
+    for line in lines:
+        if "Weight set: {" in line:
+            try:
+                out.append(json.loads(line.split("Weight set: ", 1)[1]))
+            except ValueError:
+                pass
     return out
 
 
@@ -768,13 +787,23 @@ def summarize(doc: dict) -> dict:
         down = [s["figures"]["downtime_s"] for s in samples]
         to_fp8 = [s["figures"]["downtime_s"] for s in samples if "kv-cache-dtype" in s["flags"]]
         mem = [s["memory"].get("old_gone_before_new_kv") for s in samples if s.get("memory")]
-        out[way] = {"label": WAYS.get(way, {}).get("label", way), "n": len(down), "downtime_s": down,
+        out[way] = {"label": data.get("label") or WAYS.get(way, {}).get("label", way), "n": len(down), "downtime_s": down,
                     "median_s": median(down), "min_s": min(down) if down else None, "max_s": max(down) if down else None,
                     "to_fp8_s": to_fp8, "median_to_fp8_s": median(to_fp8),
                     "median_pyinfra_wall_s": median([s["wall_s"] for s in samples]),
                     "median_drain_s": median([s["figures"].get("drain_s") for s in samples]),
                     "old_memory_gone_before_new_kv": mem,
                     "failed_deploys": len(data.get("samples", [])) - len(samples)}
+        marks: dict = {}
+        for sample in samples:
+            for key, value in (sample["figures"].get("after_last_old_answer_s") or {}).items():
+                marks.setdefault(key, []).append(value)
+        out[way]["median_after_last_old_answer_s"] = dict(sorted(((k, median(v)) for k, v in marks.items()),
+                                                                 key=lambda kv: kv[1] if kv[1] is not None else 0))
+        reads = [(s["figures"].get("weight_set") or {}) for s in samples]
+        if any(reads):
+            out[way]["weight_set"] = [{k: r.get(k) for k in ("weights", "bytes", "read_s", "gbps", "map_s",
+                                                             "dropped_cache") if k in r} for r in reads]
     a, c = (out.get("a") or {}).get("median_s"), (out.get("c") or {}).get("median_s")
     if a and c:
         out["c_over_a"] = round(c / a, 3)
@@ -796,6 +825,12 @@ def report(doc: dict) -> str:
         lines.append("| %s | %s | %s s | %s-%s s | %s | %s s | %s s | %s |" % (
             w["label"], w["n"], w["median_s"], w["min_s"], w["max_s"], ", ".join("%g" % x for x in w["downtime_s"] if x is not None),
             w["median_pyinfra_wall_s"], w["median_drain_s"], ", ".join(str(x) for x in w["old_memory_gone_before_new_kv"])))
+    lines += ["", "Where the downtime went (median seconds after the old server's last answer):", ""]
+    for way in ("a", "b", "c", "a_disk"):
+        w = s.get(way)
+        if w and w.get("median_after_last_old_answer_s"):
+            lines.append("- %s: %s" % (w["label"], ", ".join("%s %s" % (k, v) for k, v in
+                                                           w["median_after_last_old_answer_s"].items())))
     if "c_over_a" in s:
         lines.append("")
         lines.append("(c)/(a) = %s (target <= 0.2: %s); (b)/(a) = %s" % (
