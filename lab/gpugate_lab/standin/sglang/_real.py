@@ -20,8 +20,10 @@ it). Then, per TP rank, ``sglang::scheduler_TP<i>``:
 3. sizes its KV pool as SGLang does (``model_runner_kv_cache_mixin.profile_max_num_token``):
    ``rest = free after loading - pre_model_load_memory * (1 - mem_fraction_static)``; ``rest <= 0``
    fails with SGLang's "Not enough memory. Please try to increase --mem-fraction-static.";
-   else holds ``rest`` bytes with ``torch.empty`` (real device memory, as the pool is);
-4. warms up with a forward pass, reports READY, then serves generation requests from the main process
+   else holds ``rest`` bytes with ``torch.empty`` (real device memory, as the pool is), then
+   ``$SGLANG_STANDIN_KV_ALLOC_S`` more;
+4. warms up with a forward pass, spends ``$SGLANG_STANDIN_GRAPH_CAPTURE_S`` (SGLang's CUDA graph
+   capture: sglang/_timing.py, as the simulated scheduler does), reports READY, then serves generation requests from the main process
    (one JSON line each way on its stdin/stdout): greedy decoding with the model, on its device.
 
 On a machine without a GPU the same code runs with ``device: cpu`` (tests): the "device" is this
@@ -279,11 +281,16 @@ def run_scheduler(job, log, say):
         held.append(pool)
     cell = MODEL["num_key_value_heads"] * (MODEL["hidden_size"] // MODEL["num_attention_heads"]) \
         * MODEL["num_hidden_layers"] * 2 * pool.element_size() * 2
+    _timing.spend("KV_ALLOC")  # the pool itself is real (torch.empty); this adds SGLang's time, if set
     log(prefix, "KV Cache is allocated. #tokens: %d, K size: %.2f GB, V size: %.2f GB" % (
         int(rest) // cell, rest / 2 / gib, rest / 2 / gib))
     warm = greedy(torch, logits_of, encode("The capital city of France is"), 4, device)
     if real["device"] == "cuda":
         torch.cuda.synchronize(device)
+    if _timing.phase_s("GRAPH_CAPTURE"):  # as the simulated scheduler: SGLang's capture time, when set
+        log(prefix, "Capture decode CUDA graph begin. avail mem=%.2f GB" % (free_now() / gib))
+        log(prefix, "Capture decode CUDA graph end. elapsed=%.2f s, mem usage=0.00 GB, avail mem=%.2f GB." % (
+            _timing.spend("GRAPH_CAPTURE"), free_now() / gib))
     log(prefix, "Memory pool end. avail mem=%.2f GB (warm-up %d tokens, load %.2f s)" % (
         free_now() / gib, len(warm), time.monotonic() - began))
     weight_report["gate_s"] = round(gate_s, 3)
