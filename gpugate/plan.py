@@ -316,7 +316,8 @@ def steps_for(action: str, spec: Spec | None, max_used_mib: int, budgets: Mappin
     steps = ["hand off to the container's agent (one command)"]
     gated = bool(spec and spec.gated_launch and action != "stop")
     if gated:
-        steps.append("start the new engine gated (--gated-launch-port): its imports and dist init overlap the drain")
+        steps.append("start the new engine gated (--gated-launch-port) while the old one serves: its imports "
+                     "and dist init before the stop, a crash there stops nothing")
     if replacing:
         steps.append(f"stop :{', :'.join(str(p) for p in replacing)} first")
     steps.append(stop)
@@ -667,7 +668,8 @@ class Narrator:
             return "the weight cache did NOT come up: " + ("; ".join(event.get("problems") or []) or
                                                          f"exit code {event.get('exit_code')}")
         if step == "gated" and phase == "begin":
-            return f"started the new engine gated (pid {event.get('pid')}, gate :{event.get('gate_port')}) during the drain"
+            return (f"started the new engine gated (pid {event.get('pid')}, gate :{event.get('gate_port')}) while the old "
+                    f"one serves")
         if step == "gated" and phase == "end" and event.get("reached"):
             return f"the gated engine reached its gate {_seconds(event.get('elapsed_s'))} after its start"
         if step == "gated" and phase == "end" and event.get("taken_by"):

@@ -354,7 +354,7 @@ SETTINGS: dict[str, Setting] = _rows(
             "true: SGLang's weight-cache daemons hold the weights across restarts (docs/weight-cache.md)",
             "server", "weight_cache"),
     Setting("sglang_gated_launch", to_optional_bool, None,
-            "start the new engine during the drain, gated until the GPUs are free (default: where SGLang "
+            "start the new engine before the stop, gated until the GPUs are free (default: where SGLang "
             "has --gated-launch-port and the supervisor is process)", "server", "gated_launch"),
     Setting("sglang_servers", to_servers, [],
             "several servers in one container: fleet.yaml's sglang: as a list, each on its own port", "fleet"),

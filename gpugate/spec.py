@@ -162,7 +162,7 @@ class Spec:
     warnings: tuple[str, ...] = ()
     weight_cache: bool = False            # SGLang's weight-cache daemons hold the weights (docs/weight-cache.md)
     daemon_argv: tuple[str, ...] = ()     # their command, when weight_cache
-    gated_launch: bool = False            # the new engine starts during the drain, gated
+    gated_launch: bool = False            # the new engine starts before the stop, gated
 
     def record(self, by: str | None = None) -> dict[str, Any]:
         """What may be shown and stored anywhere: secret flags ``***``, env as names only (the

@@ -59,7 +59,7 @@ class StartSteps:
     def _start_verified(self, spec, target):
         """The start of ``spec`` from a stopped server: its weight cache kept, stopped or started
         (gpugate.agent.weight_cache), the gate, prepare, the engine (started now, or the gated
-        engine launched during the drain, activated now), ready, verify, commit."""
+        engine launched before the stop, activated now), ready, verify, commit."""
         mode, why = self._cache_state(spec)
         self.event("cache", "end", target=target, port=spec["port"], mode=mode, why=why)
         if mode != "keep":
@@ -249,10 +249,11 @@ class StartSteps:
 
     # ------------------------------------------------------------------ gated launch
     def _launch_gated(self, spec, target):
-        """Start the engine with ``--gated-launch-port`` while the old server still drains: its
-        imports and distributed init overlap the drain, and it blocks at its gate (before any
-        sizable GPU allocation) until ``_activate_gated``. A launch that fails here costs only the
-        overlap: the start is then an ordinary one."""
+        """Start the engine with ``--gated-launch-port`` while the old server still serves: its
+        imports and distributed init happen before the old server's stop (the transition waits
+        for its gate first), and it blocks there (before any sizable GPU allocation, its CUDA
+        contexts only) until ``_activate_gated``. A launch that fails here costs only the overlap:
+        the start is then an ordinary one."""
         host = sglang.argv_host(spec["argv"])
         try:
             gate_port = free_port(host)
@@ -262,7 +263,8 @@ class StartSteps:
             self.warnings.append("gated launch not used: %s" % error)
             return
         self.gated = {"pid": pid, "start_ticks": record["start_ticks"], "gate_port": gate_port, "host": host,
-                      "target": target, "offset": offset, "record": record, "began": time.time(), "activated": False}
+                      "target": target, "offset": offset, "record": record, "began": time.time(), "activated": False,
+                      "reached": False}
         self.event("gated", "begin", target=target, port=spec["port"], pid=pid, gate_port=gate_port)
 
     def _gated_tree(self, table):
@@ -273,11 +275,14 @@ class StartSteps:
             return []
         return [gated["pid"]] + procfs.descendants(table, gated["pid"])
 
-    def _activate_gated(self, spec, target):
-        """Wait until the gated engine serves its gate's /health (it has imported and initialised
-        its distributed environment), then ``POST /gate/activate``: from here it loads and
-        allocates, and it is the server of its port (its pid file is written)."""
+    def _wait_for_gate(self, spec, target):
+        """Until the gated engine serves its gate's /health (it has imported and initialised its
+        distributed environment): "reached"; "taken" when another process holds its gate's port
+        (its gate could not bind: it can never be activated; it is ended). Failure when it exits
+        first, or at the start timeout."""
         gated = self.gated
+        if gated.get("reached"):
+            return "reached"
         pid, port = gated["pid"], spec["port"]
         deadline = gated["began"] + float(self.budgets["start_timeout_s"])
         while True:
@@ -293,23 +298,32 @@ class StartSteps:
                     " with code %s" % code if code is not None else "", ": " + logs.crash_line(tail, port) if tail else ""))
             owners = set(server.socket_owners(server.listeners(gated["gate_port"]) or []))
             if owners and not owners & set(self._gated_tree(procfs.table())):
-                # its gate could not bind (the port was taken since free_port chose it): this launch can
-                # never be activated; what it cost is the overlap, the start is an ordinary one
+                # the port was taken since free_port chose it: what this cost is the overlap
                 self.warnings.append("gated launch not used: its port %d is taken by pid %s" % (
                     gated["gate_port"], ", ".join(str(p) for p in sorted(owners))))
                 self.event("gated", "end", target=target, port=port, reached=False, taken_by=sorted(owners))
                 self._end_gated()
-                return self._start(spec, target)
+                return "taken"
             status, _ = server.http_get(gated["host"], gated["gate_port"], "/health", 2.0) if owners else (None, "")
             if status == 200:
-                break
+                gated["reached"] = True
+                self.event("gated", "end", target=target, port=port, reached=True,
+                           elapsed_s=round(time.time() - gated["began"], 2))
+                return "reached"
             if time.time() >= deadline:
                 self.event("gated", "end", target=target, port=port, reached=False, state="timeout")
                 raise state.Failure("the server did not reach its gated launch within %gs" % self.budgets["start_timeout_s"])
             self.progress("gated", target=target, port=port, elapsed_s=round(time.time() - gated["began"], 1))
             time.sleep(LOAD_POLL_S)
-        self.event("gated", "end", target=target, port=port, reached=True,
-                   elapsed_s=round(time.time() - gated["began"], 2))
+
+    def _activate_gated(self, spec, target):
+        """``POST /gate/activate`` to the gated engine (once it has reached its gate): from here it
+        loads and allocates, and it is the server of its port (its pid file is written). A gate
+        that turned out to be unusable gives an ordinary start."""
+        gated = self.gated
+        pid, port = gated["pid"], spec["port"]
+        if self._wait_for_gate(spec, target) == "taken":
+            return self._start(spec, target)
         # the start of this server is its activation: from here it loads (the journal's order stays
         # stop -> gate -> prepare -> start -> load, whichever way it was launched)
         self.touched = True

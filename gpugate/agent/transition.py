@@ -57,7 +57,7 @@ class Transition(StopSteps, StartSteps, CacheSteps):
         self.rollback = None
         self.exit_codes = {}
         self.pumps = {}  # port -> the log pump of the server we started there
-        self.gated = None  # the engine launched with --gated-launch-port during the drain, until activated
+        self.gated = None  # the engine launched with --gated-launch-port before the stop, until activated
 
     # ------------------------------------------------------------------ journal helpers
     def event(self, step, phase, **fields):
@@ -115,7 +115,16 @@ class Transition(StopSteps, StartSteps, CacheSteps):
                     return self._after_failure(failure_reason(error))
         try:
             if desired and desired.get("gated_launch") and desired.get("supervisor") != "systemd":
-                self._launch_gated(desired, "desired")  # its imports and dist init overlap the drain
+                # its imports and dist init while the old server still serves: the stop waits for its gate
+                self._launch_gated(desired, "desired")
+                if self.gated:
+                    try:
+                        self._wait_for_gate(desired, "desired")
+                    except state.Failure as failure:  # nothing was stopped: the old server still serves
+                        self._end_gated()
+                        self._record_failed(str(failure))
+                        why = "the new server failed before its gated launch: %s; the old server was never stopped" % failure
+                        return "refused", {"desired": why}, "nothing was touched: " + why
             if self.replaces:
                 self._stop(self.replaces["port"], "replaces", self.budgets["drain_timeout_s"])
                 self._stop_cache(self.replaces["port"], "replaces", "its server moves to :%d" % self.port)

@@ -49,9 +49,22 @@ def assert_rolled_back(lab, run, serving_pid):
 
 def test_new_spec_crashes_at_start_rollback_serves_again(lab, serving):
     sh(lab, "pve1", 129, "mkdir -p /opt/models/broken")  # no config.json: SGLang's own OSError
-    run = deploy(lab, FLAGS, data={"sglang_model_path": "/opt/models/broken"})
+    # started after the stop (ungated): the crash is after the stop, the rollback brings the old one back
+    run = deploy(lab, FLAGS, data={"sglang_model_path": "/opt/models/broken", "sglang_gated_launch": False})
     said(run, "the server crashed (exit code 1)", "log tail of the failed start:", "config.json")
     assert_rolled_back(lab, run, serving)
+
+
+def test_a_gated_launch_that_crashes_before_its_gate_stops_nothing(lab, serving):
+    # the default: the new engine imports and initialises while the old one serves; it dies there
+    sh(lab, "pve1", 129, "mkdir -p /opt/models/broken")
+    before = main_pid(lab)
+    run = deploy(lab, FLAGS, data={"sglang_model_path": "/opt/models/broken"})
+    assert run.returncode != 0, run
+    said(run, "the server crashed (exit code 1)", "config.json", "refused by the agent, nothing touched: the new "
+         "server failed before its gated launch: the server exited", "the old server was never stopped")
+    assert "stopping :30000" not in run.output and "ROLLED BACK" not in run.output, run
+    assert main_pid(lab) == before and "/opt/models/broken" not in running_argv(lab)
 
 
 def test_new_spec_never_healthy_rollback_serves_again(lab, serving):
