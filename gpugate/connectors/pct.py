@@ -870,35 +870,128 @@ class PctConnector(BaseConnector):
 
             ok, message = host.connector.hold_gpu_locks(spec_gpus, run_id, python="/usr/bin/python3")
         """
-        from gpugate import host_gpu_lock  # noqa: PLC0415 -- its source travels, not the module
-        from gpugate.agentcmd import wait_command  # noqa: PLC0415
-        from gpugate.remote import pack  # noqa: PLC0415
-
         gpu_list = sorted({int(gpu) for gpu in gpus})
         if not gpu_list:
             return True, "no GPU to claim"
-        args = {
+        args = self._gpu_lock_args(gpu_list, run, python, grace_s, wait_s, lock_dir)
+        status, output = self.pve.run_shell_command(self._gpu_lock_program(args), _timeout=int(max(30, wait_s + 30)))
+        answer = _last_json(output.stdout_lines)
+        if not status or answer is None:
+            self._keep_claim(answer)
+            return False, self._lock_failure(gpu_list, run, output)
+        return self._lock_answer(gpu_list, run, answer)
+
+    def hand_off_holding_gpu_locks(
+        self,
+        gpus: Sequence[int],
+        run: str,
+        command: str | StringCommand,
+        stdin: str,
+        python: str = "/usr/bin/python3",
+        grace_s: float = HANDOFF_S,
+        wait_s: float = 0,
+        lock_dir: str = LOCK_DIR,
+        timeout: float = 120,
+        **arguments: Unpack["ConnectorArguments"],
+    ) -> tuple[bool, str, tuple[bool, CommandOutput] | None]:
+        """
+        :meth:`hold_gpu_locks` and the hand-off in ONE round trip: the host's lock holder
+        (gpugate/host_gpu_lock.py), once it holds the locks, runs ``command`` in the container (as
+        :meth:`run_shell_command` would: pyinfra's wrapping inside, ``pct exec`` outside) with
+        ``stdin`` (the start document; the holder sets its ``claim_until`` to this claim's window).
+
+        -> ``(locked, message, started)``: ``locked`` and ``message`` as hold_gpu_locks answers them
+        (``self.gpu_claim`` likewise); ``started`` is the command's ``(status, output)``, with pct's
+        own failures made data exactly as run_shell_command makes them (``self.last_failure``, a
+        ``pct error: ...`` line), or None when the locks were not taken (nothing was run, nothing
+        touched). A link lost before any answer is ``(True, ..., (False, <the lost-link line>))``:
+        the hand-off may have begun.
+
+        .. code:: python
+
+            locked, message, started = host.connector.hand_off_holding_gpu_locks(
+                spec_gpus, run_id, agentcmd.start_command(python), agentcmd.start_stdin(doc, False))
+        """
+        gpu_list = sorted({int(gpu) for gpu in gpus})
+        if not gpu_list:
+            plain = {**arguments, "_stdin": stdin, "_timeout": int(timeout)}
+            return True, "no GPU to claim", self.run_shell_command(
+                command if isinstance(command, StringCommand) else StringCommand(command), **plain)  # type: ignore[arg-type]
+        # the host program's own exit status is 0 whatever the hand-off did: the codes apply to the hand-off
+        success_codes = list(extract_control_arguments(arguments).get("_success_exit_codes") or [0])
+        inner = make_unix_command_for_host(
+            self.state, self.host, command if isinstance(command, StringCommand) else StringCommand(command),
+            **arguments)
+        args = self._gpu_lock_args(gpu_list, run, python, grace_s, wait_s, lock_dir)
+        args["start"] = {"command": inner.get_raw_value()}
+        self.last_failure = None
+        try:
+            status, output = self.pve.run_shell_command(
+                self._gpu_lock_program(args), _stdin=stdin, _timeout=int(max(30, wait_s + 30) + timeout))
+        except Exception:
+            if not self._link_alive():
+                self.last_failure = PctFailure("link-lost", "the connection dropped during the command")
+            raise
+        answer = _last_json(output.stdout_lines)
+        if answer is None or not status:
+            self._keep_claim(answer)
+            if not status and not self._link_alive():  # the holder, and so the hand-off, may have run
+                self.last_failure = PctFailure("link-lost", "no answer: the connection is closed")
+                return True, "no answer", (False, self._with_failure_line(output, self.last_failure))
+            return False, self._lock_failure(gpu_list, run, output), None
+        locked, message = self._lock_answer(gpu_list, run, answer)
+        start = answer.get("start")
+        if not locked or not isinstance(start, dict):
+            return locked, message, None
+        # the hand-off's own output: its stdout from the answer, pct's stderr as the holder passed it on
+        lines = [OutputLine("stdout", line) for line in str(start.get("stdout") or "").splitlines()]
+        lines += [OutputLine("stderr", line) for line in output.stderr_lines]
+        started = CommandOutput(lines)
+        rc = start.get("rc")
+        ok = isinstance(rc, int) and rc in success_codes
+        failure = self._pct_failure(ok, started)
+        if failure is not None:
+            self.last_failure = failure
+            return True, message, (False, self._with_failure_line(started, failure))
+        return True, message, (ok, started)
+
+    def _gpu_lock_args(self, gpu_list: list[int], run: str, python: str, grace_s: float, wait_s: float,
+                       lock_dir: str) -> dict:
+        from gpugate.agentcmd import wait_command  # noqa: PLC0415
+
+        return {
             "vmid": self.vmid, "gpus": gpu_list, "run": str(run), "wait_s": wait_s, "lock_dir": lock_dir,
             "command": wait_command(python, str(run), grace_s=grace_s), "path": CONTAINER_PATH,
             "grace_s": grace_s, "check_command": wait_command(python, "@RUN@", grace_s=0, timeout_s=0),
             "pct": ["sudo", "-n", self.binary] if self.use_sudo else [self.binary],  # argv: no shell quoting
             "clear_env": bool(self.data["pct_clear_env"]),
         }
+
+    def _gpu_lock_program(self, args: dict) -> StringCommand:
+        from gpugate import host_gpu_lock  # noqa: PLC0415 -- its source travels, not the module
+        from gpugate.remote import pack  # noqa: PLC0415
+
         source = Path(host_gpu_lock.__file__).read_text()
         # on the host, as root: the lock dir is /run's, and the holder runs pct. -S: the holder is
         # stdlib only, and site (site-packages, .pth files) is most of a Python start (it is on the
         # restart's path, right before the hand-off)
         bits: list = (["sudo", "-n"] if self.use_sudo else []) + [
             "python3", "-S", "-c", QuoteString(pack(source)), QuoteString(json.dumps(args))]
-        status, output = self.pve.run_shell_command(StringCommand(*bits), _timeout=int(max(30, wait_s + 30)))
-        answer = _last_json(output.stdout_lines)
+        return StringCommand(*bits)
+
+    def _keep_claim(self, answer: dict | None) -> None:
         self.gpu_claim = {"owner": (answer or {}).get("owner"), "until": (answer or {}).get("handoff_until"),
                           "began": (answer or {}).get("began"),
                           "released": (answer or {}).get("released") or []}
+
+    def _lock_failure(self, gpu_list: list[int], run: str, output: CommandOutput) -> str:
         where = f"GPU {gpu_ranges(gpu_list)} of {self.pve_host_name}"
-        if not status or answer is None:
-            detail = " / ".join(_strip_host_noise(output.stderr_lines)) or output.stdout or "no answer"
-            return False, f"could not take the locks of {where} for run {run}: {detail}; nothing was touched"
+        detail = " / ".join(_strip_host_noise(output.stderr_lines)) or output.stdout or "no answer"
+        return f"could not take the locks of {where} for run {run}: {detail}; nothing was touched"
+
+    def _lock_answer(self, gpu_list: list[int], run: str, answer: dict) -> tuple[bool, str]:
+        self._keep_claim(answer)
+        where = f"GPU {gpu_ranges(gpu_list)} of {self.pve_host_name}"
         released = "".join(f"; released the claim of run {gone.get('run')} (container {gone.get('vmid')}, GPU "
                            f"{gpu_ranges(gone.get('gpus') or [])}): {gone.get('why')}" for gone in answer.get("released") or [])
         if answer.get("ok"):

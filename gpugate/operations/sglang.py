@@ -255,15 +255,28 @@ def _run(host_obj: Any, command: Any, stdin: str | None = None, timeout: float |
         kwargs["_stdin"] = stdin
     if timeout is not None:
         kwargs["_timeout"] = int(timeout)
-    connector = host_obj.connector
-    where = (host_obj.data.get("pve_host") or getattr(connector, "pve_host_name", None) or host_obj.name,
-             host_obj.data.get("pct_vmid"))
     try:
         status, output = host_obj.run_shell_command(
             command if isinstance(command, StringCommand) else StringCommand(command), **kwargs)
     except Exception as error:  # SSH dropped, timeout: the caller decides
-        trouble = _pct_trouble(getattr(connector, "last_failure", None), *where)
-        return False, {}, trouble or f"no answer from the container ({type(error).__name__}: {str(error)[:200]})"
+        return _no_answer(host_obj, error)
+    return _answer(host_obj, status, output)
+
+
+def _where(host_obj: Any) -> tuple[Any, Any]:
+    return (host_obj.data.get("pve_host") or getattr(host_obj.connector, "pve_host_name", None) or host_obj.name,
+            host_obj.data.get("pct_vmid"))
+
+
+def _no_answer(host_obj: Any, error: Exception) -> tuple[bool, dict[str, Any], str | None]:
+    trouble = _pct_trouble(getattr(host_obj.connector, "last_failure", None), *_where(host_obj))
+    return False, {}, trouble or f"no answer from the container ({type(error).__name__}: {str(error)[:200]})"
+
+
+def _answer(host_obj: Any, status: bool, output: Any) -> tuple[bool, dict[str, Any], str | None]:
+    """An agent command's ``(status, output)`` -> (ran, answer, trouble), as :func:`_run` says."""
+    connector = host_obj.connector
+    where = _where(host_obj)
     if not status:
         trouble = _pct_trouble(getattr(connector, "last_failure", None), *where)
         if trouble:
@@ -430,24 +443,14 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     _audit(job, host_obj, "plan", "begin", run=run, **job.story)
     if job.routing is not None and not _leave_router(host_obj, job, run):
         return False
-    if plan.gpus and hasattr(host_obj.connector, "hold_gpu_locks"):
-        ok, message = host_obj.connector.hold_gpu_locks(list(plan.gpus), run, python=job.python)
-        claim = getattr(host_obj.connector, "gpu_claim", None) or {}
-        for gone in claim.get("released") or []:
-            _say(host_obj, job.port, f"released a stale GPU claim: run {gone.get('run')} of container "
-                                     f"{gone.get('vmid')} never began ({gone.get('why')})")
-        own = None if ok or claim.get("began") is not True else own_claim_run(claim.get("owner"),
-                                                                              host_obj.data.get("pct_vmid"))
-        if own:  # this container's own run holds the claim: follow it, as the plan does a running one
-            _say(host_obj, job.port, f"the GPU claim is held by run {own} of this container: following it instead")
-            return _attach(host_obj, job, own)
-        if not ok:
-            book.refused.append(name)
-            book.outcomes[name] = "refused (GPU claims; nothing touched)"
-            _say(host_obj, job.port, f"REFUSED, nothing touched: {message}", error=True)
-            _audit(job, host_obj, "outcome", "end", run=run, outcome="refused", message=message)
-            _rejoin_router(host_obj, job, run, "the old server still serves")
-            return False
+    claimed = bool(plan.gpus) and hasattr(host_obj.connector, "hold_gpu_locks")
+    # the locks and the hand-off in one round trip where the connector can (the host's holder runs the start)
+    together = claimed and hasattr(host_obj.connector, "hand_off_holding_gpu_locks")
+    if claimed and not together:
+        ok, message = host_obj.connector.hold_gpu_locks(list(plan.gpus or ()), run, python=job.python)
+        refused = _claim_refused(host_obj, job, run, ok, message)
+        if refused is not None:
+            return refused
     doc: dict[str, Any] = {"run": run, "operator": _operator(), "budgets": job.budgets, "restart": bool(plan.restart),
                            "rollback_to": plan.rollback_to, "replaces": plan.replaces, "port": job.port}
     if plan.target is not None:
@@ -463,12 +466,30 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         doc["desired"] = None
     if job.end_pids:
         doc["end_gpu_holders"] = job.end_pids
-    if plan.gpus and (getattr(host_obj.connector, "gpu_claim", None) or {}).get("until"):
+    if claimed and not together and (getattr(host_obj.connector, "gpu_claim", None) or {}).get("until"):
         doc["claim_until"] = host_obj.connector.gpu_claim["until"]  # the agent refuses a hand-off after it
     watch = Watch(name, job.port, run, _narrator(job))
     book.watching[name] = watch
     stdin = agentcmd.start_stdin(doc, include_source=not job.observation.get("agent_installed", True))
-    ran, answer, trouble = _run(host_obj, agentcmd.start_command(job.python), stdin=stdin, timeout=120)
+    if together:  # the holder sets claim_until to its claim's window
+        try:
+            ok, message, started = host_obj.connector.hand_off_holding_gpu_locks(
+                list(plan.gpus or ()), run, agentcmd.start_command(job.python), stdin, python=job.python, timeout=120)
+        except Exception as error:  # SSH dropped, timeout: the hand-off may have begun
+            ok, message, started = True, "", None
+            ran, answer, trouble = _no_answer(host_obj, error)
+        else:
+            if started is None:  # the locks were not taken: no hand-off, nothing touched
+                book.watching.pop(name, None)
+                refused = _claim_refused(host_obj, job, run, ok, message)
+                if refused is not None:
+                    return refused
+                ran, answer, trouble = False, {}, "the GPU lock holder ran no hand-off"
+            else:
+                _claim_refused(host_obj, job, run, ok, message)  # the stale claims it released on the way
+                ran, answer, trouble = _answer(host_obj, *started)
+    else:
+        ran, answer, trouble = _run(host_obj, agentcmd.start_command(job.python), stdin=stdin, timeout=120)
     if trouble or not ran:
         book.ended(name, "hand-off failed")
         _say(host_obj, job.port, f"the hand-off got no answer: {trouble}; the container may have begun run {run}: "
@@ -497,6 +518,31 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     if job.routing is not None:
         ok = _after_transition(host_obj, job, run, book.outcomes.get(name)) and ok
     return ok
+
+
+def _claim_refused(host_obj: Any, job: Job, run: str, ok: bool, message: str) -> bool | None:
+    """The GPU claim's answer (gpugate.claims): stale claims released on the way are said; None: go
+    on with the hand-off; else what _execute returns (this container's own run holds the claim:
+    followed; another's: refused, nothing touched)."""
+    book = _runbook()
+    name = host_obj.name
+    claim = getattr(host_obj.connector, "gpu_claim", None) or {}
+    for gone in claim.get("released") or []:
+        _say(host_obj, job.port, f"released a stale GPU claim: run {gone.get('run')} of container "
+                                 f"{gone.get('vmid')} never began ({gone.get('why')})")
+    own = None if ok or claim.get("began") is not True else own_claim_run(claim.get("owner"),
+                                                                          host_obj.data.get("pct_vmid"))
+    if own:  # this container's own run holds the claim: follow it, as the plan does a running one
+        _say(host_obj, job.port, f"the GPU claim is held by run {own} of this container: following it instead")
+        return _attach(host_obj, job, own)
+    if not ok:
+        book.refused.append(name)
+        book.outcomes[name] = "refused (GPU claims; nothing touched)"
+        _say(host_obj, job.port, f"REFUSED, nothing touched: {message}", error=True)
+        _audit(job, host_obj, "outcome", "end", run=run, outcome="refused", message=message)
+        _rejoin_router(host_obj, job, run, "the old server still serves")
+        return False
+    return None
 
 
 # ---------------------------------------------------------------- a routed server (gpugate.router)
