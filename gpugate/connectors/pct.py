@@ -91,6 +91,7 @@ class PctConnectorData(TypedDict):
     pct_sudo: bool
     pct_clear_env: bool
     pct_ssh_share: int
+    pct_connect_check: bool
 
 
 connector_data_meta: dict[str, DataMeta] = {
@@ -101,7 +102,7 @@ connector_data_meta: dict[str, DataMeta] = {
     ),
     # the settings' own rows (gpugate.settings): one doc and one default each
     **{key: DataMeta(SETTINGS[key].doc[:1].upper() + SETTINGS[key].doc[1:], SETTINGS[key].default)
-       for key in ("pct_binary", "pct_sudo", "pct_clear_env", "pct_ssh_share")},
+       for key in ("pct_binary", "pct_sudo", "pct_clear_env", "pct_ssh_share", "pct_connect_check")},
 }
 
 
@@ -246,6 +247,10 @@ def make_status_check_command(vmid: int, binary: str = "pct", sudo: bool = False
 
 
 PctFailureKind = Literal["no-pct", "unknown-vmid", "not-running", "sudo", "missing-command", "link-lost"]
+
+# The failures that connect's check is there for: no container to run in (the others are the command's
+# own, or the link's)
+UNAVAILABLE_KINDS = ("no-pct", "unknown-vmid", "not-running", "sudo")
 
 
 @dataclass(frozen=True)
@@ -637,6 +642,10 @@ class PctConnector(BaseConnector):
         # why the last command did not run in the container (pct's own error, a lost link), as
         # data: the operations read it, never the text line that says it
         self.last_failure: PctFailure | None = None
+        # pct_connect_check false: connect ran no check, the first command is it. ``unavailable``:
+        # what connect would have raised, once a command met a stopped or missing container
+        self._unchecked = False
+        self.unavailable: str | None = None
 
     @override
     @staticmethod
@@ -715,9 +724,19 @@ class PctConnector(BaseConnector):
             return self.pve.settings_key
         return ("@local",)
 
+    @property
+    def connect_check(self) -> bool:
+        """Whether connect checks that the container runs (``pct_connect_check``, default true)."""
+        return bool(SETTINGS["pct_connect_check"].convert(self.data["pct_connect_check"]))
+
     @override
     def connect(self) -> None:
         self.pve.connect()
+        if not self.connect_check:
+            # One round trip less: `pct exec` says itself that a container is stopped or missing, and
+            # the first command that meets it gets connect's own message (self.unavailable)
+            self._unchecked, self.unavailable = True, None
+            return
         try:
             self._check_container_running()
         except BaseException:
@@ -732,16 +751,18 @@ class PctConnector(BaseConnector):
         statuses = self._shared_container_statuses()
         if statuses is not None and statuses.get(self.vmid) == "running":
             return
+        message = self._status_check_message()
+        if message:
+            raise ConnectError(message)
+
+    def _status_check_message(self) -> str | None:
+        """The container's own `pct status`: None when it runs, else why not (connect's message)."""
         check = make_status_check_command(self.vmid, self.binary, self.use_sudo)
         status, output = self.pve.run_shell_command(check)
         if not status:
-            raise ConnectError(
-                f"pct error: could not check container {self.vmid} on {self.pve_host_name}: "
-                f"{output.stderr or output.stdout}",
-            )
-        message = status_check_error(output.stdout_lines, self.pve_host_name, self.vmid, self.binary)
-        if message:
-            raise ConnectError(message)
+            return (f"pct error: could not check container {self.vmid} on {self.pve_host_name}: "
+                    f"{output.stderr or output.stdout}")
+        return status_check_error(output.stdout_lines, self.pve_host_name, self.vmid, self.binary)
 
     def _shared_container_statuses(self) -> ContainerStatuses | None:
         """The host's `pct list`, read once per Proxmox host by its first container to connect."""
@@ -823,8 +844,23 @@ class PctConnector(BaseConnector):
         if failure is not None:
             # Even when the caller accepts pct's exit code (255) as success: the command never ran.
             self.last_failure = failure
+            if self._unchecked and failure.kind in UNAVAILABLE_KINDS:
+                return False, self._unavailable_output(output, failure)
             return False, self._with_failure_line(output, failure)
+        self._unchecked = False  # pct ran it: the container runs
         return status, output
+
+    def _unavailable_output(self, output: CommandOutput, failure: PctFailure) -> CommandOutput:
+        """The first command of an unchecked connect met no container: what connect would have
+        said (its own `pct status`, on this path only), kept in ``self.unavailable``."""
+        if self.unavailable is None:
+            try:
+                message = self._status_check_message()
+            except Exception:  # noqa: BLE001 -- the link went: pct exec's own line says enough
+                message = None
+            self.unavailable = message or failure.describe(self.pve_host_name, self.vmid)
+        logger.debug("%s%s", self.host.print_prefix, self.unavailable)
+        return CommandOutput([*output.combined_lines, OutputLine("stderr", self.unavailable)])
 
     # The Proxmox host itself
 

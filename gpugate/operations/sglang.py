@@ -94,6 +94,7 @@ class RunBook(BaseStateCallback):
         self.refused: list[str] = []
         self.untouched: list[str] = []
         self.watching: dict[str, Watch] = {}
+        self.unavailable: set[str] = set()  # containers said to be stopped or missing (a connect error's line)
         self.printed = False
 
     def ended(self, name: str, outcome: str, refused: bool = False) -> None:
@@ -377,6 +378,24 @@ def _refuse(message: str, port: int):
         book.refused.append(host.name)
         book.outcomes[host.name] = "refused (nothing touched)"
     yield FunctionCommand(_fail, (message,), {})
+
+
+def _unavailable(message: str):
+    """A stopped or missing container whose connect check was left to the observe (the connector's
+    ``pct_connect_check`` false: a run of deploy.py alone), as a container that failed to connect is:
+    connect's own line, said once, this container failed alone, and neither refused nor failed in the
+    run's book (a rolling change goes on past it, as it goes on past a container that did not connect)."""
+    book = _runbook()
+    if host.name not in book.unavailable:
+        book.unavailable.add(host.name)
+        host.log_styled(message, fg="red", log_func=logger.error)
+    if not state.is_executing:
+        state.failed_hosts.add(host)  # --dry: the run exits non-zero, as after a failed connect
+    yield FunctionCommand(_not_reached, (), {})
+
+
+def _not_reached(state: Any, host: Any) -> bool:  # noqa: A002 -- pyinfra passes them by these names
+    return False
 
 
 @dataclasses.dataclass
@@ -927,6 +946,10 @@ def server(desired: Desired, restore_previous: bool = False):
 
     observed_args = desired.observe_args() if spec is not None else {"port": port}
     observation, trouble = _observe(host, python, observed_args)
+    unavailable = getattr(host.connector, "unavailable", None)
+    if (trouble or observation is None) and unavailable:  # the connect check was this observe (pct_connect_check)
+        yield from _unavailable(unavailable)
+        return
     if trouble or observation is None:
         yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {trouble}", port)
         return

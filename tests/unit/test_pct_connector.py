@@ -753,3 +753,56 @@ def test_a_link_lost_during_the_hand_off_may_have_handed_off_and_says_it_is_the_
     assert locked and status is False  # the holder, and so the hand-off, may have run
     assert host.connector.last_failure.kind == "link-lost"
     assert output.stderr_lines[-1].startswith("pct error: the SSH connection to the Proxmox host pve1 was lost")
+
+
+# pct_connect_check false: connect runs no check, the first command is it (a run of deploy.py alone)
+
+
+def status_answer_stopped() -> CommandOutput:
+    return out(["pct-status-exit: 0", "| status: stopped"])
+
+
+def test_without_the_connect_check_connect_sends_nothing_and_a_running_container_just_runs(shell):
+    host = make_host("@pct/pve1:129", pct_connect_check=False)
+    host.connect(raise_exceptions=True)
+    assert shell.commands == []
+    status, _ = host.run_shell_command("hostname")
+    assert status and [c.split(" ")[:2] for c in shell.commands] == [["pct", "exec"]]
+    assert host.connector.unavailable is None
+
+
+@pytest.mark.parametrize("stderr, status_output, message", [
+    ("container '129' not running!", status_answer_stopped(),
+     "pct error: container 129 on pve1 is not running: status: stopped"),
+    ("Configuration file 'nodes/pve1/lxc/129.conf' does not exist",
+     out(["pct-status-exit: 2", "| Configuration file 'nodes/pve1/lxc/129.conf' does not exist"]),
+     "pct error: no container 129 on pve1: Configuration file 'nodes/pve1/lxc/129.conf' does not exist"),
+])
+def test_without_the_connect_check_the_first_command_says_what_connect_would_have(shell, stderr, status_output,
+                                                                                  message):
+    shell.answer("pct exec", False, out(stderr=[stderr]))
+    shell.answer("out=$(", True, status_output)
+    host = make_host("@pct/pve1:129", pct_connect_check=False)
+    host.connect(raise_exceptions=True)
+    status, output = host.run_shell_command("true")
+    assert status is False and output.stderr_lines[-1] == message
+    assert host.connector.unavailable == message
+    # exactly what connect says with its check on
+    checked = make_host("@pct/pve1:129")
+    shell.answer("listing=$(", True, listing_answer(0))
+    with pytest.raises(ConnectError) as raised:
+        checked.connect(raise_exceptions=True)
+    assert raised.value.args[0] == message
+    # the pct status is asked once; a second command fails with the same line and asks nothing more
+    asked = sum(1 for c in shell.commands if c.startswith("out=$("))
+    assert host.run_shell_command("true")[1].stderr_lines[-1] == message
+    assert sum(1 for c in shell.commands if c.startswith("out=$(")) == asked
+
+
+def test_without_the_connect_check_a_commands_own_failure_stays_its_own(shell):
+    shell.answer("pct exec", False, out(stderr=["grep: /x: No such file or directory"]))
+    host = make_host("@pct/pve1:129", pct_connect_check=False)
+    host.connect(raise_exceptions=True)
+    status, output = host.run_shell_command("grep a /x")
+    assert status is False and output.stderr_lines == ["grep: /x: No such file or directory"]
+    assert host.connector.unavailable is None and not any(c.startswith("out=$(") for c in shell.commands)
