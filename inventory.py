@@ -67,5 +67,24 @@ def _watch_connections() -> None:
         _watch(_state, _status_rows if any(_is_status(arg) for arg in _sys.argv) else None)
 
 
-globals().update(_groups())
+def _deploy_checks_containers() -> bool:
+    """Whether this run is of deploy.py (beside this file) alone: its sglang.server observes every
+    container first and reports a stopped or missing one with connect's own message, so connect's
+    check (one `pct list` per Proxmox host) is left to that observe (pct_connect_check false; a
+    `--data pct_connect_check=true` keeps it). Runbooks, `exec` and any other deploy file keep it."""
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    files = [_os.path.abspath(arg) for arg in _sys.argv[1:] if arg.endswith(".py")]
+    return files == [_os.path.join(here, "inventory.py"), _os.path.join(here, "deploy.py")]
+
+
+def _with_connect_check_left_to_the_deploy(groups: dict) -> dict:
+    if _deploy_checks_containers():
+        for hosts, _data in groups.values():
+            for entry in hosts:  # (name, data) where a container's data is; other groups name it only
+                if isinstance(entry, tuple):
+                    entry[1].setdefault("pct_connect_check", False)
+    return groups
+
+
+globals().update(_with_connect_check_left_to_the_deploy(_groups()))
 _watch_connections()

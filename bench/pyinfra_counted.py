@@ -25,7 +25,8 @@ STARTED_AT = time.time()
 
 def label(raw: str) -> str:
     """What a remote command is, for the report: ``pct list``, the agent's ``observe`` / ``start`` /
-    ``follow`` / ``wait``, the host-side ``GPU lock``, else its first words."""
+    ``follow`` / ``wait``, the host-side ``GPU lock`` (``GPU lock + start``: the hand-off in the same
+    command), else its first words."""
     import re
 
     if "pct list" in raw[:120]:
@@ -34,8 +35,8 @@ def label(raw: str) -> str:
     match = re.search(r"\b(observe|start|follow|wait|logpump)\b", tail)
     if "pct exec" in raw[:40]:
         return match.group(1) if match else "pct exec (inline program)"
-    if "python3 -c" in raw[:40] or "python3 -S -c" in raw[:40]:
-        return "GPU lock (Proxmox host)"
+    if "python3 -c" in raw[:40] or "python3 -S -c" in raw[:40]:  # the holder; with "start": it hands off too
+        return "GPU lock + start (Proxmox host)" if '"start": {"command"' in raw else "GPU lock (Proxmox host)"
     return raw[:40]
 
 

@@ -137,9 +137,10 @@ def _restart(results: dict) -> list[str]:
         f"- Ansible 5 s: {_breakdown_ansible(_median_run(restart['ansible-5s']['runs']))}",
         "",
         f"Reading: gpugate sends {g['commands_median']:.0f} remote commands for one restart against the "
-        f"playbook's {restart['ansible-1s']['commands_median']:.0f}: the connect-time `pct list` (one per "
-        "Proxmox host), the agent's `observe` (the plan's one look), the GPU locks on the Proxmox host "
-        "(gpugate.claims: a detached holder there until the run ends), the `start` hand-off (the container's "
+        f"playbook's {restart['ansible-1s']['commands_median']:.0f}: the agent's `observe` (the plan's one "
+        "look; a run of deploy.py sends no connect-time `pct list`: this observe is the container's check, "
+        "pct_connect_check), ONE command on the Proxmox host that takes the GPU locks (gpugate.claims: a "
+        "detached holder there until the run ends) and, holding them, hands off: the container's `start` (its "
         "agent then runs stop, gate, prepare, start, load, verify and commit on its own, detached), and one "
         "batched `follow` per 3 s of the run (the controller prints the journal's progress; the answer "
         "comes the moment the run ends). The agent's own time beyond the stand-in's drain, release and load "
@@ -149,14 +150,12 @@ def _restart(results: dict) -> list[str]:
         "instead (the 5 s row), and does none of gpugate's checks (lock, flags verified through "
         "/get_server_info, rollback, stray processes).",
         "",
-        "What is left of gpugate's overhead, and what would cut it: the controller's start (pyinfra's import and "
-        "gevent's monkey-patching; gpugate's own modules load in ~0.1 s) and its exit (pyinfra's results, "
-        "disconnect, interpreter teardown) are pyinfra's; the commands before the hand-off are four round "
-        "trips in a row (`pct list`, `observe`, the host's GPU lock, `start`): taking the GPU locks in the same "
-        "command as the hand-off (the host's holder running the container's `start`) and dropping the "
-        "connect-time `pct list` where `pct exec`'s own error already says that a container is stopped would "
-        "each save one; in the container, the agent's 50 ms polls of the gate, the load and the journal cost "
-        "~25 ms each on average.",
+        "What is left of gpugate's overhead: the controller's start (pyinfra's import and gevent's "
+        "monkey-patching; gpugate's own modules load in ~0.1 s) and its exit (pyinfra's results, disconnect, "
+        "interpreter teardown) are pyinfra's; the commands before the hand-off are two round trips (`observe`, "
+        "then the host's GPU locks with the `start`; issue 18 folded the connect-time `pct list` and a "
+        "separate lock command into them), each mostly the remote Python starts in this lab; in the "
+        "container, the agent's 50 ms polls of the gate, the load and the journal cost ~25 ms each on average.",
         "",
     ]
 
@@ -226,9 +225,9 @@ def _converged(results: dict) -> list[str]:
         f"{BEFORE['ansible_32_s']:.2f} s in the run before the rebuild (the machine's load).",
         "",
         "Reading: gpugate needs one `observe` of the installed agent per container (the flag table of the "
-        "container's SGLang is named in it, so no command of its own once the controller has that table) "
-        "plus one `pct list` per Proxmox host (so 2 commands per container with one container per host, "
-        "1.25 with four), over one SSH "
+        "container's SGLang is named in it, so no command of its own once the controller has that table; "
+        "and no connect-time `pct list` in a run of deploy.py: the observe is the container's check), over "
+        "one SSH "
         "connection per Proxmox host shared by its containers; the playbook needs 1 command per container "
         "over one multiplexed connection per Proxmox host. Both grow linearly; in this lab every remote "
         "command is a Python start (the lab's `pct`, and a probe or Ansible's module) on the same 2 cores, "

@@ -18,6 +18,16 @@ Sent inline by ``PctConnector.hold_gpu_locks`` as ``python3 -c <packed source> '
    /run/gpugate/holders.log;
 4. the parent prints ``{"ok": true, "pid": <holder>}`` once the records are written, and exits,
    so the SSH command returns at once while the holder lives on.
+
+With ``start`` in the arguments (``PctConnector.hand_off_holding_gpu_locks``: the locks and the
+hand-off in ONE round trip), the parent reads the start document on its stdin before anything else,
+and once the holder holds the locks it runs the hand-off itself: ``pct exec <vmid> -- sh -c
+'<start["command"]>'`` (the agent's ``start``) with that document on its stdin, ``claim_until`` set
+to this claim's hand-off window (the agent refuses a hand-off after it); pct's stderr goes to its
+own, and its answer becomes ``"start": {"rc": <pct's exit code>, "stdout": <its output>}`` in the
+line it prints. The holder begins its ``wait`` only when the hand-off has returned (or the parent
+is gone): the agent is installed by then, and the two do not compete for the host's CPU. A claim
+that is busy or cannot be taken runs no hand-off (``start`` is absent from the answer).
 """
 
 import fcntl
@@ -146,8 +156,9 @@ def _wait_argv(args):
     return argv + ["sh", "-c", args["command"]]
 
 
-def _hold(args, held, ready_w):
-    """The detached holder (a child): record, tell the parent, wait for the run's end, release."""
+def _hold(args, held, ready_w, go_r=None):
+    """The detached holder (a child): record, tell the parent, wait for the run's end, release.
+    ``go_r``: the parent runs the hand-off; the wait begins once it closes this pipe (done, or gone)."""
     os.setsid()
     null = os.open(os.devnull, os.O_RDWR)
     for std in (0, 1, 2):
@@ -159,6 +170,13 @@ def _hold(args, held, ready_w):
     os.write(ready_w, b"1")
     os.close(ready_w)
     started = time.monotonic()
+    if go_r is not None:
+        try:
+            while os.read(go_r, 64):
+                pass
+        except OSError:
+            pass
+        os.close(go_r)
     while True:
         try:
             done = subprocess.run(_wait_argv(args), stdin=null, stdout=subprocess.PIPE, stderr=null)
@@ -182,8 +200,43 @@ def _hold(args, held, ready_w):
     os._exit(0)
 
 
+def _with_claim_until(document, until):
+    """The start document with ``claim_until`` (this claim's hand-off window) set; a document that
+    is not a JSON object goes as it is (the agent refuses it with its own error).
+
+    >>> _with_claim_until(b'{"run": "r1"}', 10.5), _with_claim_until(b'nonsense', 10.5)
+    (b'{"run": "r1", "claim_until": 10.5}', b'nonsense')
+    """
+    try:
+        doc = json.loads(document.decode("utf-8"))
+    except ValueError:
+        return document
+    if not isinstance(doc, dict):
+        return document
+    doc["claim_until"] = until
+    return json.dumps(doc, separators=(", ", ": ")).encode("utf-8")
+
+
+def _hand_off(args, document, until):
+    """The container agent's ``start`` through pct, its stdin the start document -> what the line
+    printed says of it; pct's own stderr (a stopped container, ...) goes to this program's."""
+    start = args["start"]
+    try:
+        done = subprocess.run(_wait_argv(dict(args, command=start["command"])), input=_with_claim_until(document, until),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as exc:  # no pct: the hand-off cannot run
+        sys.stderr.write("%s: %s\n" % (type(exc).__name__, exc))
+        return {"rc": 127, "stdout": ""}
+    if done.stderr:
+        sys.stderr.write(done.stderr.decode("utf-8", "replace"))
+        sys.stderr.flush()
+    return {"rc": done.returncode, "stdout": done.stdout.decode("utf-8", "replace")}
+
+
 def main(argv):
     args = json.loads(argv[-1])
+    # the hand-off's document first: all of it is on stdin (the holder must not keep the session's stdin)
+    document = sys.stdin.buffer.read() if args.get("start") else None
     held, busy = acquire(args["lock_dir"], args["gpus"], args.get("wait_s", 0))
     released = []
     while busy is not None and busy.get("owner") and len(released) < 8:
@@ -199,19 +252,30 @@ def main(argv):
         print(json.dumps(dict(busy, ok=False, released=released)))
         return 0
     ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe() if document is not None else (None, None)
     pid = os.fork()
     if pid == 0:
         os.close(ready_r)
+        if go_w is not None:
+            os.close(go_w)
         try:
-            _hold(args, held, ready_w)
+            _hold(args, held, ready_w, go_r)
         finally:
             os._exit(1)
     os.close(ready_w)
+    if go_r is not None:
+        os.close(go_r)
     for fd in held:
         os.close(fd)  # the child's copies keep the locks
     ready = os.read(ready_r, 1)
-    print(json.dumps({"ok": bool(ready), "pid": pid, "released": released, "handoff_until": time.time() + float(args.get("grace_s", 30))}
-                     if ready else {"ok": False, "error": "the holder died"}))
+    until = time.time() + float(args.get("grace_s", 30))
+    answer = ({"ok": True, "pid": pid, "released": released, "handoff_until": until} if ready
+              else {"ok": False, "error": "the holder died"})
+    if ready and document is not None:
+        answer["start"] = _hand_off(args, document, until)
+    if go_w is not None:
+        os.close(go_w)  # the holder's wait begins
+    print(json.dumps(answer))
     return 0
 
 

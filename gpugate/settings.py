@@ -403,6 +403,10 @@ SETTINGS: dict[str, Setting] = _rows(
     Setting("pct_ssh_share", to_positive_count, 4,
             "how many containers of one Proxmox host share one SSH connection in a run "
             "(1: one connection per container)"),
+    Setting("pct_connect_check", to_bool, True,
+            "check at connect that the container runs (one `pct list` per Proxmox host); false: the first "
+            "command's own pct error says it, with the same message (a run of deploy.py alone: its "
+            "sglang.server reports a stopped or missing container as a failed connect does)"),
     # --- one run's choices (--data on the command line) ---
     Setting("sglang_restarted", to_bool, False, "restart even when the desired spec already serves", "run"),
     Setting("only_port", to_port, None, "only the desired server(s) on this port (one server of a container that "

@@ -91,6 +91,7 @@ class PctConnectorData(TypedDict):
     pct_sudo: bool
     pct_clear_env: bool
     pct_ssh_share: int
+    pct_connect_check: bool
 
 
 connector_data_meta: dict[str, DataMeta] = {
@@ -101,7 +102,7 @@ connector_data_meta: dict[str, DataMeta] = {
     ),
     # the settings' own rows (gpugate.settings): one doc and one default each
     **{key: DataMeta(SETTINGS[key].doc[:1].upper() + SETTINGS[key].doc[1:], SETTINGS[key].default)
-       for key in ("pct_binary", "pct_sudo", "pct_clear_env", "pct_ssh_share")},
+       for key in ("pct_binary", "pct_sudo", "pct_clear_env", "pct_ssh_share", "pct_connect_check")},
 }
 
 
@@ -246,6 +247,10 @@ def make_status_check_command(vmid: int, binary: str = "pct", sudo: bool = False
 
 
 PctFailureKind = Literal["no-pct", "unknown-vmid", "not-running", "sudo", "missing-command", "link-lost"]
+
+# The failures that connect's check is there for: no container to run in (the others are the command's
+# own, or the link's)
+UNAVAILABLE_KINDS = ("no-pct", "unknown-vmid", "not-running", "sudo")
 
 
 @dataclass(frozen=True)
@@ -637,6 +642,10 @@ class PctConnector(BaseConnector):
         # why the last command did not run in the container (pct's own error, a lost link), as
         # data: the operations read it, never the text line that says it
         self.last_failure: PctFailure | None = None
+        # pct_connect_check false: connect ran no check, the first command is it. ``unavailable``:
+        # what connect would have raised, once a command met a stopped or missing container
+        self._unchecked = False
+        self.unavailable: str | None = None
 
     @override
     @staticmethod
@@ -715,9 +724,19 @@ class PctConnector(BaseConnector):
             return self.pve.settings_key
         return ("@local",)
 
+    @property
+    def connect_check(self) -> bool:
+        """Whether connect checks that the container runs (``pct_connect_check``, default true)."""
+        return bool(SETTINGS["pct_connect_check"].convert(self.data["pct_connect_check"]))
+
     @override
     def connect(self) -> None:
         self.pve.connect()
+        if not self.connect_check:
+            # One round trip less: `pct exec` says itself that a container is stopped or missing, and
+            # the first command that meets it gets connect's own message (self.unavailable)
+            self._unchecked, self.unavailable = True, None
+            return
         try:
             self._check_container_running()
         except BaseException:
@@ -732,16 +751,18 @@ class PctConnector(BaseConnector):
         statuses = self._shared_container_statuses()
         if statuses is not None and statuses.get(self.vmid) == "running":
             return
+        message = self._status_check_message()
+        if message:
+            raise ConnectError(message)
+
+    def _status_check_message(self) -> str | None:
+        """The container's own `pct status`: None when it runs, else why not (connect's message)."""
         check = make_status_check_command(self.vmid, self.binary, self.use_sudo)
         status, output = self.pve.run_shell_command(check)
         if not status:
-            raise ConnectError(
-                f"pct error: could not check container {self.vmid} on {self.pve_host_name}: "
-                f"{output.stderr or output.stdout}",
-            )
-        message = status_check_error(output.stdout_lines, self.pve_host_name, self.vmid, self.binary)
-        if message:
-            raise ConnectError(message)
+            return (f"pct error: could not check container {self.vmid} on {self.pve_host_name}: "
+                    f"{output.stderr or output.stdout}")
+        return status_check_error(output.stdout_lines, self.pve_host_name, self.vmid, self.binary)
 
     def _shared_container_statuses(self) -> ContainerStatuses | None:
         """The host's `pct list`, read once per Proxmox host by its first container to connect."""
@@ -823,8 +844,23 @@ class PctConnector(BaseConnector):
         if failure is not None:
             # Even when the caller accepts pct's exit code (255) as success: the command never ran.
             self.last_failure = failure
+            if self._unchecked and failure.kind in UNAVAILABLE_KINDS:
+                return False, self._unavailable_output(output, failure)
             return False, self._with_failure_line(output, failure)
+        self._unchecked = False  # pct ran it: the container runs
         return status, output
+
+    def _unavailable_output(self, output: CommandOutput, failure: PctFailure) -> CommandOutput:
+        """The first command of an unchecked connect met no container: what connect would have
+        said (its own `pct status`, on this path only), kept in ``self.unavailable``."""
+        if self.unavailable is None:
+            try:
+                message = self._status_check_message()
+            except Exception:  # noqa: BLE001 -- the link went: pct exec's own line says enough
+                message = None
+            self.unavailable = message or failure.describe(self.pve_host_name, self.vmid)
+        logger.debug("%s%s", self.host.print_prefix, self.unavailable)
+        return CommandOutput([*output.combined_lines, OutputLine("stderr", self.unavailable)])
 
     # The Proxmox host itself
 
@@ -870,35 +906,128 @@ class PctConnector(BaseConnector):
 
             ok, message = host.connector.hold_gpu_locks(spec_gpus, run_id, python="/usr/bin/python3")
         """
-        from gpugate import host_gpu_lock  # noqa: PLC0415 -- its source travels, not the module
-        from gpugate.agentcmd import wait_command  # noqa: PLC0415
-        from gpugate.remote import pack  # noqa: PLC0415
-
         gpu_list = sorted({int(gpu) for gpu in gpus})
         if not gpu_list:
             return True, "no GPU to claim"
-        args = {
+        args = self._gpu_lock_args(gpu_list, run, python, grace_s, wait_s, lock_dir)
+        status, output = self.pve.run_shell_command(self._gpu_lock_program(args), _timeout=int(max(30, wait_s + 30)))
+        answer = _last_json(output.stdout_lines)
+        if not status or answer is None:
+            self._keep_claim(answer)
+            return False, self._lock_failure(gpu_list, run, output)
+        return self._lock_answer(gpu_list, run, answer)
+
+    def hand_off_holding_gpu_locks(
+        self,
+        gpus: Sequence[int],
+        run: str,
+        command: str | StringCommand,
+        stdin: str,
+        python: str = "/usr/bin/python3",
+        grace_s: float = HANDOFF_S,
+        wait_s: float = 0,
+        lock_dir: str = LOCK_DIR,
+        timeout: float = 120,
+        **arguments: Unpack["ConnectorArguments"],
+    ) -> tuple[bool, str, tuple[bool, CommandOutput] | None]:
+        """
+        :meth:`hold_gpu_locks` and the hand-off in ONE round trip: the host's lock holder
+        (gpugate/host_gpu_lock.py), once it holds the locks, runs ``command`` in the container (as
+        :meth:`run_shell_command` would: pyinfra's wrapping inside, ``pct exec`` outside) with
+        ``stdin`` (the start document; the holder sets its ``claim_until`` to this claim's window).
+
+        -> ``(locked, message, started)``: ``locked`` and ``message`` as hold_gpu_locks answers them
+        (``self.gpu_claim`` likewise); ``started`` is the command's ``(status, output)``, with pct's
+        own failures made data exactly as run_shell_command makes them (``self.last_failure``, a
+        ``pct error: ...`` line), or None when the locks were not taken (nothing was run, nothing
+        touched). A link lost before any answer is ``(True, ..., (False, <the lost-link line>))``:
+        the hand-off may have begun.
+
+        .. code:: python
+
+            locked, message, started = host.connector.hand_off_holding_gpu_locks(
+                spec_gpus, run_id, agentcmd.start_command(python), agentcmd.start_stdin(doc, False))
+        """
+        gpu_list = sorted({int(gpu) for gpu in gpus})
+        if not gpu_list:
+            plain = {**arguments, "_stdin": stdin, "_timeout": int(timeout)}
+            return True, "no GPU to claim", self.run_shell_command(
+                command if isinstance(command, StringCommand) else StringCommand(command), **plain)  # type: ignore[arg-type]
+        # the host program's own exit status is 0 whatever the hand-off did: the codes apply to the hand-off
+        success_codes = list(extract_control_arguments(arguments).get("_success_exit_codes") or [0])
+        inner = make_unix_command_for_host(
+            self.state, self.host, command if isinstance(command, StringCommand) else StringCommand(command),
+            **arguments)
+        args = self._gpu_lock_args(gpu_list, run, python, grace_s, wait_s, lock_dir)
+        args["start"] = {"command": inner.get_raw_value()}
+        self.last_failure = None
+        try:
+            status, output = self.pve.run_shell_command(
+                self._gpu_lock_program(args), _stdin=stdin, _timeout=int(max(30, wait_s + 30) + timeout))
+        except Exception:
+            if not self._link_alive():
+                self.last_failure = PctFailure("link-lost", "the connection dropped during the command")
+            raise
+        answer = _last_json(output.stdout_lines)
+        if answer is None or not status:
+            self._keep_claim(answer)
+            if not status and not self._link_alive():  # the holder, and so the hand-off, may have run
+                self.last_failure = PctFailure("link-lost", "no answer: the connection is closed")
+                return True, "no answer", (False, self._with_failure_line(output, self.last_failure))
+            return False, self._lock_failure(gpu_list, run, output), None
+        locked, message = self._lock_answer(gpu_list, run, answer)
+        start = answer.get("start")
+        if not locked or not isinstance(start, dict):
+            return locked, message, None
+        # the hand-off's own output: its stdout from the answer, pct's stderr as the holder passed it on
+        lines = [OutputLine("stdout", line) for line in str(start.get("stdout") or "").splitlines()]
+        lines += [OutputLine("stderr", line) for line in output.stderr_lines]
+        started = CommandOutput(lines)
+        rc = start.get("rc")
+        ok = isinstance(rc, int) and rc in success_codes
+        failure = self._pct_failure(ok, started)
+        if failure is not None:
+            self.last_failure = failure
+            return True, message, (False, self._with_failure_line(started, failure))
+        return True, message, (ok, started)
+
+    def _gpu_lock_args(self, gpu_list: list[int], run: str, python: str, grace_s: float, wait_s: float,
+                       lock_dir: str) -> dict:
+        from gpugate.agentcmd import wait_command  # noqa: PLC0415
+
+        return {
             "vmid": self.vmid, "gpus": gpu_list, "run": str(run), "wait_s": wait_s, "lock_dir": lock_dir,
             "command": wait_command(python, str(run), grace_s=grace_s), "path": CONTAINER_PATH,
             "grace_s": grace_s, "check_command": wait_command(python, "@RUN@", grace_s=0, timeout_s=0),
             "pct": ["sudo", "-n", self.binary] if self.use_sudo else [self.binary],  # argv: no shell quoting
             "clear_env": bool(self.data["pct_clear_env"]),
         }
+
+    def _gpu_lock_program(self, args: dict) -> StringCommand:
+        from gpugate import host_gpu_lock  # noqa: PLC0415 -- its source travels, not the module
+        from gpugate.remote import pack  # noqa: PLC0415
+
         source = Path(host_gpu_lock.__file__).read_text()
         # on the host, as root: the lock dir is /run's, and the holder runs pct. -S: the holder is
         # stdlib only, and site (site-packages, .pth files) is most of a Python start (it is on the
         # restart's path, right before the hand-off)
         bits: list = (["sudo", "-n"] if self.use_sudo else []) + [
             "python3", "-S", "-c", QuoteString(pack(source)), QuoteString(json.dumps(args))]
-        status, output = self.pve.run_shell_command(StringCommand(*bits), _timeout=int(max(30, wait_s + 30)))
-        answer = _last_json(output.stdout_lines)
+        return StringCommand(*bits)
+
+    def _keep_claim(self, answer: dict | None) -> None:
         self.gpu_claim = {"owner": (answer or {}).get("owner"), "until": (answer or {}).get("handoff_until"),
                           "began": (answer or {}).get("began"),
                           "released": (answer or {}).get("released") or []}
+
+    def _lock_failure(self, gpu_list: list[int], run: str, output: CommandOutput) -> str:
         where = f"GPU {gpu_ranges(gpu_list)} of {self.pve_host_name}"
-        if not status or answer is None:
-            detail = " / ".join(_strip_host_noise(output.stderr_lines)) or output.stdout or "no answer"
-            return False, f"could not take the locks of {where} for run {run}: {detail}; nothing was touched"
+        detail = " / ".join(_strip_host_noise(output.stderr_lines)) or output.stdout or "no answer"
+        return f"could not take the locks of {where} for run {run}: {detail}; nothing was touched"
+
+    def _lock_answer(self, gpu_list: list[int], run: str, answer: dict) -> tuple[bool, str]:
+        self._keep_claim(answer)
+        where = f"GPU {gpu_ranges(gpu_list)} of {self.pve_host_name}"
         released = "".join(f"; released the claim of run {gone.get('run')} (container {gone.get('vmid')}, GPU "
                            f"{gpu_ranges(gone.get('gpus') or [])}): {gone.get('why')}" for gone in answer.get("released") or [])
         if answer.get("ok"):

@@ -95,6 +95,7 @@ class RunBook(BaseStateCallback):
         self.refused: list[str] = []
         self.untouched: list[str] = []
         self.watching: dict[str, Watch] = {}
+        self.unavailable: set[str] = set()  # containers said to be stopped or missing (a connect error's line)
         self.printed = False
 
     def ended(self, name: str, outcome: str, refused: bool = False) -> None:
@@ -256,15 +257,28 @@ def _run(host_obj: Any, command: Any, stdin: str | None = None, timeout: float |
         kwargs["_stdin"] = stdin
     if timeout is not None:
         kwargs["_timeout"] = int(timeout)
-    connector = host_obj.connector
-    where = (host_obj.data.get("pve_host") or getattr(connector, "pve_host_name", None) or host_obj.name,
-             host_obj.data.get("pct_vmid"))
     try:
         status, output = host_obj.run_shell_command(
             command if isinstance(command, StringCommand) else StringCommand(command), **kwargs)
     except Exception as error:  # SSH dropped, timeout: the caller decides
-        trouble = _pct_trouble(getattr(connector, "last_failure", None), *where)
-        return False, {}, trouble or f"no answer from the container ({type(error).__name__}: {str(error)[:200]})"
+        return _no_answer(host_obj, error)
+    return _answer(host_obj, status, output)
+
+
+def _where(host_obj: Any) -> tuple[Any, Any]:
+    return (host_obj.data.get("pve_host") or getattr(host_obj.connector, "pve_host_name", None) or host_obj.name,
+            host_obj.data.get("pct_vmid"))
+
+
+def _no_answer(host_obj: Any, error: Exception) -> tuple[bool, dict[str, Any], str | None]:
+    trouble = _pct_trouble(getattr(host_obj.connector, "last_failure", None), *_where(host_obj))
+    return False, {}, trouble or f"no answer from the container ({type(error).__name__}: {str(error)[:200]})"
+
+
+def _answer(host_obj: Any, status: bool, output: Any) -> tuple[bool, dict[str, Any], str | None]:
+    """An agent command's ``(status, output)`` -> (ran, answer, trouble), as :func:`_run` says."""
+    connector = host_obj.connector
+    where = _where(host_obj)
     if not status:
         trouble = _pct_trouble(getattr(connector, "last_failure", None), *where)
         if trouble:
@@ -367,6 +381,24 @@ def _refuse(message: str, port: int):
     yield FunctionCommand(_fail, (message,), {})
 
 
+def _unavailable(message: str):
+    """A stopped or missing container whose connect check was left to the observe (the connector's
+    ``pct_connect_check`` false: a run of deploy.py alone), as a container that failed to connect is:
+    connect's own line, said once, this container failed alone, and neither refused nor failed in the
+    run's book (a rolling change goes on past it, as it goes on past a container that did not connect)."""
+    book = _runbook()
+    if host.name not in book.unavailable:
+        book.unavailable.add(host.name)
+        host.log_styled(message, fg="red", log_func=logger.error)
+    if not state.is_executing:
+        state.failed_hosts.add(host)  # --dry: the run exits non-zero, as after a failed connect
+    yield FunctionCommand(_not_reached, (), {})
+
+
+def _not_reached(state: Any, host: Any) -> bool:  # noqa: A002 -- pyinfra passes them by these names
+    return False
+
+
 @dataclasses.dataclass
 class Job:
     """Everything the execute step needs (no state shared with other hosts)."""
@@ -431,24 +463,14 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     _audit(job, host_obj, "plan", "begin", run=run, **job.story)
     if job.routing is not None and not _leave_router(host_obj, job, run):
         return False
-    if plan.gpus and hasattr(host_obj.connector, "hold_gpu_locks"):
-        ok, message = host_obj.connector.hold_gpu_locks(list(plan.gpus), run, python=job.python)
-        claim = getattr(host_obj.connector, "gpu_claim", None) or {}
-        for gone in claim.get("released") or []:
-            _say(host_obj, job.port, f"released a stale GPU claim: run {gone.get('run')} of container "
-                                     f"{gone.get('vmid')} never began ({gone.get('why')})")
-        own = None if ok or claim.get("began") is not True else own_claim_run(claim.get("owner"),
-                                                                              host_obj.data.get("pct_vmid"))
-        if own:  # this container's own run holds the claim: follow it, as the plan does a running one
-            _say(host_obj, job.port, f"the GPU claim is held by run {own} of this container: following it instead")
-            return _attach(host_obj, job, own)
-        if not ok:
-            book.refused.append(name)
-            book.outcomes[name] = "refused (GPU claims; nothing touched)"
-            _say(host_obj, job.port, f"REFUSED, nothing touched: {message}", error=True)
-            _audit(job, host_obj, "outcome", "end", run=run, outcome="refused", message=message)
-            _rejoin_router(host_obj, job, run, "the old server still serves")
-            return False
+    claimed = bool(plan.gpus) and hasattr(host_obj.connector, "hold_gpu_locks")
+    # the locks and the hand-off in one round trip where the connector can (the host's holder runs the start)
+    together = claimed and hasattr(host_obj.connector, "hand_off_holding_gpu_locks")
+    if claimed and not together:
+        ok, message = host_obj.connector.hold_gpu_locks(list(plan.gpus or ()), run, python=job.python)
+        refused = _claim_refused(host_obj, job, run, ok, message)
+        if refused is not None:
+            return refused
     doc: dict[str, Any] = {"run": run, "operator": _operator(), "budgets": job.budgets, "restart": bool(plan.restart),
                            "rollback_to": plan.rollback_to, "replaces": plan.replaces, "port": job.port}
     if plan.target is not None:
@@ -464,12 +486,30 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         doc["desired"] = None
     if job.end_pids:
         doc["end_gpu_holders"] = job.end_pids
-    if plan.gpus and (getattr(host_obj.connector, "gpu_claim", None) or {}).get("until"):
+    if claimed and not together and (getattr(host_obj.connector, "gpu_claim", None) or {}).get("until"):
         doc["claim_until"] = host_obj.connector.gpu_claim["until"]  # the agent refuses a hand-off after it
     watch = Watch(name, job.port, run, _narrator(job))
     book.watching[name] = watch
     stdin = agentcmd.start_stdin(doc, include_source=not job.observation.get("agent_installed", True))
-    ran, answer, trouble = _run(host_obj, agentcmd.start_command(job.python), stdin=stdin, timeout=120)
+    if together:  # the holder sets claim_until to its claim's window
+        try:
+            ok, message, started = host_obj.connector.hand_off_holding_gpu_locks(
+                list(plan.gpus or ()), run, agentcmd.start_command(job.python), stdin, python=job.python, timeout=120)
+        except Exception as error:  # SSH dropped, timeout: the hand-off may have begun
+            ok, message, started = True, "", None
+            ran, answer, trouble = _no_answer(host_obj, error)
+        else:
+            if started is None:  # the locks were not taken: no hand-off, nothing touched
+                book.watching.pop(name, None)
+                refused = _claim_refused(host_obj, job, run, ok, message)
+                if refused is not None:
+                    return refused
+                ran, answer, trouble = False, {}, "the GPU lock holder ran no hand-off"
+            else:
+                _claim_refused(host_obj, job, run, ok, message)  # the stale claims it released on the way
+                ran, answer, trouble = _answer(host_obj, *started)
+    else:
+        ran, answer, trouble = _run(host_obj, agentcmd.start_command(job.python), stdin=stdin, timeout=120)
     if trouble or not ran:
         book.ended(name, "hand-off failed")
         _say(host_obj, job.port, f"the hand-off got no answer: {trouble}; the container may have begun run {run}: "
@@ -498,6 +538,31 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     if job.routing is not None:
         ok = _after_transition(host_obj, job, run, book.outcomes.get(name)) and ok
     return ok
+
+
+def _claim_refused(host_obj: Any, job: Job, run: str, ok: bool, message: str) -> bool | None:
+    """The GPU claim's answer (gpugate.claims): stale claims released on the way are said; None: go
+    on with the hand-off; else what _execute returns (this container's own run holds the claim:
+    followed; another's: refused, nothing touched)."""
+    book = _runbook()
+    name = host_obj.name
+    claim = getattr(host_obj.connector, "gpu_claim", None) or {}
+    for gone in claim.get("released") or []:
+        _say(host_obj, job.port, f"released a stale GPU claim: run {gone.get('run')} of container "
+                                 f"{gone.get('vmid')} never began ({gone.get('why')})")
+    own = None if ok or claim.get("began") is not True else own_claim_run(claim.get("owner"),
+                                                                          host_obj.data.get("pct_vmid"))
+    if own:  # this container's own run holds the claim: follow it, as the plan does a running one
+        _say(host_obj, job.port, f"the GPU claim is held by run {own} of this container: following it instead")
+        return _attach(host_obj, job, own)
+    if not ok:
+        book.refused.append(name)
+        book.outcomes[name] = "refused (GPU claims; nothing touched)"
+        _say(host_obj, job.port, f"REFUSED, nothing touched: {message}", error=True)
+        _audit(job, host_obj, "outcome", "end", run=run, outcome="refused", message=message)
+        _rejoin_router(host_obj, job, run, "the old server still serves")
+        return False
+    return None
 
 
 # ---------------------------------------------------------------- a routed server (gpugate.router)
@@ -905,6 +970,10 @@ def server(desired: Desired, restore_previous: bool = False):
 
     observed_args = desired.observe_args() if spec is not None else {"port": port}
     observation, trouble = _observe(host, python, observed_args)
+    unavailable = getattr(host.connector, "unavailable", None)
+    if (trouble or observation is None) and unavailable:  # the connect check was this observe (pct_connect_check)
+        yield from _unavailable(unavailable)
+        return
     if trouble or observation is None:
         yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {trouble}", port)
         return

@@ -153,3 +153,42 @@ def test_the_lab_fleet_claims_no_gpu_twice_and_the_old_one_did(tmp_path):
     old = [(name, dict(data, sglang_flags={"tp": 8})) for name, data in members[:2]]  # before: tp 8 everywhere
     assert overlapping_claims(servers_of_inventory(old)) == [
         "pve1: ct 129 :30000 (GPU 0-7) and ct 130 :30000 (GPU 0-7) claim the same GPU 0-7"]
+
+
+# ---------------------------------------------------------------- the locks and the hand-off in one round trip
+
+
+def hand_off(holders: Holders, vmid: int, gpus, run: str, start: str, document: bytes) -> tuple[dict, str]:
+    """The holder with ``start`` (PctConnector.hand_off_holding_gpu_locks): `pct` runs its command with sh
+    (``shift``: past exec VMID --), the wait command returns when the run's file appears."""
+    done = holders.tmp / f"{run}.done"
+    args = {"vmid": vmid, "gpus": list(gpus), "run": run, "wait_s": 0, "lock_dir": str(holders.lock_dir),
+            "command": f'touch "{done}.waiting"; until [ -e "{done}" ]; do sleep 0.02; done', "path": "/usr/bin:/bin",
+            "clear_env": False, "grace_s": 30, "pct": ["sh", "-c", 'shift 3; exec "$@"', "pct"],
+            "start": {"command": start}}
+    out = subprocess.run([sys.executable, "-S", "-c", holders.program, json.dumps(args)], input=document,
+                         capture_output=True, timeout=30, check=True)
+    return json.loads(out.stdout.decode().strip().splitlines()[-1]), out.stderr.decode()
+
+
+def test_the_hand_off_runs_once_the_locks_are_held_with_the_claims_window(holders):
+    # the "start" answers what the lock files say while it runs, and the document it was given
+    probe = (f'cat > "{holders.tmp}/doc.json"; cat "{holders.lock_dir}/gpu-1.lock"; sleep 0.2; '
+             f'test -e "{holders.tmp}/r1.done.waiting" && echo wait-began-early; echo pct-said >&2; exit 3')
+    answer, stderr = hand_off(holders, 129, [1, 0], "r1", probe, b'{"run": "r1", "desired": null}')
+    assert answer["ok"] and answer["start"]["rc"] == 3 and stderr == "pct-said\n"
+    record = json.loads(answer["start"]["stdout"].splitlines()[0])
+    assert record["run"] == "r1" and record["gpus"] == [0, 1] and record["pid"] == answer["pid"]
+    assert "wait-began-early" not in answer["start"]["stdout"]  # the holder's wait follows the hand-off
+    doc = json.loads((holders.tmp / "doc.json").read_text())
+    assert doc["run"] == "r1" and doc["desired"] is None
+    assert abs(doc["claim_until"] - answer["handoff_until"]) < 1e-6  # the agent refuses a hand-off after it
+    holders.end("r1")  # the run ended: the holder's wait (begun after the hand-off) returns
+    wait_for(lambda: [line["run"] for line in holders.released()] == ["r1"])
+
+
+def test_a_busy_claim_runs_no_hand_off(holders):
+    assert holders.take(129, [0, 1], "r1")["ok"]
+    answer, _ = hand_off(holders, 130, [1], "r2", f'touch "{holders.tmp}/ran"', b"{}")
+    assert answer["ok"] is False and answer["gpu"] == 1 and answer["owner"]["run"] == "r1"
+    assert "start" not in answer and not (holders.tmp / "ran").exists()

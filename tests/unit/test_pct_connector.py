@@ -8,6 +8,7 @@ tests/test_connectors/test_dockerssh.py does.
 from __future__ import annotations
 
 import io
+import json
 import shlex
 from unittest.mock import patch
 
@@ -680,3 +681,128 @@ def test_an_unreadable_listing_falls_back_to_pct_status_for_each_container(ssh):
 )
 def test_parse_container_listing(lines, statuses):
     assert parse_container_listing(lines) == statuses
+
+
+# The GPU locks and the hand-off in one round trip (hand_off_holding_gpu_locks)
+
+
+def holder_answer(stderr: tuple[str, ...] = (), **fields) -> CommandOutput:
+    return out([json.dumps(fields)], stderr)
+
+
+def connected_129(ssh):
+    [host] = make_fleet(("@pct/pve1:129", {"ssh_port": 22}))
+    host.connect(raise_exceptions=True)
+    return host
+
+
+def test_the_locks_and_the_hand_off_are_one_host_command_whose_start_is_wrapped_as_any_command(ssh):
+    host = connected_129(ssh)
+    host.run_shell_command("start-command")
+    [pct_exec] = [c for c in ssh.shell.commands if c.startswith("pct exec")]
+    started_answer = '{"ok": true, "run": "r1", "pid": 9}\n'
+    ssh.shell.answer("python3 -S -c", True, holder_answer(ok=True, pid=7, released=[], handoff_until=100.0,
+                                                           start={"rc": 0, "stdout": started_answer}))
+    before = len(ssh.shell.calls)
+    locked, message, started = host.connector.hand_off_holding_gpu_locks([1, 0], "r1", "start-command",
+                                                                         '{"run": "r1"}')
+    [(text, arguments)] = ssh.shell.calls[before:]  # ONE round trip
+    assert locked and message.startswith("holding the locks of GPU 0-1 of pve1 for run r1 (holder pid 7")
+    assert started[0] is True and started[1].stdout_lines == [started_answer.strip()]
+    assert arguments["_stdin"] == '{"run": "r1"}'
+    args = json.loads(shlex.split(text)[-1])
+    assert args["gpus"] == [0, 1] and args["run"] == "r1" and args["pct"] == ["pct"]
+    # the container runs exactly what run_shell_command would have run there
+    assert args["start"]["command"] == shlex.split(pct_exec)[-1]
+    assert host.connector.gpu_claim["until"] == 100.0 and host.connector.last_failure is None
+
+
+def test_a_stopped_container_at_the_hand_off_is_the_same_pct_error_as_any_command(ssh):
+    host = connected_129(ssh)
+    ssh.shell.answer("python3 -S -c", True, holder_answer(("container '129' not running!",), ok=True, pid=7,
+                                                          released=[], handoff_until=100.0,
+                                                          start={"rc": 255, "stdout": ""}))
+    locked, _message, (status, output) = host.connector.hand_off_holding_gpu_locks([0], "r1", "start", "{}")
+    assert locked and status is False
+    assert output.stderr_lines[-1] == "pct error: container 129 on pve1 is not running: container '129' not running!"
+    assert host.connector.last_failure.kind == "not-running"
+
+
+def test_a_busy_claim_runs_no_hand_off_and_says_whose_it_is(ssh):
+    host = connected_129(ssh)
+    ssh.shell.answer("python3 -S -c", True, holder_answer(ok=False, gpu=3, owner={"vmid": 130, "run": "r0",
+                                                                                  "gpus": [3]}, began=True))
+    locked, message, started = host.connector.hand_off_holding_gpu_locks([3], "r1", "start", "{}")
+    assert (locked, started) == (False, None)
+    assert message.startswith("GPU 3 of pve1 is claimed by container 130 (run r0, GPU 3)")
+    assert host.connector.gpu_claim["began"] is True
+
+
+def test_a_link_lost_during_the_hand_off_may_have_handed_off_and_says_it_is_the_link(ssh):
+    host = connected_129(ssh)
+
+    def cut(connector, command, **arguments):  # the SSH connection drops before any answer
+        ssh.clients[0].active = False
+        return False, out()
+
+    original, ssh.run_shell_command = ssh.run_shell_command, cut
+    try:
+        locked, _message, (status, output) = host.connector.hand_off_holding_gpu_locks([0], "r1", "start", "{}")
+    finally:
+        ssh.run_shell_command = original
+    assert locked and status is False  # the holder, and so the hand-off, may have run
+    assert host.connector.last_failure.kind == "link-lost"
+    assert output.stderr_lines[-1].startswith("pct error: the SSH connection to the Proxmox host pve1 was lost")
+
+
+# pct_connect_check false: connect runs no check, the first command is it (a run of deploy.py alone)
+
+
+def status_answer_stopped() -> CommandOutput:
+    return out(["pct-status-exit: 0", "| status: stopped"])
+
+
+def test_without_the_connect_check_connect_sends_nothing_and_a_running_container_just_runs(shell):
+    host = make_host("@pct/pve1:129", pct_connect_check=False)
+    host.connect(raise_exceptions=True)
+    assert shell.commands == []
+    status, _ = host.run_shell_command("hostname")
+    assert status and [c.split(" ")[:2] for c in shell.commands] == [["pct", "exec"]]
+    assert host.connector.unavailable is None
+
+
+@pytest.mark.parametrize("stderr, status_output, message", [
+    ("container '129' not running!", status_answer_stopped(),
+     "pct error: container 129 on pve1 is not running: status: stopped"),
+    ("Configuration file 'nodes/pve1/lxc/129.conf' does not exist",
+     out(["pct-status-exit: 2", "| Configuration file 'nodes/pve1/lxc/129.conf' does not exist"]),
+     "pct error: no container 129 on pve1: Configuration file 'nodes/pve1/lxc/129.conf' does not exist"),
+])
+def test_without_the_connect_check_the_first_command_says_what_connect_would_have(shell, stderr, status_output,
+                                                                                  message):
+    shell.answer("pct exec", False, out(stderr=[stderr]))
+    shell.answer("out=$(", True, status_output)
+    host = make_host("@pct/pve1:129", pct_connect_check=False)
+    host.connect(raise_exceptions=True)
+    status, output = host.run_shell_command("true")
+    assert status is False and output.stderr_lines[-1] == message
+    assert host.connector.unavailable == message
+    # exactly what connect says with its check on
+    checked = make_host("@pct/pve1:129")
+    shell.answer("listing=$(", True, listing_answer(0))
+    with pytest.raises(ConnectError) as raised:
+        checked.connect(raise_exceptions=True)
+    assert raised.value.args[0] == message
+    # the pct status is asked once; a second command fails with the same line and asks nothing more
+    asked = sum(1 for c in shell.commands if c.startswith("out=$("))
+    assert host.run_shell_command("true")[1].stderr_lines[-1] == message
+    assert sum(1 for c in shell.commands if c.startswith("out=$(")) == asked
+
+
+def test_without_the_connect_check_a_commands_own_failure_stays_its_own(shell):
+    shell.answer("pct exec", False, out(stderr=["grep: /x: No such file or directory"]))
+    host = make_host("@pct/pve1:129", pct_connect_check=False)
+    host.connect(raise_exceptions=True)
+    status, output = host.run_shell_command("grep a /x")
+    assert status is False and output.stderr_lines == ["grep: /x: No such file or directory"]
+    assert host.connector.unavailable is None and not any(c.startswith("out=$(") for c in shell.commands)
