@@ -205,8 +205,11 @@ class CacheSteps:
         if not info["running"]:
             return "start", "; ".join(info["problems"])
         if (record.get("key") or {}).get("id") != want["id"]:
-            changes = cache.key_changes((record.get("key") or {}).get("inputs"), want["inputs"])
-            return "start", "the key changes (%s)" % (", ".join(changes) or "?")
+            flags = tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())
+            changes = cache.key_changes(  # what the journal may say: the commands with their secrets masked
+                dict((record.get("key") or {}).get("inputs") or {}, argv=record.get("argv_shown") or []),
+                dict(want["inputs"], argv=redact.redact_argv(want["inputs"]["argv"], flags)))
+            return "start", "the key changes (%s)" % (", ".join(changes) or "a secret value of the daemons' command")
         return "keep", "the key is unchanged"
 
     def _stop_cache(self, port, target, why):
