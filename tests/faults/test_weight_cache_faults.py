@@ -94,7 +94,10 @@ def test_a_daemon_killed_while_the_new_engine_maps_its_weights_rolls_back_with_n
     assert not any("fp8_e4m3" in cmd for cmd in engine_flags(lab)), engine_flags(lab)
 
 
-def test_a_daemon_of_another_key_on_the_gpus_is_refused_untouched_or_ended_when_allowed(lab):
+STRANGER: list = []  # the tests of this module run in order, on the state the one before left
+
+
+def test_a_daemon_of_another_key_on_the_gpus_is_refused_and_left_untouched(lab):
     cold = pyinfra(lab, deploy_args(TP2, ENV))  # a server without cache; then a daemon by hand on its GPUs
     assert cold.returncode == 0, cold
     stranger = start_in_container(lab, "pve1", 129, "env SGLANG_STANDIN_WEIGHT_LOAD_S=0.1 python3 -m "
@@ -108,7 +111,12 @@ def test_a_daemon_of_another_key_on_the_gpus_is_refused_untouched_or_ended_when_
     assert run.returncode != 0 and "REFUSED, nothing touched" in run.output, run
     assert "which this server needs" in run.output, run
     assert stranger.alive() and engine_flags(lab) == before and serving(lab)
+    STRANGER.append(stranger)
 
+
+def test_a_daemon_of_another_key_is_ended_when_the_operator_allows_it(lab):
+    stranger = STRANGER.pop()  # left by the test before: a daemon by hand on the server's GPUs
+    assert stranger.alive()
     run = pyinfra(lab, deploy_args(FP8, ENV, {**CACHE, "end_other_gpu_holders": True}))
     assert run.returncode == 0, run
     assert not stranger.alive()
