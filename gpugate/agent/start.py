@@ -288,14 +288,9 @@ class StartSteps:
         while True:
             self._reap()
             if not procfs.alive(pid, gated["start_ticks"]):
-                code = self.exit_codes.get(pid)
-                self._settle_log(port)
-                tail = self._tail(port, gated["offset"])
                 # to the operator it is the start's crash, as for an engine started after the gate
-                self.event("load", "end", target=target, port=port, state="crashed", exit_code=code, gated=True,
-                           elapsed_s=round(time.time() - gated["began"], 2), log_tail=tail)
-                raise state.Failure("the server exited before its gated launch%s%s" % (
-                    " with code %s" % code if code is not None else "", ": " + logs.crash_line(tail, port) if tail else ""))
+                raise self._crashed(spec, pid, target, gated["offset"], gated["began"], "before its gated launch",
+                                    gated=True)
             owners = set(server.socket_owners(server.listeners(gated["gate_port"]) or []))
             if owners and not owners & set(self._gated_tree(procfs.table())):
                 # the port was taken since free_port chose it: what this cost is the overlap
@@ -346,12 +341,10 @@ class StartSteps:
         table = procfs.table()
         pids = self._gated_tree(table)
         self.gated = None
-        if pids:
+        if pids:  # it serves nothing and holds no more than its contexts: no grace before the SIGKILL
             self.event("gated", "end", target=gated["target"], ended=pids)
-            for pid in pids:
-                procfs.kill(pid, table.get(pid, {}).get("start_ticks"))
-            procfs.end_processes(dict((pid, table.get(pid, {}).get("start_ticks")) for pid in pids),
-                                 float(self.budgets["kill_grace_s"]), 0.02)
+            procfs.end_processes(dict((pid, table.get(pid, {}).get("start_ticks")) for pid in pids), 0.0, 0.02,
+                                 settle_s=float(self.budgets["kill_grace_s"]))
             self._reap()
 
     def _log_pump(self, log_path, spec):
@@ -424,16 +417,7 @@ class StartSteps:
         while True:
             self._reap()
             if not procfs.alive(pid, ticks):
-                code = self.exit_codes.get(pid)
-                if code is None and spec.get("supervisor") == "systemd":
-                    code = supervise.unit_exit_code(port)
-                self._settle_log(port)
-                tail = self._tail(port, log_offset)
-                self.event("load", "end", target=target, port=port, state="crashed", exit_code=code,
-                           elapsed_s=round(time.time() - began, 2), log_tail=tail)
-                raise state.Failure("the server exited during %s%s%s" % (
-                    phase, " with code %s" % code if code is not None else "",
-                    ": " + logs.crash_line(tail, port) if tail else ""))
+                raise self._crashed(spec, pid, target, log_offset, began, "during " + phase)
             if server.listeners(port):
                 status, _ = server.http_get(host, port, "/health", 5.0, sglang.argv_token(spec["argv"]))
                 phase = "starting" if status != 200 else "generating"
@@ -459,6 +443,20 @@ class StartSteps:
                 raise state.Failure("the server was not healthy within %gs (still %s)" % (timeout, phase))
             self.progress("load", target=target, port=port, state=phase, elapsed_s=round(time.time() - began, 1))
             time.sleep(LOAD_POLL_S)
+
+    def _crashed(self, spec, pid, target, log_offset, began, when, **fields):
+        """The Failure of a server whose main process ended during its start (``when``: "during
+        loading", "before its gated launch"), after journalling its exit code and log tail."""
+        port = spec["port"]
+        code = self.exit_codes.get(pid)
+        if code is None and spec.get("supervisor") == "systemd":
+            code = supervise.unit_exit_code(port)
+        self._settle_log(port)
+        tail = self._tail(port, log_offset)
+        self.event("load", "end", target=target, port=port, state="crashed", exit_code=code,
+                   elapsed_s=round(time.time() - began, 2), log_tail=tail, **fields)
+        return state.Failure("the server exited %s%s%s" % (
+            when, " with code %s" % code if code is not None else "", ": " + logs.crash_line(tail, port) if tail else ""))
 
     def _settle_log(self, port, timeout=1.0):
         """Give the log pump up to ``timeout`` to write what a crashed server printed last (it ends

@@ -266,10 +266,10 @@ class CacheSteps:
         self.event("cache_start", "begin", target=target, port=port, argv=shown, key=key["id"])
         began = time.time()
         if wanted.get("unit_text") and server.pid1_comm() == "systemd":
-            launcher = self._start_cache_unit(port, wanted["unit_text"])
-            supervisor, log_path, child = "systemd", None, None
+            launcher, since = self._start_cache_unit(port, wanted["unit_text"])
+            supervisor, log_path = "systemd", None
         else:
-            launcher, log_path, child = self._start_cache_process(spec, target, argv, shown)
+            launcher, log_path, since = self._start_cache_process(spec, target, argv, shown)
             supervisor = "process"
         record = {"launcher": launcher, "port": port,
                   "gpus": gpus, "uuids": dict((str(i), uuid_of(gpu_doc, i)) for i in gpus),
@@ -292,7 +292,7 @@ class CacheSteps:
                 return info
             if info["launcher"] is None:
                 code = self.exit_codes.get(launcher["pid"])
-                tail = self._cache_tail(port, log_path, child)
+                tail = self._cache_tail(port, log_path, since)
                 self.event("cache_start", "end", target=target, port=port, ok=False, exit_code=code, log_tail=tail)
                 raise state.Failure("the weight cache exited during its load%s%s" % (
                     " with code %s" % code if code is not None else "",
@@ -306,13 +306,14 @@ class CacheSteps:
             time.sleep(READY_POLL_S)
 
     def _start_cache_unit(self, port, unit_text):
-        """The daemons as the unit sglang-weight-cache-<port>.service: -> the launcher's {pid, start_ticks}."""
+        """The daemons as the unit sglang-weight-cache-<port>.service: -> (the launcher's {pid,
+        start_ticks}, when the unit was started: its journal's tail is read from then)."""
         path, unit = state.paths(port)["cache_unit"], state.paths(port)["cache_unit_name"]
         try:
             state.write_private(path, unit_text, 0o600)
         except OSError as error:
             raise state.Failure("cannot write the unit %s: %s" % (path, error.strerror or error))
-        self._cache_unit_started = time.time()
+        started = time.time()
         for command in (["daemon-reload"], ["reset-failed", unit], ["start", unit]):
             ok, output = supervise.systemctl(*command)
             if not ok and command[0] != "reset-failed":
@@ -322,22 +323,24 @@ class CacheSteps:
         if pid <= 0:
             raise state.Failure("%s has no main process after systemctl start" % unit)
         stat = procfs.read_stat(pid)
-        return {"pid": pid, "start_ticks": stat[4] if stat else None}
+        return {"pid": pid, "start_ticks": stat[4] if stat else None}, started
 
-    def _cache_tail(self, port, log_path, child):
-        """The last lines the daemons printed (their log file, or the unit's journal)."""
+    def _cache_tail(self, port, log_path, since):
+        """The last lines the daemons printed: their log file from byte ``since``, or (``log_path``
+        None) the unit's journal from the time ``since``."""
         if log_path is None:
             logs.journal_sync()
             unit = state.paths(port)["cache_unit_name"]
-            return [self.redactor.text(line) for line in logs.journal_tail(unit, 20, getattr(self, "_cache_unit_started", None))]
+            return [self.redactor.text(line) for line in logs.journal_tail(unit, 20, since)]
         pump = self.pumps.get("cache-%d" % port)
         settle = time.time() + 1.0  # the pump writes what the launcher printed last
         while pump is not None and pump.poll() is None and time.time() < settle:
             time.sleep(0.02)
-        return [self.redactor.text(line) for line in logs.log_tail(log_path, 20, self._cache_offset)]
+        return [self.redactor.text(line) for line in logs.log_tail(log_path, 20, since)]
 
     def _start_cache_process(self, spec, target, argv, shown):
-        """The launcher as a detached process with its log pump: -> ({pid, start_ticks}, log, Popen)."""
+        """The launcher as a detached process with its log pump: -> ({pid, start_ticks}, its log, the
+        log's offset where its output begins)."""
         port = spec["port"]
         log_path = state.paths(port)["cache_log"]
         try:
@@ -355,7 +358,7 @@ class CacheSteps:
             handle.write(("\n=== gpugate start %s run %s (%s): %s\n" % (
                 state.now_iso(), self.run, target, self.redactor.text(" ".join(shown)))).encode("utf-8"))
             handle.flush()
-            self._cache_offset = handle.tell()
+            offset = handle.tell()
             output = self._log_pump(log_path, dict(spec, port="cache-%d" % port)) or handle
             child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                                      env=env, cwd="/", start_new_session=True, close_fds=True)
@@ -367,5 +370,5 @@ class CacheSteps:
                 os.close(output)
         self.children[child.pid] = child
         stat = procfs.read_stat(child.pid)
-        return {"pid": child.pid, "start_ticks": stat[4] if stat else None}, log_path, child
+        return {"pid": child.pid, "start_ticks": stat[4] if stat else None}, log_path, offset
 
