@@ -24,7 +24,6 @@ import json
 import os
 import re
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Mapping, MutableMapping
@@ -40,7 +39,6 @@ REDACTED = "***"
 _SECRET_KEY = re.compile(r"(token|secret|passw|api[-_]?key|credential|private[-_]?key|auth)", re.I)
 
 _run_id = uuid.uuid4().hex[:12]
-_lock = threading.Lock()
 _loggers: dict[str, Any] = {}
 
 
@@ -79,7 +77,10 @@ def _redact_processor(_logger: Any, _name: str, event_dict: MutableMapping[str, 
 
 
 class _AppendFileLogger:
-    """A structlog logger that appends each rendered line to a file with one write (O_APPEND)."""
+    """A structlog logger that appends each rendered line to a file with one write (O_APPEND).
+
+    No lock: one write(2) to an O_APPEND file lands whole between concurrent appenders, and a
+    lock here would deadlock the Ctrl-C handler that logs while the interrupted code held it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -87,12 +88,11 @@ class _AppendFileLogger:
     def msg(self, line: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = (line + "\n").encode()
-        with _lock:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
 
     info = warning = error = msg
 

@@ -200,15 +200,16 @@ def _on_interrupt(signum: int, frame: Any) -> None:
                          f"the transition may have begun in the container; see runbooks/status.py")
     if not lines:
         lines.append(f"{word} before any hand-off: nothing was touched")
-    for line in lines:
-        sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    # The handler interrupts whatever the main thread was doing, perhaps inside a buffered
+    # write: only unbuffered writes here, and the exit whatever else fails.
     try:
+        os.write(2, "".join(line + "\n" for line in lines).encode())
         emit("interrupted", phase="end", handed_off=handed, signal=int(signum), runs=[w.run for w in (book.watching.values() if book else [])])
-    except Exception:
+        sys.stdout.flush()
+    except BaseException:
         pass
-    sys.stdout.flush()
-    os._exit(128 + int(signum))
+    finally:
+        os._exit(128 + int(signum))
 
 
 def _install_interrupt_handler(book: RunBook | None) -> None:

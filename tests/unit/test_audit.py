@@ -1,8 +1,16 @@
 """The audit log: JSON lines a user can read with jq, secrets never written."""
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 from gpugate import audit
+from gpugate.audit import read_events
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_each_event_is_one_json_line_with_step_run_and_operator(tmp_path, monkeypatch):
@@ -55,3 +63,24 @@ def test_the_test_session_never_writes_the_repository_audit_log():
     target = audit.audit_log_path(None).resolve()
     assert os.environ.get("GPUGATE_AUDIT_LOG"), "conftest did not set GPUGATE_AUDIT_LOG"
     assert repo not in target.parents, target
+
+
+def test_ctrl_c_while_the_audit_log_is_being_written_still_exits_non_zero(tmp_path):
+    """CI saw a run print "interrupted: the transition continues" and then hang: the signal came while
+    the main thread was writing an audit event, and the handler's own event waited for the lock the
+    interrupted write held. Here SIGINT lands again and again in the middle of audit writes."""
+    child = textwrap.dedent(f"""
+        import os, signal, sys, threading, time
+        import pyinfra
+        pyinfra.is_cli = True
+        from gpugate.operations import sglang
+        sglang._install_interrupt_handler(None)
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+        while True:
+            sglang.emit("follow", note="x" * 200_000)  # a long write: the signal lands inside it
+    """)
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=15,
+                            cwd=REPO_ROOT, env=dict(os.environ, GPUGATE_AUDIT_LOG=str(tmp_path / "audit.jsonl")))
+    assert result.returncode == 130, result.stderr
+    assert "interrupted before any hand-off: nothing was touched" in result.stderr
+    assert read_events(tmp_path / "audit.jsonl")[-1]["step"] == "interrupted"
