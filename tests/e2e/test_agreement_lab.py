@@ -1,10 +1,14 @@
-"""The status and the deploy agree by construction (issue 18): one server deployed from a fleet
-file, then each setting of fleet.yaml changed alone; for each, the status's verdict (table and
-JSON, through the real pyinfra CLI) and the deploy's plan (``--dry``) must say the same thing:
-"as desired" exactly when the deploy would change nothing.
+"""The status and the deploy agree by construction (issue 18): servers deployed from a fleet file,
+then each setting of fleet.yaml changed alone; for each, the status's verdict (table and JSON, through
+the real pyinfra CLI) and the deploy's plan (``--dry``) must say the same thing: "as desired" exactly
+when the deploy would change nothing.
 
-Each case writes its own fleet file beside the lab's and touches nothing (``--dry`` and the
-status are read-only), so the cases share one lab and one running server."""
+One container per case (two lab hosts of eight containers, one GPU each): the changed fleet file
+changes each container's server in one way, so one ``--dry``, one status table and one status
+document answer every case at once, and ``--dry`` and the status touch nothing. That the verdicts
+of one run are each container's own, never a neighbour's, is the invariant "one container's trouble
+is that container's alone"; a case that leaked into another container would fail that one's
+assertions here."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import yaml
@@ -22,38 +27,64 @@ from tests.conftest import REPO_ROOT, module_lab
 
 pytestmark = [pytest.mark.lab]
 
-BASE = {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 8},
-        "env": {"SGLANG_STANDIN_LOAD_S": "0.3"}, "extra_args": ["--enable-metrics"]}
+HOSTS = ("pve1", "pve2")
+VMIDS = tuple(range(129, 137))
+ENV = {"SGLANG_STANDIN_LOAD_S": "0.3"}
+EXTRA_ARGS = ["--enable-metrics"]
 
-# (what changes, the sglang: section's change, True when the deploy must change nothing)
-CASES = [
-    ("nothing", {}, True),
-    ("a flag", {"flags": {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}}, False),
-    ("a flag's spelling only", {"flags": {"tp-size": 8}}, True),
-    ("the model path", {"model_path": "/opt/models/other-model"}, False),
-    ("the listen host", {"host": "0.0.0.0"}, False),
-    ("the port", {"port": 30001}, False),
-    ("an env value", {"env": {"SGLANG_STANDIN_LOAD_S": "0.4"}}, False),
-    ("an env variable added", {"env": {"SGLANG_STANDIN_LOAD_S": "0.3", "HF_TOKEN": "hf_secret_canary"}}, False),
-    ("the interpreter", {"python": "/usr/bin/python3.11"}, False),
-    ("the supervisor", {"supervisor": "systemd"}, False),
-    ("the supervisor, named as it runs", {"supervisor": "process"}, True),
-    ("extra_args dropped", {"extra_args": []}, False),
-    ("present: false", {"present": False}, False),
-    ("an SGLang version pin it does not have", {"sglang_version": "0.5.10"}, False),
-    ("the drain budget (no restart)", {"drain_timeout_s": 5}, True),
+Change = Callable[[dict], dict]
+
+
+def flags_with(**more: object) -> Change:
+    return lambda server: {**server, "flags": {**server["flags"], **more}}
+
+
+def tp_spelled_tp_size(server: dict) -> dict:
+    return {**server, "flags": {("tp-size" if key == "tp" else key): value for key, value in server["flags"].items()}}
+
+
+def setting(**values: object) -> Change:
+    return lambda server: {**server, **values}
+
+
+# (what changes, how a container's server changes, True when the deploy must change nothing)
+CASES: list[tuple[str, Change, bool]] = [
+    ("nothing", setting(), True),
+    ("a flag", flags_with(**{"kv-cache-dtype": "fp8_e4m3"}), False),
+    ("a flag's spelling only", tp_spelled_tp_size, True),
+    ("the model path", setting(model_path="/opt/models/other-model"), False),
+    ("the listen host", setting(host="0.0.0.0"), False),
+    ("the port", setting(port=30001), False),
+    ("an env value", setting(env={"SGLANG_STANDIN_LOAD_S": "0.4"}), False),
+    ("an env variable added", setting(env={**ENV, "HF_TOKEN": "hf_secret_canary"}), False),
+    ("an env variable removed", setting(env={}), False),
+    ("the interpreter", setting(python="/usr/bin/python3.11"), False),
+    ("the supervisor", setting(supervisor="systemd"), False),
+    ("the supervisor, named as it runs", setting(supervisor="process"), True),
+    ("extra_args dropped", setting(extra_args=[]), False),
+    ("present: false", setting(present=False), False),
+    ("an SGLang version pin it does not have", setting(sglang_version="0.5.10"), False),
+    ("the drain budget (no restart)", setting(drain_timeout_s=5), True),
 ]
+PLACES = [(host, vmid) for host in HOSTS for vmid in VMIDS]
+assert len(CASES) <= len(PLACES)
+WHERE = {case[0]: place for case, place in zip(CASES, PLACES)}
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    yield from module_lab(tmp_path_factory, "lab-agreement", hosts=1, gpus=8)
+    yield from module_lab(tmp_path_factory, "lab-agreement", hosts=len(HOSTS), gpus=len(VMIDS), vmids=VMIDS)
 
 
-def fleet_with(lab, path: Path, change: dict) -> Path:
+def fleet_with(lab, path: Path, changed: bool) -> Path:
+    """The lab's fleet (each container its own GPU), every server with the env and extra_args; with
+    ``changed``, each case's container changed by that case."""
     fleet = yaml.safe_load(lab.fleet_path.read_text())
-    container = fleet["hosts"]["pve1"]["containers"][129]
-    container["sglang"] = {**BASE, **change}
+    for what, change, _ in CASES:
+        host, vmid = WHERE[what]
+        container = fleet["hosts"][host]["containers"][vmid]
+        server = {**container["sglang"], "env": dict(ENV), "extra_args": list(EXTRA_ARGS)}
+        container["sglang"] = change(server) if changed else server
     path.write_text(yaml.safe_dump(fleet))
     return path
 
@@ -61,36 +92,54 @@ def fleet_with(lab, path: Path, change: dict) -> Path:
 def pyinfra(lab, fleet: Path, *args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
     return subprocess.run([exe, "inventory.py", *args], cwd=REPO_ROOT, env=dict(lab.env(), GPUGATE_FLEET=str(fleet)),
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+
+
+def table_line(table: str, host: str, vmid: int) -> str:
+    return next(line for line in table.splitlines() if re.match(rf"{host}\s+{vmid}\s", line))
 
 
 @pytest.fixture(scope="module")
 def deployed(lab, tmp_path_factory):
-    fleet = fleet_with(lab, tmp_path_factory.mktemp("agreement") / "fleet.yaml", {})
+    """Every container serving its unchanged server; the status says so of each, and exits 0."""
+    fleet = fleet_with(lab, tmp_path_factory.mktemp("agreement") / "fleet.yaml", changed=False)
     result = pyinfra(lab, fleet, "-y", "deploy.py")
     assert result.returncode == 0, result.stdout + result.stderr
+    table = pyinfra(lab, fleet, "-y", "runbooks/status.py")
+    assert table.returncode == 0, table.stdout + table.stderr
+    for host, vmid in WHERE.values():
+        assert "serving as desired" in table_line(table.stdout, host, vmid)
     return lab
 
 
-def plan_action(output: str) -> str:
-    """What the deploy's --dry says it would do: start, restart, stop, attach, REFUSED, or noop."""
-    found = re.search(r"sglang :\d+ (?:will (\w+)|(REFUSED))", output)
+@pytest.fixture(scope="module")
+def answers(deployed, tmp_path_factory):
+    """What the deploy's --dry, the status table and the status document say of the changed fleet."""
+    fleet = fleet_with(deployed, tmp_path_factory.mktemp("agreement-changed") / "fleet.yaml", changed=True)
+    dry = pyinfra(deployed, fleet, "deploy.py", "--dry")
+    table = pyinfra(deployed, fleet, "-y", "runbooks/status.py")
+    document = pyinfra(deployed, fleet, "-y", "runbooks/status.py", "--data", "format=json")
+    rows = {(row["host"], int(row["vmid"])): row for row in json.loads(document.stdout)["servers"]}
+    return dry.stdout + dry.stderr, table, document, rows
+
+
+def plan_action(output: str, host: str, vmid: int) -> str:
+    """What the deploy's --dry says it would do in one container: start, restart, stop, attach,
+    REFUSED, or noop."""
+    found = re.search(rf"\[@pct/{host}:{vmid}\] sglang :\d+ (?:will (\w+)|(REFUSED))", output)
     return (found.group(1) or found.group(2)) if found else "noop"
 
 
 @pytest.mark.parametrize(("what", "change", "unchanged"), CASES, ids=[case[0] for case in CASES])
-def test_status_and_deploy_agree_on_every_setting_changed_alone(deployed, tmp_path, what, change, unchanged):
-    fleet = fleet_with(deployed, tmp_path / "fleet.yaml", change)
-    dry = pyinfra(deployed, fleet, "deploy.py", "--dry")
-    action = plan_action(dry.stdout + dry.stderr)
-    table = pyinfra(deployed, fleet, "-y", "runbooks/status.py")
-    document = pyinfra(deployed, fleet, "-y", "runbooks/status.py", "--data", "format=json")
-    row = json.loads(document.stdout)["servers"][0]
-    line = next(line for line in table.stdout.splitlines() if line.startswith("pve1"))
+def test_status_and_deploy_agree_on_every_setting_changed_alone(answers, what, change, unchanged):
+    dry, table, document, rows = answers
+    host, vmid = WHERE[what]
+    action = plan_action(dry, host, vmid)
+    row = rows[(host, vmid)]
 
-    assert (action == "noop") is unchanged, f"{what}: the deploy would {action}\n{dry.stdout}"
-    assert row["ok"] is unchanged and (table.returncode == 0) is unchanged, f"{what}: {row['verdict']}"
-    assert row["verdict"] in line  # the table says what the JSON says
+    assert (action == "noop") is unchanged, f"{what}: the deploy would {action}\n{dry}"
+    assert row["ok"] is unchanged, f"{what}: {row['verdict']}"
+    assert row["verdict"] in table_line(table.stdout, host, vmid)  # the table says what the JSON says
     if unchanged:
         assert row["verdict"] == "serving as desired"
     elif action == "stop":
@@ -99,4 +148,5 @@ def test_status_and_deploy_agree_on_every_setting_changed_alone(deployed, tmp_pa
         assert row["verdict"].startswith("down but desired")
     else:  # restart, or a restart the checks refuse: the server that runs is not the desired one
         assert row["verdict"].startswith("drifted: "), row["verdict"]
-    assert "hf_secret_canary" not in dry.stdout + dry.stderr + table.stdout + document.stdout
+    assert table.returncode != 0 and json.loads(document.stdout)["ok"] is False  # some case is not as desired
+    assert "hf_secret_canary" not in dry + table.stdout + document.stdout
