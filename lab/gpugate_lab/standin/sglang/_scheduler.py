@@ -48,10 +48,23 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
+_orphaned = []
+
+
 def _on_parent_death(signum, frame) -> None:
+    # The signal can come twice (the parent's threads exit one by one), the second inside the first
+    # one's write: said once, and unbuffered (a buffered stderr write re-entered raises RuntimeError,
+    # and the worker died of it, so 2 of 8 orphans were gone, in CI).
+    if _orphaned:
+        return
+    _orphaned.append(True)
     if gpusim.read_faults().get("orphan-worker"):
         # fault: survive the parent, keep the memory
-        _log(_title, "parent process died; staying alive (lab fault orphan-worker)")
+        try:
+            os.write(2, ("[%s %s] parent process died; staying alive (lab fault orphan-worker)\n"
+                         % (time.strftime("%Y-%m-%d %H:%M:%S"), _title)).encode())
+        except OSError:
+            pass
         return
     os.kill(os.getpid(), signal.SIGKILL)
 
