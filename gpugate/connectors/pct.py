@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Literal
 from weakref import WeakKeyDictionary
 
 from gevent.event import AsyncResult, Event
+from paramiko import SSHException
 
 from typing_extensions import TypedDict, Unpack, override
 
@@ -703,6 +704,12 @@ class PctConnector(BaseConnector):
             failure = PctFailure("link-lost", "no answer: the connection is closed")
         return failure
 
+    def _lost_link(self, error: BaseException) -> bool:
+        """Whether a command's exception is the link to the Proxmox host going away: the transport
+        is down, or paramiko refused the command's channel (``Channel is not open``, EOF), which it
+        does in the moment after the peer vanished, before its transport thread notices."""
+        return not self._link_alive() or isinstance(error, (SSHException, EOFError, ConnectionError))
+
     def _link_alive(self) -> bool:
         client = getattr(self.pve, "client", None)
         if client is None:  # @local: no link to lose
@@ -836,8 +843,8 @@ class PctConnector(BaseConnector):
                 print_input=print_input,
                 **control_arguments,
             )
-        except Exception:
-            if not self._link_alive():
+        except Exception as error:
+            if self._lost_link(error):
                 self.last_failure = PctFailure("link-lost", "the connection dropped during the command")
             raise
         failure = self._pct_failure(status, output)
@@ -964,8 +971,8 @@ class PctConnector(BaseConnector):
         try:
             status, output = self.pve.run_shell_command(
                 self._gpu_lock_program(args), _stdin=stdin, _timeout=int(max(30, wait_s + 30) + timeout))
-        except Exception:
-            if not self._link_alive():
+        except Exception as error:
+            if self._lost_link(error):
                 self.last_failure = PctFailure("link-lost", "the connection dropped during the command")
             raise
         answer = _last_json(output.stdout_lines)

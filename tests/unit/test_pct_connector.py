@@ -14,6 +14,7 @@ from unittest.mock import patch
 
 import gevent
 import pytest
+from paramiko import SSHException
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pyinfra.api import Config, Inventory, State
@@ -754,6 +755,40 @@ def test_a_link_lost_during_the_hand_off_may_have_handed_off_and_says_it_is_the_
     assert host.connector.last_failure.kind == "link-lost"
     assert output.stderr_lines[-1].startswith("pct error: the SSH connection to the Proxmox host pve1 was lost")
 
+
+
+@pytest.mark.parametrize("error", [SSHException("Channel is not open"), EOFError(), ConnectionResetError(104, "reset")])
+def test_a_channel_refused_just_after_the_host_went_away_is_the_link(ssh, error):
+    """CI: sshd of a lab host killed mid rolling change; paramiko's transport still looked active for
+    a moment and refused the next command's channel ("Channel is not open"): the operator must read
+    that the link to the Proxmox host went, not "no answer from the container"."""
+    host = connected_129(ssh)
+
+    def refuse(connector, command, **arguments):  # the transport has not noticed yet: still "active"
+        raise error
+
+    original, ssh.run_shell_command = ssh.run_shell_command, refuse
+    try:
+        with pytest.raises(type(error)):
+            host.run_shell_command("observe")
+    finally:
+        ssh.run_shell_command = original
+    assert ssh.clients[0].active and host.connector.last_failure.kind == "link-lost"
+
+
+def test_a_command_timeout_is_not_taken_for_a_lost_link(ssh):
+    host = connected_129(ssh)
+
+    def slow(connector, command, **arguments):
+        raise TimeoutError("timed out")
+
+    original, ssh.run_shell_command = ssh.run_shell_command, slow
+    try:
+        with pytest.raises(TimeoutError):
+            host.run_shell_command("observe")
+    finally:
+        ssh.run_shell_command = original
+    assert host.connector.last_failure is None
 
 # pct_connect_check false: connect runs no check, the first command is it (a run of deploy.py alone)
 
