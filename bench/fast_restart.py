@@ -727,6 +727,11 @@ class Bench:
         return record
 
 
+# journal span -> the moment its end marks, measured from the old server's last answer
+SPAN_MARKS = (("drain", "old_exited"), ("kill", "old_killed"), ("gate", "gate_passed"), ("gated", "new_at_its_gate"),
+              ("activate", "activated"), ("start", "started"), ("load", "ready"))
+
+
 def figures(record: dict) -> dict:
     """Downtime and where it went, each on the machine's clock (client, journal, samples)."""
     down = record.get("downtime") or {}
@@ -736,21 +741,7 @@ def figures(record: dict) -> dict:
     last_old, first_new = down.get("last_old_ok"), down.get("first_new_ok")
     if last_old is None:
         return out
-    marks = {}
-    if spans.get("drain"):
-        marks["old_exited"] = spans["drain"]["end"]
-    if spans.get("kill"):
-        marks["old_killed"] = spans["kill"]["end"]
-    if spans.get("gate"):
-        marks["gate_passed"] = spans["gate"]["end"]
-    if spans.get("gated"):
-        marks["new_at_its_gate"] = spans["gated"]["end"]
-    if spans.get("activate"):
-        marks["activated"] = spans["activate"]["end"]
-    if spans.get("start"):
-        marks["started"] = spans["start"]["end"]
-    if spans.get("load"):
-        marks["ready"] = spans["load"]["end"]
+    marks = {mark: spans[step]["end"] for step, mark in SPAN_MARKS if spans.get(step)}
     marks["first_new_ok"] = first_new
     out["after_last_old_answer_s"] = {k: round(v - last_old, 3) for k, v in sorted(marks.items(), key=lambda kv: kv[1])
                                       if isinstance(v, (int, float))}
