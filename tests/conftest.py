@@ -28,6 +28,20 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LAB_HOSTS = 2
+# scripts/bootstrap makes it: gpugate and its runtime dependencies only (docs/testing.md, "The controller")
+CONTROLLER_VENV = REPO_ROOT / ".venv-controller"
+
+
+def pyinfra_exe() -> str:
+    """The pyinfra CLI every test runs: the controller venv's, as `pip install gpugate` leaves an
+    operator's controller; where bootstrap has not made it, the one on PATH.
+
+    Example: subprocess.run([pyinfra_exe(), "-y", "inventory.py", "deploy.py"], env=lab.env(), ...)
+    """
+    own = CONTROLLER_VENV / "bin" / "pyinfra"
+    if own.is_file():
+        return str(own)
+    return shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
 LAB_GPUS = 8
 
 
@@ -121,8 +135,7 @@ class Lab:
 
     def pyinfra(self, *args: str, timeout: float = 300, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
         """Run the pyinfra CLI (non-interactive) against the lab, e.g. lab.pyinfra("inventory.py", "deploy.py")."""
-        exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
-        return subprocess.run([exe, "-y", *args], cwd=cwd, env=self.env(), capture_output=True, text=True,
+        return subprocess.run([pyinfra_exe(), "-y", *args], cwd=cwd, env=self.env(), capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
 
     def fault(self, host: str, vmid: int, name: str, clear: bool = False) -> str:

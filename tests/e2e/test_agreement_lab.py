@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT, module_lab
+from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 
 pytestmark = [pytest.mark.lab]
 
@@ -90,7 +88,7 @@ def fleet_with(lab, path: Path, changed: bool) -> Path:
 
 
 def pyinfra(lab, fleet: Path, *args: str) -> subprocess.CompletedProcess:
-    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    exe = pyinfra_exe()
     return subprocess.run([exe, "inventory.py", *args], cwd=REPO_ROOT, env=dict(lab.env(), GPUGATE_FLEET=str(fleet)),
                           capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
 

@@ -30,6 +30,7 @@ from pyinfra.api.exceptions import ConnectError
 from pyinfra.connectors.ssh import SSHConnector
 
 from gpugate.connectors.pct import PctConnector
+from tests.conftest import pyinfra_exe
 
 pytestmark = pytest.mark.lab
 
@@ -120,7 +121,7 @@ def inventory_file(lab, tmp_path_factory):
 
 def pyinfra(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pyinfra", "-y", *args],
+        [pyinfra_exe(), "-y", *args],
         capture_output=True, text=True, timeout=120, check=False, cwd=cwd or tempfile.gettempdir(),
     )
 

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from gpugate.engine.sglang.weight_cache import steady_argv
 from gpugate.engine.sglang.flags import FlagError, validate_flags
-from tests.conftest import REPO_ROOT, lab_unavailable_reason, start_lab
+from tests.conftest import REPO_ROOT, lab_unavailable_reason, pyinfra_exe, start_lab
 
 pytestmark = [pytest.mark.lab]
 
@@ -47,7 +44,7 @@ def lab(tmp_path_factory):
 
 
 def deploy(lab, flags: dict, *extra: str) -> subprocess.CompletedProcess:
-    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    exe = pyinfra_exe()
     env = dict(lab.env(), GPUGATE_CACHE_DIR=str(lab.cache))
     yes = [] if "--dry" in extra else ["-y"]  # pyinfra -y --dry skips the plan altogether
     result = subprocess.run([exe, *yes, "inventory.py", "deploy.py", "--data", f"sglang_env={json.dumps(FAST)}",
@@ -149,7 +146,7 @@ def test_the_stand_in_refuses_a_flag_that_gpugates_overlay_lets_through(lab):
 
 
 def test_extra_args_pass_verbatim_with_a_warning_and_drift_is_seen(lab):
-    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    exe = pyinfra_exe()
     env = dict(lab.env(), GPUGATE_CACHE_DIR=str(lab.cache))
     args = [exe, "-y", "inventory.py", "deploy.py", "--data", f"sglang_env={json.dumps(FAST)}",
             "--data", f"sglang_flags={json.dumps(BASE)}", "--data", 'sglang_extra_args=["--enable-metrics"]']

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Lab, LabHost, lab_unavailable_reason
+from tests.conftest import Lab, LabHost, lab_unavailable_reason, pyinfra_exe
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -266,15 +266,13 @@ def test_router_that_goes_away_mid_run_stops_the_rolling_change(routed):
     """smg is killed while the first container is out: that container restarts and verifies (the
     transition is not interrupted), cannot rejoin and says so; the rolling change stops there."""
     import subprocess
-    import shutil
-    import sys
 
     from gpugate_lab import core
     from gpugate_lab import router as lab_router
 
     lab, router = routed
     write_fleet(lab, router, {"disable-radix-cache": True})
-    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    exe = pyinfra_exe()
     proc = subprocess.Popen([exe, "-y", "inventory.py", "deploy.py", "--data", f"sglang_env={json.dumps(ENV)}",
                              "--data", "router_join_timeout_s=5", "--data", "rolling=true"],
                             cwd=Path(__file__).resolve().parents[2], env=lab.env(), stdout=subprocess.PIPE,

@@ -10,16 +10,14 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from gpugate.engine.sglang.weight_cache import steady_argv
-from tests.conftest import REPO_ROOT, module_lab
+from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 
 pytestmark = [pytest.mark.lab]
 
@@ -45,7 +43,7 @@ def run(lab, runbook: str, *extra: str, flags=None, env=None, yes: bool = True):
     args = ["inventory.py", runbook if runbook.endswith(".py") else f"runbooks/{runbook}.py",
             "--data", f"sglang_env={json.dumps(env or FAST)}", "--data", f"sglang_flags={json.dumps(flags or TP8)}",
             *extra]
-    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    exe = pyinfra_exe()
     env = dict(lab.env(), GPUGATE_AUDIT_LOG=str(lab.dir / "audit.jsonl"))  # not the project's audit log
     result = subprocess.run([exe, *(["-y"] if yes else ["--dry"]), *args], cwd=REPO_ROOT, env=env,
                             capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)

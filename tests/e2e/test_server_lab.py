@@ -12,7 +12,7 @@ import json
 import pytest
 
 from gpugate.engine.sglang.weight_cache import steady_argv
-from tests.conftest import module_lab
+from tests.conftest import module_lab, pyinfra_exe
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -32,11 +32,10 @@ def deploy(lab, *extra: str, flags=None, env=None, dry=False):
     args = ["inventory.py", "deploy.py", "--data", f"sglang_flags={json.dumps(flags or FLAGS)}",
             "--data", f"sglang_env={json.dumps(FAST if env is None else env)}"]
     if dry:  # as an operator previews: --dry without -y (lab.pyinfra adds -y)
-        import shutil, subprocess, sys
-        from pathlib import Path
+        import subprocess
+
         from tests.conftest import REPO_ROOT
-        exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
-        result = subprocess.run([exe, *args, *extra, "--dry"], cwd=REPO_ROOT, env=lab.env(), capture_output=True,
+        result = subprocess.run([pyinfra_exe(), *args, *extra, "--dry"], cwd=REPO_ROOT, env=lab.env(), capture_output=True,
                                 text=True, timeout=300, stdin=subprocess.DEVNULL)
         return result, result.stdout + result.stderr
     result = lab.pyinfra(*args, *extra)

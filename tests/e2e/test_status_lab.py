@@ -6,16 +6,13 @@ from __future__ import annotations
 import json
 import re
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, module_lab
+from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 
 pytestmark = [pytest.mark.lab]
 
@@ -28,7 +25,7 @@ def lab(tmp_path_factory):
 
 
 def pyinfra(lab, deploy: str, *extra: str, flags=None) -> subprocess.CompletedProcess:
-    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    exe = pyinfra_exe()
     args = [exe, "-y", "inventory.py", deploy, "--data", f"sglang_env={json.dumps(FAST)}",
             "--data", f"sglang_flags={json.dumps(flags or {'tp': 8})}", *extra]
     return subprocess.run(args, cwd=REPO_ROOT, env=lab.env(), capture_output=True, text=True, timeout=300,

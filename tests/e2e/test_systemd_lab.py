@@ -8,15 +8,12 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, module_lab
+from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 
 pytestmark = [pytest.mark.lab]
 
@@ -48,7 +45,7 @@ def unit(lab, *props: str) -> dict[str, str]:
 
 
 def pyinfra(lab, deploy: str, flags: dict, *extra: str) -> subprocess.CompletedProcess:
-    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    exe = pyinfra_exe()
     # no sglang_supervisor: the default (auto) is systemd where the container's PID 1 is systemd
     return subprocess.run([exe, "-y", "inventory.py", deploy,
                            "--data", f"sglang_env={json.dumps(FAST)}", "--data", f"sglang_flags={json.dumps(flags)}",

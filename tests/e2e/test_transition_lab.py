@@ -11,17 +11,14 @@ from the state the previous one left (as an operator's successive runs would). T
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from gpugate import agentcmd
-from tests.conftest import REPO_ROOT, module_lab
+from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -37,7 +34,7 @@ def lab(tmp_path_factory):
 
 
 def pyinfra_argv(*args: str) -> list[str]:
-    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    exe = pyinfra_exe()
     return [exe, "-y", *args]
 
 

@@ -6,15 +6,13 @@ history and GPU claim: changing or stopping one never touches the other (it used
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT, module_lab
+from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 
 pytestmark = [pytest.mark.lab]
 
@@ -36,7 +34,7 @@ def fleet(lab, path: Path, servers: list) -> Path:
 
 
 def pyinfra(lab, path: Path, *args: str) -> subprocess.CompletedProcess:
-    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    exe = pyinfra_exe()
     return subprocess.run([exe, "inventory.py", *args], cwd=REPO_ROOT, env=dict(lab.env(), GPUGATE_FLEET=str(path)),
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
 

@@ -9,16 +9,14 @@ another key (SGLang's hard error)."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT, module_lab
+from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 from tests.e2e.lab_processes import ct_sh, start_in_container
 
 pytestmark = [pytest.mark.lab]
@@ -46,7 +44,7 @@ def fleet(lab, path: Path, server: dict, **data) -> Path:
 
 
 def pyinfra(lab, path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
+    exe = pyinfra_exe()
     return subprocess.run([exe, "inventory.py", *args], cwd=REPO_ROOT, env=dict(lab.env(), GPUGATE_FLEET=str(path)),
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 

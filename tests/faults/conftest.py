@@ -8,16 +8,13 @@ Run the suite alone: ``python3 -m pytest -m faults tests/faults`` (docs/reliabil
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Callable, Iterable
 
 from gpugate.engine.sglang.weight_cache import steady_argv
-from tests.conftest import REPO_ROOT, Lab
+from tests.conftest import REPO_ROOT, Lab, pyinfra_exe
 
 FLAGS = {"tp": 8}
 FP8 = {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}
@@ -26,10 +23,6 @@ FAST_ENV = {"SGLANG_STANDIN_LOAD_S": "0.3"}
 SHORT = {"drain_timeout_s": 2, "kill_grace_s": 2, "gpu_gate_timeout_s": 3, "start_timeout_s": 8}
 PORT = 30000
 BYSTANDER_TITLE = "sglang::scheduler_TP0"  # looks exactly like an SGLang worker, but is not ours
-
-
-def pyinfra_exe() -> str:
-    return shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
 
 
 def deploy_args(flags=None, env=None, data: dict | None = None, limit: str | None = "pve_pve1") -> list[str]:

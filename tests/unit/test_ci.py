@@ -28,16 +28,36 @@ def test_the_longest_modules_named_for_the_schedule_exist():
 def test_the_controller_of_the_lab_tests_imports_this_checkout(tmp_path):
     """The `pyinfra` the lab tests run (Lab.env) imports this checkout's gpugate, whichever checkout
     the interpreter's editable install points at (on a shared machine: the last bootstrap run)."""
-    import shutil
     import subprocess
-    import sys
 
     from tests.conftest import Lab
 
-    exe = shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
-    shebang = Path(exe).read_text().splitlines()[0]
-    python = shebang[2:].strip().split()[0] if shebang.startswith("#!") else sys.executable
     env = Lab(dir=tmp_path, hosts=[], fleet_path=tmp_path / "fleet.yaml").env()
-    out = subprocess.run([python, "-c", "import gpugate; print(gpugate.__file__)"], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    out = subprocess.run([controller_python(), "-c", "import gpugate; print(gpugate.__file__)"], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert out.stdout.strip() == str(REPO / "gpugate" / "__init__.py"), (out.stdout, out.stderr)
+
+
+def test_the_controller_holds_gpugate_without_its_test_dependencies():
+    """The lab tests run pyinfra from the venv scripts/bootstrap makes with gpugate's runtime
+    dependencies only: a deploy that imported something of the test extra would fail there, as it
+    would on an operator's controller after `pip install gpugate`."""
+    import subprocess
+
+    from tests.conftest import CONTROLLER_VENV, pyinfra_exe
+
+    assert pyinfra_exe() == str(CONTROLLER_VENV / "bin" / "pyinfra"), "scripts/bootstrap makes .venv-controller"
+    probe = ("import importlib.util as u; "
+             "print(*[m for m in ('pytest', 'hypothesis', 'mypy', 'xdist', 'gpugate_lab') if u.find_spec(m)])")
+    out = subprocess.run([controller_python(), "-c", probe], capture_output=True, text=True, timeout=60,
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode == 0 and out.stdout.strip() == "", (out.stdout, out.stderr)
+
+
+def controller_python() -> str:
+    """The interpreter behind the tests' pyinfra CLI (its script's shebang)."""
+    from tests.conftest import pyinfra_exe
+
+    shebang = Path(pyinfra_exe()).read_text().splitlines()[0]
+    assert shebang.startswith("#!") and "python" in shebang, shebang
+    return shebang[2:].strip().split()[0]

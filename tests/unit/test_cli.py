@@ -13,6 +13,7 @@ import pytest
 
 import gpugate
 from gpugate import cli
+from tests.conftest import pyinfra_exe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -92,7 +93,7 @@ def test_the_run_says_first_which_fleet_file_it_read(tmp_path):
     fleet = tmp_path / "elsewhere.yaml"
     fleet.write_text(textwrap.dedent(FLEET))
     env = {k: v for k, v in os.environ.items() if k not in ("GPUGATE_FLEET", "GPUGATE_LAB_DIR")}
-    pyinfra = Path(sys.executable).with_name("pyinfra")
+    pyinfra = pyinfra_exe()
     for extra, why in (({"GPUGATE_FLEET": str(fleet)}, "$GPUGATE_FLEET"),
                        ({"GPUGATE_LAB_DIR": str(tmp_path / "lab")}, "the lab's, $GPUGATE_LAB_DIR")):
         if "GPUGATE_LAB_DIR" in extra:

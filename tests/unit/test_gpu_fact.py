@@ -15,6 +15,7 @@ import pytest
 from gpugate.facts.gpu import GpuState, HostGpuProcesses
 from gpugate.gate import evaluate
 from gpugate.remote import build_probe_command, build_wait_command, parse_probe_output
+from tests.conftest import pyinfra_exe
 
 FAKE_NVML = Path(__file__).with_name("fake_nvml.py")
 CONTAINER_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"
@@ -144,7 +145,7 @@ def test_wait_command_times_out_with_the_last_reading(fake_pynvml_dir):
 
 
 def test_pyinfra_cli_reads_the_fact(fake_pynvml_dir, tmp_path):
-    pyinfra = Path(sys.executable).with_name("pyinfra")
+    pyinfra = pyinfra_exe()
     env = {**os.environ, "PYTHONPATH": str(fake_pynvml_dir),
            "FAKE_NVML_CONFIG": json.dumps({"gpus": [H200]})}
     result = subprocess.run([str(pyinfra), "@local", "fact", "gpugate.facts.gpu.GpuState"],

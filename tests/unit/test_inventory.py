@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import pyinfra_exe
+
 REPO = Path(__file__).resolve().parents[2]
 
 FLEET = """
@@ -33,7 +35,7 @@ hosts:
 def pyinfra_debug_inventory(env_extra: dict[str, str], cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("GPUGATE_FLEET", "GPUGATE_LAB_DIR")}
     env.update(env_extra)
-    pyinfra = Path(sys.executable).with_name("pyinfra")
+    pyinfra = pyinfra_exe()
     return subprocess.run([str(pyinfra), str(REPO / "inventory.py"), "debug-inventory"], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
