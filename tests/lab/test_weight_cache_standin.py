@@ -442,6 +442,8 @@ def test_after_the_gate_the_phases_run_in_sglangs_order(sim, wc, start_standin, 
     s = engine(start_standin, wc, "--model-path", str(model_dir), "--gated-launch-port", str(gate),
                env={"SGLANG_STANDIN_WEIGHT_LOAD_S": "600"})
     s.wait_log(r"Gated launch waiting for activation\. rank=0")
+    # the control server binds in its own thread, after it says it started: asked first, as the agent asks
+    wait_until(lambda: http_status(gate) == 200, what="the gate's control server listening")
     urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{gate}/gate/activate", data=b"",
                                                   method="POST"), timeout=5).read()
     s.wait_log("Load weight begin")
