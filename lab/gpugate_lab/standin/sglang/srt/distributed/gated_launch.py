@@ -23,11 +23,12 @@ The gate, in a scheduler's job (launch_server.py builds it): rank 0
 
 import os
 import select
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from sglang import _timing
+
+# http.server and threading are imported by rank 0's serve() alone: every scheduler imports this module,
+# and http.server (with http.client and email) was a third of a scheduler's start
 
 POLL_INTERVAL_SECONDS = 1.0  # SGLang's; the stand-in's: _timing.interval_s("GATE_POLL")
 LOG_INTERVAL_SECONDS = 10.0
@@ -40,6 +41,9 @@ class _GatedLaunchServer:
         self._thread = None
 
     def serve(self, host, port, log):
+        import threading  # noqa: PLC0415
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: PLC0415
+
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
