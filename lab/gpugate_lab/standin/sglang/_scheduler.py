@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 
 from sglang._sim import gpusim
 
@@ -175,6 +174,8 @@ def main() -> int:
 
             holdings.append(run_scheduler(job, _log, _say))
         except Exception as exc:
+            import traceback  # noqa: PLC0415 -- a failed start only: every scheduler imports this module
+
             _log(job["log_prefix"], "Scheduler hit an exception: %s" % traceback.format_exc().rstrip())
             _say("ERROR %s: %s" % (type(exc).__name__, exc))
             return 1
@@ -208,5 +209,7 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         sys.exit(1)
     except Exception:
+        import traceback  # noqa: PLC0415
+
         traceback.print_exc()
         sys.exit(1)
