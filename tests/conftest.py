@@ -28,6 +28,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LAB_HOSTS = 2
+LAB_GPUS = 8
 # scripts/bootstrap makes it: gpugate and its runtime dependencies only (docs/testing.md, "The controller")
 CONTROLLER_VENV = REPO_ROOT / ".venv-controller"
 
@@ -42,7 +43,6 @@ def pyinfra_exe() -> str:
     if own.is_file():
         return str(own)
     return shutil.which("pyinfra") or str(Path(sys.executable).with_name("pyinfra"))
-LAB_GPUS = 8
 
 
 @pytest.fixture(scope="session", autouse=True)
