@@ -3,8 +3,10 @@
 
     preflight   GET /workers: the router answers, lists this server, and enough other healthy workers
                 of its model stay (``min_serving``): else REFUSED, nothing touched
-    leave       DELETE /workers/{id}; wait until smg no longer lists it, then until the server's own
-                in-flight count (SGLang's /metrics gauges) is 0, both within the drain budget
+    leave       DELETE /workers/{id} (not again while a removal is under way: smg ends one by URL, so a
+                second would take the re-added entry out); wait until smg no longer lists it ready,
+                then until the server's own in-flight count (SGLang's /metrics gauges) is 0, both
+                within the drain budget
     (the agent: stop, gate, start, healthy + a generation, verify; or its rollback)
     rejoin      /ready; POST /workers with what it had (model id, labels, priority, cost); wait until
                 smg lists it healthy and ready: only then the next container of a rolling change
@@ -58,8 +60,9 @@ class Preflight:
                     f"{where}: add it after the verify (POST /workers url {routing.worker_url}; "
                     f"--data router_register=true) and wait until it is listed healthy"]
         model = self.worker.get("model_id") or "its model"
-        return [f"{where}: leave it (DELETE /workers/{self.worker.get('id')}; {len(self.peers)} other healthy "
-                f"worker(s) of {model} keep serving)",
+        how = ("already leaving it (listed draining: a removal under way, no second DELETE"
+               if self.worker.get("status") == "draining" else f"leave it (DELETE /workers/{self.worker.get('id')}")
+        return [f"{where}: {how}; {len(self.peers)} other healthy worker(s) of {model} keep serving)",
                 f"{where}: wait until its in-flight requests are 0 (/metrics num_running_reqs + num_queue_reqs, "
                 f"at most {drain_s:g} s)",
                 f"{where}: after the verify (or a rollback): /ready, re-add it as it was (model {model}, "
@@ -99,7 +102,14 @@ def leave(routing: Routing, client: SmgClient, worker: Mapping[str, Any], budget
     past it the stop goes on (the agent's SIGTERM drains what is left, bounded by the same budget).
     RouterError when smg refuses the removal (nothing stopped yet)."""
     start = now()
-    client.remove(str(worker.get("id")))
+    try:
+        current = client.find(routing.worker_url)
+    except RouterError:
+        current = worker
+    # smg removes by URL at the end of a removal (its workflow finds the workers to remove by URL): a
+    # second DELETE while one is under way would end after the re-add and take the new entry out again
+    if current is not None and current.get("status") != "draining":
+        client.remove(str(current.get("id")))
     # smg excludes a draining worker from selection at once and drops it after its settle time
     # (drain_workers.rs): draining (or gone) is enough, waiting for gone would cost that time
     while now() - start < budget_s:

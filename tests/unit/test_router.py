@@ -98,6 +98,21 @@ def test_leave_removes_then_waits_for_zero_in_flight(monkeypatch):
     assert said and "0 requests in flight" in said[0]
 
 
+def test_leave_never_deletes_a_worker_whose_removal_is_under_way(monkeypatch):
+    # smg removes by URL when a removal ends: a second DELETE of an entry already draining (an earlier
+    # run's, NOTHING SERVES) ended after the re-add and took the new entry out (CI, test_router_lab)
+    monkeypatch.setattr(router, "in_flight", lambda url: None)
+    draining = dict(A, status="draining")
+    client, said = FakeClient([draining, B]), []
+    router.leave(ROUTING, client, draining, 60, said.append, sleep=lambda s: None)
+    assert client.calls == []
+    pre = router.preflight(ROUTING, FakeClient([draining, B]))
+    assert "already leaving it" in pre.lines(ROUTING, 60)[0] and "DELETE /workers" not in pre.lines(ROUTING, 60)[0]
+    gone = FakeClient([B])
+    router.leave(ROUTING, gone, A, 60, said.append, sleep=lambda s: None)  # removed since the preflight
+    assert gone.calls == []
+
+
 def test_leave_does_not_wait_out_the_budget_for_a_count_it_cannot_read(monkeypatch):
     # a routed server that is not running (left out after NOTHING SERVES) answers nothing: the
     # leave waited out the whole 60 s drain budget on it before the start
