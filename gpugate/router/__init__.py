@@ -102,6 +102,7 @@ def leave(routing: Routing, client: SmgClient, worker: Mapping[str, Any], budget
     past it the stop goes on (the agent's SIGTERM drains what is left, bounded by the same budget).
     RouterError when smg refuses the removal (nothing stopped yet)."""
     start = now()
+    current: Mapping[str, Any] | None
     try:
         current = client.find(routing.worker_url)
     except RouterError:
