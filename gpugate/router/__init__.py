@@ -102,11 +102,8 @@ def leave(routing: Routing, client: SmgClient, worker: Mapping[str, Any], budget
     past it the stop goes on (the agent's SIGTERM drains what is left, bounded by the same budget).
     RouterError when smg refuses the removal (nothing stopped yet)."""
     start = now()
-    current: Mapping[str, Any] | None
-    try:
-        current = client.find(routing.worker_url)
-    except RouterError:
-        current = worker
+    # a router that does not answer now cannot take it out: RouterError, as a refused DELETE (nothing stopped)
+    current = client.find(routing.worker_url)
     # smg removes by URL at the end of a removal (its workflow finds the workers to remove by URL): a
     # second DELETE while one is under way would end after the re-add and take the new entry out again
     if current is not None and current.get("status") != "draining":

@@ -111,6 +111,9 @@ def test_leave_never_deletes_a_worker_whose_removal_is_under_way(monkeypatch):
     gone = FakeClient([B])
     router.leave(ROUTING, gone, A, 60, said.append, sleep=lambda s: None)  # removed since the preflight
     assert gone.calls == []
+    with pytest.raises(RouterError):  # unreachable now: refused, never a stop on a stale 'draining'
+        router.leave(ROUTING, FakeClient([draining, B], error="refused"), draining, 60, said.append,
+                     sleep=lambda s: None)
 
 
 def test_leave_does_not_wait_out_the_budget_for_a_count_it_cannot_read(monkeypatch):
