@@ -581,7 +581,7 @@ def _leave_router(host_obj: Any, job: Job, run: str) -> bool:
     problem = preflight.problem
     if problem is None and preflight.worker is not None:
         try:
-            router.leave(routing, client, preflight.worker, job.budgets["drain_timeout_s"],
+            router.leave(routing, client, job.budgets["drain_timeout_s"],
                          lambda line: _say(host_obj, job.port, line))
         except router.RouterError as error:
             problem = f"router {routing.router} refused to take it out: {error}"

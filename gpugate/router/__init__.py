@@ -95,12 +95,13 @@ def preflight(routing: Routing, client: SmgClient | None = None) -> Preflight:
     return Preflight(worker, peers, None)
 
 
-def leave(routing: Routing, client: SmgClient, worker: Mapping[str, Any], budget_s: float,
+def leave(routing: Routing, client: SmgClient, budget_s: float,
           say: Callable[[str], None], now: Callable[[], float] = time.monotonic,
           sleep: Callable[[float], None] = time.sleep) -> None:
-    """Take the server out and wait for its work to end, within ``budget_s`` (the drain budget):
-    past it the stop goes on (the agent's SIGTERM drains what is left, bounded by the same budget).
-    RouterError when smg refuses the removal (nothing stopped yet)."""
+    """Take the server out (its entry as smg lists it now, not as the preflight saw it) and wait for
+    its work to end, within ``budget_s`` (the drain budget): past it the stop goes on (the agent's
+    SIGTERM drains what is left, bounded by the same budget). RouterError when smg does not answer or
+    refuses the removal (nothing stopped yet)."""
     start = now()
     # a router that does not answer now cannot take it out: RouterError, as a refused DELETE (nothing stopped)
     current = client.find(routing.worker_url)

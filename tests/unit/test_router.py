@@ -93,7 +93,7 @@ def test_leave_removes_then_waits_for_zero_in_flight(monkeypatch):
     reads = iter([3, 1, 0, 0])
     monkeypatch.setattr(router, "in_flight", lambda url: next(reads))
     client, said = FakeClient([A, B]), []
-    router.leave(ROUTING, client, A, 60, said.append, sleep=lambda s: None)
+    router.leave(ROUTING, client, 60, said.append, sleep=lambda s: None)
     assert client.calls == [("DELETE", "wa")]
     assert said and "0 requests in flight" in said[0]
 
@@ -104,15 +104,15 @@ def test_leave_never_deletes_a_worker_whose_removal_is_under_way(monkeypatch):
     monkeypatch.setattr(router, "in_flight", lambda url: None)
     draining = dict(A, status="draining")
     client, said = FakeClient([draining, B]), []
-    router.leave(ROUTING, client, draining, 60, said.append, sleep=lambda s: None)
+    router.leave(ROUTING, client, 60, said.append, sleep=lambda s: None)
     assert client.calls == []
     pre = router.preflight(ROUTING, FakeClient([draining, B]))
     assert "already leaving it" in pre.lines(ROUTING, 60)[0] and "DELETE /workers" not in pre.lines(ROUTING, 60)[0]
     gone = FakeClient([B])
-    router.leave(ROUTING, gone, A, 60, said.append, sleep=lambda s: None)  # removed since the preflight
+    router.leave(ROUTING, gone, 60, said.append, sleep=lambda s: None)  # removed since the preflight
     assert gone.calls == []
     with pytest.raises(RouterError):  # unreachable now: refused, never a stop on a stale 'draining'
-        router.leave(ROUTING, FakeClient([draining, B], error="refused"), draining, 60, said.append,
+        router.leave(ROUTING, FakeClient([draining, B], error="refused"), 60, said.append,
                      sleep=lambda s: None)
 
 
@@ -123,7 +123,7 @@ def test_leave_does_not_wait_out_the_budget_for_a_count_it_cannot_read(monkeypat
     monkeypatch.setattr(router, "in_flight", lambda url: reads.append(url))
     clock = iter(range(1000))
     said = []
-    router.leave(ROUTING, FakeClient([A, B]), A, 60, said.append, now=lambda: next(clock), sleep=lambda s: None)
+    router.leave(ROUTING, FakeClient([A, B]), 60, said.append, now=lambda: next(clock), sleep=lambda s: None)
     assert len(reads) == 2 and "cannot be read" in said[0]
 
 
