@@ -51,8 +51,13 @@ otherwise).
 
 Example::
 
-    >>> fleet = load_fleet("fleet.yaml")                      # doctest: +SKIP
-    >>> fleet_to_inventory(fleet)["pve_pve1"][0][0][0]        # doctest: +SKIP
+    >>> import pathlib, tempfile
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...     path = pathlib.Path(directory, "fleet.yaml")
+    ...     _ = path.write_text("{hosts: {pve1: {ssh: {hostname: pve1.example.net}, containers: "
+    ...                         "{129: {sglang: {model_path: /opt/models/m, port: 30000, flags: {tp: 8}}}}}}}")
+    ...     fleet = load_fleet(path)
+    >>> fleet_to_inventory(fleet)["pve_pve1"][0][0][0]
     '@pct/pve1:129'
 """
 
@@ -224,7 +229,7 @@ def _expanded_size(root: Any) -> int:
     """How many values the document holds with every alias expanded (a node reached through N
     aliases counts N times), counted without expanding anything: each node's size once, bottom up.
 
-    >>> _expanded_size(yaml.compose("a: &x [1, 2, 3]\nb: [*x, *x, *x]"))
+    >>> _expanded_size(yaml.compose("a: &x [1, 2, 3]\\nb: [*x, *x, *x]"))
     20
     """
     sizes: dict[int, int] = {}

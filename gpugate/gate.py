@@ -18,10 +18,19 @@ is device-wide). It blocks the gate and is never something to kill from here.
 
 Example::
 
+    >>> probe_document = {"source": "nvml", "memory_api": "v2", "errors": [],
+    ...                   "gpus": [{"index": 0, "used_mib": 30000, "processes": [{"pid": 4242, "used_mib": 30000}]}],
+    ...                   "holders": [{"pid": 4242, "state": "S", "cmdline": "python3 train.py"}]}
     >>> decision = evaluate(probe_document, max_used_mib=64)
     >>> decision.passed
     False
-    >>> print(format_failure(decision, host_name="@pct/pve1:129"))
+    >>> print(format_failure(decision, host_name="@pct/pve1:129"))  # doctest: +NORMALIZE_WHITESPACE
+    GPU gate did not pass on @pct/pve1:129: GPU 0 over 64 MiB (30000 MiB used);
+        1 process(es) in the container hold /dev/nvidia*: 4242 (S)
+      GPU 0: 30000 MiB used (max 64); listed: pid 4242 30000 MiB
+      processes in the container holding /dev/nvidia*:
+        pid 4242 [S] python3 train.py
+      to end them: gpu.idle(kill=True) (SIGTERM, grace period, SIGKILL; only processes of this container)
 """
 
 from __future__ import annotations

@@ -1,29 +1,20 @@
-"""The rules both sides share (gpugate/rules/) and the bundle that carries them into containers: their
-doctests, one gate decision for every caller, and the artifact importing only its own modules."""
+"""The rules both sides share (gpugate/rules/) and the bundle that carries them into containers: one
+gate decision for every caller, and the artifact importing only its own modules (their doctests run
+in test_doctests.py, with every other module's)."""
 
 from __future__ import annotations
 
-import doctest
-import importlib
 import json
 import subprocess
 import sys
 
 import pytest
 
-from gpugate import agentcmd, bundle
+from gpugate import agentcmd
 from gpugate.agent.start import gate_decision
 from gpugate.gate import evaluate
 from gpugate.plan import foreign_memory
 from gpugate.rules import gate
-
-CONTAINER_MODULES = [name for name in bundle.with_imports(bundle.AGENT_MODULES) if name != "gpugate.agent.gpu_probe"]
-
-
-@pytest.mark.parametrize("name", CONTAINER_MODULES + ["gpugate.bundle", "gpugate.agent.loader"])
-def test_doctests(name):
-    result = doctest.testmod(importlib.import_module(name))
-    assert result.failed == 0
 
 
 def reading(used, holders=(), processes=None):
