@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import importlib.util
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -30,11 +31,17 @@ AGENT_MODULES = ("gpugate.agent.main", "gpugate.agent.observe", "gpugate.agent.c
 
 
 def module_path(name: str) -> Path:
-    """The file of module ``name`` in this package (a package's ``__init__.py``).
+    """The file of module ``name`` in this package (a package's ``__init__.py``), or, for an
+    engine installed from another package, where Python finds it.
 
     >>> module_path("gpugate.rules").name, module_path("gpugate.rules.gate").name
     ('__init__.py', 'gate.py')
     """
+    if name.split(".")[0] != "gpugate":
+        found = importlib.util.find_spec(name)
+        if found is None or not found.origin:
+            raise ImportError(f"no module {name!r} to bundle")
+        return Path(found.origin)
     base = ROOT.joinpath(*name.split("."))
     return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
 
@@ -90,13 +97,28 @@ def sources(names: Iterable[str]) -> dict[str, str]:
     return {name: module_path(name).read_text() for name in names}
 
 
+@functools.lru_cache(maxsize=None)
+def engine_sources() -> dict[str, str]:
+    """The container modules of every installed engine (gpugate.engine.container: what the agent
+    loads by the name a document carries), their imports, and their table as the module
+    ``gpugate.engine.bundled`` (``MODULES``: engine name -> module; ``DEFAULT``: the default engine)."""
+    from gpugate.engine import DEFAULT_ENGINE, get, names  # noqa: PLC0415 -- only a bundle of the agent needs it
+
+    modules = {name: get(name).container_module for name in names()}
+    table = f"MODULES = {modules!r}\nDEFAULT = {DEFAULT_ENGINE!r}\n"
+    return dict(sources(with_imports(tuple(sorted(modules.values())))), **{"gpugate.engine.bundled": table})
+
+
 def loader_source(names: Iterable[str], extra: Mapping[str, str] | None = None) -> str:
     """gpugate/agent/loader.py with ``_BUNDLE`` holding the sources of ``names`` (and ``extra``:
-    name -> source, for sources that are not this package's files)."""
+    name -> source, for sources that are not this package's files); a bundle that loads engines
+    (gpugate.agent.engine) carries every installed engine's container module."""
     text = LOADER.read_text()
     if text.count(BUNDLE_LINE) != 1:
         raise RuntimeError("gpugate/agent/loader.py lost its _BUNDLE line; gpugate.bundle cannot fill it")
-    bundle = dict(sources(names), **dict(extra or {}))
+    names = tuple(names)
+    engines = engine_sources() if "gpugate.agent.engine" in names else {}
+    bundle = dict(sources(names), **engines, **dict(extra or {}))
     return text.replace(BUNDLE_LINE, "_BUNDLE = " + repr(bundle))
 
 

@@ -7,9 +7,11 @@ Two checks, one at each end of a run:
   ``servers_of_inventory(hosts)`` reads the desired servers out of pyinfra host data.
 - **Run time**: a lock per GPU on the Proxmox host, ``/run/gpugate/gpu-<index>.lock`` (a kernel
   flock, so a dead holder frees it), held for a transition by a detached holder on the Proxmox
-  host (gpugate/host_gpu_lock.py, started by ``PctConnector.hold_gpu_locks``): two transitions
-  with overlapping GPU sets cannot pass their gates together, whatever the plan said (two
-  operators, two fleet files, a hand-started server).
+  host (gpugate/host_gpu_lock.py, started by ``hold_gpu_locks`` or, with the hand-off in the same
+  round trip, ``hand_off_holding_gpu_locks``; sent over the pct connector's host-command path,
+  ``PctConnector.run_on_proxmox_host``): two transitions with overlapping GPU sets cannot pass
+  their gates together, whatever the plan said (two operators, two fleet files, a hand-started
+  server).
 
 GPU indexes are the Proxmox host's (what ``nvidia-smi`` on the host numbers), as the container sees
 them when its config passes every GPU through (the usual setup for TP servers).
@@ -23,11 +25,23 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the run-time half imports pyinfra when it runs: the plan-time half stays light
+    from pyinfra.api.arguments import ConnectorArguments
+    from pyinfra.api.command import StringCommand
+    from pyinfra.connectors.util import CommandOutput
+    from typing_extensions import Unpack
+
+    from gpugate.connectors.pct import PctConnector
 
 __all__ = ["ServerClaim", "overlapping_claims", "overlaps_of", "servers_of_inventory", "claim_host", "gpu_ranges",
-           "LOCK_DIR", "HANDOFF_S", "lock_path", "busy_message", "own_claim_run"]
+           "LOCK_DIR", "HANDOFF_S", "lock_path", "busy_message", "own_claim_run", "GpuClaim", "hold_gpu_locks",
+           "hand_off_holding_gpu_locks"]
 
 # (Proxmox host, vmid, port, the server's GPUs as host GPU indexes)
 ServerClaim = tuple[str, int, int, tuple[int, ...]]
@@ -125,10 +139,19 @@ def servers_of_inventory(hosts: Iterable[tuple[str, Mapping[str, Any]]],
             (h.name, h.data) for h in state.inventory))
     """
     from gpugate.settings import SETTINGS, to_bool  # noqa: PLC0415
-    from gpugate.spec import GPU_SET_FLAGS, extra_flags, gpu_set as spec_gpu_set  # noqa: PLC0415
+    from gpugate.spec import desired_states  # noqa: PLC0415
 
     claims: list[ServerClaim] = []
     for name, data in hosts:
+        if gpu_set is None:  # the desired state's own GPUs (the engine's rule, extra_args counted)
+            try:
+                vmid = int(data.get("pct_vmid"))  # type: ignore[arg-type]
+                desired = desired_states(data)
+            except Exception:  # noqa: BLE001 -- a server we cannot read is its own operation's error
+                continue
+            claims += [(claim_host(name, data), vmid, d.port, tuple(d.spec.gpus)) for d in desired
+                       if d.present and d.spec is not None and d.spec.gpus is not None]
+            continue
         # several servers in one container (fleet.yaml's sglang: list): each claims its own GPUs
         for server in data.get("sglang_servers") or [{}]:
             values = {**data, **server}
@@ -137,11 +160,8 @@ def servers_of_inventory(hosts: Iterable[tuple[str, Mapping[str, Any]]],
                     continue
                 vmid = int(values.get("pct_vmid"))  # type: ignore[arg-type]
                 port = int(values.get("sglang_port", SETTINGS["sglang_port"].default))
-                flags = dict(values.get("sglang_flags") or {})
-                if gpu_set is None:  # the spec's own rule: what extra_args say counts too
-                    extra = extra_flags(values.get("sglang_extra_args") or [])
-                    flags.update((k, v) for k, v in extra.items() if k in GPU_SET_FLAGS)
-                gpus = tuple(int(g) for g in (gpu_set or spec_gpu_set)(flags, values.get("sglang_env") or {}))
+                gpus = tuple(int(g) for g in gpu_set(dict(values.get("sglang_flags") or {}),
+                                                     values.get("sglang_env") or {}))
             except Exception:  # noqa: BLE001 -- a server we cannot read is its own operation's error
                 continue
             claims.append((claim_host(name, data), vmid, port, gpus))
@@ -186,3 +206,179 @@ def own_claim_run(owner: Mapping[str, Any] | None, vmid: Any) -> str | None:
     if not owner or owner.get("vmid") is None or not owner.get("run"):
         return None
     return str(owner["run"]) if str(owner.get("vmid")) == str(vmid) else None
+
+
+# ---------------------------------------------------------------- run time: the Proxmox host's GPU locks
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuClaim:
+    """What the Proxmox host's lock holder answered for a transition's GPUs.
+
+    ``locked``: the locks are held (hand off); else refuse, nothing was touched. ``message``: what
+    the operator reads either way. ``owner``: a busy claim's record (``vmid``, ``run``, ``gpus``),
+    ``began``: whether its run exists in its container, ``until``: this claim's hand-off window,
+    ``released``: the stale claims ended on the way. ``started``: the hand-off's ``(status,
+    output)`` when the holder ran it (:func:`hand_off_holding_gpu_locks`), else None.
+    """
+
+    locked: bool
+    message: str
+    owner: Mapping[str, Any] | None = None
+    began: bool | None = None
+    until: float | None = None
+    released: tuple[Mapping[str, Any], ...] = ()
+    started: tuple[bool, CommandOutput] | None = None
+
+
+def hold_gpu_locks(connector: PctConnector, gpus: Iterable[int], run: str, python: str = "/usr/bin/python3",
+                   grace_s: float = HANDOFF_S, wait_s: float = 0, lock_dir: str = LOCK_DIR) -> GpuClaim:
+    """Take a transition's GPU locks on the container's Proxmox host (``/run/gpugate/gpu-<i>.lock``,
+    one exclusive flock per GPU, in index order) and hold them, in a detached process on the host
+    (gpugate/host_gpu_lock.py), until the container agent's ``wait`` for ``run`` returns (``pct exec
+    <vmid> -- sh -c '<gpugate.agentcmd.wait_command(python, run, grace_s)>'``: the run has ended, or
+    it did not begin within ``grace_s``). Call it right before the hand-off: ``locked`` -> hand off;
+    else refuse, nothing was touched (``message`` names the container whose run holds a GPU, after
+    waiting up to ``wait_s`` for it to end). ``grace_s`` is the hand-off window: the holder lets go
+    when no run began by then, the container's agent refuses a hand-off that comes later, and a
+    claim met past its window whose run its container does not know is released at once (its
+    holder ended).
+
+    .. code:: python
+
+        claim = hold_gpu_locks(host.connector, spec_gpus, run_id, python="/usr/bin/python3")
+    """
+    gpu_list = sorted({int(gpu) for gpu in gpus})
+    if not gpu_list:
+        return GpuClaim(True, "no GPU to claim")
+    args = _lock_args(connector, gpu_list, run, python, grace_s, wait_s, lock_dir)
+    status, output = connector.run_on_proxmox_host(_lock_program(args), _timeout=int(max(30, wait_s + 30)))
+    answer = _last_json(output.stdout_lines)
+    if not status or answer is None:
+        return _claim(answer, False, _lock_failure(connector, gpu_list, run, output))
+    return _lock_answer(connector, gpu_list, run, answer)
+
+
+def hand_off_holding_gpu_locks(connector: PctConnector, gpus: Iterable[int], run: str, command: str | StringCommand,
+                               stdin: str, python: str = "/usr/bin/python3", grace_s: float = HANDOFF_S,
+                               wait_s: float = 0, lock_dir: str = LOCK_DIR, timeout: float = 120,
+                               **arguments: Unpack[ConnectorArguments]) -> GpuClaim:
+    """:func:`hold_gpu_locks` and the hand-off in ONE round trip: the host's lock holder, once it
+    holds the locks, runs ``command`` in the container (as the connector's ``run_shell_command``
+    would: pyinfra's wrapping inside, ``pct exec`` outside) with ``stdin`` (the start document; the
+    holder sets its ``claim_until`` to this claim's window, and the agent refuses a hand-off after it).
+
+    ``started`` is the command's ``(status, output)``, with pct's own failures made data exactly as
+    ``run_shell_command`` makes them (``connector.last_failure``, a ``pct error: ...`` line), or None
+    when the locks were not taken (nothing was run, nothing touched). A link lost before any answer
+    is ``locked`` with ``started`` ``(False, <the lost-link line>)``: the hand-off may have begun.
+
+    .. code:: python
+
+        claim = hand_off_holding_gpu_locks(host.connector, spec_gpus, run_id, agentcmd.start_command(python),
+                                           agentcmd.start_stdin(doc, False))
+    """
+    from pyinfra.api.command import StringCommand  # noqa: PLC0415
+    from pyinfra.connectors.util import CommandOutput, OutputLine, extract_control_arguments  # noqa: PLC0415
+
+    gpu_list = sorted({int(gpu) for gpu in gpus})
+    command = command if isinstance(command, StringCommand) else StringCommand(command)
+    if not gpu_list:
+        plain = {**arguments, "_stdin": stdin, "_timeout": int(timeout)}
+        return GpuClaim(True, "no GPU to claim", started=connector.run_shell_command(command, **plain))  # type: ignore[arg-type]
+    # the host program's own exit status is 0 whatever the hand-off did: the codes apply to the hand-off
+    success_codes = list(extract_control_arguments(dict(arguments)).get("_success_exit_codes") or [0])  # type: ignore[arg-type]
+    args = _lock_args(connector, gpu_list, run, python, grace_s, wait_s, lock_dir)
+    args["start"] = {"command": connector.container_command(command, **arguments).get_raw_value()}
+    status, output = connector.run_on_proxmox_host(_lock_program(args), _stdin=stdin,
+                                                   _timeout=int(max(30, wait_s + 30) + timeout))
+    answer = _last_json(output.stdout_lines)
+    if answer is None or not status:
+        lost = connector.last_failure  # the link went: the holder, and so the hand-off, may have run
+        if lost is not None and lost.kind == "link-lost":
+            return _claim(answer, True, "no answer", started=connector.container_result(False, output, lost))
+        return _claim(answer, False, _lock_failure(connector, gpu_list, run, output))
+    claim = _lock_answer(connector, gpu_list, run, answer)
+    start = answer.get("start")
+    if not claim.locked or not isinstance(start, dict):
+        return claim
+    # the hand-off's own output: its stdout from the answer, pct's stderr as the holder passed it on
+    lines = [OutputLine("stdout", line) for line in str(start.get("stdout") or "").splitlines()]
+    lines += [OutputLine("stderr", line) for line in output.stderr_lines]
+    rc = start.get("rc")
+    ok = isinstance(rc, int) and rc in success_codes
+    return dataclasses.replace(claim, started=connector.container_result(ok, CommandOutput(lines)))
+
+
+def _lock_args(connector: PctConnector, gpu_list: list[int], run: str, python: str, grace_s: float, wait_s: float,
+               lock_dir: str) -> dict[str, Any]:
+    """The holder's arguments (gpugate/host_gpu_lock.py): it runs pct itself, so pct's argv and the
+    container's PATH travel with them."""
+    from gpugate.agentcmd import wait_command  # noqa: PLC0415
+    from gpugate.connectors.pct import CONTAINER_PATH  # noqa: PLC0415
+
+    return {
+        "vmid": connector.vmid, "gpus": gpu_list, "run": str(run), "wait_s": wait_s, "lock_dir": lock_dir,
+        "command": wait_command(python, str(run), grace_s=grace_s), "path": CONTAINER_PATH,
+        "grace_s": grace_s, "check_command": wait_command(python, "@RUN@", grace_s=0, timeout_s=0),
+        "pct": connector.pct_argv,  # argv: no shell quoting
+        "clear_env": bool(connector.data["pct_clear_env"]),
+    }
+
+
+def _lock_program(args: Mapping[str, Any]) -> StringCommand:
+    """The holder as one host command; the connector runs it as root where pct needs sudo (the lock
+    dir is /run's, and the holder runs pct). -S: the holder is stdlib only, and site (site-packages,
+    .pth files) is most of a Python start (it is on the restart's path, right before the hand-off)."""
+    from pyinfra.api.command import QuoteString, StringCommand  # noqa: PLC0415
+
+    from gpugate import host_gpu_lock  # noqa: PLC0415 -- its source travels, not the module
+    from gpugate.remote import pack  # noqa: PLC0415
+
+    source = Path(host_gpu_lock.__file__).read_text()
+    return StringCommand("python3", "-S", "-c", QuoteString(pack(source)), QuoteString(json.dumps(args)))
+
+
+def _last_json(lines: list[str]) -> dict[str, Any] | None:
+    """The last stdout line that is a JSON object, or None."""
+    for line in reversed(lines):
+        text = line.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                continue
+            return value if isinstance(value, dict) else None
+    return None
+
+
+def _claim(answer: Mapping[str, Any] | None, locked: bool, message: str,
+           started: tuple[bool, CommandOutput] | None = None) -> GpuClaim:
+    answer = answer or {}
+    return GpuClaim(locked, message, owner=answer.get("owner"), began=answer.get("began"),
+                    until=answer.get("handoff_until"), released=tuple(answer.get("released") or ()), started=started)
+
+
+def _lock_failure(connector: PctConnector, gpu_list: list[int], run: str, output: CommandOutput) -> str:
+    from gpugate.connectors.pct import strip_host_noise  # noqa: PLC0415
+
+    where = f"GPU {gpu_ranges(gpu_list)} of {connector.pve_host_name}"
+    detail = " / ".join(strip_host_noise(output.stderr_lines)) or output.stdout or "no answer"
+    return f"could not take the locks of {where} for run {run}: {detail}; nothing was touched"
+
+
+def _lock_answer(connector: PctConnector, gpu_list: list[int], run: str, answer: Mapping[str, Any]) -> GpuClaim:
+    where = f"GPU {gpu_ranges(gpu_list)} of {connector.pve_host_name}"
+    released = "".join(f"; released the claim of run {gone.get('run')} (container {gone.get('vmid')}, GPU "
+                       f"{gpu_ranges(gone.get('gpus') or [])}): {gone.get('why')}" for gone in answer.get("released") or [])
+    if answer.get("ok"):
+        return _claim(answer, True, f"holding the locks of {where} for run {run} (holder pid {answer.get('pid')} on "
+                                    f"the host){released}")
+    if answer.get("error") and "gpu" in answer:
+        return _claim(answer, False, f"could not take the locks of {where} for run {run}: {answer['error']}; "
+                                     f"nothing was touched")
+    if "gpu" in answer:
+        return _claim(answer, False, busy_message(connector.pve_host_name, connector.vmid, int(answer["gpu"]),
+                                                  answer.get("owner"), run))
+    return _claim(answer, False, f"could not take the locks of {where} for run {run}: {answer.get('error')}; "
+                                 f"nothing was touched")

@@ -277,7 +277,7 @@ def _check(path: str, version: str | None) -> int:
             server = resolved(container_host_data(pve, container))
             if not server["sglang_present"]:
                 continue
-            ok, lines = engine().check_report(server["sglang_flags"], version or server["sglang_version"],
+            ok, lines = engine(server["engine"]).check_report(server["sglang_flags"], version or server["sglang_version"],
                                                  server["sglang_extra_args"])
             where = f"{pve.name} {container.vmid} :{server['sglang_port']}"
             print(f"{where}: {lines[0]}")

@@ -73,7 +73,7 @@ import yaml
 
 from gpugate.settings import (REMOVED, SETTINGS, SSH_SETTINGS, data_keys, describe as _describe, env_name, env_value,
                               server_keys, suggest as _suggest)
-from gpugate.engine import get as engine
+from gpugate.engine import DEFAULT_ENGINE, Engine, FlagError, get as engine
 
 __all__ = [
     "FleetError",
@@ -449,6 +449,12 @@ def _check_sglang(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
             raise check.fail(f"{entry}.{key}", f"no longer a setting: {REMOVED[key]}")
     section = check.mapping(raw, entry, tuple(rows))
     out: dict[str, Any] = {}
+    if section.get("engine") is not None:  # first: the flags are validated by the server's engine
+        try:
+            out["engine"] = rows["engine"].convert(section["engine"])
+        except ValueError as error:
+            raise check.fail(f"{entry}.engine", str(error)) from None
+    serving = engine(out.get("engine") or DEFAULT_ENGINE)
     for key, value in section.items():
         row = rows[key]
         where = f"{entry}.{key}"
@@ -463,10 +469,10 @@ def _check_sglang(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
         elif key == "flags":
             raw_flags = check.mapping(value, where)
             try:
-                out[row.key] = engine().validate_flags(raw_flags)
-            except engine().FlagError as error:
-                raise check.fail(f"{where}.{_written_key(raw_flags, error.flag)}", error.message) from None
-        elif value is not None:
+                out[row.key] = serving.validate_flags(raw_flags)
+            except FlagError as error:
+                raise check.fail(f"{where}.{_written_key(serving, raw_flags, error.flag)}", error.message) from None
+        elif value is not None and key != "engine":
             try:
                 out[row.key] = row.convert(value)
             except ValueError as error:
@@ -499,13 +505,13 @@ def _check_servers(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
     return {"sglang_servers": servers}
 
 
-def _written_key(raw_flags: Mapping[Any, Any], canonical: str) -> str:
+def _written_key(serving: Engine, raw_flags: Mapping[Any, Any], canonical: str) -> str:
     """The key as the user wrote it for a canonical flag name (for error locations)."""
     for key in raw_flags:
         try:
-            if engine().canonical_name(str(key)) == canonical:
+            if serving.canonical_name(str(key)) == canonical:
                 return str(key)
-        except engine().FlagError:
+        except FlagError:
             if str(key).lstrip("-") == canonical:
                 return str(key)
     return canonical

@@ -1,6 +1,7 @@
 """The GPU lock holder: runs on the Proxmox HOST (not in a container), stdlib only, Python >= 3.8.
 
-Sent inline by ``PctConnector.hold_gpu_locks`` as ``python3 -c <packed source> '<json args>'``:
+Sent inline by ``gpugate.claims.hold_gpu_locks`` as ``python3 -S -c <packed source> '<json args>'`` (over
+the pct connector's ``run_on_proxmox_host``, as root where pct needs sudo):
 
 1. takes ``/run/gpugate/gpu-<i>.lock`` for each GPU of the transition, in index order (so two
    holders that wait never deadlock), each an exclusive kernel flock: a dead holder frees it;
@@ -19,7 +20,7 @@ Sent inline by ``PctConnector.hold_gpu_locks`` as ``python3 -c <packed source> '
 4. the parent prints ``{"ok": true, "pid": <holder>}`` once the records are written, and exits,
    so the SSH command returns at once while the holder lives on.
 
-With ``start`` in the arguments (``PctConnector.hand_off_holding_gpu_locks``: the locks and the
+With ``start`` in the arguments (``gpugate.claims.hand_off_holding_gpu_locks``: the locks and the
 hand-off in ONE round trip), the parent reads the start document on its stdin before anything else,
 and once the holder holds the locks it runs the hand-off itself: ``pct exec <vmid> -- sh -c
 '<start["command"]>'`` (the agent's ``start``) with that document on its stdin, ``claim_until`` set

@@ -29,10 +29,9 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from gpugate.spec import Spec, SpecError, gpu_set, redact_flags, resolve_supervisor
-from gpugate.engine import get as engine
-from gpugate.engine.sglang import weight_cache as cache
+from gpugate.engine import DEFAULT_ENGINE, Engine, get as engine
 from gpugate.rules.redact import argv_hash, env_hash
+from gpugate.spec import Spec, SpecError, gpu_set, resolve_supervisor
 
 __all__ = ["Match", "compare", "VERDICTS", "CacheVerdict", "cache_verdict"]
 
@@ -70,9 +69,10 @@ class Match:
 def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None = None,
             siblings: tuple[int, ...] = ()) -> Match:
     """Whether what runs in the container (the agent's observe document) is ``spec`` (None: no
-    server should run on ``port``). ``spec.supervisor`` resolved for this container first
-    (:func:`for_container`), as the deploy runs it; ``siblings``: the ports of the container's
-    other desired servers (a container may have several)."""
+    server should run on ``port``), under the supervisor this container runs it with (``auto``
+    resolved here, from what the agent saw: :func:`for_container`), as the deploy runs it;
+    ``siblings``: the ports of the container's other desired servers (a container may have several)."""
+    spec = for_container(spec, observation)
     server = observation.get("sglang") or {}
     running = bool(server.get("running"))
     if spec is None:
@@ -89,9 +89,10 @@ def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None 
                      lines=tuple(diff_lines(server, spec) + env_lines(server, spec)))
     exact = runs_exactly(server, spec)
     have, pinned = server.get("sglang_version"), spec.sglang_version
+    label = engine(spec.engine).label
     if pinned and have and have != pinned:  # the deploy refuses it: it can never be as desired
-        return Match("differs", (f"the container has SGLang {have}; sglang_version pins {pinned}",),
-                     flag_items=(f"SGLang {have} in the container, {pinned} pinned",), replaced=replaced, exact=exact)
+        return Match("differs", (f"the container has {label} {have}; sglang_version pins {pinned}",),
+                     flag_items=(f"{label} {have} in the container, {pinned} pinned",), replaced=replaced, exact=exact)
     weights = cache_verdict(observation, spec)
     if exact and not replaced and weights.mode in ("keep", "none"):
         if server.get("serving"):
@@ -101,13 +102,13 @@ def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None 
         return Match("differs", (weights.why,), flag_items=(weights.why,), exact=True)
     flag_lines, changed_env = diff_lines(server, spec), env_lines(server, spec)
     why = []
-    command = [what for what, sign in (("the interpreter", "interpreter "), ("the model", "--model-path "),
-                                       ("the listen host", "--host ")) if any(line[2:].startswith(sign)
-                                                                              for line in flag_lines)]
+    serving_engine = engine(spec.engine)
+    signs = (("the interpreter", "interpreter "), ("the model", serving_engine.model_option + " "),
+             ("the listen host", serving_engine.host_option + " "))
+    command = [what for what, sign in signs if any(line[2:].startswith(sign) for line in flag_lines)]
     if command:
         why.append("the running command differs from the desired one: " + ", ".join(command))
-    if any(not any(line[2:].startswith(sign) for sign in ("interpreter ", "--model-path ", "--host "))
-           for line in flag_lines):
+    if any(not any(line[2:].startswith(sign) for _, sign in signs) for line in flag_lines):
         why.append("the running flags differ from the desired flags")
     if changed_env:
         why.append("the server's environment differs")
@@ -137,6 +138,8 @@ def cache_verdict(observation: Mapping[str, Any], spec: Spec | None) -> CacheVer
         if running and running.get("pids"):
             return CacheVerdict("stop", "a weight cache runs for this server and none is wanted")
         return CacheVerdict("none", "no weight cache")
+    serving_engine = engine(spec.engine)
+    cache = serving_engine.container  # the key is the container's rule: computed there the same way
     want = cache.cache_key(list(spec.daemon_argv), spec.env, server.get("model_config_sha256"),
                            server.get("sglang_version"), server.get("torch_version"))
     if not running:
@@ -145,7 +148,7 @@ def cache_verdict(observation: Mapping[str, Any], spec: Spec | None) -> CacheVer
         return CacheVerdict("start", "the weight cache is not ready: " + "; ".join(running.get("problems") or ["?"]))
     have = running.get("key") or {}
     if have.get("id") != want["id"]:
-        shown = [dict(inputs or {}, argv=engine().redact_argv(list((inputs or {}).get("argv") or [])))
+        shown = [dict(inputs or {}, argv=serving_engine.redact_argv(list((inputs or {}).get("argv") or [])))
                  for inputs in (have.get("inputs"), want["inputs"])]  # a secret's change shows as ***
         changes = tuple(cache.key_changes(*shown))
         return CacheVerdict("start", "the weight cache's key changes (" + (
@@ -158,16 +161,17 @@ def for_container(spec: Spec | None, observation: Mapping[str, Any]) -> Spec | N
     PID 1 is systemd, else process)."""
     if spec is None or spec.supervisor != "auto":
         return spec
-    return dataclasses.replace(spec, supervisor=resolve_supervisor("auto", observation.get("container")))
+    return spec.with_supervisor(resolve_supervisor("auto", observation.get("container")))
 
 
 # ---------------------------------------------------------------- the parts
-def running_command(server: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The running main's command as SGLang reads it (model, host, port, flags, what it does not know)."""
+def running_command(server: Mapping[str, Any], engine_name: str | None = None) -> dict[str, Any] | None:
+    """The running main's command as its engine reads it (model, host, port, flags, what it does not
+    know); ``engine_name``: the desired server's (else the one observe names)."""
     main = server.get("main")
     if not server.get("running") or not main:
         return None
-    parsed = engine().parse_argv(main.get("argv") or [])
+    parsed = engine(engine_name or server.get("engine") or DEFAULT_ENGINE).read_running(main.get("argv") or [])
     return {"model_path": parsed.model_path, "host": parsed.host, "port": parsed.port, "flags": parsed.flags,
             "unknown": list(parsed.unknown), "python": (main.get("argv") or ["?"])[0]}
 
@@ -217,15 +221,12 @@ def interpreter_lines(running: str | None, desired: str | None) -> list[str]:
 def diff_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
     """What changes from the running command to the desired one, one line per argv change
     (secrets ``***``), model path, host and interpreter included."""
-    running = running_command(server)
+    running = running_command(server, spec.engine)
     if running is None:
         return [f"+ {arg}" for arg in spec.display_args()]
     lines: list[str] = interpreter_lines(running["python"], spec.python)
-    if running["model_path"] != spec.model_path:
-        lines += [f"- --model-path {running['model_path']}", f"+ --model-path {spec.model_path}"]
-    if (running["host"] or "127.0.0.1") != spec.host:
-        lines += [f"- --host {running['host'] or '127.0.0.1'}", f"+ --host {spec.host}"]
-    lines += flag_differences(running["flags"], spec.flags)
+    lines += command_lines(engine(spec.engine), running, spec.model_path, spec.host)
+    lines += flag_differences(running["flags"], spec.flags, spec.engine)
     have_extra = running["unknown"]
     if list(have_extra) != list(spec.extra_args):
         if have_extra:
@@ -235,7 +236,23 @@ def diff_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
     return lines
 
 
-def flag_differences(running: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
+def command_lines(serving: Engine, running: Mapping[str, Any], model_path: str | None, host: str | None) -> list[str]:
+    """The model and listen host changes, as the engine writes them on its command line.
+
+    >>> command_lines(engine("sglang"), {"model_path": "/a", "host": None}, "/b", "127.0.0.1")
+    ['- --model-path /a', '+ --model-path /b']
+    """
+    lines = []
+    if running["model_path"] != model_path:
+        lines += [f"- {serving.model_option} {running['model_path']}", f"+ {serving.model_option} {model_path}"]
+    if (running["host"] or "127.0.0.1") != (host or "127.0.0.1"):
+        lines += [f"- {serving.host_option} {running['host'] or '127.0.0.1'}",
+                  f"+ {serving.host_option} {host or '127.0.0.1'}"]
+    return lines
+
+
+def flag_differences(running: Mapping[str, Any], desired: Mapping[str, Any], engine_name: str = DEFAULT_ENGINE
+                     ) -> list[str]:
     """THE rendering of a flag difference, wherever one is shown (the plan and ``--dry``, the status,
     the history, the runbooks, the lines from the journal): one line per argv change, sorted by flag
     name, a sign, a space, then the flag as it is written: ``+ --flag value`` desired and not running,
@@ -249,22 +266,22 @@ def flag_differences(running: Mapping[str, Any], desired: Mapping[str, Any]) -> 
     >>> flag_differences({"tp-size": 4, "api-key": "***"}, {"tp-size": 4, "api-key": "sk-1"})
     []
     """
-    return engine().diff_flags(redact_flags(running), redact_flags(desired)).lines(redact=True)
+    return engine(engine_name).flag_lines(running, desired)
 
 
 def flag_items(server: Mapping[str, Any], spec: Spec) -> list[str]:
     """The differences of the running command from the desired one for the status: the lines of
     :func:`diff_lines` (one format everywhere: ``- --kv-cache-dtype auto``, ``+ --kv-cache-dtype
     fp8_e4m3``, ``+ --model-path /m``, ``+ interpreter /opt/venv/bin/python3``); none when nothing runs."""
-    if running_command(server) is None:
+    if running_command(server, spec.engine) is None:
         return []
     return diff_lines(server, spec)
 
 
-def _main_gpus(cmdline: str) -> tuple[int, ...] | None:
+def _gpus(read: Any, spec: Spec) -> tuple[int, ...] | None:
     try:
-        return gpu_set(engine().parse_argv(cmdline.split()).flags)
-    except (SpecError, ValueError):
+        return gpu_set(read.flags, engine_name=spec.engine)
+    except SpecError:
         return None
 
 
@@ -287,11 +304,15 @@ def replaced_servers(observation: Mapping[str, Any], spec: Spec, siblings: tuple
         # a server's main only, once per port: its workers carry its port too (they are its own)
         if not port or port == spec.port or port in seen_ports or stray.get("managed") is False:
             continue
-        if "gpus" not in stray and "sglang.launch_server" not in (stray.get("cmdline") or ""):
+        read = None
+        if "gpus" not in stray:  # an observation without the GPUs: read them from the command line
+            read = engine(spec.engine).read_running((stray.get("cmdline") or "").split())
+            if read.model_path is None:  # no server main (a worker: its main is the server that owns it)
+                continue
+        elif not stray.get("main"):
             continue
         seen_ports.add(port)
-        gpus = (tuple(stray["gpus"]) if stray.get("gpus") is not None
-                else None if "gpus" in stray else _main_gpus(stray.get("cmdline") or ""))
+        gpus = tuple(stray["gpus"]) if stray.get("gpus") is not None else None if read is None else _gpus(read, spec)
         if wanted is None or gpus is None or wanted & set(gpus):
             out.append({"port": port, "pid": stray.get("pid"), "cmdline": stray.get("cmdline") or "", "gpus": gpus})
     return out

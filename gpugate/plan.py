@@ -21,8 +21,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gpugate.engine import get as engine
-from gpugate.match import cache_verdict, compare, flag_differences, interpreter_lines, running_command
+from gpugate.engine import DEFAULT_ENGINE, get as engine
+from gpugate.match import cache_verdict, command_lines, compare, flag_differences, interpreter_lines, running_command
 from gpugate.rules import gate as rules_gate
 from gpugate.rules.redact import argv_hash, env_hash
 from gpugate.spec import Spec, option_items
@@ -163,16 +163,16 @@ def rollback_choice(server: Mapping[str, Any], k: int = 1) -> tuple[dict[str, An
 
 def record_lines(server: Mapping[str, Any], record: Mapping[str, Any]) -> list[str]:
     """The diff from what runs to a recorded spec (redacted on both sides)."""
-    running = running_command(server)
-    target = engine().parse_argv(list(record.get("argv") or []))
+    name = record.get("engine") or server.get("engine") or DEFAULT_ENGINE
+    recorded = engine(name)
+    running = running_command(server, name)
+    argv = list(record.get("argv") or [])
+    target = recorded.read_running(argv)
     if running is None:
-        return [f"+ {arg}" for arg in _pairs(list(record.get("argv") or [])[3:])]
-    lines = interpreter_lines(running["python"], (list(record.get("argv") or []) or [None])[0])
-    if running["model_path"] != target.model_path:
-        lines += [f"- --model-path {running['model_path']}", f"+ --model-path {target.model_path}"]
-    if (running["host"] or "127.0.0.1") != (target.host or "127.0.0.1"):
-        lines += [f"- --host {running['host'] or '127.0.0.1'}", f"+ --host {target.host or '127.0.0.1'}"]
-    lines += flag_differences(running["flags"], target.flags)
+        return [f"+ {arg}" for arg in option_items(argv[target.args_start:])]
+    lines = interpreter_lines(running["python"], (argv or [None])[0])
+    lines += command_lines(recorded, running, target.model_path, target.host)
+    lines += flag_differences(running["flags"], target.flags, name)
     have = server.get("env_hashes") or {}
     wanted = record.get("env_hashes") or {}
     for name in sorted(set(have) | set(wanted)):
@@ -187,8 +187,6 @@ def record_lines(server: Mapping[str, Any], record: Mapping[str, Any]) -> list[s
     return lines
 
 
-def _pairs(args: list[str]) -> list[str]:
-    return option_items(args)
 
 
 # ---------------------------------------------------------------- port change
@@ -271,7 +269,7 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
     # The port
     for holder in container.get("port_holders") or []:
         cmdline = holder.get("cmdline") or ""
-        if holder.get("server") or "sglang.launch_server" in cmdline or cmdline.startswith("sglang::"):
+        if holder.get("server") or holder.get("server_part"):
             continue
         problems.append(f"port {spec.port} is taken by pid {holder.get('pid')} ({cmdline[:80]}), which is not "
                         f"the server being replaced")
@@ -284,16 +282,11 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
         problems.append(f"the model path {spec.model_path} is a {server['model_path_kind']}, not a directory: give "
                         f"the model's directory (or a hub id)")
     # The SGLang version
+    serving = engine(spec.engine)
     have = server.get("sglang_version")
     if spec.sglang_version and have and have != spec.sglang_version:
-        problems.append(f"the container has SGLang {have}; sglang_version pins {spec.sglang_version}")
-    # Host memory for the hierarchical cache (--hicache-size is GB per TP rank)
-    hicache = spec.flags.get("hicache-size")
-    limit = container.get("memory_limit_bytes")
-    ranks = len(gpus) if gpus is not None else 1
-    if hicache and limit and float(hicache) * 1e9 * ranks > 0.9 * limit:
-        problems.append(f"--hicache-size {hicache} GB x {ranks} ranks = {float(hicache) * ranks:.0f} GB of host memory; "
-                        f"the container has {limit / 1e9:.0f} GB (limit at 90%)")
+        problems.append(f"the container has {serving.label} {have}; sglang_version pins {spec.sglang_version}")
+    problems += serving.preflight(observation, spec.launch)  # what is the engine's own to see
     for warning in spec.warnings:
         notes.append(warning)
     history_problem = (server.get("history") or {}).get("problem")
@@ -314,9 +307,10 @@ def steps_for(action: str, spec: Spec | None, max_used_mib: int, budgets: Mappin
         return ()
     stop = f"stop (SIGTERM drain <= {budgets.get('drain_timeout_s', 60):g} s, SIGKILL of the tree, sweep)"
     steps = ["hand off to the container's agent (one command)"]
+    serving = engine(spec.engine if spec else DEFAULT_ENGINE)
     gated = bool(spec and spec.gated_launch and action != "stop")
     if gated:
-        steps.append("start the new engine gated (--gated-launch-port) while the old one serves: its imports "
+        steps.append(f"start the new engine gated ({serving.gated_option}) while the old one serves: its imports "
                      "and dist init before the stop, a crash there stops nothing")
     if replacing:
         steps.append(f"stop :{', :'.join(str(p) for p in replacing)} first")
@@ -335,9 +329,9 @@ def steps_for(action: str, spec: Spec | None, max_used_mib: int, budgets: Mappin
     steps.append("prepare (/dev/shm, port, env file)")
     if cache == "start":
         steps.append("start the weight-cache daemons, wait for every GPU's .ready")
-    steps += ["activate the gated engine (POST /gate/activate)" if gated else
+    steps += [f"activate the gated engine ({serving.gate_activate})" if gated else
               "start (" + ("systemd unit" if spec and spec.supervisor == "systemd" else "own session, pid file, log") + ")",
-              "healthy + a generation", "verify argv and /get_server_info", "commit to the history",
+              "healthy + a generation", f"verify argv and {serving.info_endpoint}", "commit to the history",
               "on any failure from the stop on: roll back to the last good spec"]
     return tuple(steps)
 
@@ -535,7 +529,8 @@ class Narrator:
     ['gate passed in 0.19 s: GPU MiB 0 0, no holder']
     """
 
-    def __init__(self) -> None:
+    def __init__(self, engine_name: str = DEFAULT_ENGINE) -> None:
+        self.engine = engine(engine_name)  # whose endpoints and options the lines name
         self.last_progress: dict[str, float] = {}
         self.timings: dict[str, float] = {}
         self.began: float | None = None
@@ -650,7 +645,8 @@ class Narrator:
             return f"gate did NOT pass in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}; " + "; ".join(event.get("problems") or [])
         if step == "start" and phase == "end":
             if event.get("gated"):
-                return f"started pid {event.get('pid')}: the gated engine activated (POST /gate/activate), it loads now"
+                return (f"started pid {event.get('pid')}: the gated engine activated ({self.engine.gate_activate}), "
+                        f"it loads now")
             return f"started pid {event.get('pid')}"
         if step == "cache" and phase == "end" and event.get("mode") != "none":
             return {"keep": "weight cache kept: ", "start": "weight cache (re)starts: "}.get(
@@ -699,7 +695,7 @@ class Narrator:
                 self.capacity = dict(event["capacity"])
             if event.get("ok"):
                 what = self.desired_what if event.get("target") in (None, "desired") else "the recorded spec"
-                return f"verified: the running argv and /get_server_info match {what}"
+                return f"verified: the running argv and {self.engine.info_endpoint} match {what}"
             return "verify FAILED: " + "; ".join(event.get("problems") or [])
         if step == "failed":
             return f"the desired server failed: {event.get('reason')}"

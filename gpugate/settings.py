@@ -33,6 +33,8 @@ from typing import Any, Callable
 
 from pyinfra.api.exceptions import PyinfraError
 
+from gpugate.engine import DEFAULT_ENGINE
+
 __all__ = ["Setting", "SETTINGS", "SettingsError", "validated_settings", "resolved", "defaults",
            "server_keys", "data_keys", "SUPERVISORS", "to_bool"]
 
@@ -169,6 +171,22 @@ def to_optional_bool(value: Any) -> bool | None:
     (None, True)
     """
     return None if value is None else to_bool(value)
+
+
+def to_engine(value: Any) -> str:
+    """An installed engine's name (gpugate.engine: entry point group ``gpugate.engines``).
+
+    >>> to_engine("sglang")
+    'sglang'
+    """
+    from gpugate.engine import names  # noqa: PLC0415 -- the registry is read when an engine is named
+
+    text = str(value).strip().lower() if isinstance(value, str) else value
+    installed = names()
+    if text not in installed:
+        raise ValueError(f"{describe(value)} is not an installed engine (engines: {', '.join(installed)})"
+                         + suggest(str(value), installed))
+    return str(text)
 
 
 def to_supervisor(value: Any) -> str:
@@ -330,6 +348,8 @@ def _rows(*rows: Setting) -> dict[str, Setting]:
 
 SETTINGS: dict[str, Setting] = _rows(
     # --- the server (fleet.yaml's sglang: section) ---
+    Setting("engine", to_engine, DEFAULT_ENGINE, "the inference engine that runs this server (gpugate.engine: an "
+            "installed engine's name)", "server", "engine"),
     Setting("sglang_model_path", to_model_path, None,
             "the model path or Hugging Face repo id (required when present)", "server", "model_path"),
     Setting("sglang_port", to_port, 30000, "the server's port (SGLang's own default)", "server", "port"),
@@ -345,7 +365,7 @@ SETTINGS: dict[str, Setting] = _rows(
             "auto: systemd where the container's PID 1 is systemd, else process; or name one", "server",
             "supervisor"),
     Setting("sglang_python", to_python, "/usr/bin/python3",
-            "the interpreter in the container that runs `-m sglang.launch_server`", "server", "python"),
+            "the interpreter in the container that runs the server (its engine's module)", "server", "python"),
     Setting("sglang_version", to_version, None,
             "the SGLang release the container must have (its flag table); quoted", "server", "sglang_version"),
     Setting("sglang_extra_args", to_extra_args, [], "argv items passed through as written, unchecked",
@@ -354,8 +374,8 @@ SETTINGS: dict[str, Setting] = _rows(
             "true: SGLang's weight-cache daemons hold the weights across restarts (docs/weight-cache.md)",
             "server", "weight_cache"),
     Setting("sglang_gated_launch", to_optional_bool, None,
-            "start the new engine before the stop, gated until the GPUs are free (default: where SGLang "
-            "has --gated-launch-port and the supervisor is process)", "server", "gated_launch"),
+            "start the new engine before the stop, gated until the GPUs are free (default: where the "
+            "engine's release has a gated launch and the supervisor is process)", "server", "gated_launch"),
     Setting("sglang_servers", to_servers, [],
             "several servers in one container: fleet.yaml's sglang: as a list, each on its own port", "fleet"),
     # --- the gateway in front of the server (fleet.yaml routers:, docs/transition.md "Routed") ---

@@ -22,17 +22,16 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpugate.engine import get as engine
-from gpugate.rules import gpus as rules_gpus
-from gpugate.rules.redact import SECRET_MASK
+from gpugate.engine import DEFAULT_ENGINE, FlagError, Launch, ServerInputs, get as engine
 from gpugate.settings import SETTINGS, SUPERVISORS, resolved
 
 __all__ = ["BUDGET_KEYS", "Desired", "Routing", "routing_of", "desired_state", "desired_states", "Spec", "SpecError",
-           "build_spec", "gpu_set", "redact_flags", "budgets"]
+           "build_spec", "gpu_set", "budgets"]
 
 # The budgets the agent enforces (docs/agent-protocol.md, "start") -> the setting that gives each.
 BUDGET_SETTINGS = {"drain_timeout_s": "drain_timeout_s", "kill_grace_s": "kill_grace_s",
@@ -45,8 +44,6 @@ def _default(key: str) -> Any:
     return SETTINGS[key].default
 
 
-
-
 def resolve_supervisor(requested: str, container: Mapping[str, Any] | None) -> str:
     """``auto`` -> ``systemd`` where the container's PID 1 is systemd (the agent's observe reports
     ``container.pid1``), else ``process``; ``process``/``systemd`` as asked.
@@ -57,6 +54,8 @@ def resolve_supervisor(requested: str, container: Mapping[str, Any] | None) -> s
     if requested != "auto":
         return requested
     return "systemd" if (container or {}).get("pid1") == "systemd" else "process"
+
+
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -64,57 +63,21 @@ class SpecError(ValueError):
     """The desired server is not valid; raised before anything is touched, with what to fix."""
 
 
-def redact_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
-    """Flags with the values of secret flags (``--api-key``...) replaced by ``***``, and the whole
-    value of a JSON-valued flag whose document has a key naming a secret (``{"hf_token": ...}``).
-
-    >>> redact_flags({"tp-size": 8, "api-key": "sk-1", "model-loader-extra-config": '{"hf_token":"hf_1"}'})
-    {'tp-size': 8, 'api-key': '***', 'model-loader-extra-config': '***'}
-    """
-    return {name: SECRET_MASK if value not in (None, False) and engine().is_secret_value(name, value) else value
-            for name, value in flags.items()}
-
-
-def _int_flag(flags: Mapping[str, Any], name: str, default: int) -> int:
-    value = flags.get(name, default)
-    if isinstance(value, bool) or value is None:
-        return default
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise SpecError(f"--{name} must be an integer, got {value!r}") from None
-
-
-def gpu_set(flags: Mapping[str, Any], env: Mapping[str, Any] | None = None) -> tuple[int, ...]:
-    """The GPUs (indexes as the container numbers them) a server with these flags and this
-    environment uses, as SGLang assigns them: ``tp x pp x dp`` ranks (dp only without
-    ``--enable-dp-attention``: with it the DP ranks share the TP GPUs), divided over ``--nnodes``,
-    from ``--base-gpu-id`` every ``--gpu-id-step``, then mapped through ``CUDA_VISIBLE_DEVICES``.
-    The one rule the agent uses too (gpugate.rules.gpus.gpu_set). ``flags`` in any
-    spelling ``validate_flags`` accepts. Raises SpecError when the set cannot be told (a
-    ``CUDA_VISIBLE_DEVICES`` too short for the ranks, or of UUIDs).
+def gpu_set(flags: Mapping[str, Any], env: Mapping[str, Any] | None = None, extra_args: Sequence[str] = (),
+            engine_name: str = DEFAULT_ENGINE) -> tuple[int, ...]:
+    """The GPUs (indexes as the container numbers them) a server with these flags, this
+    environment and these extra_args uses, by the engine's own rule (its launch). Raises SpecError
+    when the set cannot be told (a ``CUDA_VISIBLE_DEVICES`` too short for the ranks, or of UUIDs).
 
     >>> gpu_set({"tp": 8})
     (0, 1, 2, 3, 4, 5, 6, 7)
-    >>> gpu_set({"tp": 4, "base-gpu-id": 4})
-    (4, 5, 6, 7)
-    >>> gpu_set({"tp": 2, "dp": 2}), gpu_set({"tp": 2, "dp": 2, "enable-dp-attention": True})
-    ((0, 1, 2, 3), (0, 1))
-    >>> gpu_set({"tp": 2, "gpu-id-step": 2}, {"CUDA_VISIBLE_DEVICES": "3,4,5,6"})
-    (3, 5)
+    >>> gpu_set({"tp": 4, "base-gpu-id": 4}), gpu_set({"tp": 2}, extra_args=["--tp", "4"])
+    ((4, 5, 6, 7), (0, 1, 2, 3))
     """
-    try:
-        normal = engine().validate_flags(flags or {})
-    except engine().FlagError as error:
-        raise SpecError(str(error)) from None
-    try:
-        return tuple(rules_gpus.gpu_set(
-            tp=_int_flag(normal, "tp-size", 1), pp=_int_flag(normal, "pp-size", 1),
-            dp=_int_flag(normal, "dp-size", 1), dp_attention=bool(normal.get("enable-dp-attention")),
-            nnodes=_int_flag(normal, "nnodes", 1), base_gpu_id=_int_flag(normal, "base-gpu-id", 0),
-            gpu_id_step=_int_flag(normal, "gpu-id-step", 1), visible=(env or {}).get("CUDA_VISIBLE_DEVICES")))
-    except rules_gpus.GpuSetError as error:
-        raise SpecError(str(error)) from None
+    spec = build_spec("/gpu-set", 30000, flags, env, extra_args=extra_args, engine_name=engine_name)
+    if spec.gpus is None:
+        raise SpecError("; ".join(spec.warnings) or "the GPU set cannot be told")
+    return spec.gpus
 
 
 def budgets(values: Mapping[str, Any] | None = None) -> dict[str, float]:
@@ -128,7 +91,7 @@ def budgets(values: Mapping[str, Any] | None = None) -> dict[str, float]:
             for key, setting in BUDGET_SETTINGS.items()}
 
 
-def option_items(args: list[str]) -> list[str]:
+def option_items(args: Sequence[str]) -> list[str]:
     """Arguments grouped one option (with its values) per item.
 
     >>> option_items(["--tp-size", "8", "--disable-radix-cache", "--x", "a", "b"])
@@ -142,27 +105,38 @@ def option_items(args: list[str]) -> list[str]:
             out[-1] += " " + token
     return out
 
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """One desired server, validated (build it with :func:`build_spec`). ``argv`` is the exact
-    command, rendered once; ``gpus`` the GPUs it will use (None: cannot be told before the
-    container is asked, e.g. ``CUDA_VISIBLE_DEVICES`` of UUIDs: the gate then waits for every GPU)."""
+    """One desired server, validated (build it with :func:`build_spec`): the operator's
+    engine-neutral ``inputs`` and the engine's ``launch`` made of them (the argv rendered once, the
+    GPUs it will use: None when they cannot be told before the container is asked, e.g.
+    ``CUDA_VISIBLE_DEVICES`` of UUIDs: the gate then waits for every GPU)."""
 
-    model_path: str
-    port: int
-    flags: Mapping[str, Any]        # normalised (canonical names, typed values)
-    env: Mapping[str, str]
-    host: str = SETTINGS["sglang_host"].default
-    supervisor: str = SETTINGS["sglang_supervisor"].default
-    python: str = SETTINGS["sglang_python"].default
-    extra_args: tuple[str, ...] = ()
-    sglang_version: str | None = None
-    argv: tuple[str, ...] = ()
-    gpus: tuple[int, ...] | None = None
-    warnings: tuple[str, ...] = ()
-    weight_cache: bool = False            # SGLang's weight-cache daemons hold the weights (docs/weight-cache.md)
-    daemon_argv: tuple[str, ...] = ()     # their command, when weight_cache
-    gated_launch: bool = False            # the new engine starts before the stop, gated
+    inputs: ServerInputs
+    launch: Launch
+
+    # what the rest of gpugate reads, by the names it always had
+    engine = property(lambda self: self.inputs.engine)
+    model_path = property(lambda self: self.inputs.model_path)
+    port = property(lambda self: self.inputs.port)
+    env = property(lambda self: self.inputs.env)
+    host = property(lambda self: self.inputs.host)
+    supervisor = property(lambda self: self.inputs.supervisor)
+    python = property(lambda self: self.inputs.python)
+    extra_args = property(lambda self: self.inputs.extra_args)
+    sglang_version = property(lambda self: self.inputs.version)  # the pinned release (setting sglang_version)
+    weight_cache = property(lambda self: self.inputs.weight_cache)  # the weights held across engine restarts
+    flags = property(lambda self: self.launch.flags)  # normalised (canonical names, typed values)
+    argv = property(lambda self: self.launch.argv)
+    gpus = property(lambda self: self.launch.gpus)
+    warnings = property(lambda self: self.launch.warnings)
+    daemon_argv = property(lambda self: self.launch.daemon_argv)  # the weight cache's daemons
+    gated_launch = property(lambda self: self.launch.gated)  # the new engine starts before the stop, gated
+
+    def with_supervisor(self, supervisor: str) -> Spec:
+        """The same server under another supervisor (``auto`` resolved for a container)."""
+        return dataclasses.replace(self, inputs=dataclasses.replace(self.inputs, supervisor=supervisor))
 
     def record(self, by: str | None = None) -> dict[str, Any]:
         """What may be shown and stored anywhere: secret flags ``***``, env as names only (the
@@ -171,28 +145,26 @@ class Spec:
         >>> build_spec("/m", 30000, {"api-key": "sk-123456"}).record()["argv"][-2:]
         ['--api-key', '***']
         """
-        record = {"model_path": self.model_path, "port": self.port, "host": self.host,
-                  "flags": redact_flags(self.flags), "env_names": sorted(self.env),
-                  "supervisor": self.supervisor, "python": self.python, "argv": engine().redact_argv(list(self.argv)),
-                  "gpus": list(self.gpus) if self.gpus is not None else None}
+        launch = self.launch
+        record: dict[str, Any] = {"model_path": self.model_path, "port": self.port, "host": self.host,
+                                  "flags": dict(launch.shown_flags), "env_names": sorted(self.env),
+                                  "supervisor": self.supervisor, "python": self.python, "argv": list(launch.shown_argv),
+                                  "gpus": list(self.gpus) if self.gpus is not None else None}
+        if self.engine != DEFAULT_ENGINE:
+            record["engine"] = self.engine
         if self.extra_args:
-            record["extra_args"] = engine().redact_argv(list(self.extra_args))
+            record["extra_args"] = engine(self.engine).redact_argv(list(self.extra_args))
         if self.sglang_version:
             record["sglang_version"] = self.sglang_version
         if self.weight_cache:
-            record["weight_cache"] = {"argv": engine().redact_argv(list(self.daemon_argv))}
+            record["weight_cache"] = {"argv": engine(self.engine).redact_argv(list(self.daemon_argv))}
         if by:
             record["by"] = by
         return record
 
     def expect_info(self) -> dict[str, Any]:
-        """The /get_server_info keys and values this server must report (checked at verify)."""
-        # secret values are never expected by value (the failure message would show them); a
-        # JSON-text flag is expected as the exact text SGLang keeps (server_info_view)
-        secret = {name.replace("-", "_") for name, value in self.flags.items() if engine().is_secret_value(name, value)}
-        info = {key: value for key, value in engine().server_info_view(self.flags).items() if key not in secret}
-        info["host"] = self.host
-        return info
+        """The info document's keys and values this server must report (checked at verify)."""
+        return dict(self.launch.expect_info)
 
     def secret_flags(self) -> list[str]:
         """Option strings whose values the agent must mask beyond its own list (--api-key,
@@ -202,7 +174,7 @@ class Spec:
         >>> build_spec("/m", 30000, {"model-loader-extra-config": {"hf_token": "hf_1"}}).secret_flags()
         ['--model-loader-extra-config']
         """
-        return engine().secret_flag_options(self.flags)
+        return list(self.launch.secret_options)
 
     def doc(self, unit_text: str | None = None, by: str | None = None) -> dict[str, Any]:
         """The SpecDoc the agent runs (docs/agent-protocol.md): it holds the env values and the
@@ -213,6 +185,8 @@ class Spec:
                                "expect_info": self.expect_info()}
         if self.secret_flags():
             doc["secret_flags"] = self.secret_flags()
+        if self.engine != DEFAULT_ENGINE:
+            doc["engine"] = self.engine
         if self.weight_cache:
             doc["weight_cache"] = {"argv": list(self.daemon_argv)}
         if self.gated_launch:
@@ -222,36 +196,9 @@ class Spec:
         return doc
 
     def display_args(self) -> list[str]:
-        """The server's arguments after ``-m sglang.launch_server``, one option (with its values)
-        per item, secrets ``***``: the lines of a first start's plan."""
-        return option_items(engine().redact_argv(list(self.argv))[3:])
-
-
-# the flags the GPU set is made of (gpu_set)
-GPU_SET_FLAGS = ("tp-size", "pp-size", "dp-size", "enable-dp-attention", "nnodes", "base-gpu-id", "gpu-id-step")
-SEPARATE_FIELD_TEXT = {"model-path": "set the model as sglang.model_path", "port": "set the port as sglang.port",
-                       "host": "set the host as sglang.host"}
-
-
-def extra_flags(extras: Sequence[str]) -> dict[str, Any]:
-    """What SGLang would read from extra_args (they are passed verbatim, after the flags: argparse
-    takes the last of a flag given twice); {} when it cannot tell.
-
-    >>> extra_flags(["--tp", "8", "--some-new-flag", "1"]), extra_flags(["--port=31000"])
-    ({'tp-size': 8}, {'port': True})
-    """
-    found: dict[str, Any] = {}
-    for token in extras:
-        name = token[2:].split("=", 1)[0] if token.startswith("--") else ""
-        if name in ("model-path", "model", "port", "host"):
-            found["model-path" if name == "model" else name] = True
-    try:
-        parsed = engine().parse_argv(["python3", "-m", "sglang.launch_server", *extras]) if extras else None
-    except ValueError:
-        parsed = None
-    if parsed is not None:
-        found.update((name, value) for name, value in parsed.flags.items() if name in GPU_SET_FLAGS)
-    return found
+        """The server's own arguments (after the interpreter and the engine's entry point), one
+        option (with its values) per item, secrets ``***``: the lines of a first start's plan."""
+        return option_items(self.launch.shown_argv[self.launch.args_start:])
 
 
 def _one_line(what: str, text: str) -> None:
@@ -263,14 +210,13 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
                env: Mapping[str, Any] | None = None, *, host: str | None = None, supervisor: str | None = None,
                python: str | None = None, extra_args: Sequence[str] | None = None,
                sglang_version: str | None = None, table: Any = None, weight_cache: bool = False,
-               gated_launch: bool | None = None) -> Spec:
-    """Validate the desired server completely (no host needed) and render its argv once; raise
-    SpecError naming the problem. ``table``: a per-version flag table (gpugate.engine.sglang.flags,
-    H3) to validate against instead of the built-in one. ``extra_args``: argv elements passed
-    verbatim after the flags, unchecked (a warning says so). ``weight_cache``: the engine maps its
-    weights from SGLang's weight-cache daemons (``--weight-cache-mode client``; their command is
-    ``daemon_argv``). ``gated_launch``: None (the default) where the release has
-    ``--gated-launch-port`` and the supervisor is a process.
+               gated_launch: bool | None = None, engine_name: str = DEFAULT_ENGINE) -> Spec:
+    """Validate the desired server completely (no host needed) and have the engine make its
+    launch, once; raise SpecError naming the problem. What is no engine's business (port, model
+    path, host, supervisor, interpreter, env, extra_args as text) is checked here; the flags, the
+    GPU set, the weight cache and the gated launch by the engine (gpugate.engine.Engine.launch).
+    ``table``: the engine's flag table of the release that will run (None: its default).
+    ``extra_args``: argv elements passed verbatim after the flags, unchecked (a warning says so).
 
     >>> build_spec("/m", 30000, {"tp": 2}).argv[-2:]
     ('--tp-size', '2')
@@ -308,97 +254,32 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
         _one_line("an extra_args element", item)
     if sglang_version is not None and (not isinstance(sglang_version, str) or not sglang_version.strip()):
         raise SpecError(f"sglang_version must be a version string, got {sglang_version!r}")
+    inputs = ServerInputs(engine=engine_name, model_path=model_path, port=port, flags=dict(flags or {}), env=clean_env,
+                          host=host, supervisor=supervisor, python=python, extra_args=extras, version=sglang_version,
+                          weight_cache=bool(weight_cache), gated_launch=gated_launch)
     try:
-        # a per-version table (H3's, when given) goes through; the built-in one otherwise
-        normal = engine().validate_flags(flags or {}, table)
-        normal = _with_weight_cache(normal, weight_cache, extra_args or (), table)
-        for name, value in normal.items():
-            # argv carries any byte but NUL; a line break would still end a line of the systemd unit
-            for text in (value if isinstance(value, (list, tuple)) else [value]):
-                if isinstance(text, str) and any(c in text for c in "\0\n\r"):
-                    raise engine().FlagError(name, "value must be one line (no newline, carriage return or NUL)")
-        # the header only (model path, host, port: checked there); the flags are rendered from
-        # the values validated above, so each flag is validated once
-        header = engine().render_argv(model_path, port, {}, host)
-    except engine().FlagError as error:
+        return Spec(inputs=inputs, launch=engine(engine_name).launch(inputs, table))
+    except FlagError as error:
         raise SpecError(str(error)) from None
-    argv = (python, *header, *engine().render_flag_args(normal), *extras)
-    warnings: list[str] = []
-    if extras:
-        warnings.append("extra_args passed verbatim, unchecked: " + " ".join(engine().redact_argv(list(extras))))
-    # the GPUs the server takes count what extra_args say too (`--tp 8` there is still tp 8 for the
-    # gate and the claims); the fields gpugate owns may not hide there
-    from_extras = extra_flags(extras)
-    hidden = sorted(set(from_extras) & {"model-path", "port", "host"})
-    if hidden:
-        raise SpecError(f"extra_args sets --{hidden[0]}: {SEPARATE_FIELD_TEXT[hidden[0]]}")
+
+
+def for_version(spec: Spec, table: Any) -> Spec:
+    """The same server made against another flag table (the release the container has): its
+    launch again, from the same inputs; SpecError for what that release refuses."""
+    known = _FOR_VERSION.get((id(spec), id(table)))
+    if known is not None and known[0] is spec and known[1] is table:
+        return known[2]  # pyinfra runs an operation's body twice without -y: the same launch, once
     try:
-        gpus: tuple[int, ...] | None = gpu_set(
-            {**normal, **{k: v for k, v in from_extras.items() if k in GPU_SET_FLAGS}}, clean_env)
-    except SpecError as error:
-        if "UUID" not in str(error):
-            raise
-        gpus = None
-        warnings.append(f"{error}; the gate waits for every GPU")
-    gated = _gated_launch(gated_launch, supervisor, table, normal)
-    daemon = tuple(engine().weight_cache_argv(python, model_path, normal, table)) if weight_cache else ()
-    return Spec(model_path=model_path, port=port, flags=dict(normal), env=clean_env, host=host,
-                supervisor=supervisor, python=python, extra_args=extras, sglang_version=sglang_version,
-                argv=argv, gpus=gpus, warnings=tuple(warnings), weight_cache=bool(weight_cache),
-                daemon_argv=daemon, gated_launch=gated)
+        made = dataclasses.replace(spec, launch=engine(spec.engine).launch(spec.inputs, table))
+    except FlagError as error:
+        raise SpecError(str(error)) from None
+    _FOR_VERSION[(id(spec), id(table))] = (spec, table, made)  # the objects kept: their ids stay theirs
+    while len(_FOR_VERSION) > 4096:
+        _FOR_VERSION.pop(next(iter(_FOR_VERSION)))
+    return made
 
 
-# SGLang's IPC allowlist (weight_cache/protocol.py IPC_QUANT_ALLOWLIST): unquantized, or block-wise
-# FP8; any other method is a hard error of the daemon and the engine
-WEIGHT_CACHE_QUANTIZATION = (None, "fp8")
-
-
-def _with_weight_cache(normal: dict[str, Any], wanted: bool, extras: Sequence[str], table: Any) -> dict[str, Any]:
-    """The flags with ``--weight-cache-mode client`` where the weight cache is wanted; FlagError for
-    what would make SGLang refuse it, or make the daemons hold other weights than the engine maps."""
-    from gpugate.engine.sglang.weight_cache import WEIGHT_FLAGS
-
-    if "weight-cache-mode" in normal:
-        raise engine().FlagError("weight-cache-mode", "gpugate sets it: write weight_cache: true (or false) instead")
-    if not wanted:
-        return normal
-    if normal.get("quantization") not in WEIGHT_CACHE_QUANTIZATION:
-        raise engine().FlagError("quantization", f"{normal['quantization']!r} cannot use the weight cache (SGLang shares "
-                                 f"only unquantized or block-wise fp8 weights over CUDA IPC): set weight_cache: false")
-    try:
-        parsed = engine().parse_argv(["python3", "-m", "sglang.launch_server", *extras]) if extras else None
-    except ValueError:
-        parsed = None
-    shaping = sorted(set(parsed.flags) & set(WEIGHT_FLAGS)) if parsed is not None else []
-    if shaping:
-        raise engine().FlagError(shaping[0], "shapes the weights: with weight_cache: true give it in flags, not "
-                                 "extra_args (the daemons must get it too)")
-    if not engine().supports("weight-cache-mode", table):
-        raise engine().FlagError("weight-cache-mode", "this SGLang has no weight cache (0.5.23 and later): set "
-                                 "weight_cache: false")
-    return {**normal, "weight-cache-mode": "client"}
-
-
-def _gated_launch(wanted: bool | None, supervisor: str, table: Any, flags: Mapping[str, Any] | None = None) -> bool:
-    """Whether the engine is started gated (None: where it can be). Never where the new engine's
-    own ports are the old one's: with DP attention on one node SGLang derives its ZMQ ports from
-    --port (server_args.py PortArgs, ``port + 233``), and an explicit --nccl-port is fixed, so the
-    new engine would wait for the old one's ports and fail."""
-    has = engine().supports("gated-launch-port", table)
-    flags = flags or {}
-    clash = ("--enable-dp-attention" if flags.get("enable-dp-attention") and not flags.get("dist-init-addr")
-             else "--nccl-port" if flags.get("nccl-port") else None)
-    if wanted is None:
-        return has and supervisor != "systemd" and clash is None
-    if wanted and clash:
-        raise SpecError(f"gated_launch: not with {clash} (the new engine would need the old one's ports while it "
-                        f"drains): set gated_launch: false")
-    if wanted and not has:
-        raise SpecError("gated_launch: this SGLang has no --gated-launch-port (0.5.23 and later): set gated_launch: false")
-    if wanted and supervisor == "systemd":
-        raise SpecError("gated_launch: not with the systemd supervisor (the unit's command is fixed): use supervisor: "
-                        "process, or gated_launch: false")
-    return bool(wanted)
+_FOR_VERSION: dict[tuple[int, int], tuple[Spec, Any, Spec]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,6 +304,8 @@ class Routing:
     min_serving: int = 1
     register: bool = False
     join_timeout_s: float = 120.0
+    # the engine's (Engine.ready_paths): derived from the server's engine, not part of what the routing is
+    ready_paths: tuple[str, ...] = dataclasses.field(default=("/health",), compare=False)
 
 
 def routing_of(values: Mapping[str, Any]) -> Routing | None:
@@ -439,7 +322,8 @@ def routing_of(values: Mapping[str, Any]) -> Routing | None:
     return Routing(router=name, endpoint=values["router_endpoint"], worker_url=values["sglang_router_url"],
                    kind=values.get("router_kind") or "smg", api_key_env=values.get("router_api_key_env"),
                    min_serving=int(values.get("min_serving", 1)), register=bool(values.get("router_register")),
-                   join_timeout_s=float(values.get("router_join_timeout_s") or 120.0))
+                   join_timeout_s=float(values.get("router_join_timeout_s") or 120.0),
+                   ready_paths=tuple(engine(values.get("engine") or DEFAULT_ENGINE).ready_paths))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,6 +337,7 @@ class Desired:
     python: str
     spec: Spec | None
     budgets: Mapping[str, float]
+    engine: str = DEFAULT_ENGINE     # the engine's name (gpugate.engine.get)
     problem: str | None = None
     flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # as written: re-checked per version
     sglang_version: str | None = None
@@ -477,6 +362,8 @@ class Desired:
         a desired server the env names whose value hashes it reports, its model path, GPUs and host.
         The deploy and the status ask the same, so they see the same."""
         args: dict[str, Any] = {"port": self.port}
+        if self.engine != DEFAULT_ENGINE:
+            args["engine"] = self.engine
         if self.spec is not None:
             args.update(env_names=sorted(self.spec.env), model_path=self.spec.model_path,
                         gpus=list(self.spec.gpus) if self.spec.gpus is not None else None, host=self.spec.host)
@@ -510,6 +397,22 @@ def desired_states(data: Any) -> list[Desired]:
     ([30000, 30001], [30001])
     """
     values = resolved(data)
+    key = json.dumps(values, sort_keys=True, default=repr)
+    known = _DESIRED.get(key)
+    if known is None:
+        known = _DESIRED[key] = _desired_states(values)
+        while len(_DESIRED) > 4096:  # a fleet's containers, once each per run
+            _DESIRED.pop(next(iter(_DESIRED)))
+    return list(known)
+
+
+# resolved host data (as JSON) -> its Desired list: deploy.py, the claims of the whole inventory and
+# the status ask for the same containers' desired states within one run; each is built (and its
+# flags validated) once
+_DESIRED: dict[str, tuple[Desired, ...]] = {}
+
+
+def _desired_states(values: Mapping[str, Any]) -> tuple[Desired, ...]:
     servers = values["sglang_servers"]
     if not servers:
         desired = [_desired(values)]
@@ -518,7 +421,7 @@ def desired_states(data: Any) -> list[Desired]:
         desired = [dataclasses.replace(_desired({**values, **server}), siblings=tuple(p for p in ports if p != port))
                    for server, port in zip(servers, ports)]
     only = values["only_port"]  # --data only_port=30001: one server of a container that has several
-    return [d for d in desired if only is None or d.port == int(only)]
+    return tuple(d for d in desired if only is None or d.port == int(only))
 
 
 def _desired(values: Mapping[str, Any]) -> Desired:
@@ -537,10 +440,10 @@ def _desired(values: Mapping[str, Any]) -> Desired:
                               host=values["sglang_host"], supervisor=values["sglang_supervisor"],
                               python=values["sglang_python"], extra_args=values["sglang_extra_args"],
                               sglang_version=values["sglang_version"], weight_cache=bool(values["sglang_weight_cache"]),
-                              gated_launch=values["sglang_gated_launch"])
+                              gated_launch=values["sglang_gated_launch"], engine_name=values["engine"])
         except SpecError as error:
             problem = str(error)
-    return Desired(port=port, present=present, python=values["sglang_python"], spec=spec,
+    return Desired(port=port, present=present, python=values["sglang_python"], spec=spec, engine=values["engine"],
                    budgets=budgets({key: values[setting] for key, setting in BUDGET_SETTINGS.items()}),
                    problem=problem, flags=dict(values["sglang_flags"] or {}),
                    sglang_version=values["sglang_version"], min_free_mib=int(values["min_free_mib"]),

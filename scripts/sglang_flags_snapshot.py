@@ -4,7 +4,7 @@
     python3 scripts/sglang_flags_snapshot.py 0.5.23 [--torch SPEC] [--out gpugate/engine/sglang/flagtables]
 
 1. ``pip download sglang==VERSION --no-deps``: the real wheel.
-2. Unpack it into a temporary target and run gpugate/remote/flag_table.py there (the builder that
+2. Unpack it into a temporary target and run gpugate/engine/sglang/table_builder.py there (the builder that
    runs in containers): it imports ``sglang.srt.server_args`` and calls SGLang's own
    ``ServerArgs.add_cli_args(argparse.ArgumentParser())``.
 3. Only what that import needs is installed into a second temporary target, one module at a time:
@@ -52,7 +52,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILDER = ROOT / "gpugate" / "remote" / "flag_table.py"
+BUILDER = ROOT / "gpugate" / "engine" / "sglang" / "table_builder.py"
 OUT_DIR = ROOT / "gpugate" / "engine" / "sglang" / "flagtables"
 STUBBED = ("torchvision",)
 # import name -> distribution name, where they differ

@@ -10,9 +10,9 @@ import os
 import signal
 import time
 
+from gpugate.agent.engine import engine
 from gpugate.agent import history, journal, state
 from gpugate.agent.transition import Transition
-from gpugate.engine.sglang import processes as sglang
 from gpugate.rules import procfs
 
 
@@ -23,13 +23,13 @@ def validate_spec(spec, what):
     argv = spec.get("argv")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
         return "%s: argv must be a non-empty list of strings" % what
-    if not sglang.is_main_argv(argv):
-        return "%s: argv is not an SGLang server (python -m sglang.launch_server / sglang serve)" % what
+    if not engine.is_main_argv(argv):
+        return "%s: argv is not %s" % (what, engine.MAIN_TEXT)
     port = spec.get("port")
     if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
         return "%s: port must be an integer 1..65535" % what
-    if sglang.argv_port(argv) != port:
-        return "%s: the argv's --port %s differs from port %d" % (what, sglang.argv_port(argv), port)
+    if engine.argv_port(argv) != port:
+        return "%s: the argv's --port %s differs from port %d" % (what, engine.argv_port(argv), port)
     env = spec.get("env") or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         return "%s: env must map names to strings" % what
@@ -143,7 +143,7 @@ def resolve_history_desired(doc):
     desired = doc.get("desired") if isinstance(doc, dict) else None
     if not (isinstance(desired, dict) and "history" in desired and "argv" not in desired):
         return doc, None
-    port = int(desired.get("port") or doc.get("port") or sglang.DEFAULT_PORT)
+    port = int(desired.get("port") or doc.get("port") or engine.DEFAULT_PORT)
     want = desired["history"]
     for index, entry in enumerate(history.load_history(port).get("good") or []):
         if want == index or (want and want in (entry.get("key"), (entry.get("record") or {}).get("key"))):
@@ -262,7 +262,7 @@ def agent_main(doc, answer_fd):
     except OSError:
         pass
     desired = doc.get("desired")
-    ports = sorted(set(s["port"] for s in (desired, doc.get("replaces")) if s) or [int(doc.get("port") or sglang.DEFAULT_PORT)])
+    ports = sorted(set(s["port"] for s in (desired, doc.get("replaces")) if s) or [int(doc.get("port") or engine.DEFAULT_PORT)])
     transition = Transition(doc, run_journal, recovered)
     rollback = doc.get("rollback_to")
     if isinstance(rollback, dict) and rollback.get("argv"):

@@ -12,16 +12,32 @@ import signal
 import sys
 
 from gpugate.agent import state
+from gpugate.agent.engine import engine
 from gpugate.rules import procfs, redact
 
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
+    from typing import Dict, Pattern, Tuple
+
 LOG_MAX_BYTES = 64 * 1024 * 1024
 LOG_KEEP = 3
+LOG_TAIL_SCAN = 4 * 1024 * 1024  # at most this much of a log is read backwards for a tail
 # gpugate's own polls (the agent's load/verify/observe GETs from the container itself), as the server's
 # access log (uvicorn) writes them: a never-healthy start's tail was 30 of 30 "GET /health ... 503".
-_OWN_POLL = re.compile(r'(?:127\.0\.0\.1|::1|\[::1\]|localhost):\d+ - "GET (?:/health|/health_generate|'
-                       r'/get_server_info|/server_info|/v1/models)(?:\?[^ "]*)? HTTP/[0-9.]+" \d{3}')
-LOG_TAIL_SCAN = 4 * 1024 * 1024  # at most this much of a log is read backwards for a tail
+_OWN_POLLS = {}  # type: Dict[Tuple[str, ...], Pattern[str]]  # the engine's paths -> their pattern
+
+
+def own_poll():
+    """The pattern of an access-log line of one of our polls of the engine in use (its health,
+    generation and info paths, and the OpenAI-compatible /v1/models)."""
+    paths = tuple(p for p in (engine.HEALTH_PATH, engine.GENERATE_PATH) + tuple(engine.INFO_PATHS) + ("/v1/models",) if p)
+    pattern = _OWN_POLLS.get(paths)
+    if pattern is None:
+        pattern = _OWN_POLLS[paths] = re.compile(
+            r'(?:127\.0\.0\.1|::1|\[::1\]|localhost):\d+ - "GET (?:%s)(?:\?[^ "]*)? HTTP/[0-9.]+" \d{3}'
+            % "|".join(re.escape(path) for path in paths))
+    return pattern
 
 
 def without_own_polls(lines):
@@ -32,7 +48,8 @@ def without_own_polls(lines):
     ...                    'INFO:     10.0.0.7:5000 - "GET /health HTTP/1.1" 200'])
     ['ValueError: x', 'INFO:     10.0.0.7:5000 - "GET /health HTTP/1.1" 200']
     """
-    return [line for line in lines if not _OWN_POLL.search(line)]
+    pattern = own_poll()
+    return [line for line in lines if not pattern.search(line)]
 
 
 def log_tail(path, lines=40, offset=0):

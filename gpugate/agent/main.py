@@ -106,6 +106,13 @@ def main(argv, stdin_doc=None):
         args = {}
         if len(argv) > 1 and argv[1] != procfs.PROBE_MARKER:
             args = json.loads(decode_args(argv[1]))
+        # the engine the document names (none: the default), for every command's recognition of
+        # its processes and endpoints
+        from gpugate.agent import engine
+
+        if command == "start" and stdin_doc is None:
+            stdin_doc = json.loads(sys.stdin.read() or "null")
+        engine.use(((stdin_doc if command == "start" else args) or {}).get("engine"))
         # each command imports only what it runs: observe, the converged re-run's only command,
         # never loads the transition's modules
         if command == "observe":
@@ -115,8 +122,6 @@ def main(argv, stdin_doc=None):
         elif command == "start":
             from gpugate.agent.commands import command_start
 
-            if stdin_doc is None:
-                stdin_doc = json.loads(sys.stdin.read() or "null")
             result = command_start(stdin_doc)
         elif command == "install":
             from gpugate.agent.commands import command_install

@@ -8,10 +8,8 @@ from __future__ import annotations
 import os
 import time
 
+from gpugate.agent.engine import engine
 from gpugate.agent import history, journal, logs, server, state, weight_cache
-from gpugate.engine.sglang import installed
-from gpugate.engine.sglang import processes as sglang
-from gpugate.engine.sglang import weight_cache as cache
 from gpugate.rules import gate, procfs, redact
 from gpugate.rules.procfs import read_file
 
@@ -37,8 +35,8 @@ def owner_port(table, pid):
     """
     for ancestor in procfs.ancestors(table, pid):
         proc = table.get(ancestor)
-        if ancestor != pid and proc and proc["state"] not in ("Z", "X") and sglang.is_main_argv(proc["argv"]):
-            return sglang.argv_port(proc["argv"])
+        if ancestor != pid and proc and proc["state"] not in ("Z", "X") and engine.is_main_argv(proc["argv"]):
+            return engine.argv_port(proc["argv"])
     return None
 
 
@@ -61,7 +59,7 @@ def gpu_holders(gpu_doc, skip_pids, redactor, cache_pids=None):
         stat = procfs.read_stat(holder["pid"])
         out.append({"pid": holder["pid"], "start_ticks": stat[4] if stat else None, "cmdline": redactor.text(" ".join(redact.redact_argv(argv)) or holder.get("cmdline", ""))[:300],
                     "state": holder.get("state"), "gpus": gpus, "used_mib": holder.get("used_mib"),
-                    "memory": memory, "server_part": sglang.is_server_part(argv), "client": sglang.is_client_argv(argv),
+                    "memory": memory, "server_part": engine.is_server_part(argv), "client": engine.is_client_argv(argv),
                     "weight_cache": cache_pids.get(holder["pid"])})
     return out
 
@@ -69,7 +67,7 @@ def gpu_holders(gpu_doc, skip_pids, redactor, cache_pids=None):
 def observe(args):
     """Everything the controller plans from, in one read-only pass (docs/agent-protocol.md)."""
     began = time.time()
-    port = int(args.get("port") or sglang.DEFAULT_PORT)
+    port = int(args.get("port") or engine.DEFAULT_PORT)
     files = state.paths(port)
     table = procfs.table()
     own = server.own_pids(table)
@@ -96,28 +94,28 @@ def observe(args):
     for proc in sorted(table.values(), key=lambda p: p["pid"]):
         if proc["pid"] in tree_set or proc["pid"] in own:
             continue
-        if sglang.is_server_part(proc["argv"]):
+        if engine.is_server_part(proc["argv"]):
             entry = server.summary(proc, redactor)
-            entry["port"] = sglang.argv_port(proc["argv"]) if sglang.is_main_argv(proc["argv"]) else owner_port(
+            entry["port"] = engine.argv_port(proc["argv"]) if engine.is_main_argv(proc["argv"]) else owner_port(
                 table, proc["pid"])
-            if entry["port"] is not None and sglang.is_main_argv(proc["argv"]):
+            if entry["port"] is not None and engine.is_main_argv(proc["argv"]):
                 entry["main"] = True
                 # another port's server: its GPUs read here, from its whole argv and environment (the
                 # cmdline above is cut at 300 characters), and whether gpugate runs it (a port change
                 # may replace only a server of gpugate's own)
-                entry["gpus"] = sglang.server_gpus(proc["argv"], procfs.read_environ(proc["pid"]),
+                entry["gpus"] = engine.server_gpus(proc["argv"], procfs.read_environ(proc["pid"]),
                                                    gpu_uuids(gpu_doc))
                 entry["managed"] = any(os.path.exists(state.paths(entry["port"])[name]) for name in ("history", "pid"))
             report["strays"].append(entry)
-        elif sglang.is_client_argv(proc["argv"]):
+        elif engine.is_client_argv(proc["argv"]):
             report["clients"].append(server.summary(proc, redactor))
     inodes = server.listeners(port)
     report["listening"] = bool(inodes)
     report["listener_pids"] = server.socket_owners(inodes)
-    host = sglang.argv_host(main["argv"]) if main else args.get("host") or "127.0.0.1"
+    host = engine.argv_host(main["argv"]) if main else args.get("host") or "127.0.0.1"
     if main:
         uptime = float((read_file("/proc/uptime") or "0").split()[0])
-        steady = cache.steady_argv(main["argv"])  # a gated launch's --gated-launch-port is not what runs
+        steady = engine.steady_argv(main["argv"])  # a gated launch's --gated-launch-port is not what runs
         report["main"] = {"pid": main["pid"], "pgid": main["pgid"], "state": main["state"],
                           "start_ticks": main["start_ticks"], "argv": redactor.deep(redact.redact_argv(steady, secret_flags)),
                           "argv_hash": redact.argv_hash(steady),
@@ -127,14 +125,14 @@ def observe(args):
         names.update(name for entry in past.get("good") or [] for name in (entry.get("record") or {}).get("env_names") or [])
         report["env_hashes"] = dict((name, redact.env_hash(environ[name]) if environ and name in environ else None)
                                     for name in sorted(names))
-        gpus = sglang.server_gpus(main["argv"], environ, gpu_uuids(gpu_doc))
+        gpus = engine.server_gpus(main["argv"], environ, gpu_uuids(gpu_doc))
         report["gpus"] = gpus
         report["workers"] = server.workers_of(table, tree, len(gpus) if gpus is not None else None)
     if inodes:
         main_argv = main["argv"] if main else []
-        report["health"] = server.health(host, port, generate=bool(args.get("generate")), token=sglang.argv_token(main_argv))
+        report["health"] = server.health(host, port, generate=bool(args.get("generate")), token=engine.argv_token(main_argv))
         if report["health"]["health"] == 200:
-            info = server.server_info(host, port, keys=args.get("info_keys") or sglang.INFO_KEYS, token=sglang.argv_token(main_argv, True))
+            info = server.server_info(host, port, keys=args.get("info_keys") or engine.INFO_KEYS, token=engine.argv_token(main_argv, True))
             report["server_info"] = redactor.deep(info)
     else:
         report["health"] = {"health": None, "health_error": "port %d not listening" % port,
@@ -143,7 +141,7 @@ def observe(args):
     report["serving"] = bool(main and procfs.alive(main["pid"]) and (report["health"] or {}).get("health") == 200
                              and workers.get("expected") is not None and workers.get("dead") == 0
                              and not workers.get("zombies"))
-    report["shm_stale"] = sorted(name for name in state.listdir("/dev/shm") if name.startswith(sglang.SHM_PREFIXES))
+    report["shm_stale"] = sorted(name for name in state.listdir("/dev/shm") if name.startswith(engine.SHM_PREFIXES))
     model_path = args.get("model_path")
     report["model_path_exists"] = os.path.exists(model_path) if model_path and model_path.startswith("/") else None
     report["model_path_kind"] = path_kind(model_path) if model_path and model_path.startswith("/") else None
@@ -153,9 +151,10 @@ def observe(args):
     report["lock"] = lock
     report["transition"] = redactor.deep(journal.transition_summary(lock=lock))
     report["history"] = history.public_history(past, port)
-    report["sglang_version"] = installed.sglang_version()
+    report["engine"] = engine.ENGINE_NAME
+    report["sglang_version"] = engine.engine_version()  # the engine's release, under the key observe always had
     try:
-        report["flag_table"] = installed.flag_table_key()
+        report["flag_table"] = engine.flag_table_key()
     except Exception as error:  # noqa: BLE001 - a field, never a traceback
         report["flag_table"] = {"error": "%s: %s" % (type(error).__name__, error)}
     report["pid_file"] = state.read_pid_file(port)
@@ -163,8 +162,8 @@ def observe(args):
     if main is None:
         report["gpus"] = args.get("gpus")
     report["weight_cache"] = weight_cache.view(port, table, gpu_doc)
-    report["torch_version"] = installed.torch_version()
-    report["model_config_sha256"] = cache.model_config_sha256(model_path)
+    report["torch_version"] = engine.torch_version()
+    report["model_config_sha256"] = engine.model_config_sha256(model_path)
     cache_pids = weight_cache.daemon_ports(table)  # every server's daemons: a port change replaces its own
     skip = tree_set | own
     container = {"free_mib": {state.LOG_DIR: state.free_mib(state.LOG_DIR if os.path.isdir(state.LOG_DIR) else "/var/log"),
@@ -172,7 +171,9 @@ def observe(args):
                  "unwritable": state.unwritable_state_dirs(),
                  "pid1": server.pid1_comm(), "memory_limit_bytes": server.memory_limit_bytes(),
                  "port_holders": [{"pid": pid, "cmdline": redactor.text(" ".join(redact.redact_argv(table.get(pid, {}).get("argv") or [])))[:300],
-                                   "server": pid in tree_set} for pid in report["listener_pids"]],
+                                   "server": pid in tree_set,
+                                   "server_part": engine.is_server_part(table.get(pid, {}).get("argv"))}
+                                  for pid in report["listener_pids"]],
                  "gpu_holders": gpu_holders(gpu_doc, skip, redactor, cache_pids)}
     report["elapsed_ms"] = round((time.time() - began) * 1000, 1)
     return {"sglang": report, "gpu": gpu_doc, "container": container,

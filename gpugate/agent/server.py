@@ -1,6 +1,6 @@
 """The server on a port as the container sees it: its main process and tree, its workers, who
 listens on the port (netlink sock_diag, else /proc/net/tcp*), and its HTTP endpoints (/health,
-/health_generate, /get_server_info) over a raw socket (no urllib import: every ms of observe counts).
+a generation, the info document: the engine's paths) over a raw socket (no urllib import: every ms of observe counts).
 """
 
 from __future__ import annotations
@@ -10,10 +10,21 @@ import os
 import re
 import time
 
+from gpugate.agent.engine import engine
 from gpugate.agent import state
-from gpugate.engine.sglang import processes as sglang
 from gpugate.rules import procfs, redact
 from gpugate.rules.procfs import read_file
+
+
+def connect_host(host: str | None) -> str:
+    """Where to reach a server bound to ``host`` from inside the container.
+
+    >>> connect_host("0.0.0.0"), connect_host("[::1]")
+    ('127.0.0.1', '::1')
+    """
+    if not host or host in ("0.0.0.0", "::", "[::]", "*"):
+        return "127.0.0.1"
+    return host.strip("[]")
 
 
 def listeners(port):
@@ -132,7 +143,7 @@ def http_get(host, port, path, timeout=3.0, token=None, method="GET"):
     POST sends an empty body (gated launch's ``POST /gate/activate``)."""
     deadline = time.time() + timeout
     try:
-        conn = _connect(sglang.connect_host(host), int(port), timeout)
+        conn = _connect(connect_host(host), int(port), timeout)
     except OSError as error:
         return None, "%s: %s" % (type(error).__name__, error)
     try:
@@ -166,21 +177,27 @@ def http_get(host, port, path, timeout=3.0, token=None, method="GET"):
     return int(parts[1]), body.decode("utf-8", "replace")
 
 
+def generation(host, port, timeout=30.0, token=None):
+    """A real generation through the engine's GET that proves one (``GENERATE_PATH``): (status,
+    error); an engine without one: its health."""
+    return http_get(host, port, engine.GENERATE_PATH or engine.HEALTH_PATH, timeout, token)
+
+
 def health(host, port, generate=False, timeout=3.0, generate_timeout=30.0, token=None):
-    status, error = http_get(host, port, "/health", timeout, token)
+    status, error = http_get(host, port, engine.HEALTH_PATH, timeout, token)
     doc = {"health": status, "health_error": error if status is None else None,
            "health_generate": None, "health_generate_error": None}
     if generate and status == 200:
-        code, error = http_get(host, port, "/health_generate", generate_timeout, token)
+        code, error = generation(host, port, generate_timeout, token)
         doc["health_generate"] = code
         doc["health_generate_error"] = error if code is None else None
     return doc
 
 
 def server_info(host, port, timeout=3.0, keys=None, token=None):
-    """/get_server_info (newer: /server_info): the resolved args, or an error (``status`` 401/403:
-    the admin key is needed and we do not have it)."""
-    for path in ("/get_server_info", "/server_info"):
+    """The engine's info document (the first of its ``INFO_PATHS`` that answers): the resolved
+    args, or an error (``status`` 401/403: the admin key is needed and we do not have it)."""
+    for path in engine.INFO_PATHS:
         status, body = http_get(host, port, path, timeout, token)
         if status in (401, 403):
             return {"path": path, "error": "unauthorized (%d)" % status, "status": status, "args": None}
@@ -208,7 +225,7 @@ def find_server(table, port, own=None):
     own = own if own is not None else own_pids(table)
     recorded = state.read_pid_file(port)
     candidates = [p for p in table.values() if p["pid"] not in own and p["state"] not in ("Z", "X")
-                  and sglang.is_main_argv(p["argv"]) and sglang.argv_port(p["argv"]) == int(port)]
+                  and engine.is_main_argv(p["argv"]) and engine.argv_port(p["argv"]) == int(port)]
     main = None
     if recorded:
         for proc in candidates:
@@ -230,7 +247,7 @@ def summary(proc, redactor):
 def workers_of(table, tree, expected):
     """The scheduler workers (one per rank) of a server's ``tree``: alive, dead against
     ``expected`` (the ranks its GPUs say), zombies."""
-    schedulers = [table[pid] for pid in tree if pid in table and sglang.is_scheduler_argv(table[pid]["argv"])]
+    schedulers = [table[pid] for pid in tree if pid in table and engine.is_scheduler_argv(table[pid]["argv"])]
     live = [p for p in schedulers if p["state"] not in ("Z", "X")]
     return {"expected": expected, "alive": len(live), "dead": max(0, (expected or 0) - len(live)),
             "zombies": [p["pid"] for p in schedulers if p["state"] in ("Z", "X")]}

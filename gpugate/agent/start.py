@@ -11,9 +11,8 @@ import json
 import os
 import time
 
+from gpugate.agent.engine import engine
 from gpugate.agent import logs, observe, server, state, supervise, weight_cache
-from gpugate.engine.sglang import processes as sglang
-from gpugate.engine.sglang import weight_cache as cache
 from gpugate.rules import gate as rules_gate
 from gpugate.rules import procfs, redact
 
@@ -254,10 +253,10 @@ class StartSteps:
         for its gate first), and it blocks there (before any sizable GPU allocation, its CUDA
         contexts only) until ``_activate_gated``. A launch that fails here costs only the overlap:
         the start is then an ordinary one."""
-        host = sglang.argv_host(spec["argv"])
+        host = engine.argv_host(spec["argv"])
         try:
             gate_port = free_port(host)
-            pid, offset, record = self._start_process(dict(spec, argv=cache.gated_argv(spec["argv"], gate_port)),
+            pid, offset, record = self._start_process(dict(spec, argv=engine.gated_argv(spec["argv"], gate_port)),
                                                       target, write_pid=False)
         except (state.Failure, OSError) as error:
             self.warnings.append("gated launch not used: %s" % error)
@@ -401,10 +400,10 @@ class StartSteps:
         return pid
 
     def _wait_ready(self, spec, pid, target, log_offset):
-        """loading (port closed) -> starting (/health 503) -> ready (/health 200 and a real
-        generation through /health_generate). Fails when the main process exits, or at the
+        """loading (port closed) -> starting (health 503) -> ready (health 200 and a real
+        generation through the engine's GENERATE_PATH). Fails when the main process exits, or at the
         start timeout."""
-        port, host = spec["port"], sglang.argv_host(spec["argv"])
+        port, host = spec["port"], engine.argv_host(spec["argv"])
         began = time.time()
         timeout = self.budgets["start_timeout_s"]
         if target == "rollback" and self.budgets.get("rollback_start_timeout_s"):
@@ -419,7 +418,7 @@ class StartSteps:
             if not procfs.alive(pid, ticks):
                 raise self._crashed(spec, pid, target, log_offset, began, "during " + phase)
             if server.listeners(port):
-                status, _ = server.http_get(host, port, "/health", 5.0, sglang.argv_token(spec["argv"]))
+                status, _ = server.http_get(host, port, engine.HEALTH_PATH, 5.0, engine.argv_token(spec["argv"]))
                 phase = "starting" if status != 200 else "generating"
                 if status == 200:
                     # the generation may block up to its timeout: say so first, so that this silence
@@ -428,8 +427,8 @@ class StartSteps:
                         quiet_at = time.time()
                         self.event("load", "progress", target=target, port=port, state="generating",
                                    elapsed_s=round(time.time() - began, 1), quiet_s=self.budgets["generate_timeout_s"])
-                    generated, error = server.http_get(host, port, "/health_generate", self.budgets["generate_timeout_s"],
-                                                sglang.argv_token(spec["argv"]))
+                    generated, error = server.generation(host, port, self.budgets["generate_timeout_s"],
+                                                        engine.argv_token(spec["argv"]))
                     if generated == 200:
                         self.event("load", "end", target=target, port=port, state="ready",
                                    elapsed_s=round(time.time() - began, 2))
@@ -484,33 +483,33 @@ class StartSteps:
     def _verify(self, spec, pid, target):
         self.event("verify", "begin", target=target, port=spec["port"])
         problems = []
-        argv = cache.steady_argv(procfs.read_argv(pid))
+        argv = engine.steady_argv(procfs.read_argv(pid))
         if argv != spec["argv"]:
             problems.append("the running argv differs from the desired argv")
         table = procfs.table()
         tree = [pid] + procfs.descendants(table, pid)
         gpus = spec.get("gpus")
         if gpus is None:
-            gpus = sglang.server_gpus(spec["argv"], spec.get("env"))
+            gpus = engine.server_gpus(spec["argv"], spec.get("env"))
         workers = server.workers_of(table, tree, len(gpus) if gpus is not None else None)
         if workers["expected"] is not None and (workers["alive"] < workers["expected"] or workers["zombies"]):
             problems.append("%d of %d scheduler workers alive" % (workers["alive"], workers["expected"]))
-        info = server.server_info(sglang.argv_host(spec["argv"]), spec["port"], timeout=10.0, token=sglang.argv_token(spec["argv"], True))
+        info = server.server_info(engine.argv_host(spec["argv"]), spec["port"], timeout=10.0, token=engine.argv_token(spec["argv"], True))
         args = info.get("args") or {}
         if info.get("status") in (401, 403):
-            self.warnings.append("verify: /get_server_info %s; the argv was verified from /proc" % info["error"])
+            self.warnings.append("verify: %s %s; the argv was verified from /proc" % (info.get("path"), info["error"]))
         elif info.get("error"):
             problems.append("server info: %s" % info["error"])
         else:
             expect = {"port": spec["port"]}
-            model = sglang.argv_model(spec["argv"])
+            model = engine.argv_model(spec["argv"])
             if model:
                 expect["model_path"] = model
             expect.update(spec.get("expect_info") or {})
             for key, value in sorted(expect.items()):
                 if key in args and args[key] != value:
                     problems.append("%s: the server reports %r, expected %r" % (key, args[key], value))
-        capacity = dict((key, args[key]) for key in sglang.CAPACITY_KEYS if key in args)
+        capacity = dict((key, args[key]) for key in engine.CAPACITY_KEYS if key in args)
         self.event("verify", "end", target=target, port=spec["port"], ok=not problems, problems=problems,
                    workers=workers, capacity=capacity)
         if problems:
@@ -522,7 +521,7 @@ def free_port(host):
     """A TCP port free on ``host`` now (the gated launch's control port)."""
     import socket
 
-    bind = "" if sglang.connect_host(host) == "127.0.0.1" and host != "127.0.0.1" else sglang.connect_host(host)
+    bind = "" if server.connect_host(host) == "127.0.0.1" and host != "127.0.0.1" else server.connect_host(host)
     with socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((bind, 0))
         return sock.getsockname()[1]

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from gpugate.engine.sglang.processes import CLEAN_PATH
+from gpugate.rules.procfs import CLEAN_PATH
 from gpugate.rules.procfs import read_file
 
 # What the bootstrap (gpugate.agentcmd) knows and the agent asks: its own sha256, the installed

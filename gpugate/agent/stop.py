@@ -10,8 +10,8 @@ import os
 import signal
 import time
 
+from gpugate.agent.engine import engine
 from gpugate.agent import observe, server, state
-from gpugate.engine.sglang import processes as sglang
 from gpugate.rules import procfs
 
 DRAIN_POLL_S = 0.02
@@ -120,8 +120,8 @@ class StopSteps:
         out = {}
         inodes = server.listeners(port)
         holders_on = {}
-        orphans = [p for p in table.values() if sglang.is_worker_argv(p["argv"]) and p["pid"] not in skip
-                   and not any(sglang.is_main_argv(table[a]["argv"]) for a in procfs.ancestors(table, p["pid"]) if a in table and a != p["pid"])]
+        orphans = [p for p in table.values() if engine.is_worker_argv(p["argv"]) and p["pid"] not in skip
+                   and not any(engine.is_main_argv(table[a]["argv"]) for a in procfs.ancestors(table, p["pid"]) if a in table and a != p["pid"])]
         if orphans and (gpus is None or gpus):  # a GPU reading only when an orphaned part might hold ours
             doc = observe.read_gpus(exclude=own)
             for holder in doc.get("holders") or []:
@@ -131,14 +131,14 @@ class StopSteps:
         else:
             on_devices = {}
         listening = set(server.socket_owners(inodes)) if inodes else set()
-        live_mains = dict((p["pid"], sglang.argv_port(p["argv"])) for p in table.values()
-                          if sglang.is_main_argv(p["argv"]) and p["state"] not in ("Z", "X") and p["pid"] not in skip)
+        live_mains = dict((p["pid"], engine.argv_port(p["argv"])) for p in table.values()
+                          if engine.is_main_argv(p["argv"]) and p["state"] not in ("Z", "X") and p["pid"] not in skip)
         for proc in table.values():
             pid = proc["pid"]
-            if pid in skip or pid in own or pid == 1 or proc["state"] in ("Z", "X") or not sglang.is_server_part(proc["argv"]):
+            if pid in skip or pid in own or pid == 1 or proc["state"] in ("Z", "X") or not engine.is_server_part(proc["argv"]):
                 continue
             why = None
-            if sglang.is_main_argv(proc["argv"]) and sglang.argv_port(proc["argv"]) == port:
+            if engine.is_main_argv(proc["argv"]) and engine.argv_port(proc["argv"]) == port:
                 why = "a server main configured for :%d" % port
             elif pid in listening:
                 why = "listens on :%d" % port
@@ -146,7 +146,7 @@ class StopSteps:
                 owner_ports = [live_mains[a] for a in procfs.ancestors(table, pid) if a in live_mains and a != pid]
                 if owner_ports and port in owner_ports:
                     why = "a part of the :%d server" % port
-                elif not owner_ports and not sglang.is_main_argv(proc["argv"]):
+                elif not owner_ports and not engine.is_main_argv(proc["argv"]):
                     mem = holders_on.get(pid, set())
                     dev = on_devices.get(pid, set())
                     if gpus is None and (mem or dev):

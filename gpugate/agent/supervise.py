@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 
+from gpugate.agent.engine import engine
 from gpugate.agent import state
-from gpugate.engine.sglang import processes as sglang
 from gpugate.rules.procfs import read_file
 
 
@@ -36,7 +36,7 @@ def unit_exit_code(port):
 def remove_stale_shm():
     """SGLang's /dev/shm segments that no live process maps or holds open (a SIGKILLed server
     leaves them; a live server of another port keeps its own)."""
-    names = [name for name in state.listdir("/dev/shm") if name.startswith(sglang.SHM_PREFIXES)]
+    names = [name for name in state.listdir("/dev/shm") if name.startswith(engine.SHM_PREFIXES)]
     if not names:
         return []
     in_use = set()

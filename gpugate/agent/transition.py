@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 
+from gpugate.agent.engine import engine
 from gpugate.agent import history, server, state, weight_cache
 from gpugate.agent.start import StartSteps
 from gpugate.agent.stop import StopSteps
 from gpugate.agent.weight_cache import CacheSteps
-from gpugate.engine.sglang import processes as sglang
-from gpugate.engine.sglang import weight_cache as cache
 from gpugate.rules import procfs, redact
 from gpugate.rules.procfs import read_file
 
@@ -50,7 +49,7 @@ class Transition(StopSteps, StartSteps, CacheSteps):
         self.recovered = recovered
         self.redactor = redact.Redactor(redact.spec_secrets(self.desired) + redact.spec_secrets(self.replaces)
                                  + (redact.spec_secrets(doc.get("rollback_to")) if isinstance(doc.get("rollback_to"), dict) else []))
-        self.port = (self.desired or {}).get("port") or int(doc.get("port") or sglang.DEFAULT_PORT)
+        self.port = (self.desired or {}).get("port") or int(doc.get("port") or engine.DEFAULT_PORT)
         self.children = {}  # pid -> Popen of servers we started (reaped by us while we live)
         self.touched = False
         self.warnings = []
@@ -190,7 +189,7 @@ class Transition(StopSteps, StartSteps, CacheSteps):
             return None
         if desired.get("supervisor") == "systemd" and server.pid1_comm() != "systemd":
             return "supervisor systemd, but PID 1 is %s, not systemd" % server.pid1_comm()
-        model = sglang.argv_model(desired["argv"])
+        model = engine.argv_model(desired["argv"])
         if model and model.startswith("/") and not os.path.exists(model):
             return "the model path %s does not exist" % model
         table = procfs.table()
@@ -200,7 +199,7 @@ class Transition(StopSteps, StartSteps, CacheSteps):
             for port in set([desired["port"]] + ([self.replaces["port"]] if self.replaces else [])):
                 main, tree = server.find_server(table, port)
                 replaced.update(tree)
-            others = [pid for pid in server.socket_owners(inodes) if pid not in replaced and not sglang.is_server_part(table.get(pid, {}).get("argv"))]
+            others = [pid for pid in server.socket_owners(inodes) if pid not in replaced and not engine.is_server_part(table.get(pid, {}).get("argv"))]
             if others:
                 return "port %d is taken by %s" % (desired["port"], ", ".join(
                     "%d (%s)" % (pid, self.redactor.text(" ".join(table.get(pid, {}).get("argv") or []))[:80]) for pid in others))
@@ -224,12 +223,12 @@ class Transition(StopSteps, StartSteps, CacheSteps):
                                for name in (entry.get("spec") or {}).get("env") or {})
         if any(name in environ for name in had - set(spec.get("env") or {})):
             return None
-        gpus = spec.get("gpus") if spec.get("gpus") is not None else sglang.server_gpus(spec["argv"], spec.get("env"))
+        gpus = spec.get("gpus") if spec.get("gpus") is not None else engine.server_gpus(spec["argv"], spec.get("env"))
         tree = [main["pid"]] + procfs.descendants(table, main["pid"])
         workers = server.workers_of(table, tree, len(gpus) if gpus is not None else None)
         if workers["zombies"] or (workers["alive"] and workers["dead"]):
             return None  # it loaded once and lost a worker: restart it, do not wait for it
-        if server.listeners(spec["port"]) and server.health(sglang.argv_host(spec["argv"]), spec["port"], token=sglang.argv_token(spec["argv"]))["health"] != 200:
+        if server.listeners(spec["port"]) and server.health(engine.argv_host(spec["argv"]), spec["port"], token=engine.argv_token(spec["argv"]))["health"] != 200:
             return None  # bound but not healthy: draining (a SIGTERM of an earlier run) or broken, not loading
         return main["pid"]
 
@@ -245,25 +244,25 @@ class Transition(StopSteps, StartSteps, CacheSteps):
         past = history.load_history(port)
         for entry in past.get("good") or []:
             spec = entry.get("spec") or {}
-            if spec.get("argv") == cache.steady_argv(main["argv"]) and all(environ.get(k) == v for k, v in (spec.get("env") or {}).items()):
+            if spec.get("argv") == engine.steady_argv(main["argv"]) and all(environ.get(k) == v for k, v in (spec.get("env") or {}).items()):
                 return dict(spec, _history=True)
         env = self._env_we_gave(port, main, environ)
         source = "captured from the running server"
         if env is None:
             # Not started by us (e.g. by hand over SSH): its environment is a login session's; keep
             # only what SGLang reads, so neither the record's secrets nor a rollback get USER, SSH_*...
-            env = sglang.adopted_env(environ, list((self.desired or {}).get("env") or ()), main["argv"])
+            env = engine.adopted_env(environ, list((self.desired or {}).get("env") or ()), main["argv"])
             source = "adopted: a server gpugate did not start"
         supervisor = server.supervisor_of(main["pid"], port)
-        spec = {"argv": cache.steady_argv(main["argv"]), "env": env, "port": port, "supervisor": supervisor,
-                "gpus": sglang.server_gpus(main["argv"], environ), "record": {"source": source}}
+        spec = {"argv": engine.steady_argv(main["argv"]), "env": env, "port": port, "supervisor": supervisor,
+                "gpus": engine.server_gpus(main["argv"], environ), "record": {"source": source}}
         if supervisor == "systemd":
             spec["unit_text"] = read_file(state.paths(port)["unit"]) or ""
         # A server that serves when we find it was good: keep it as such (it may be all there is to
         # roll back to, e.g. a server started by hand before gpugate).
         gpus = spec["gpus"]
         workers = server.workers_of(table, tree, len(gpus) if gpus is not None else None)
-        if server.health(sglang.argv_host(main["argv"]), port, token=sglang.argv_token(main["argv"]))["health"] == 200 and workers["dead"] == 0:
+        if server.health(engine.argv_host(main["argv"]), port, token=engine.argv_token(main["argv"]))["health"] == 200 and workers["dead"] == 0:
             spec["_serving"] = True
             self._add_good(spec, None, by="observed serving")
         return spec

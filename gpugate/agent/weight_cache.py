@@ -15,9 +15,8 @@ import json
 import os
 import time
 
+from gpugate.agent.engine import engine
 from gpugate.agent import logs, server, state, supervise
-from gpugate.engine.sglang import installed
-from gpugate.engine.sglang import weight_cache as cache
 from gpugate.rules import procfs, redact
 from gpugate.rules.procfs import read_file
 
@@ -94,16 +93,16 @@ def view(port, table, gpu_doc, record=None, probe=True):
         uuid = uuid_of(gpu_doc, index) or (record.get("uuids") or {}).get(str(index))
         ready = None
         if uuid:
-            ready = cache.parse_ready(read_file(cache.file_paths(uuid, record.get("env") or {})[1]))
+            ready = engine.parse_ready(read_file(engine.file_paths(uuid, record.get("env") or {})[1]))
         pid = (ready or {}).get("pid")
         entry = {"index": index, "uuid": uuid, "pid": pid, "ready": bool(ready and pid in live),
-                 "used_mib": used.get(index), "config": cache.config_summary((ready or {}).get("config"))}
+                 "used_mib": used.get(index), "config": engine.config_summary((ready or {}).get("config"))}
         why = None
         if launcher is not None and not entry["ready"]:
             why = "no .ready yet" if ready is None else "the .ready names pid %s, not a daemon of this server" % pid
         elif entry["ready"] and table.get(pid, {}).get("state") in STOPPED_STATES:
             why = "daemon pid %d is stopped (state %s)" % (pid, table[pid]["state"])
-        elif entry["ready"] and probe and not answers(cache.file_paths(uuid, record.get("env") or {})[0]):
+        elif entry["ready"] and probe and not answers(engine.file_paths(uuid, record.get("env") or {})[0]):
             why = "daemon pid %d does not answer on its socket within %gs" % (pid, PING_TIMEOUT_S)
         if why:
             entry["ready"] = False
@@ -147,25 +146,23 @@ def desired_key(spec):
     """The key of the cache ``spec`` (a SpecDoc with ``weight_cache``) wants, from what the
     container has now: its config.json, its SGLang and torch."""
     wanted = (spec or {}).get("weight_cache") or {}
-    return cache.cache_key(wanted.get("argv"), spec.get("env") or {},
-                           cache.model_config_sha256(procs_model(spec)), installed.sglang_version(),
-                           installed.torch_version())
+    return engine.cache_key(wanted.get("argv"), spec.get("env") or {},
+                           engine.model_config_sha256(procs_model(spec)), engine.engine_version(),
+                           engine.torch_version())
 
 
 def procs_model(spec):
-    from gpugate.engine.sglang import processes
-
-    return processes.argv_model((spec or {}).get("argv") or [])
+    return engine.argv_model((spec or {}).get("argv") or [])
 
 
 def is_daemon(pid):
     """A weight-cache daemon: a launcher, or a spawned child of one (SGLang's single-rank mode is
     the launcher's command itself)."""
     argv = procfs.read_argv(pid)
-    if cache.is_daemon_argv(argv):
+    if engine.is_daemon_argv(argv):
         return True
     stat = procfs.read_stat(pid)
-    return bool(stat) and "spawn_main" in " ".join(argv) and cache.is_daemon_argv(procfs.read_argv(stat[2]))
+    return bool(stat) and "spawn_main" in " ".join(argv) and engine.is_daemon_argv(procfs.read_argv(stat[2]))
 
 
 def stale_files(gpu_doc, gpus, env=None, keep=()):
@@ -178,8 +175,8 @@ def stale_files(gpu_doc, gpus, env=None, keep=()):
         uuid = uuid_of(gpu_doc, index)
         if not uuid:
             continue
-        sock, ready_path = cache.file_paths(uuid, env)
-        ready = cache.parse_ready(read_file(ready_path))
+        sock, ready_path = engine.file_paths(uuid, env)
+        ready = engine.parse_ready(read_file(ready_path))
         if ready and (ready["pid"] in keep or (procfs.alive(ready["pid"]) and is_daemon(ready["pid"]))):
             continue  # a live daemon's files: its own (another's daemon is a holder the gate sees)
         out += [path for path in (sock, ready_path) if os.path.lexists(path)]
@@ -206,7 +203,7 @@ class CacheSteps:
             return "start", "; ".join(info["problems"])
         if (record.get("key") or {}).get("id") != want["id"]:
             flags = tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())
-            changes = cache.key_changes(  # what the journal may say: the commands with their secrets masked
+            changes = engine.key_changes(  # what the journal may say: the commands with their secrets masked
                 dict((record.get("key") or {}).get("inputs") or {}, argv=record.get("argv_shown") or []),
                 dict(want["inputs"], argv=redact.redact_argv(want["inputs"]["argv"], flags)))
             return "start", "the key changes (%s)" % (", ".join(changes) or "a secret value of the daemons' command")
@@ -276,7 +273,7 @@ class CacheSteps:
                   "key": key, "argv_shown": shown, "supervisor": supervisor, "log": log_path, "run": self.run,
                   "started": state.now_iso(),
                   "env": dict((k, v) for k, v in (spec.get("env") or {}).items()
-                              if k in (cache.SOCKET_TEMPLATE_ENV, cache.READY_TEMPLATE_ENV))}
+                              if k in (engine.SOCKET_TEMPLATE_ENV, engine.READY_TEMPLATE_ENV))}
         try:
             state.makedirs(state.RUN_DIR, 0o755)
             state.write_private(state.paths(port)["cache"], json.dumps(record), 0o600)  # the key's argv: secrets

@@ -28,12 +28,10 @@ at connect in a run.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 from weakref import WeakKeyDictionary
 
@@ -57,7 +55,6 @@ from pyinfra.connectors.util import (
     make_unix_command_for_host,
 )
 
-from gpugate.claims import HANDOFF_S, LOCK_DIR, busy_message, gpu_ranges
 from gpugate.settings import SETTINGS
 
 if TYPE_CHECKING:
@@ -372,7 +369,7 @@ def parse_container_listing(lines: list[str]) -> ContainerStatuses | None:
     code, output = _parse_marked_output(lines, LIST_CHECK_MARKER)
     if code != 0:
         return None
-    rows = _strip_host_noise(output)
+    rows = strip_host_noise(output)
     if not rows:
         return {}
     header, *body = rows
@@ -412,21 +409,9 @@ def status_check_error(lines: list[str], pve_host: str, vmid: int, binary: str) 
     return f"pct error: `pct status {vmid}` on {pve_host} failed (exit {code}): {detail}"
 
 
-def _last_json(lines: list[str]) -> dict | None:
-    """The last stdout line that is a JSON object, or None."""
-    for line in reversed(lines):
-        text = line.strip()
-        if text.startswith("{"):
-            try:
-                value = json.loads(text)
-            except ValueError:
-                continue
-            return value if isinstance(value, dict) else None
-    return None
-
-
-def _strip_host_noise(lines: list[str]) -> list[str]:
-    # sudo warns about an unresolvable hostname on misconfigured hosts; that is not a failure.
+def strip_host_noise(lines: list[str]) -> list[str]:
+    """The host's output lines without blank ones and sudo's warning about an unresolvable host
+    name (misconfigured hosts print it on every sudo; it is no failure)."""
     return [line for line in lines if line.strip() and not line.startswith("sudo: unable to resolve")]
 
 
@@ -871,180 +856,73 @@ class PctConnector(BaseConnector):
 
     # The Proxmox host itself
 
-    def run_on_proxmox_host(self, command: StringCommand) -> tuple[bool, CommandOutput]:
+    def run_on_proxmox_host(
+        self,
+        command: StringCommand,
+        **arguments: Unpack["ConnectorArguments"],
+    ) -> tuple[bool, CommandOutput]:
         """
         Run ``command`` on the Proxmox host (not in the container), as pct runs there: with
-        ``sudo -n`` when pct needs it. For host-wide readings (every container's GPU processes).
+        ``sudo -n`` when pct needs it; ``_stdin``, ``_timeout`` and the other control arguments go
+        to the host connection. For host-wide readings (every container's GPU processes) and
+        host programs (gpugate.claims' GPU lock holder). A link to the Proxmox host that went away
+        during it is ``last_failure`` (``link-lost``), as for any command.
 
         .. code:: python
 
             ok, output = host.connector.run_on_proxmox_host(StringCommand(HostGpuProcesses().command()))
         """
         if self.use_sudo:
-            return self.pve.run_shell_command(command, _sudo=True)
-        return self.pve.run_shell_command(command)
-
-    # GPU locks on the Proxmox host (gpugate.claims)
-
-    def hold_gpu_locks(
-        self,
-        gpus: Sequence[int],
-        run: str,
-        python: str = "/usr/bin/python3",
-        grace_s: float = HANDOFF_S,
-        wait_s: float = 0,
-        lock_dir: str = LOCK_DIR,
-    ) -> tuple[bool, str]:
-        """
-        Take this transition's GPU locks on the Proxmox host (``/run/gpugate/gpu-<i>.lock``, one
-        exclusive flock per GPU, in index order) and hold them, in a detached process on the
-        host (gpugate/host_gpu_lock.py), until the container agent's ``wait`` for ``run``
-        returns (``pct exec <vmid> -- sh -c '<gpugate.agentcmd.wait_command(python, run,
-        grace_s)>'``: the run has ended, or it did not begin within ``grace_s``). Call it right
-        before the hand-off: ``(True, what)`` -> hand off; ``(False, why)`` -> refuse, nothing was
-        touched (``why`` names the container whose run holds a GPU, after waiting up to
-        ``wait_s`` for it to end). ``grace_s`` is the hand-off window: the holder lets go when no
-        run began by then, the container's agent refuses a hand-off that comes later, and a claim
-        met past its window whose run its container does not know is released at once (its
-        holder ended). ``self.gpu_claim`` keeps the last answer: ``owner`` (a busy claim's record),
-        ``began`` (whether its run exists in its container), ``until`` (this claim's window), ``released`` (stale claims ended on the way).
-
-        .. code:: python
-
-            ok, message = host.connector.hold_gpu_locks(spec_gpus, run_id, python="/usr/bin/python3")
-        """
-        gpu_list = sorted({int(gpu) for gpu in gpus})
-        if not gpu_list:
-            return True, "no GPU to claim"
-        args = self._gpu_lock_args(gpu_list, run, python, grace_s, wait_s, lock_dir)
-        status, output = self.pve.run_shell_command(self._gpu_lock_program(args), _timeout=int(max(30, wait_s + 30)))
-        answer = _last_json(output.stdout_lines)
-        if not status or answer is None:
-            self._keep_claim(answer)
-            return False, self._lock_failure(gpu_list, run, output)
-        return self._lock_answer(gpu_list, run, answer)
-
-    def hand_off_holding_gpu_locks(
-        self,
-        gpus: Sequence[int],
-        run: str,
-        command: str | StringCommand,
-        stdin: str,
-        python: str = "/usr/bin/python3",
-        grace_s: float = HANDOFF_S,
-        wait_s: float = 0,
-        lock_dir: str = LOCK_DIR,
-        timeout: float = 120,
-        **arguments: Unpack["ConnectorArguments"],
-    ) -> tuple[bool, str, tuple[bool, CommandOutput] | None]:
-        """
-        :meth:`hold_gpu_locks` and the hand-off in ONE round trip: the host's lock holder
-        (gpugate/host_gpu_lock.py), once it holds the locks, runs ``command`` in the container (as
-        :meth:`run_shell_command` would: pyinfra's wrapping inside, ``pct exec`` outside) with
-        ``stdin`` (the start document; the holder sets its ``claim_until`` to this claim's window).
-
-        -> ``(locked, message, started)``: ``locked`` and ``message`` as hold_gpu_locks answers them
-        (``self.gpu_claim`` likewise); ``started`` is the command's ``(status, output)``, with pct's
-        own failures made data exactly as run_shell_command makes them (``self.last_failure``, a
-        ``pct error: ...`` line), or None when the locks were not taken (nothing was run, nothing
-        touched). A link lost before any answer is ``(True, ..., (False, <the lost-link line>))``:
-        the hand-off may have begun.
-
-        .. code:: python
-
-            locked, message, started = host.connector.hand_off_holding_gpu_locks(
-                spec_gpus, run_id, agentcmd.start_command(python), agentcmd.start_stdin(doc, False))
-        """
-        gpu_list = sorted({int(gpu) for gpu in gpus})
-        if not gpu_list:
-            plain = {**arguments, "_stdin": stdin, "_timeout": int(timeout)}
-            return True, "no GPU to claim", self.run_shell_command(
-                command if isinstance(command, StringCommand) else StringCommand(command), **plain)  # type: ignore[arg-type]
-        # the host program's own exit status is 0 whatever the hand-off did: the codes apply to the hand-off
-        success_codes = list(extract_control_arguments(arguments).get("_success_exit_codes") or [0])
-        inner = make_unix_command_for_host(
-            self.state, self.host, command if isinstance(command, StringCommand) else StringCommand(command),
-            **arguments)
-        args = self._gpu_lock_args(gpu_list, run, python, grace_s, wait_s, lock_dir)
-        args["start"] = {"command": inner.get_raw_value()}
+            arguments["_sudo"] = True
         self.last_failure = None
         try:
-            status, output = self.pve.run_shell_command(
-                self._gpu_lock_program(args), _stdin=stdin, _timeout=int(max(30, wait_s + 30) + timeout))
+            status, output = self.pve.run_shell_command(command, **arguments)
         except Exception as error:
             if self._lost_link(error):
                 self.last_failure = PctFailure("link-lost", "the connection dropped during the command")
             raise
-        answer = _last_json(output.stdout_lines)
-        if answer is None or not status:
-            self._keep_claim(answer)
-            if not status and not self._link_alive():  # the holder, and so the hand-off, may have run
-                self.last_failure = PctFailure("link-lost", "no answer: the connection is closed")
-                return True, "no answer", (False, self._with_failure_line(output, self.last_failure))
-            return False, self._lock_failure(gpu_list, run, output), None
-        locked, message = self._lock_answer(gpu_list, run, answer)
-        start = answer.get("start")
-        if not locked or not isinstance(start, dict):
-            return locked, message, None
-        # the hand-off's own output: its stdout from the answer, pct's stderr as the holder passed it on
-        lines = [OutputLine("stdout", line) for line in str(start.get("stdout") or "").splitlines()]
-        lines += [OutputLine("stderr", line) for line in output.stderr_lines]
-        started = CommandOutput(lines)
-        rc = start.get("rc")
-        ok = isinstance(rc, int) and rc in success_codes
-        failure = self._pct_failure(ok, started)
-        if failure is not None:
-            self.last_failure = failure
-            return True, message, (False, self._with_failure_line(started, failure))
-        return True, message, (ok, started)
+        if not status and not self._link_alive():
+            self.last_failure = PctFailure("link-lost", "no answer: the connection is closed")
+        return status, output
 
-    def _gpu_lock_args(self, gpu_list: list[int], run: str, python: str, grace_s: float, wait_s: float,
-                       lock_dir: str) -> dict:
-        from gpugate.agentcmd import wait_command  # noqa: PLC0415
+    # A container command that a host program runs (gpugate.claims: the GPU lock holder runs the
+    # hand-off's `pct exec` itself, so the locks and the hand-off are one round trip)
 
-        return {
-            "vmid": self.vmid, "gpus": gpu_list, "run": str(run), "wait_s": wait_s, "lock_dir": lock_dir,
-            "command": wait_command(python, str(run), grace_s=grace_s), "path": CONTAINER_PATH,
-            "grace_s": grace_s, "check_command": wait_command(python, "@RUN@", grace_s=0, timeout_s=0),
-            "pct": ["sudo", "-n", self.binary] if self.use_sudo else [self.binary],  # argv: no shell quoting
-            "clear_env": bool(self.data["pct_clear_env"]),
-        }
+    @property
+    def pct_argv(self) -> list[str]:
+        """`pct` as the host runs it, as an argv (no shell): ``sudo -n`` first when pct needs it."""
+        return ["sudo", "-n", self.binary] if self.use_sudo else [self.binary]
 
-    def _gpu_lock_program(self, args: dict) -> StringCommand:
-        from gpugate import host_gpu_lock  # noqa: PLC0415 -- its source travels, not the module
-        from gpugate.remote import pack  # noqa: PLC0415
+    def container_command(
+        self,
+        command: StringCommand,
+        **arguments: Unpack["ConnectorArguments"],
+    ) -> StringCommand:
+        """
+        ``command`` as :meth:`run_shell_command` runs it inside the container (pyinfra's
+        sudo/su/env/chdir and shell wrapping; the control arguments are the host connection's),
+        for a host program that runs ``pct exec <vmid> -- sh -c '<it>'`` itself.
+        """
+        inner_arguments = dict(arguments)
+        extract_control_arguments(inner_arguments)  # type: ignore[arg-type]
+        return make_unix_command_for_host(self.state, self.host, command, **inner_arguments)
 
-        source = Path(host_gpu_lock.__file__).read_text()
-        # on the host, as root: the lock dir is /run's, and the holder runs pct. -S: the holder is
-        # stdlib only, and site (site-packages, .pth files) is most of a Python start (it is on the
-        # restart's path, right before the hand-off)
-        bits: list = (["sudo", "-n"] if self.use_sudo else []) + [
-            "python3", "-S", "-c", QuoteString(pack(source)), QuoteString(json.dumps(args))]
-        return StringCommand(*bits)
-
-    def _keep_claim(self, answer: dict | None) -> None:
-        self.gpu_claim = {"owner": (answer or {}).get("owner"), "until": (answer or {}).get("handoff_until"),
-                          "began": (answer or {}).get("began"),
-                          "released": (answer or {}).get("released") or []}
-
-    def _lock_failure(self, gpu_list: list[int], run: str, output: CommandOutput) -> str:
-        where = f"GPU {gpu_ranges(gpu_list)} of {self.pve_host_name}"
-        detail = " / ".join(_strip_host_noise(output.stderr_lines)) or output.stdout or "no answer"
-        return f"could not take the locks of {where} for run {run}: {detail}; nothing was touched"
-
-    def _lock_answer(self, gpu_list: list[int], run: str, answer: dict) -> tuple[bool, str]:
-        self._keep_claim(answer)
-        where = f"GPU {gpu_ranges(gpu_list)} of {self.pve_host_name}"
-        released = "".join(f"; released the claim of run {gone.get('run')} (container {gone.get('vmid')}, GPU "
-                           f"{gpu_ranges(gone.get('gpus') or [])}): {gone.get('why')}" for gone in answer.get("released") or [])
-        if answer.get("ok"):
-            return True, (f"holding the locks of {where} for run {run} (holder pid {answer.get('pid')} on the host)"
-                          f"{released}")
-        if answer.get("error") and "gpu" in answer:
-            return False, f"could not take the locks of {where} for run {run}: {answer['error']}; nothing was touched"
-        if "gpu" in answer:
-            return False, busy_message(self.pve_host_name, self.vmid, int(answer["gpu"]), answer.get("owner"), run)
-        return False, f"could not take the locks of {where} for run {run}: {answer.get('error')}; nothing was touched"
+    def container_result(
+        self,
+        status: bool,
+        output: CommandOutput,
+        failure: PctFailure | None = None,
+    ) -> tuple[bool, CommandOutput]:
+        """
+        A container command's ``(status, output)`` that a host program passed on: pct's own
+        failures (or ``failure``, known already: the link went) made data exactly as
+        :meth:`run_shell_command` makes them: ``last_failure`` and a ``pct error: ...`` line.
+        """
+        failure = failure or self._pct_failure(status, output)
+        if failure is None:
+            return status, output
+        self.last_failure = failure
+        return False, self._with_failure_line(output, failure)
 
     # Files
 
@@ -1078,7 +956,7 @@ class PctConnector(BaseConnector):
             raise OSError(failure.describe(self.pve_host_name, self.vmid))
         # pct push/pull print nothing when they work; their worker's errors may not set the
         # exit code, so any (non-noise) stderr line is a failure too.
-        errors = _strip_host_noise(output.stderr_lines)
+        errors = strip_host_noise(output.stderr_lines)
         if not status or errors:
             detail = "\n".join(errors) or output.stdout or "failed"
             raise OSError(f"pct {action} in container {self.vmid} on {self.pve_host_name}: {detail}")

@@ -1,30 +1,47 @@
-"""The engine seam: everything gpugate knows of the inference server it runs, behind one small
-interface, :class:`Engine`. SGLang (gpugate/engine/sglang/) implements it; a second engine (vLLM)
-is a folder beside it that implements the same methods, and nothing outside this package names an
-engine's flags, argv, processes or endpoints.
+"""The engine seam: everything gpugate knows of the inference server it runs, behind one coarse
+interface, :class:`Engine`, about the size of pyinfra's ``BaseConnector``. Engines are found by the
+entry point group ``gpugate.engines`` (as pyinfra finds its connectors), so a second engine is a
+package of its own: nothing outside it names its flags, argv, processes or endpoints.
 
-The controller's side is this interface; the container's side (process recognition, endpoints,
-drain) is the engine's stdlib-only module that the agent imports, and so bundles
-(gpugate/engine/sglang/processes.py).
+An engine has two halves:
+
+- the controller's (this interface): the flag table of the release that will run
+  (:meth:`Engine.choose_table`), the launch built from the engine-neutral :class:`ServerInputs`
+  (:meth:`Engine.launch`: validated once; argv, GPUs, what the server must report, what is
+  secret, its weight-cache daemons, gated or not), a running command read back
+  (:meth:`Engine.read_running`), the one diff format (:meth:`Engine.flag_lines`), the checks that
+  are the engine's before anything stops (:meth:`Engine.preflight`) and its capacity figures;
+- the container's: a stdlib-only module ``<engine package>.container`` (the interface with its
+  defaults: gpugate/engine/container.py) that the agent loads by the name the start document
+  carries, and that the agent's artifact bundles.
 
 Example::
 
-    >>> from gpugate.engine import get
-    >>> sglang = get()
-    >>> sglang.name, sglang.render_argv("/m", 30000, sglang.validate_flags({"tp": 2}), "127.0.0.1")[-2:]
-    ('sglang', ['--tp-size', '2'])
+    >>> sglang = get("sglang")
+    >>> launch = sglang.launch(ServerInputs(engine="sglang", model_path="/m", port=30000, flags={"tp": 2}))
+    >>> launch.argv[-2:], launch.gpus
+    (('--tp-size', '2'), (0, 1))
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+import abc
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
 
-__all__ = ["Engine", "FlagError", "get", "ENGINES"]
+__all__ = ["Engine", "FlagError", "ServerInputs", "Launch", "Running", "get", "names", "ENTRY_POINT_GROUP", "DEFAULT_ENGINE"]
+
+ENTRY_POINT_GROUP = "gpugate.engines"
+DEFAULT_ENGINE = "sglang"  # the ``engine`` setting's default: what every fleet.yaml before it ran
 
 
 class FlagError(ValueError):
-    """A flag the engine (or gpugate) would reject. ``str()`` names the flag and the problem.
+    """A flag (or a setting of the launch) the engine would reject. ``str()`` names the flag and
+    the problem; ``flag`` is empty for a problem that is no flag's (``gated_launch: ...``).
 
     Example::
 
@@ -38,83 +55,186 @@ class FlagError(ValueError):
         super().__init__(f"--{flag}: {message}" if flag else message)
 
 
-class Engine(Protocol):
+@dataclasses.dataclass(frozen=True)
+class ServerInputs:
+    """One desired server as the operator wrote it, engine-neutral: the settings' values, already
+    checked for what is no engine's business (port range, env names, one-line values)."""
+
+    engine: str
+    model_path: str
+    port: int
+    flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # as written
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    host: str = "127.0.0.1"
+    supervisor: str = "auto"
+    python: str = "/usr/bin/python3"
+    extra_args: tuple[str, ...] = ()
+    version: str | None = None          # the release pinned (``sglang_version``), if any
+    weight_cache: bool = False          # the weights are held across engine restarts
+    gated_launch: bool | None = None    # None: where the release and the supervisor allow it
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What the engine makes of :class:`ServerInputs`: everything derived from the flags, once."""
+
+    flags: Mapping[str, Any]                 # canonical names, typed values
+    argv: tuple[str, ...]                    # the exact command, interpreter first
+    args_start: int                          # argv[args_start:] are the server's own arguments
+    gpus: tuple[int, ...] | None             # None: cannot be told before the container is asked
+    shown_argv: tuple[str, ...]              # argv with every secret value ``***``
+    shown_flags: Mapping[str, Any]           # flags with every secret value ``***``
+    secret_options: tuple[str, ...] = ()     # option strings the agent masks beyond its own list
+    expect_info: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # what the server must report
+    warnings: tuple[str, ...] = ()
+    daemon_argv: tuple[str, ...] = ()        # the weight cache's daemons, when wanted
+    gated: bool = False                      # the new engine starts before the old one stops
+
+
+@dataclasses.dataclass
+class Running:
+    """A running server's command read back (never raises): ``flags`` normalised as the launch's,
+    unknown flags kept under their written name; ``unknown`` the names the table does not know;
+    ``args_start``: where the server's own arguments begin in the argv read."""
+
+    model_path: str | None
+    host: str
+    port: int
+    flags: dict[str, Any] = dataclasses.field(default_factory=dict)
+    unknown: list[str] = dataclasses.field(default_factory=list)
+    args_start: int = 0
+
+
+class Engine(abc.ABC):
     """What gpugate needs of an inference server. Flags travel as data: a mapping of canonical
-    names to typed values (``{"tp-size": 8, "disable-radix-cache": True}``)."""
+    names to typed values (``{"tp-size": 8, "disable-radix-cache": True}``); a ``table`` is the
+    engine's own flag table of one release (what :meth:`choose_table` returns), None for the
+    engine's default."""
 
-    name: str                     # "sglang": the name in messages and in settings
-    FlagError: type[FlagError]    # what validation raises: .flag (canonical name) and .message
+    name: str = ""                 # the engine's name in settings and entry points: "sglang"
+    label: str = ""                # how messages name it: "SGLang"
+    model_option: str = "--model"  # how a diff line shows the model and the listen host
+    host_option: str = "--host"
+    info_endpoint: str = "/server_info"   # what the verify reads, named in the plan's steps
+    drain_words: str = "the engine's drain"  # what SIGTERM starts, in the stop's line
+    ready_paths: tuple[str, ...] = ("/health",)  # readiness before a router sends to it again (first that exists)
+    gated_option: str = ""         # a gated launch's option and how the gate opens (plan's steps)
+    gate_activate: str = ""
+    container_module: str = ""     # the stdlib-only module the agent loads (gpugate/engine/container.py)
 
-    # --- flags: the schema per version, validation, what is secret ---
+    @property
+    def container(self) -> ModuleType:
+        """That module, imported (the controller shares its rules: the weight cache's key)."""
+        return importlib.import_module(self.container_module)
+
+    # --- the flags of the release that will run
+    @abc.abstractmethod
     def choose_table(self, container: Mapping[str, Any] | None, pinned: str | None) -> tuple[Any, str]:
         """The flag table of the release that will run (the container's, else the pinned
-        snapshot, else the newest), and a note naming it."""
+        snapshot, else the newest) and a note naming it."""
 
+    def fetch_table(self, run: Callable[[str], Mapping[str, Any]], python: str,
+                    observation: Mapping[str, Any] | None, say: Callable[[str], Any] | None = None
+                    ) -> Mapping[str, Any] | None:
+        """The container's own flag table document (``run`` sends one shell command to the
+        container and returns its JSON answer), for :meth:`choose_table`; None where the engine
+        has none."""
+        return None
+
+    def table_command(self, python: str, known: Sequence[str] = (), build: bool = True) -> str | None:
+        """One shell command that reads (``build``: or builds) the container's own flag table
+        (None: the engine has none); ``known``: table keys the controller has (not sent again)."""
+        return None
+
+    def flag_warnings(self, flags: Mapping[str, Any], table: Any = None) -> list[str]:
+        """The engine's own deprecation warnings for these (validated) flags."""
+        return []
+
+    @abc.abstractmethod
     def validate_flags(self, flags: Mapping[str, object] | None, table: Any = None) -> dict[str, Any]:
         """Canonical names and typed values, or FlagError naming the flag and what is wrong."""
 
-    def flag_warnings(self, flags: Mapping[str, Any], table: Any = None) -> list[str]:
-        """The engine's own deprecation warnings for these flags."""
-
+    @abc.abstractmethod
     def canonical_name(self, name: str, table: Any = None) -> str:
-        """The canonical name of a flag as a person writes it (``tp`` -> ``tp-size``)."""
+        """The canonical name of a flag as a person writes it (FlagError for none)."""
 
-    def is_secret_value(self, name: str, value: Any, table: Any = None) -> bool:
-        """Whether this flag's value must never be shown (``--api-key``, a token in a JSON flag)."""
+    # --- the launch: validated once, everything derived from the flags
+    @abc.abstractmethod
+    def launch(self, inputs: ServerInputs, table: Any = None) -> Launch:
+        """The server these inputs make, or FlagError naming what the engine refuses."""
 
-    def secret_flag_options(self, flags: Mapping[str, Any], table: Any = None) -> list[str]:
-        """The option strings whose values the agent masks in argv and logs."""
+    # --- what runs, read back and compared
+    @abc.abstractmethod
+    def read_running(self, argv: Sequence[str], table: Any = None) -> Running:
+        """A running command (``/proc/PID/cmdline``) read back; never raises."""
 
-    # --- argv: render once, parse back what runs, compare ---
-    def render_argv(self, model_path: str, port: int, flags: Mapping[str, Any], host: str) -> list[str]:
-        """The server's argv after the interpreter (``-m sglang.launch_server``, model, host, port, flags)."""
+    @abc.abstractmethod
+    def flag_lines(self, running: Mapping[str, Any], desired: Mapping[str, Any], table: Any = None) -> list[str]:
+        """THE rendering of a flag difference: ``+ --flag value`` desired and not running,
+        ``- --flag value`` running and not desired, sorted by flag; secrets compared and shown
+        ``***`` on both sides."""
 
-    def render_flag_args(self, flags: Mapping[str, Any], table: Any = None) -> list[str]:
-        """The flags alone, as argv elements."""
-
-    def parse_argv(self, argv: Sequence[str], table: Any = None) -> Any:
-        """A running command read back: model_path, host, port, flags, unknown (what it does not know)."""
-
-    def diff_flags(self, running: Mapping[str, Any], desired: Mapping[str, Any], table: Any = None) -> Any:
-        """added / removed / changed flags, with ``.lines(redact=True)`` for the plan."""
-
+    @abc.abstractmethod
     def redact_argv(self, argv: Sequence[str], table: Any = None) -> list[str]:
         """argv with every secret value ``***``."""
 
-    # --- verify and capacity: what the running server must report ---
-    def server_info_view(self, flags: Mapping[str, Any], table: Any = None) -> dict[str, Any]:
-        """The keys and values the server's info endpoint must report for these flags (verify)."""
+    def redact_flags(self, flags: Mapping[str, Any], table: Any = None) -> dict[str, Any]:
+        """Flags with every secret value ``***`` (as the engine knows its secrets)."""
+        return dict(flags)
 
-    def capacity_from_server_info(self, info: Mapping[str, Any] | None) -> dict[str, Any]:
-        """What the server says it can hold (KV tokens, ...), from its info endpoint."""
+    # --- before anything stops, and after the start
+    def preflight(self, observation: Mapping[str, Any], launch: Launch) -> list[str]:
+        """Problems that are this engine's to see before anything stops (host memory its flags
+        need...): each one refuses the change."""
+        return []
+
+    def capacity(self, info: Mapping[str, Any] | None) -> dict[str, Any]:
+        """What the server says it can hold (KV tokens...), from its info document."""
+        return {}
 
     def capacity_line(self, before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> str | None:
         """The capacity before and after a change, in one line for the operator."""
+        return None
 
     def check_report(self, flags: Mapping[str, Any], pinned: str | None, extra_args: Sequence[str] | None
                      ) -> tuple[bool, list[str]]:
-        """`gpugate check`: whether these flags are valid for the pinned release, and why not."""
-
-    # --- fast restarts: the weight cache and the gated launch (docs/weight-cache.md) ---
-    def supports(self, option: str, table: Any = None) -> bool:
-        """Whether this release has the flag (``gated-launch-port``)."""
-
-    def weight_cache_argv(self, python: str, model_path: str, flags: Mapping[str, Any], table: Any = None) -> list[str]:
-        """The command of the daemons that hold this server's weights across engine restarts."""
+        """``gpugate check``: whether these flags are valid for the pinned release, and why not."""
+        try:
+            normal = self.validate_flags(flags)
+        except FlagError as error:
+            return False, [f"REFUSED by {self.label}: {error}"]
+        return True, [f"ok for {self.label}, {len(normal)} flag(s)"]
 
 
-def _sglang() -> Engine:
-    from gpugate.engine.sglang import ENGINE  # noqa: PLC0415 -- an engine is loaded when named
+@functools.lru_cache(maxsize=None)
+def _entry_points() -> dict[str, Any]:
+    from importlib.metadata import entry_points  # noqa: PLC0415 -- read once, when an engine is first named
 
-    return ENGINE
-
-
-ENGINES = {"sglang": _sglang}
+    return {entry.name: entry for entry in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def get(name: str = "sglang") -> Engine:
-    """The engine of this name (SGLang today); KeyError naming the engines there are."""
-    try:
-        return ENGINES[name]()
-    except KeyError:
-        raise KeyError(f"no engine {name!r}; engines: {', '.join(ENGINES)}") from None
+def names() -> list[str]:
+    """The engines installed (entry point group ``gpugate.engines``), sorted.
+
+    >>> "sglang" in names()
+    True
+    """
+    return sorted(_entry_points())
+
+
+@functools.lru_cache(maxsize=None)
+def get(name: str) -> Engine:
+    """The engine of this name, loaded from its entry point; KeyError naming the engines there are.
+
+    >>> get("sglang").label
+    'SGLang'
+    >>> get("tgi")
+    Traceback (most recent call last):
+    ...
+    KeyError: "no engine 'tgi'; engines: sglang"
+    """
+    entry = _entry_points().get(name)
+    if entry is None:
+        raise KeyError(f"no engine {name!r}; engines: {', '.join(names()) or 'none installed'}")
+    engine = entry.load()
+    return engine() if isinstance(engine, type) else engine

@@ -35,21 +35,25 @@ from typing import Any
 from pyinfra.api import FactBase, StringCommand
 
 from gpugate import agentcmd
-from gpugate.engine.sglang.flags import parse_argv
+from gpugate.engine import DEFAULT_ENGINE, get as engine
 
 DEFAULT_PYTHON = "/usr/bin/python3"
 
 
 def observe_args(port: int = 30000, env_names: Iterable[str] = (), model_path: str | None = None,
                  gpus: Sequence[int] | None = None, tail_lines: int = 0, generate: bool = False,
-                 secret_flags: Iterable[str] = (), host: str | None = None) -> dict[str, Any]:
-    """The agent's ``observe`` arguments.
+                 secret_flags: Iterable[str] = (), host: str | None = None, engine: str | None = None
+                 ) -> dict[str, Any]:
+    """The agent's ``observe`` arguments (``engine``: whose processes and endpoints it reads;
+    none: the default engine).
 
     >>> observe_args(30001, ["HF_TOKEN"])["port"]
     30001
     """
     args: dict[str, Any] = {"port": int(port), "env_names": sorted(env_names or ()), "tail_lines": int(tail_lines),
                             "generate": bool(generate)}
+    if engine and engine != DEFAULT_ENGINE:
+        args["engine"] = engine
     if model_path:
         args["model_path"] = model_path
     if gpus is not None:
@@ -65,7 +69,7 @@ def with_command(server: dict[str, Any]) -> dict[str, Any]:
     """Add ``command``: the running (redacted) argv parsed into model path, host, port and flags."""
     main = server.get("main")
     if main and main.get("argv"):
-        parsed = parse_argv(main["argv"])
+        parsed = engine(server.get("engine") or DEFAULT_ENGINE).read_running(main["argv"])
         server["command"] = {"model_path": parsed.model_path, "host": parsed.host, "port": parsed.port,
                              "flags": parsed.flags, "unknown": parsed.unknown}
     else:
@@ -95,11 +99,8 @@ class SglangObservation(FactBase):
     """``{"sglang", "gpu", "container", "agent"}`` in one round trip (the installed agent's
     observe), or ``{"agent_missing": true}`` (then: ``SglangObservationInline``)."""
 
-    def command(self, port: int = 30000, env_names=(), model_path: str | None = None, gpus=None,
-                tail_lines: int = 0, generate: bool = False, python: str = DEFAULT_PYTHON, secret_flags=(),
-                host: str | None = None):
-        return StringCommand(agentcmd.observe_command(python, observe_args(
-            port, env_names, model_path, gpus, tail_lines, generate, secret_flags, host)))
+    def command(self, python: str = DEFAULT_PYTHON, **args: Any):  # args: observe_args's
+        return StringCommand(agentcmd.observe_command(python, observe_args(**args)))
 
     @staticmethod
     def default() -> dict[str, Any]:
@@ -114,21 +115,16 @@ class SglangObservationInline(SglangObservation):
     """The same observation with the agent sent inline (~45 KB argv): for a container where this
     controller's agent is not installed yet. Installs and writes nothing (``--dry`` stays read-only)."""
 
-    def command(self, port: int = 30000, env_names=(), model_path: str | None = None, gpus=None,
-                tail_lines: int = 0, generate: bool = False, python: str = DEFAULT_PYTHON, secret_flags=(),
-                host: str | None = None):
-        return StringCommand(agentcmd.inline_observe_command(python, observe_args(
-            port, env_names, model_path, gpus, tail_lines, generate, secret_flags, host)))
+    def command(self, python: str = DEFAULT_PYTHON, **args: Any):  # args: observe_args's
+        return StringCommand(agentcmd.inline_observe_command(python, observe_args(**args)))
 
 
 class SglangServer(FactBase):
     """The SGLang server on ``port`` (the observation's ``sglang`` part, ``command`` parsed)."""
 
-    def command(self, port: int = 30000, env_names=(), model_path: str | None = None, tail_lines: int = 0,
-                generate: bool = False, python: str = DEFAULT_PYTHON):
+    def command(self, python: str = DEFAULT_PYTHON, **args: Any):  # args: observe_args's
         # The inline agent: a fact read on its own (the CLI, a runbook) must answer without an install.
-        return StringCommand(agentcmd.inline_observe_command(python, observe_args(
-            port, env_names, model_path, None, tail_lines, generate)))
+        return StringCommand(agentcmd.inline_observe_command(python, observe_args(**args)))
 
     @staticmethod
     def default() -> dict[str, Any]:
@@ -160,32 +156,15 @@ class SglangObservationOnce(SglangObservation):
     """The agent's observation in one command (observe_once_command): the status's fact, asked
     what the deploy asks (``gpugate.spec.Desired.observe_args``), so both see the same."""
 
-    def command(self, port: int = 30000, env_names=(), model_path: str | None = None, gpus=None,
-                tail_lines: int = 0, generate: bool = False, python: str = DEFAULT_PYTHON, secret_flags=(),
-                host: str | None = None):
-        return StringCommand(observe_once_command(python, observe_args(
-            port, env_names, model_path, gpus, tail_lines, generate, secret_flags, host)))
+    def command(self, python: str = DEFAULT_PYTHON, **args: Any):  # args: observe_args's
+        return StringCommand(observe_once_command(python, observe_args(**args)))
 
 
-# ---------------------------------------------------------------- SGLang's own flag table (issue 13)
+# ---------------------------------------------------------------- the engine's own flag table (issue 13)
 def flag_table_command(python: str = DEFAULT_PYTHON, known: Sequence[str] = (), build: bool = True,
-                       cache_dir: str | None = None) -> str:
-    """One command: gpugate/remote/flag_table.py sent inline, ``collect(...)`` printed as JSON."""
-    import json  # noqa: PLC0415
-
-    from gpugate.remote import REMOTE_DIR, inline_program, python_command  # noqa: PLC0415
-    from gpugate.remote import flag_table  # noqa: PLC0415
-
-    args = {"cache_dir": cache_dir or flag_table.CACHE_DIR, "known": sorted(known), "build_if_missing": bool(build)}
-    body = (f"ARGS = json.loads({json.dumps(json.dumps(args))})\n"
-            "try:\n"
-            "    out = sys.modules['gpugate_flag_table'].collect(**ARGS)\n"
-            "except BaseException as exc:\n"
-            "    out = _failure(exc)\n"
-            "_emit(out)\n")
-    script = inline_program({"gpugate_flag_table": (REMOTE_DIR / "flag_table.py").read_text()}, body)
-    return python_command(script, {"schema": 1, "version": None, "error": "python not found in the container"},
-                          python)
+                       engine_name: str = DEFAULT_ENGINE) -> str:
+    """One command that reads (or builds) the engine's own flag table in the container."""
+    return engine(engine_name).table_command(python, known, build) or "true"
 
 
 class SglangFlagTable(FactBase):
@@ -202,8 +181,9 @@ class SglangFlagTable(FactBase):
     docs/flags.md says why this is the one exception to "facts write nothing".
     """
 
-    def command(self, python: str = DEFAULT_PYTHON, known: Sequence[str] = (), build: bool = True):
-        return StringCommand(flag_table_command(python, known, build))
+    def command(self, python: str = DEFAULT_PYTHON, known: Sequence[str] = (), build: bool = True,
+                command_text: str | None = None, engine_name: str = DEFAULT_ENGINE):
+        return StringCommand(command_text or flag_table_command(python, known, build, engine_name))
 
     @staticmethod
     def default() -> dict[str, Any]:
@@ -217,50 +197,18 @@ class SglangFlagTable(FactBase):
 
 
 def flag_table(host: Any, python: str = DEFAULT_PYTHON, say=None, run=None,
-               observation: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The container's flag table document (the SglangFlagTable fact), in the fewest commands: a read
-    first; when no table is cached for the installed version, ``say`` is told
-    "building SGLang's flag table in the container (first time for <version>)" and the build runs.
-    A table received is kept in the controller's cache (gpugate.engine.sglang.flags.remember_table), so that
-    later runs tell the container not to send it again. ``run``: a function running a command in
-    the container and returning its JSON answer (the operation's own runner); default the fact.
-    ``observation``: the agent's observe document; when its ``sglang.flag_table`` names a table this
-    controller has, no command is sent at all (the converged re-run stays at one command per container).
+               observation: Mapping[str, Any] | None = None, engine_name: str = DEFAULT_ENGINE
+               ) -> Mapping[str, Any] | None:
+    """The container's flag table document for the engine (gpugate.engine.Engine.fetch_table), in the
+    fewest commands. ``run``: a function running a command in the container and returning its JSON
+    answer (the operation's own runner); default the SglangFlagTable fact.
 
     .. code:: python
 
         doc = flag_table(host, say=host.log)
-        table, note = sglang_args.choose_table(doc, pinned="0.5.23")
+        table, note = engine("sglang").choose_table(doc, pinned="0.5.23")
     """
-    from gpugate.engine.sglang import flags as sglang_args  # noqa: PLC0415
+    def fact_run(command: str) -> Mapping[str, Any]:
+        return host.get_fact(SglangFlagTable, python=python, command_text=command)
 
-    known = sglang_args.known_table_keys()
-    seen = ((observation or {}).get("sglang") or {}).get("flag_table") or {}
-    if isinstance(seen, dict) and seen.get("key") and seen["key"] in known:
-        # observe named it (the same key the table builder gives): what read(False) would answer
-        doc = {"schema": 1, "version": seen.get("version"), "server_args_sha256": seen.get("server_args_sha256"),
-               "key": seen["key"], "cached": bool(seen.get("cached")), "built": False, "build_s": None}
-        cached = sglang_args.cached_table_doc(seen["key"])
-        return dict(doc, table=cached) if cached is not None else doc
-
-    def read(build: bool) -> dict[str, Any]:
-        if run is None:
-            return host.get_fact(SglangFlagTable, python=python, known=known, build=build)
-        return run(flag_table_command(python, known, build))
-
-    doc = read(False)
-    if doc.get("key") in known and not doc.get("table"):  # the controller has it: no build, no transfer
-        doc = {key: value for key, value in doc.items() if key != "error"}
-        cached = sglang_args.cached_table_doc(doc["key"])
-        return dict(doc, table=cached) if cached is not None else doc
-    if not doc.get("cached") and doc.get("key") and "no cached table" in str(doc.get("error") or ""):
-        if say is not None:
-            say(f"building SGLang's flag table in the container (first time for {doc.get('version')})")
-        doc = read(True)
-    if doc.get("table"):
-        sglang_args.remember_table(doc["table"])
-    elif doc.get("key") and not doc.get("error"):
-        cached = sglang_args.cached_table_doc(doc["key"])
-        if cached is not None:
-            doc = dict(doc, table=cached)
-    return doc
+    return engine(engine_name).fetch_table(run or fact_run, python, observation, say)

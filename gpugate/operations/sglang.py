@@ -20,8 +20,8 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping, MutableSet
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, MutableSet
+from typing import Any, TypeVar, cast
 
 from pyinfra import logger
 from pyinfra.api import FunctionCommand, StringCommand, operation
@@ -31,11 +31,12 @@ from pyinfra.context import host, state
 from gpugate import agentcmd
 from gpugate.facts.sglang import SglangObservation, SglangObservationInline, flag_table, observation_from
 from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, same_desired, stall_text
-from gpugate.engine import get as engine
+from gpugate.engine import DEFAULT_ENGINE, get as engine
 from gpugate.match import for_container
 from gpugate.report.status import desired_differences, history_spec_text
-from gpugate.claims import own_claim_run
-from gpugate.spec import Desired, Routing, Spec, SpecError, build_spec, redact_flags
+from gpugate.claims import GpuClaim, ServerClaim, hand_off_holding_gpu_locks, own_claim_run, servers_of_inventory
+from gpugate.connectors.pct import PctConnector, PctFailureKind
+from gpugate.spec import Desired, Routing, Spec, SpecError, for_version
 
 FOLLOW_WAIT_S = 3.0       # one follow command waits up to this long for new journal events
 FOLLOW_RETRIES = 3        # consecutive failed follow commands before the controller gives up watching
@@ -59,7 +60,7 @@ def _operator() -> str:
         return "unknown"
 
 
-# ---------------------------------------------------------------- one pyinfra run: interrupts, rolling, summary
+# ---------------------------------------------------------------- one pyinfra run: the Run object
 @dataclasses.dataclass
 class Watch:
     """A container whose transition this process hands off or follows (for Ctrl-C)."""
@@ -85,9 +86,22 @@ def _staleness(watch: Watch, now: float) -> str:
     return f"; its journal last read {age:.0f} s ago: it may be further on" if age >= 1.0 else ""
 
 
-class RunBook(BaseStateCallback):
-    """What this pyinfra run did per container: the outcome, refusals, failures, the containers a
-    rolling restart left untouched; printed once when the operation ends."""
+_SIGNAL_WORDS: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "interrupted (SIGTERM)",
+                 signal.SIGHUP: "interrupted (SIGHUP)"}
+
+
+class Run(BaseStateCallback):
+    """What sglang.server keeps for one pyinfra run, all in this one object: per container the
+    outcome, refusals, failures and the containers a rolling restart left untouched (the summary,
+    printed once when the operation ends), the transitions it hands off or follows (what an
+    interrupt says), and the desired GPU claims of the whole inventory (read once).
+
+    pyinfra's own operations keep nothing between hosts; these must (a rolling restart stops on an
+    earlier container's failure, Ctrl-C speaks for every container). The one place to find it:
+    ``Run.of(state)``, the run's State callback handler of this class (pyinfra's place for an object
+    that lives as long as a run and hears its operations end), made by the run's first sglang.server
+    call, which also makes the run's Ctrl-C its own (:meth:`catch_interrupts`).
+    """
 
     def __init__(self) -> None:
         self.outcomes: dict[str, str] = {}
@@ -97,6 +111,18 @@ class RunBook(BaseStateCallback):
         self.watching: dict[str, Watch] = {}
         self.unavailable: set[str] = set()  # containers said to be stopped or missing (a connect error's line)
         self.printed = False
+        self._claims: list[ServerClaim] | None = None
+
+    @classmethod
+    def of(cls, state: Any) -> Run:
+        """This pyinfra run's Run (made, registered and catching interrupts on the first call)."""
+        for handler in state.callback_handlers:
+            if isinstance(handler, cls):
+                return handler
+        run = cls()
+        state.add_callback_handler(run)
+        run.catch_interrupts()
+        return run
 
     def ended(self, name: str, outcome: str, refused: bool = False) -> None:
         """A container this run no longer follows: its outcome, counted as failed (rolling stops on it)
@@ -110,6 +136,13 @@ class RunBook(BaseStateCallback):
         refused or unreachable while it ran all count (a refusal at prepare, shown in the plan
         before the operator said yes, does not)."""
         return len(self.failed) + len(self.refused) > max_failures
+
+    def desired_claims(self, inventory: Any) -> list[ServerClaim]:
+        """Every desired server of the inventory as a GPU claim (gpugate.claims), whatever ``--limit``
+        runs now (the fleet is the desired state): read once per run, host data is fixed by then."""
+        if self._claims is None:
+            self._claims = servers_of_inventory((h.name, h.data.dict()) for h in inventory)
+        return self._claims
 
     def operation_end(self, state: Any, op_hash: Any) -> None:  # type: ignore[override]
         if self.printed or not (self.failed or self.refused or self.untouched):
@@ -126,21 +159,71 @@ class RunBook(BaseStateCallback):
         for line in lines:
             logger.warning(line)
 
+    def catch_interrupts(self) -> None:
+        """Replace pyinfra's Ctrl-C handler (which prints "Exiting upon user request!" and exits 0)
+        with :meth:`on_interrupt` for this run, under pyinfra's CLI: a change interrupted must never
+        look like success. SIGTERM (a CI timeout) and SIGHUP (the terminal closed) too, unless ignored
+        (nohup: the operator asked for the run to outlive the terminal)."""
+        import pyinfra
 
-def _runbook() -> RunBook:
-    book = state.__dict__.get("_gpugate_runbook")
-    if book is None:
-        book = RunBook()
-        state.__dict__["_gpugate_runbook"] = book
-        state.add_callback_handler(book)
-    return book
+        if not getattr(pyinfra, "is_cli", False):
+            return
+        try:
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                if signum != signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN:
+                    continue
+                signal.signal(signum, self.on_interrupt)
+        except (ValueError, OSError):  # not the main thread: leave pyinfra's
+            pass
+
+    def on_interrupt(self, signum: int, frame: Any) -> None:
+        """Say what each container is still doing, and exit non-zero (128 + the signal). The
+        transition itself runs on in the container (the agent ignores the SSH session)."""
+        word = _SIGNAL_WORDS.get(signum, f"interrupted (signal {signum})")
+        lines = []
+        handed = False
+        now = time.time()
+        for watch in list(self.watching.values()):
+            if watch.handed_off:
+                handed = True
+                lines.append(f"[{watch.host}] sglang :{watch.port} {word}: the transition continues in the container: "
+                             f"{watch.narrator.doing(now)} (run {watch.run}{_staleness(watch, now)}); follow with "
+                             f"runbooks/status.py, or re-run to attach to it")
+            else:
+                lines.append(f"[{watch.host}] sglang :{watch.port} {word} during the hand-off of run {watch.run}: "
+                             f"the transition may have begun in the container; see runbooks/status.py")
+        if not lines:
+            lines.append(f"{word} before any hand-off: nothing was touched")
+        # The handler interrupts whatever the main thread was doing, perhaps inside a buffered
+        # write: only unbuffered writes here, and the exit whatever else fails.
+        try:
+            os.write(2, "".join(line + "\n" for line in lines).encode())
+            emit("interrupted", phase="end", handed_off=handed, signal=int(signum),
+                 runs=[w.run for w in self.watching.values()])
+            sys.stdout.flush()
+        except BaseException:
+            pass
+        finally:
+            os._exit(128 + int(signum))
+
+    def keep_fleet_order(self, state: Any) -> None:
+        """Make a rolling restart visit the containers in the inventory's order (once per run).
+
+        pyinfra keeps its active hosts in a plain set and a ``_serial`` operation visits them in
+        that set's (hash) order; an operator who lists pve1 first expects pve1 to restart first,
+        and the summary's "not touched" to be the containers after the one that failed. pyinfra has
+        no setting for the order and a set has none to give, so this replaces ``state.active_hosts``
+        with an ordered set of the same hosts (FleetOrderedHosts): the one thing gpugate changes in
+        pyinfra's State, only for a rolling change, and before pyinfra takes the order."""
+        if isinstance(state.active_hosts, FleetOrderedHosts):
+            return
+        order = {host: index for index, host in enumerate(state.inventory)}
+        state.active_hosts = FleetOrderedHosts(sorted(state.active_hosts, key=lambda host: order.get(host, len(order))))
 
 
 class FleetOrderedHosts(MutableSet):
-    """pyinfra's active hosts in inventory (fleet) order. pyinfra keeps them in a plain set, so a
-    ``_serial`` operation (a rolling restart) would visit the containers in hash order: an operator
-    who lists pve1 first expects pve1 to restart first, and the summary's "not touched" to be the
-    containers after it.
+    """pyinfra's active hosts in inventory (fleet) order (:meth:`Run.keep_fleet_order` says why).
+    pyinfra only adds, discards and iterates them.
 
     >>> hosts = FleetOrderedHosts(["b", "a", "c"]); hosts -= {"a"}; list(hosts)
     ['b', 'c']
@@ -165,92 +248,63 @@ class FleetOrderedHosts(MutableSet):
         self._hosts.pop(host, None)
 
 
-def _keep_fleet_order() -> None:
-    """Make a rolling restart visit the containers in the inventory's order (once per run)."""
-    if isinstance(state.active_hosts, FleetOrderedHosts):
-        return
-    order = {host: index for index, host in enumerate(state.inventory)}
-    state.active_hosts = FleetOrderedHosts(sorted(state.active_hosts, key=lambda host: order.get(host, len(order))))  # type: ignore[assignment]  # pyinfra types it set[Host]; it only adds, discards and iterates
-
-
-_INTERRUPT: dict[str, Any] = {"installed": False, "book": None}
-
-
-_SIGNAL_WORDS: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "interrupted (SIGTERM)",
-                 signal.SIGHUP: "interrupted (SIGHUP)"}
-
-
-def _on_interrupt(signum: int, frame: Any) -> None:
-    """Ctrl-C, SIGTERM (a CI timeout), SIGHUP (the terminal closed): say what each container is
-    still doing, and exit non-zero (128 + the signal). The transition itself runs on in the
-    container (the agent ignores the SSH session); an interrupted change never exits 0."""
-    book: RunBook | None = _INTERRUPT.get("book")  # type: ignore[assignment]
-    word = _SIGNAL_WORDS.get(signum, f"interrupted (signal {signum})")
-    lines = []
-    handed = False
-    now = time.time()
-    for watch in list((book.watching if book else {}).values()):
-        if watch.handed_off:
-            handed = True
-            lines.append(f"[{watch.host}] sglang :{watch.port} {word}: the transition continues in the container: "
-                         f"{watch.narrator.doing(now)} (run {watch.run}{_staleness(watch, now)}); follow with "
-                         f"runbooks/status.py, or re-run to attach to it")
-        else:
-            lines.append(f"[{watch.host}] sglang :{watch.port} {word} during the hand-off of run {watch.run}: "
-                         f"the transition may have begun in the container; see runbooks/status.py")
-    if not lines:
-        lines.append(f"{word} before any hand-off: nothing was touched")
-    # The handler interrupts whatever the main thread was doing, perhaps inside a buffered
-    # write: only unbuffered writes here, and the exit whatever else fails.
-    try:
-        os.write(2, "".join(line + "\n" for line in lines).encode())
-        emit("interrupted", phase="end", handed_off=handed, signal=int(signum), runs=[w.run for w in (book.watching.values() if book else [])])
-        sys.stdout.flush()
-    except BaseException:
-        pass
-    finally:
-        os._exit(128 + int(signum))
-
-
-def _install_interrupt_handler(book: RunBook | None) -> None:
-    """Replace pyinfra's Ctrl-C handler (which prints "Exiting upon user request!" and exits 0)
-    for runs of this operation: a change interrupted must never look like success. Installed when
-    a deploy file imports this module (before any host is planned) and again by the operation."""
-    if book is not None:
-        _INTERRUPT["book"] = book
-    if _INTERRUPT["installed"]:
-        return
-    try:
-        import pyinfra
-        if not getattr(pyinfra, "is_cli", False):
-            return
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            if signum != signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN:
-                continue  # nohup: the operator asked for the run to outlive the terminal
-            signal.signal(signum, _on_interrupt)
-        _INTERRUPT["installed"] = True
-    except (ValueError, OSError):  # not the main thread: leave pyinfra's
-        pass
-
-
 # ---------------------------------------------------------------- talking to the container
-def _pct_trouble(failure: Any, pve_host: str, vmid: Any) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class Trouble:
+    """Why an agent command gave no answer: the line the operator reads (``text``, also what
+    ``str()`` gives) and, where pct or the link to the Proxmox host said why, the connector's
+    ``PctFailure.kind``: code decides on the kind, never on the words.
+
+    >>> Trouble("container 129 on pve1 is stopped", "not-running").container_gone
+    True
+    """
+
+    text: str
+    kind: PctFailureKind | None = None
+
+    def __str__(self) -> str:
+        return self.text
+
+    @property
+    def container_gone(self) -> bool:
+        """The container is stopped or no longer exists: nothing more can be read from it."""
+        return self.kind in ("not-running", "unknown-vmid")
+
+
+def _pct(host_obj: Any) -> PctConnector | None:
+    """The host's pct connector; None under another connector, which runs the same commands without
+    pct's failures, containers found stopped at the first command, or the Proxmox host's GPU locks."""
+    connector = host_obj.connector
+    return connector if isinstance(connector, PctConnector) else None
+
+
+def _pct_trouble(failure: Any, pve_host: str, vmid: Any) -> Trouble | None:
     """Why a command did not run in the container, from the connector's structured failure
     (gpugate.connectors.pct.PctFailure): 'container 129 on pve1 is stopped', 'pve1: the SSH
     connection was lost'; None when pct ran the command (its own exit status is the command's)."""
     if failure is None:
         return None
     if failure.kind == "not-running":
-        return f"container {vmid} on {pve_host} is stopped"
+        return Trouble(f"container {vmid} on {pve_host} is stopped", failure.kind)
     if failure.kind == "unknown-vmid":
-        return f"container {vmid} on {pve_host} does not exist (any more)"
+        return Trouble(f"container {vmid} on {pve_host} does not exist (any more)", failure.kind)
     if failure.kind == "link-lost":
-        return f"{pve_host}: the SSH connection was lost (the link to the Proxmox host, not the container)"
-    return failure.describe(pve_host, vmid)
+        return Trouble(f"{pve_host}: the SSH connection was lost (the link to the Proxmox host, not the container)",
+                       failure.kind)
+    return Trouble(failure.describe(pve_host, vmid), failure.kind)
+
+
+def _last_trouble(host_obj: Any) -> Trouble | None:
+    """Why the host's last command did not run in the container, as its connector recorded it."""
+    connector = _pct(host_obj)
+    if connector is None:
+        return None
+    return _pct_trouble(connector.last_failure, host_obj.data.get("pve_host") or connector.pve_host_name,
+                        host_obj.data.get("pct_vmid"))
 
 
 def _run(host_obj: Any, command: Any, stdin: str | None = None, timeout: float | None = None
-         ) -> tuple[bool, dict[str, Any], str | None]:
+         ) -> tuple[bool, dict[str, Any], Trouble | None]:
     """One agent command -> (ran, answer, trouble). ``trouble``: why no answer came (the
     container is stopped, the connection failed); never raw output."""
     kwargs: dict[str, Any] = {}
@@ -266,31 +320,24 @@ def _run(host_obj: Any, command: Any, stdin: str | None = None, timeout: float |
     return _answer(host_obj, status, output)
 
 
-def _where(host_obj: Any) -> tuple[Any, Any]:
-    return (host_obj.data.get("pve_host") or getattr(host_obj.connector, "pve_host_name", None) or host_obj.name,
-            host_obj.data.get("pct_vmid"))
+def _no_answer(host_obj: Any, error: Exception) -> tuple[bool, dict[str, Any], Trouble | None]:
+    trouble = _last_trouble(host_obj)
+    return False, {}, trouble or Trouble(f"no answer from the container ({type(error).__name__}: {str(error)[:200]})")
 
 
-def _no_answer(host_obj: Any, error: Exception) -> tuple[bool, dict[str, Any], str | None]:
-    trouble = _pct_trouble(getattr(host_obj.connector, "last_failure", None), *_where(host_obj))
-    return False, {}, trouble or f"no answer from the container ({type(error).__name__}: {str(error)[:200]})"
-
-
-def _answer(host_obj: Any, status: bool, output: Any) -> tuple[bool, dict[str, Any], str | None]:
+def _answer(host_obj: Any, status: bool, output: Any) -> tuple[bool, dict[str, Any], Trouble | None]:
     """An agent command's ``(status, output)`` -> (ran, answer, trouble), as :func:`_run` says."""
-    connector = host_obj.connector
-    where = _where(host_obj)
     if not status:
-        trouble = _pct_trouble(getattr(connector, "last_failure", None), *where)
+        trouble = _last_trouble(host_obj)
         if trouble:
             return False, {}, trouble
         detail = " | ".join(line for line in output.stderr_lines if line.strip())[-300:]
-        return False, {}, f"the command failed in the container: {detail or 'no output'}"
+        return False, {}, Trouble(f"the command failed in the container: {detail or 'no output'}")
     answer = agentcmd.parse_output(output.stdout_lines)
     return True, answer, None
 
 
-def _observe(host_obj: Any, python: str, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+def _observe(host_obj: Any, python: str, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any] | None, Trouble | None]:
     """The SglangObservation: one command; once more with the agent inline when this controller's
     agent is not installed in the container (read-only: the hand-off installs it)."""
     doc: dict[str, Any] = {}
@@ -304,9 +351,9 @@ def _observe(host_obj: Any, python: str, kwargs: Mapping[str, Any]) -> tuple[dic
             break
         installed = False
     if doc.get("no_python") or doc.get("agent_missing"):
-        return None, doc.get("error") or "the container's agent did not answer"
+        return None, Trouble(doc.get("error") or "the container's agent did not answer")
     if "error" in doc:
-        return None, f"the observation failed: {doc['error']}"
+        return None, Trouble(f"the observation failed: {doc['error']}")
     doc["agent_installed"] = installed
     return doc, None
 
@@ -322,16 +369,17 @@ def _spec_for_version(host_obj: Any, python: str, spec: Spec, flags: Mapping[str
 
     def run(command: str) -> dict[str, Any]:
         _ran, answer, trouble = _run(host_obj, command)
-        return answer if not trouble else {"schema": 1, "version": None, "error": trouble}
+        return answer if not trouble else {"schema": 1, "version": None, "error": trouble.text}
 
     # observation: observe already named the container's table; known to us, it costs no command
-    doc = flag_table(host_obj, python, say=host_obj.log if show else None, run=run, observation=observation)
-    table, note = engine().choose_table(doc, pinned)
-    checked = build_spec(spec.model_path, spec.port, flags, spec.env, host=spec.host, supervisor=spec.supervisor,
-                         python=spec.python, extra_args=spec.extra_args, sglang_version=spec.sglang_version,
-                         table=table, weight_cache=spec.weight_cache, gated_launch=gated_choice)
-    extra = (f"flags checked against {note}",) + tuple(engine().flag_warnings(checked.flags, table))
-    return dataclasses.replace(checked, warnings=tuple(checked.warnings) + extra)
+    doc = flag_table(host_obj, python, say=host_obj.log if show else None, run=run, observation=observation,
+                     engine_name=spec.engine)
+    serving = engine(spec.engine)
+    table, note = serving.choose_table(doc, pinned)
+    checked = for_version(spec, table)
+    extra = (f"flags checked against {note}",) + tuple(serving.flag_warnings(checked.flags, table))
+    return dataclasses.replace(checked, launch=dataclasses.replace(checked.launch,
+                                                                   warnings=tuple(checked.warnings) + extra))
 
 
 def _claim_overlaps(host_obj: Any, spec: Spec, desired_siblings: tuple[int, ...] = ()) -> list[str]:
@@ -343,16 +391,13 @@ def _claim_overlaps(host_obj: Any, spec: Spec, desired_siblings: tuple[int, ...]
     ``mine`` is the spec this operation was given (it may differ from the host data), so this
     container's own inventory entry (one server per container there) is replaced by it, never
     compared with it: a port change of this container is the plan's replace, not a claim."""
-    from gpugate.claims import claim_host, overlaps_of, servers_of_inventory  # noqa: PLC0415
+    from gpugate.claims import claim_host, overlaps_of  # noqa: PLC0415
 
     vmid = host_obj.data.get("pct_vmid")
     if spec.gpus is None or vmid is None:
         return []
     mine = (claim_host(host_obj.name, host_obj.data), int(vmid), int(spec.port), tuple(spec.gpus))
-    fleet = state.__dict__.get("_gpugate_claims")
-    if fleet is None:  # once per pyinfra run, not once per container (host data is fixed by then)
-        fleet = servers_of_inventory((h.name, h.data.dict()) for h in state.inventory)
-        state.__dict__["_gpugate_claims"] = fleet
+    fleet = Run.of(state).desired_claims(state.inventory)  # once per pyinfra run, not once per container
     # this container's own entry is the spec this operation was given; with several servers in the
     # container, only this server's (its siblings claim GPUs of their own)
     same = 3 if desired_siblings else 2
@@ -370,7 +415,7 @@ def _fail(state: Any, host: Any, message: str) -> bool:  # noqa: A002 -- pyinfra
 def _refuse(message: str, port: int):
     """Fail this container only, touching nothing: printed at prepare (and so under --dry, whose
     exit status then is non-zero) and when executing; the other containers go on."""
-    book = _runbook()
+    book = Run.of(state)
     if not state.is_executing:
         host.log_styled(message, fg="yellow", log_func=logger.warning)
         # --dry ends after prepare: count the refusal so that pyinfra exits non-zero, without
@@ -387,7 +432,7 @@ def _unavailable(message: str):
     ``pct_connect_check`` false: a run of deploy.py alone), as a container that failed to connect is:
     connect's own line, said once, this container failed alone, and neither refused nor failed in the
     run's book (a rolling change goes on past it, as it goes on past a container that did not connect)."""
-    book = _runbook()
+    book = Run.of(state)
     if host.name not in book.unavailable:
         book.unavailable.add(host.name)
         host.log_styled(message, fg="red", log_func=logger.error)
@@ -447,7 +492,7 @@ def _run_id(host_obj: Any) -> str:
 
 def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra passes them by these names
     host_obj = host
-    book = _runbook()
+    book = Run.of(state)
     name = host_obj.name
     if job.rolling and book.stop_rolling(job.max_failures):
         book.untouched.append(name)
@@ -464,16 +509,13 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     _audit(job, host_obj, "plan", "begin", run=run, **job.story)
     if job.routing is not None and not _leave_router(host_obj, job, run):
         return False
-    claimed = bool(plan.gpus) and hasattr(host_obj.connector, "hold_gpu_locks")
-    # the locks and the hand-off in one round trip where the connector can (the host's holder runs the start)
-    together = claimed and hasattr(host_obj.connector, "hand_off_holding_gpu_locks")
-    if claimed and not together:
-        ok, message = host_obj.connector.hold_gpu_locks(list(plan.gpus or ()), run, python=job.python)
-        refused = _claim_refused(host_obj, job, run, ok, message)
-        if refused is not None:
-            return refused
+    # a pct container claims its GPUs on the Proxmox host (gpugate.claims): the locks and the hand-off
+    # in one round trip, the host's lock holder runs the start once it holds them
+    connector = _pct(host_obj) if plan.gpus else None
     doc: dict[str, Any] = {"run": run, "operator": _operator(), "budgets": job.budgets, "restart": bool(plan.restart),
                            "rollback_to": plan.rollback_to, "replaces": plan.replaces, "port": job.port}
+    if job.observe_args.get("engine"):  # the agent loads this engine's container module (gpugate.agent.engine)
+        doc["engine"] = job.observe_args["engine"]
     if plan.target is not None:
         doc["desired"] = {"history": plan.target.get("key"), "port": job.port}
     elif job.spec is not None:
@@ -487,28 +529,26 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         doc["desired"] = None
     if job.end_pids:
         doc["end_gpu_holders"] = job.end_pids
-    if claimed and not together and (getattr(host_obj.connector, "gpu_claim", None) or {}).get("until"):
-        doc["claim_until"] = host_obj.connector.gpu_claim["until"]  # the agent refuses a hand-off after it
     watch = Watch(name, job.port, run, _narrator(job))
     book.watching[name] = watch
     stdin = agentcmd.start_stdin(doc, include_source=not job.observation.get("agent_installed", True))
-    if together:  # the holder sets claim_until to its claim's window
+    if connector is not None:  # the holder sets claim_until to its claim's window
         try:
-            ok, message, started = host_obj.connector.hand_off_holding_gpu_locks(
-                list(plan.gpus or ()), run, agentcmd.start_command(job.python), stdin, python=job.python, timeout=120)
+            claim = hand_off_holding_gpu_locks(connector, list(plan.gpus or ()), run,
+                                               agentcmd.start_command(job.python), stdin, python=job.python,
+                                               timeout=120)
         except Exception as error:  # SSH dropped, timeout: the hand-off may have begun
-            ok, message, started = True, "", None
             ran, answer, trouble = _no_answer(host_obj, error)
         else:
-            if started is None:  # the locks were not taken: no hand-off, nothing touched
+            if claim.started is None:  # the locks were not taken: no hand-off, nothing touched
                 book.watching.pop(name, None)
-                refused = _claim_refused(host_obj, job, run, ok, message)
+                refused = _claim_refused(host_obj, job, run, claim)
                 if refused is not None:
                     return refused
-                ran, answer, trouble = False, {}, "the GPU lock holder ran no hand-off"
+                ran, answer, trouble = False, {}, Trouble("the GPU lock holder ran no hand-off")
             else:
-                _claim_refused(host_obj, job, run, ok, message)  # the stale claims it released on the way
-                ran, answer, trouble = _answer(host_obj, *started)
+                _claim_refused(host_obj, job, run, claim)  # the stale claims it released on the way
+                ran, answer, trouble = _answer(host_obj, *claim.started)
     else:
         ran, answer, trouble = _run(host_obj, agentcmd.start_command(job.python), stdin=stdin, timeout=120)
     if trouble or not ran:
@@ -541,26 +581,25 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     return ok
 
 
-def _claim_refused(host_obj: Any, job: Job, run: str, ok: bool, message: str) -> bool | None:
+def _claim_refused(host_obj: Any, job: Job, run: str, claim: GpuClaim) -> bool | None:
     """The GPU claim's answer (gpugate.claims): stale claims released on the way are said; None: go
     on with the hand-off; else what _execute returns (this container's own run holds the claim:
     followed; another's: refused, nothing touched)."""
-    book = _runbook()
+    book = Run.of(state)
     name = host_obj.name
-    claim = getattr(host_obj.connector, "gpu_claim", None) or {}
-    for gone in claim.get("released") or []:
+    for gone in claim.released:
         _say(host_obj, job.port, f"released a stale GPU claim: run {gone.get('run')} of container "
                                  f"{gone.get('vmid')} never began ({gone.get('why')})")
-    own = None if ok or claim.get("began") is not True else own_claim_run(claim.get("owner"),
-                                                                          host_obj.data.get("pct_vmid"))
+    own = None if claim.locked or claim.began is not True else own_claim_run(claim.owner,
+                                                                             host_obj.data.get("pct_vmid"))
     if own:  # this container's own run holds the claim: follow it, as the plan does a running one
         _say(host_obj, job.port, f"the GPU claim is held by run {own} of this container: following it instead")
         return _attach(host_obj, job, own)
-    if not ok:
+    if not claim.locked:
         book.refused.append(name)
         book.outcomes[name] = "refused (GPU claims; nothing touched)"
-        _say(host_obj, job.port, f"REFUSED, nothing touched: {message}", error=True)
-        _audit(job, host_obj, "outcome", "end", run=run, outcome="refused", message=message)
+        _say(host_obj, job.port, f"REFUSED, nothing touched: {claim.message}", error=True)
+        _audit(job, host_obj, "outcome", "end", run=run, outcome="refused", message=claim.message)
         _rejoin_router(host_obj, job, run, "the old server still serves")
         return False
     return None
@@ -573,7 +612,7 @@ def _leave_router(host_obj: Any, job: Job, run: str) -> bool:
     nothing touched."""
     from gpugate import router  # noqa: PLC0415
 
-    book = _runbook()
+    book = Run.of(state)
     routing = job.routing
     assert routing is not None
     client = router.client_for(routing)
@@ -613,7 +652,7 @@ def _rejoin_router(host_obj: Any, job: Job, run: str, why: str) -> bool:
     _audit(job, host_obj, "router", "end", run=run, router=routing.router, action="rejoined" if ok else "rejoin failed",
            message=message)
     if not ok:
-        book = _runbook()
+        book = Run.of(state)
         if host_obj.name not in book.failed:
             book.failed.append(host_obj.name)
         book.outcomes[host_obj.name] = f"{book.outcomes.get(host_obj.name, '?')}; {message}"
@@ -663,7 +702,7 @@ def _install_agent(host_obj: Any, python: str) -> bool:
     return ran and bool(answer.get("ok"))
 
 
-def _run_saying_silence(host_obj: Any, job: Job, command: Any, timeout: float) -> tuple[bool, dict[str, Any], str | None]:
+def _run_saying_silence(host_obj: Any, job: Job, command: Any, timeout: float) -> tuple[bool, dict[str, Any], Trouble | None]:
     """_run of a follow, with a progress line every LINK_SILENT_S while the link stays silent
     beyond the follow's own wait (a frozen SSH link is otherwise silence until its timeout)."""
     import gevent  # pyinfra's own: the command's wait is a greenlet's, so a timer greenlet can speak
@@ -691,11 +730,11 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
     outcome's (only ``verified`` succeeds). ``seen`` gets the run's desired record and operator (its
     ``run`` event) and ``ended`` once its outcome was read: an attached run may be another spec's."""
     seen = {} if seen is None else seen
-    book = _runbook()
+    book = Run.of(state)
     name = host_obj.name
     if watch is None:
         # an attached run is another's: its verify is of its own spec, never this job's restored one
-        watch = Watch(name, job.port, run, Narrator() if attached else _narrator(job), handed_off=True)
+        watch = Watch(name, job.port, run, Narrator(job.observe_args.get("engine") or DEFAULT_ENGINE) if attached else _narrator(job), handed_off=True)
         book.watching[name] = watch
         _say(host_obj, job.port, f"following run {run}")
     narrator = watch.narrator
@@ -706,11 +745,11 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
         ran, answer, trouble = _run_saying_silence(
             host_obj, job, agentcmd.follow_command(job.python, run, offset, wait_s=FOLLOW_WAIT_S, batch=True),
             timeout=FOLLOW_WAIT_S + 60)
-        if trouble and "is stopped" in trouble or trouble and "does not exist" in trouble:
-            book.ended(name, trouble)
+        if trouble is not None and trouble.container_gone:
+            book.ended(name, trouble.text)
             _say(host_obj, job.port, f"{trouble}: following run {run} ends here (it was at "
                                      f"{narrator.doing(time.time())}); start the container and re-run", error=True)
-            _audit(job, host_obj, "outcome", "end", run=run, outcome="container stopped", message=trouble)
+            _audit(job, host_obj, "outcome", "end", run=run, outcome="container stopped", message=trouble.text)
             return False
         if not ran or answer.get("agent_missing") or (answer.get("error") and not answer.get("events")):
             misses += 1
@@ -780,7 +819,7 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
 
 
 def _narrator(job: Job) -> Narrator:
-    narrator = Narrator()
+    narrator = Narrator(job.observe_args.get("engine") or DEFAULT_ENGINE)
     if job.restoring:  # its run's "desired" spec is the recorded one it restores
         narrator.desired_what = "the restored spec"
     return narrator
@@ -819,7 +858,7 @@ def _attach(host_obj: Any, job: Job, run: str, depth: int = 0) -> bool:
     run's own desired state, its outcome is this run's. When it ran another spec (a second operator),
     its "verified" is not ours: observe and plan again, and hand this run's spec off (the normal path);
     a rollback runbook, whose target depended on what ran before, stops there, non-zero."""
-    book = _runbook()
+    book = Run.of(state)
     name = host_obj.name
     seen: dict[str, Any] = {}
     ok = _follow(host_obj, job, run, attached=True, seen=seen)
@@ -878,10 +917,11 @@ def _capacity(job: Job, narrator: Narrator) -> dict[str, Any]:
     """The effect the server reports (the engine's capacity figures): before from the observation,
     after from the agent's verify."""
     before_info = ((job.observation.get("sglang") or {}).get("server_info") or {}).get("args") or None
-    before = engine().capacity_from_server_info(before_info) if before_info else None
-    after = engine().capacity_from_server_info(narrator.capacity) if narrator.capacity else None
+    serving = narrator.engine
+    before = serving.capacity(before_info) if before_info else None
+    after = serving.capacity(narrator.capacity) if narrator.capacity else None
     try:
-        line = engine().capacity_line(before, after) if after else None
+        line = serving.capacity_line(before, after) if after else None
     except Exception:
         line = None
     return {"before": before, "after": after, "line": line}
@@ -903,7 +943,7 @@ def render_unit(spec: Spec, stop_timeout_s: float, template: str = "sglang.servi
     return render_template(
         template, port=spec.port, exec_start=" ".join(_systemd_quote(a) for a in argv),
         env_file=f"/etc/gpugate/sglang-{spec.port}.env", stop_timeout_s=int(stop_timeout_s),
-        argv_comment=shlex.join(engine().redact_argv(list(argv))))
+        argv_comment=shlex.join(engine(spec.engine).redact_argv(list(argv))))
 
 
 def _story(observation: Mapping[str, Any], plan: Plan, spec: Spec | None) -> dict[str, Any]:
@@ -911,14 +951,74 @@ def _story(observation: Mapping[str, Any], plan: Plan, spec: Spec | None) -> dic
     server = observation.get("sglang") or {}
     command = server.get("command") or {}
     main = server.get("main") or {}
-    after_argv = engine().redact_argv(list(spec.argv)) if spec else (list((plan.target or {}).get("argv") or []) or None)
-    after_flags = redact_flags(spec.flags) if spec else ((plan.target or {}).get("flags"))
+    serving = engine(spec.engine if spec else server.get("engine") or DEFAULT_ENGINE)
+    after_argv = list(spec.launch.shown_argv) if spec else (list((plan.target or {}).get("argv") or []) or None)
+    after_flags = dict(spec.launch.shown_flags) if spec else ((plan.target or {}).get("flags"))
     return {"action": plan.action, "plan_reasons": list(plan.reasons), "restore_previous": plan.target is not None, "argv_before": main.get("argv"),
-            "flags_before": redact_flags(command.get("flags") or {}) if command else None,
+            "flags_before": serving.redact_flags(command.get("flags") or {}) if command else None,
             "argv_after": after_argv, "flags_after": after_flags, "diff": list(plan.lines)}
 
 
+def _cli_dry() -> bool:
+    """Whether this pyinfra CLI run has ``--dry``: the click command's own parameter where its
+    context is visible; deploy files run in gevent greenlets, where click's (thread-local) context
+    is not, so then the command line (``--dry`` takes no value and has no short form).
+
+    >>> _cli_dry()  # not under pyinfra's CLI
+    False
+    """
+    try:
+        import click
+        ctx = click.get_current_context(silent=True)
+        while ctx is not None:
+            if "dry" in ctx.params:
+                return bool(ctx.params["dry"])
+            ctx = ctx.parent
+    except Exception:  # not under pyinfra's CLI
+        pass
+    import pyinfra
+    return bool(getattr(pyinfra, "is_cli", False)) and "--dry" in sys.argv[1:]
+
+
+def _plan_under_dry() -> None:
+    """``pyinfra -y ... --dry`` must print every container's plan or refusal too. With ``-y`` pyinfra
+    skips change detection: at prepare it never runs an operation's body, and ``--dry`` ends the run
+    right after prepare, so nothing was printed and a refusal exited 0. Under ``--dry`` nothing
+    executes, so detecting changes is what the operator asked for: turn it back on."""
+    if not state.is_executing and not state.check_for_changes and _cli_dry():
+        state.check_for_changes = True
+
+
+_Operation = TypeVar("_Operation", bound=Callable[..., Any])
+
+
+def _at_each_call(op: _Operation) -> _Operation:
+    """What must happen when a deploy file calls the operation, before pyinfra looks at the call.
+    pyinfra runs an operation's body at prepare only to detect changes, and under ``-y`` not at
+    all, so the body comes too late for these; and pyinfra has no hook in between (its State
+    callbacks begin at execution). This wrapper is the one place gpugate steps in ahead of pyinfra:
+
+    - the run's object (:meth:`Run.of`) is made here, so that Ctrl-C is this run's from its first
+      plan on (before the hand-off, "nothing was touched" and a non-zero exit, not pyinfra's 0);
+    - ``--dry -y``: change detection turned back on (:func:`_plan_under_dry`);
+    - a rolling restart: the hosts in the inventory's order (:meth:`Run.keep_fleet_order`) before
+      pyinfra takes the order of the hosts a ``_serial`` operation visits.
+    """
+
+    @functools.wraps(op)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        run = Run.of(state)
+        _plan_under_dry()
+        desired = kwargs.get("desired", args[0] if args else None)
+        if getattr(desired, "rolling", False) or kwargs.get("_serial"):
+            run.keep_fleet_order(state)
+        return op(*args, **kwargs)
+
+    return cast(_Operation, call)
+
+
 # ---------------------------------------------------------------- the operation
+@_at_each_call
 @operation()
 def server(desired: Desired, restore_previous: bool = False):
     """
@@ -947,12 +1047,9 @@ def server(desired: Desired, restore_previous: bool = False):
         sglang.server(name="The desired SGLang server", desired=desired_state(host.data))
         sglang.server(name="Back to the spec before", desired=desired_state(host.data), restore_previous=True)
     """
-    book = _runbook()
-    _install_interrupt_handler(book)
+    book = Run.of(state)
     port, python = desired.port, desired.python
     restoring = bool(restore_previous)
-    if desired.rolling:
-        _keep_fleet_order()
     if state.is_executing and desired.rolling and book.stop_rolling(desired.max_failures):
         # a rolling restart that already failed: not even observed
         yield FunctionCommand(_execute, (Job(Plan("noop", ()), None, port, python, {}, {}, desired.audit_log, True,
@@ -966,12 +1063,13 @@ def server(desired: Desired, restore_previous: bool = False):
     if overlaps:  # the desired state itself is contradictory: nothing to observe, nothing to touch
         yield from _refuse(f"sglang :{port} REFUSED, nothing touched: another desired server of this Proxmox host "
                            f"claims its GPUs: {'; '.join(overlaps)} (give each server its own GPUs: "
-                           f"base-gpu-id, CUDA_VISIBLE_DEVICES; or sglang_present: false for one)", port)
+                           f"the engine's GPU flags, CUDA_VISIBLE_DEVICES; or sglang_present: false for one)", port)
         return
 
     observed_args = desired.observe_args() if spec is not None else {"port": port}
     observation, trouble = _observe(host, python, observed_args)
-    unavailable = getattr(host.connector, "unavailable", None)
+    connector = _pct(host)
+    unavailable = connector.unavailable if connector is not None else None
     if (trouble or observation is None) and unavailable:  # the connect check was this observe (pct_connect_check)
         yield from _unavailable(unavailable)
         return
@@ -1019,7 +1117,7 @@ def server(desired: Desired, restore_previous: bool = False):
         # a server its router does not list is not as desired there, so not here either
         from gpugate import router  # noqa: PLC0415
         preflight = router.preflight(dataclasses.replace(desired.routing, register=False))
-        if preflight.worker is None and preflight.problem and "does not list" in preflight.problem:
+        if preflight.kind == "not-listed":
             if not desired.routing.register:
                 yield from _refuse(f"sglang :{port} REFUSED: it serves as desired, but {preflight.problem}", port)
                 return
@@ -1055,50 +1153,3 @@ def server(desired: Desired, restore_previous: bool = False):
               plan_args=plan_args, restoring=restoring, end_other_gpu_holders=end_other_gpu_holders,
               routing=routing, desired_spec=desired_spec, desired_problem=desired.problem if restoring else None)
     yield FunctionCommand(_execute, (job,), {})
-
-
-def _cli_dry() -> bool:
-    """Whether this pyinfra CLI run has ``--dry``: the click command's own parameter where its
-    context is visible; deploy files run in gevent greenlets, where click's (thread-local) context
-    is not, so then the command line (``--dry`` takes no value and has no short form).
-
-    >>> _cli_dry()  # not under pyinfra's CLI
-    False
-    """
-    try:
-        import click
-        ctx = click.get_current_context(silent=True)
-        while ctx is not None:
-            if "dry" in ctx.params:
-                return bool(ctx.params["dry"])
-            ctx = ctx.parent
-    except Exception:  # not under pyinfra's CLI
-        pass
-    import pyinfra
-    return bool(getattr(pyinfra, "is_cli", False)) and "--dry" in sys.argv[1:]
-
-
-def _plan_under_dry() -> None:
-    """``pyinfra -y ... --dry`` must print every container's plan or refusal too. With ``-y`` pyinfra
-    skips change detection: at prepare it never runs an operation's body, and ``--dry`` ends the run
-    right after prepare, so nothing was printed and a refusal exited 0. Under ``--dry`` nothing
-    executes, so detecting changes is what the operator asked for: turn it back on."""
-    if not state.is_executing and not state.check_for_changes and _cli_dry():
-        state.check_for_changes = True
-
-
-_server_operation = server
-
-
-@functools.wraps(_server_operation)  # type: ignore[no-redef]
-def server(*args: Any, **kwargs: Any) -> Any:  # noqa: F811 -- the operation, --dry aware
-    _plan_under_dry()
-    desired = kwargs.get("desired", args[0] if args else None)
-    if getattr(desired, "rolling", False) or kwargs.get("_serial"):
-        # Here, while the deploy file runs at prepare: with -y pyinfra runs the operation's body only at
-        # execution, after it has taken the order of the hosts it will visit.
-        _keep_fleet_order()
-    return _server_operation(*args, **kwargs)
-
-
-_install_interrupt_handler(None)  # a deploy file that imports this module: from here on, Ctrl-C is ours

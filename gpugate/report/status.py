@@ -20,7 +20,7 @@ from typing import Any, TypedDict
 
 from pyinfra import logger
 
-from gpugate.engine import get as engine
+from gpugate.engine import DEFAULT_ENGINE, get as engine
 from gpugate.match import compare, diff_lines, env_lines, for_container, runs_exactly
 from gpugate.plan import stall_text
 from gpugate.rules import gate as rules_gate
@@ -218,7 +218,7 @@ def _record_flags(record: Mapping[str, Any]) -> dict[str, Any]:
     argv = record.get("argv")
     if not isinstance(argv, list):
         return {}
-    return dict(engine().parse_argv(argv).flags)
+    return dict(engine(record.get("engine") or DEFAULT_ENGINE).read_running(argv).flags)
 
 
 def good_label(index: int, count: int) -> str:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from gpugate.router.smg import (RouterError, SmgClient, healthy_peers, in_flight, rejoin_body, same_url,
                                 server_ready)
@@ -43,14 +43,19 @@ def client_for(routing: Routing) -> SmgClient:
     return SmgClient(routing.endpoint, routing.api_key_env)
 
 
+PreflightKind = Literal["no-answer", "not-listed", "min-serving"]
+
+
 @dataclasses.dataclass
 class Preflight:
     """What the router says before anything stops: this server's worker entry (None: not listed),
-    the other healthy workers of its model, and the refusal (None: it may leave)."""
+    the other healthy workers of its model, and the refusal (None: it may leave), with its kind
+    for code to decide on (never the refusal's words)."""
 
     worker: dict[str, Any] | None
     peers: list[str]
     problem: str | None
+    kind: PreflightKind | None = None
 
     def lines(self, routing: Routing, drain_s: float) -> list[str]:
         """The router steps, as ``--dry`` and the plan print them."""
@@ -79,19 +84,19 @@ def preflight(routing: Routing, client: SmgClient | None = None) -> Preflight:
         workers = client.workers()
     except RouterError as error:
         return Preflight(None, [], f"{where} did not answer ({error}): a routed server restarts only when its "
-                                   f"router can take it out and put it back")
+                                   f"router can take it out and put it back", "no-answer")
     worker = next((w for w in workers if same_url(w.get("url"), routing.worker_url)), None)
     if worker is None:
         if routing.register:
             return Preflight(None, [], None)
         return Preflight(None, [], f"{where} does not list this server (no worker at {routing.worker_url}); "
-                                   f"`--data router_register=true` adds it after the restart")
+                                   f"`--data router_register=true` adds it after the restart", "not-listed")
     peers = healthy_peers(workers, worker.get("model_id"), routing.worker_url)
     serving_now = bool(worker.get("is_healthy")) and worker.get("status", "ready") == "ready"
     if serving_now and len(peers) < routing.min_serving:
         return Preflight(worker, peers, f"taking it out of {where} would leave {len(peers)} healthy worker(s) "
                                         f"of {worker.get('model_id') or 'its model'} (min_serving "
-                                        f"{routing.min_serving})")
+                                        f"{routing.min_serving})", "min-serving")
     return Preflight(worker, peers, None)
 
 
@@ -147,9 +152,10 @@ def rejoin(routing: Routing, client: SmgClient, worker: Mapping[str, Any] | None
     """Put the server back: /ready, ``POST /workers`` with what it had, then until smg lists it
     healthy and ready, within ``timeout_s``. (ok, what happened) — never raises."""
     start = now()
-    while not server_ready(routing.worker_url):
+    while not server_ready(routing.worker_url, routing.ready_paths):
         if now() - start >= timeout_s:
-            return False, f"not ready at {routing.worker_url} after {timeout_s:g} s (/ready): not re-added"
+            return False, (f"not ready at {routing.worker_url} after {timeout_s:g} s ({routing.ready_paths[0]}): "
+                           f"not re-added")
         sleep(POLL_S)
     try:
         # smg keeps a removed worker listed as draining for its settle time (5 s): a POST for its URL

@@ -146,13 +146,15 @@ def in_flight(server_url: str, timeout: float = REQUEST_TIMEOUT_S) -> int | None
     return None
 
 
-def server_ready(server_url: str, timeout: float = REQUEST_TIMEOUT_S) -> bool:
-    """SGLang's ``/ready`` (0.5.23: 200 iff not paused and healthy, no generation), else, on a server
-    without it (404), ``/health_generate`` (a real one-token generation)."""
+def server_ready(server_url: str, paths: Sequence[str] = ("/health",), timeout: float = REQUEST_TIMEOUT_S) -> bool:
+    """The engine's readiness (``paths``: its ``Engine.ready_paths``, the first that the server
+    has: a 404 moves on to the next, which may be a real generation and gets a longer timeout)."""
     try:
-        status, _body = _get(server_url.rstrip("/") + "/ready", timeout)
-        if status == 404:
-            status, _body = _get(server_url.rstrip("/") + "/health_generate", max(timeout, 20.0))
+        status = None
+        for index, path in enumerate(paths):
+            status, _body = _get(server_url.rstrip("/") + path, timeout if index == 0 else max(timeout, 20.0))
+            if status != 404:
+                break
         return status == 200
     except OSError:
         return False

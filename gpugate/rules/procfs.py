@@ -21,6 +21,9 @@ PROBE_MARKER = "gpugate-probe"
 PROC = "/proc"
 GONE_STATES = ("Z", "X")  # a zombie or a dead task: exited, holds nothing new
 
+# The PATH every server and command gpugate starts gets: never the login session's or the host's.
+CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
 
 def read_file(path: str, mode: str = "r", limit: int | None = None) -> Any:
     """The file's content, or None when it cannot be read (gone, not ours, not text)."""

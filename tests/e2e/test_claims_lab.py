@@ -18,6 +18,7 @@ import pytest
 from pyinfra.api import Config, Inventory, State
 
 from gpugate import agentcmd
+from gpugate.claims import hold_gpu_locks
 from gpugate.fleet import fleet_to_inventory, load_fleet
 from gpugate.engine.sglang.flags import render_argv, validate_flags
 from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
@@ -184,6 +185,12 @@ def connectors(lab, *vmids: int):
     return hosts
 
 
+def hold(host, gpus, run: str, **kwargs) -> tuple[bool, str]:
+    """gpugate.claims.hold_gpu_locks for a container of the lab -> (locked, message)."""
+    claim = hold_gpu_locks(host.connector, gpus, run, **kwargs)
+    return claim.locked, claim.message
+
+
 def hand_off(host, run: str, flags: dict) -> dict:
     """The real agent's start (a real transition in the container), as sglang.server hands it off."""
     argv = ["/usr/bin/python3", *render_argv(MODEL, 30000, validate_flags(flags))]
@@ -207,11 +214,11 @@ def host_holders_log(lab) -> list[dict]:
 def test_two_overlapping_transitions_cannot_pass_their_gates_together(lab):
     ct129, ct130 = connectors(lab, 129, 130)
     try:
-        ok, message = ct129.connector.hold_gpu_locks(range(8), "run-129", python="/usr/bin/python3", grace_s=20)
+        ok, message = hold(ct129, range(8), "run-129", python="/usr/bin/python3", grace_s=20)
         assert ok, message
         hand_off(ct129, "run-129", {"tp": 8})
         # ct 130 wants GPUs 0-3 while 129's transition runs: refused before anything is touched
-        ok, message = ct130.connector.hold_gpu_locks(range(4), "run-130", python="/usr/bin/python3", grace_s=5)
+        ok, message = hold(ct130, range(4), "run-130", python="/usr/bin/python3", grace_s=5)
         assert not ok
         assert message.startswith("GPU 0 of pve1 is claimed by container 129 (run run-129, GPU 0-7)"), message
         assert "ct 130 did not begin run run-130; nothing was touched" in message
@@ -222,7 +229,7 @@ def test_two_overlapping_transitions_cannot_pass_their_gates_together(lab):
         released = host_holders_log(lab)[0]
         assert json.loads(released["wait_answer"])["outcome"] == "verified", released
         assert health(lab, 129) == 200
-        ok, message = ct130.connector.hold_gpu_locks(range(4), "run-130b", python="/usr/bin/python3", grace_s=1)
+        ok, message = hold(ct130, range(4), "run-130b", python="/usr/bin/python3", grace_s=1)
         assert ok, message  # free again (no run-130b follows: the holder lets go after grace_s)
     finally:
         for host in (ct129, ct130):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import module_lab
-from tests.e2e.test_claims_lab import connectors
+from tests.e2e.test_claims_lab import connectors, hold
 from tests.faults.conftest import deploy, main_pid, said
 
 pytestmark = [pytest.mark.faults, pytest.mark.lab]
@@ -35,7 +35,7 @@ def test_a_claim_whose_run_never_began_is_released_by_the_next_deploy(lab):
     [ct] = connectors(lab, 129)
     try:
         # a claim taken for a hand-off that never came (the SSH session cut right after the plan)
-        ok, message = ct.connector.hold_gpu_locks([0, 1], "ghost-run", python="/usr/bin/python3", grace_s=2)
+        ok, message = hold(ct, [0, 1], "ghost-run", python="/usr/bin/python3", grace_s=2)
         assert ok, message
     finally:
         ct.disconnect()

@@ -23,7 +23,7 @@ few small modules server_args imports besides travel along:
 Prints, and writes to ``--out`` (JSON): the wheel's size, the import time of 3 runs in fresh
 interpreters (the first after unpacking: cold page cache for sglang's files; torch's may be warm),
 with ``CUDA_VISIBLE_DEVICES=""`` as gpugate's builder sets it, and once without; the whole builder run
-(gpugate/remote/flag_table.py: import + add_cli_args + describe); and whether the table equals
+(gpugate/engine/sglang/table_builder.py: import + add_cli_args + describe); and whether the table equals
 gpugate/engine/sglang/flagtables/sglang-<version>.json (choice lists compared as sets: SGLang builds some from
 sets). A module that is missing is named (exit 2): carry its wheel in ``--deps`` too.
 """
@@ -41,7 +41,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILDER = ROOT / "gpugate" / "remote" / "flag_table.py"
+BUILDER = ROOT / "gpugate" / "engine" / "sglang" / "table_builder.py"
 IMPORT = ("import time; t = time.perf_counter(); import sglang.srt.server_args; "
           "print(round(time.perf_counter() - t, 3))")
 

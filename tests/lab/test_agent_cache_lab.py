@@ -74,7 +74,7 @@ def test_start_writes_the_cache_observe_reads_it_and_works_without_it(lab):
 
 
 def test_observe_names_the_flag_table_as_the_table_builder_does(lab):
-    """observe's ``flag_table`` key is the one gpugate/remote/flag_table.py's collect gives (same
+    """observe's ``flag_table`` key is the one gpugate/engine/sglang/table_builder.py's collect gives (same
     version, same server_args.py hash), so a controller that has that table sends no command for it."""
     from gpugate.facts.sglang import flag_table_command
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from gpugate import agentcmd
-from gpugate.agent import commands, history, loader, logs, start, state
+from gpugate.agent import commands, history, loader, logs, server, start, state
 from gpugate.agent import journal as agent_journal
 from gpugate.agent.transition import Transition
 from gpugate.engine.sglang import processes as sglang
@@ -43,8 +43,8 @@ def test_port_and_host_of_an_argv():
     assert sglang.argv_port(MAIN) == 30001
     assert sglang.argv_port(MAIN[:3]) == 30000  # SGLang's default
     assert sglang.argv_port(MAIN[:3] + ["--port=31000"]) == 31000
-    assert sglang.connect_host(sglang.argv_host(MAIN + ["--host", "0.0.0.0"])) == "127.0.0.1"
-    assert sglang.connect_host(sglang.argv_host(MAIN + ["--host", "10.0.0.5"])) == "10.0.0.5"
+    assert server.connect_host(sglang.argv_host(MAIN + ["--host", "0.0.0.0"])) == "127.0.0.1"
+    assert server.connect_host(sglang.argv_host(MAIN + ["--host", "10.0.0.5"])) == "10.0.0.5"
 
 
 @pytest.mark.parametrize("flags, env, gpus", [

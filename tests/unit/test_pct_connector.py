@@ -22,6 +22,7 @@ from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.api.exceptions import ConnectError, InventoryError
 from pyinfra.connectors.util import CommandOutput, OutputLine
 
+from gpugate.claims import hand_off_holding_gpu_locks
 from gpugate.connectors.pct import (
     CONTAINER_PATH,
     PctConnector,
@@ -684,7 +685,14 @@ def test_parse_container_listing(lines, statuses):
     assert parse_container_listing(lines) == statuses
 
 
-# The GPU locks and the hand-off in one round trip (hand_off_holding_gpu_locks)
+# The GPU locks and the hand-off in one round trip (gpugate.claims.hand_off_holding_gpu_locks), over the
+# connector's host-command path: what it sends to the Proxmox host and how pct's failures come back
+
+
+def hand_off(host, gpus, run, command, stdin):
+    """-> (locked, message, started), the claim's answer, and the claim itself."""
+    claim = hand_off_holding_gpu_locks(host.connector, gpus, run, command, stdin)
+    return claim.locked, claim.message, claim.started, claim
 
 
 def holder_answer(stderr: tuple[str, ...] = (), **fields) -> CommandOutput:
@@ -705,8 +713,7 @@ def test_the_locks_and_the_hand_off_are_one_host_command_whose_start_is_wrapped_
     ssh.shell.answer("python3 -S -c", True, holder_answer(ok=True, pid=7, released=[], handoff_until=100.0,
                                                            start={"rc": 0, "stdout": started_answer}))
     before = len(ssh.shell.calls)
-    locked, message, started = host.connector.hand_off_holding_gpu_locks([1, 0], "r1", "start-command",
-                                                                         '{"run": "r1"}')
+    locked, message, started, claim = hand_off(host, [1, 0], "r1", "start-command", '{"run": "r1"}')
     [(text, arguments)] = ssh.shell.calls[before:]  # ONE round trip
     assert locked and message.startswith("holding the locks of GPU 0-1 of pve1 for run r1 (holder pid 7")
     assert started[0] is True and started[1].stdout_lines == [started_answer.strip()]
@@ -715,7 +722,7 @@ def test_the_locks_and_the_hand_off_are_one_host_command_whose_start_is_wrapped_
     assert args["gpus"] == [0, 1] and args["run"] == "r1" and args["pct"] == ["pct"]
     # the container runs exactly what run_shell_command would have run there
     assert args["start"]["command"] == shlex.split(pct_exec)[-1]
-    assert host.connector.gpu_claim["until"] == 100.0 and host.connector.last_failure is None
+    assert claim.until == 100.0 and host.connector.last_failure is None
 
 
 def test_a_stopped_container_at_the_hand_off_is_the_same_pct_error_as_any_command(ssh):
@@ -723,7 +730,7 @@ def test_a_stopped_container_at_the_hand_off_is_the_same_pct_error_as_any_comman
     ssh.shell.answer("python3 -S -c", True, holder_answer(("container '129' not running!",), ok=True, pid=7,
                                                           released=[], handoff_until=100.0,
                                                           start={"rc": 255, "stdout": ""}))
-    locked, _message, (status, output) = host.connector.hand_off_holding_gpu_locks([0], "r1", "start", "{}")
+    locked, _message, (status, output), _claim = hand_off(host, [0], "r1", "start", "{}")
     assert locked and status is False
     assert output.stderr_lines[-1] == "pct error: container 129 on pve1 is not running: container '129' not running!"
     assert host.connector.last_failure.kind == "not-running"
@@ -733,10 +740,10 @@ def test_a_busy_claim_runs_no_hand_off_and_says_whose_it_is(ssh):
     host = connected_129(ssh)
     ssh.shell.answer("python3 -S -c", True, holder_answer(ok=False, gpu=3, owner={"vmid": 130, "run": "r0",
                                                                                   "gpus": [3]}, began=True))
-    locked, message, started = host.connector.hand_off_holding_gpu_locks([3], "r1", "start", "{}")
+    locked, message, started, claim = hand_off(host, [3], "r1", "start", "{}")
     assert (locked, started) == (False, None)
     assert message.startswith("GPU 3 of pve1 is claimed by container 130 (run r0, GPU 3)")
-    assert host.connector.gpu_claim["began"] is True
+    assert claim.began is True
 
 
 def test_a_link_lost_during_the_hand_off_may_have_handed_off_and_says_it_is_the_link(ssh):
@@ -748,13 +755,42 @@ def test_a_link_lost_during_the_hand_off_may_have_handed_off_and_says_it_is_the_
 
     original, ssh.run_shell_command = ssh.run_shell_command, cut
     try:
-        locked, _message, (status, output) = host.connector.hand_off_holding_gpu_locks([0], "r1", "start", "{}")
+        locked, _message, (status, output), _claim = hand_off(host, [0], "r1", "start", "{}")
     finally:
         ssh.run_shell_command = original
     assert locked and status is False  # the holder, and so the hand-off, may have run
     assert host.connector.last_failure.kind == "link-lost"
     assert output.stderr_lines[-1].startswith("pct error: the SSH connection to the Proxmox host pve1 was lost")
 
+
+
+def test_under_sudo_the_lock_holder_runs_as_root_through_the_host_command_path(ssh):
+    """The holder (gpugate.claims) goes through run_on_proxmox_host as any host command: with sudo
+    where pct needs it; the pct it runs itself is pct's own argv."""
+    [host] = make_fleet(("@pct/pve1:129", {"ssh_port": 22, "ssh_user": "ops"}))
+    host.connect(raise_exceptions=True)
+    ssh.shell.answer("python3 -S -c", True, holder_answer(ok=True, pid=7, released=[], handoff_until=100.0,
+                                                           start={"rc": 0, "stdout": "{}"}))
+    before = len(ssh.shell.calls)
+    locked, _message, _started, _claim = hand_off(host, [0], "r1", "start", "{}")
+    [(text, arguments)] = ssh.shell.calls[before:]
+    assert locked and arguments["_sudo"] is True and text.startswith("python3 -S -c ")
+    assert json.loads(shlex.split(text)[-1])["pct"] == ["sudo", "-n", "pct"]
+
+
+def test_the_connector_is_transport_only():
+    """pct.py imports nothing of gpugate but the settings' rows: the GPU claims and the agent's
+    commands live where the desired state does (gpugate.claims), above it."""
+    import ast
+    from pathlib import Path
+
+    import gpugate.connectors.pct as pct
+
+    imported = {node.module for node in ast.walk(ast.parse(Path(pct.__file__).read_text()))
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpugate")}
+    imported |= {alias.name for node in ast.walk(ast.parse(Path(pct.__file__).read_text()))
+                 if isinstance(node, ast.Import) for alias in node.names if alias.name.startswith("gpugate")}
+    assert imported == {"gpugate.settings"}
 
 
 @pytest.mark.parametrize("error", [SSHException("Channel is not open"), EOFError(), ConnectionResetError(104, "reset")])

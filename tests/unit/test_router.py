@@ -89,6 +89,14 @@ def test_preflight_refuses_an_unreachable_router_an_unlisted_server_and_too_few_
     assert ok.problem is None and ok.worker["id"] == "wa" and ok.peers == ["http://b:1"]
 
 
+def test_the_preflights_refusal_carries_its_kind_for_code_to_decide_on():
+    """The operation tells an unlisted server from the other refusals by ``kind``, never by words."""
+    assert router.preflight(ROUTING, FakeClient(error="refused")).kind == "no-answer"
+    assert router.preflight(ROUTING, FakeClient([B])).kind == "not-listed"
+    assert router.preflight(ROUTING, FakeClient([A])).kind == "min-serving"
+    assert router.preflight(ROUTING, FakeClient([A, B])).kind is None
+
+
 def test_leave_removes_then_waits_for_zero_in_flight(monkeypatch):
     reads = iter([3, 1, 0, 0])
     monkeypatch.setattr(router, "in_flight", lambda url: next(reads))
@@ -128,7 +136,7 @@ def test_leave_does_not_wait_out_the_budget_for_a_count_it_cannot_read(monkeypat
 
 
 def test_rejoin_waits_out_the_draining_entry_then_adds_it_back_as_it_was(monkeypatch):
-    monkeypatch.setattr(router, "server_ready", lambda url: True)
+    monkeypatch.setattr(router, "server_ready", lambda url, paths: True)
     client = FakeClient([dict(A, status="draining"), B])
     ticks = iter(range(100))
 

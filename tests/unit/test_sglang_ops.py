@@ -12,7 +12,7 @@ import pytest
 from gpugate import agentcmd
 from gpugate.operations.sglang import _pct_trouble
 from gpugate.plan import Narrator, make_plan, outcome_lines, plan_lines, rollback_choice
-from gpugate.spec import build_spec
+from gpugate.spec import build_spec, resolve_supervisor
 
 MODEL = "/opt/models/lab-model"
 PORT = 30000
@@ -40,7 +40,7 @@ def observation(running=None, *, serving=True, good=(), transition=None, gpu_hol
               "history": {"good": list(good), "failed": [], "last": None}, "sglang_version": "0.5.5"}
     if running is not None:
         server["main"] = {"pid": 218, "argv": list(running.argv), "argv_hash": agentcmd.argv_hash(list(running.argv)),
-                          "supervisor": running.supervisor}
+                          "supervisor": resolve_supervisor(running.supervisor, {"pid1": pid1})}  # as the agent reports it
         server["env_hashes"] = {name: agentcmd.env_hash(value) for name, value in running.env.items()}
         server["workers"] = {"expected": 8, "alive": 8 - workers_dead, "dead": workers_dead, "zombies": []}
         server["serving"] = serving and not workers_dead
@@ -312,12 +312,49 @@ def test_nothing_serves_is_loud_with_both_reasons_and_the_log_tails():
 def test_a_stopped_or_vanished_container_is_told_from_pct_errors():
     from gpugate.connectors.pct import classify_pct_error
 
-    def trouble(line):
-        return _pct_trouble(classify_pct_error([line], 129), "pve1", 129)
+    def trouble(line):  # the line the operator reads; code reads its kind
+        found = _pct_trouble(classify_pct_error([line], 129), "pve1", 129)
+        return found.text if found else None
 
     assert trouble("container '129' not running!") == "container 129 on pve1 is stopped"
     assert "does not exist" in trouble("Configuration file 'nodes/pve1/lxc/129.conf' does not exist")
     assert trouble("grep: x: No such file") is None
+
+
+def test_following_ends_on_the_kind_of_failure_never_on_its_words():
+    """A container stopped or gone ends the follow because pct said so (its kind); an error of the
+    command itself that happens to say "does not exist" is one more miss, not a stopped container."""
+    from gpugate.connectors.pct import classify_pct_error
+    from gpugate.operations.sglang import Trouble
+
+    gone = _pct_trouble(classify_pct_error(["Configuration file 'nodes/pve1/lxc/129.conf' does not exist"], 129),
+                        "pve1", 129)
+    assert gone.kind == "unknown-vmid" and gone.container_gone and str(gone) == gone.text
+    assert not _pct_trouble(classify_pct_error(["sudo: a password is required"], 129), "pve1", 129).container_gone
+    assert not Trouble("the command failed in the container: /var/lib/gpugate/runs/r1 does not exist").container_gone
+
+
+def test_one_run_object_per_pyinfra_run_found_among_its_callback_handlers():
+    from pyinfra.api import Config, Inventory, State
+
+    from gpugate.operations.sglang import Run, server
+
+    state = State(Inventory((["@local"], {})), Config())
+    run = Run.of(state)
+    assert Run.of(state) is run and run in state.callback_handlers
+    assert Run.of(State(Inventory((["@local"], {})), Config())) is not run
+    assert not [key for key in vars(state) if key.startswith("_gpugate")]
+    assert callable(server._inner)  # still a pyinfra operation underneath (``_inner`` reuses its body)
+
+
+def test_importing_the_operation_installs_no_signal_handler():
+    """Ctrl-C becomes the run's when the run's first sglang.server call makes its Run, not at import."""
+    import subprocess
+    import sys
+
+    child = ("import signal, pyinfra; pyinfra.is_cli = True; before = signal.getsignal(signal.SIGINT); "
+             "import gpugate.operations.sglang; assert signal.getsignal(signal.SIGINT) is before")
+    subprocess.run([sys.executable, "-c", child], check=True, timeout=60)
 
 
 def test_recorded_documents_are_not_mutated():

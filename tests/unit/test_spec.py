@@ -21,14 +21,15 @@ def test_the_argv_is_rendered_once_with_the_host_and_the_flags_sorted():
 
 def test_each_flag_is_validated_once(monkeypatch):
     calls = []
-    engine = spec_mod.engine()
-    real = engine.validate_flags
+    from gpugate.engine.sglang import flags as sglang_flags  # where SGLang's launch validates
+
+    real = sglang_flags.validate_flags
 
     def counting(flags, *args, **kwargs):
         calls.append(dict(flags))
         return real(flags, *args, **kwargs)
 
-    monkeypatch.setattr(type(engine), "validate_flags", staticmethod(counting))
+    monkeypatch.setattr(sglang_flags, "validate_flags", counting)
     build_spec("/m", 30000, {"tp": 8, "disable-radix-cache": True})
     # once for the flags; gpu_set re-reads the normalised ones (cheap, no new input)
     assert calls[0] == {"tp": 8, "disable-radix-cache": True}

@@ -1,46 +1,96 @@
 """SGLang behind the engine seam (gpugate.engine.Engine): its flags as data per release
-(flags.py, with the snapshots of real releases in flagtables/), its capacity figures
-(capacity.py), and, bundled into the container's agent, how its processes are recognised, which
-endpoints answer for health and verification, and how it drains (processes.py).
+(flags.py, with the snapshots of real releases in flagtables/, built in the container by
+table_builder.py), its launch rules (launch.py: the GPU set, the weight cache, the gated launch),
+its capacity figures (capacity.py), and, bundled into the container's agent, how its processes are
+recognised, which endpoints answer for health and verification, and how it drains (container.py).
 
 Example::
 
-    >>> from gpugate.engine.sglang import ENGINE
     >>> ENGINE.validate_flags({"tp": 8, "disable-radix-cache": True})
     {'disable-radix-cache': True, 'tp-size': 8}
 """
 
 from __future__ import annotations
 
-from gpugate.engine.sglang import capacity, flags
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from gpugate.engine import Engine, Launch, Running, ServerInputs
+from gpugate.engine.sglang import capacity, flags, launch
 
 
-class SGLang:
-    """The SGLang engine: each method is the engine module's own function (see gpugate.engine.Engine)."""
+class SGLang(Engine):
+    """The SGLang engine (https://github.com/sgl-project/sglang)."""
 
     name = "sglang"
-    FlagError = flags.FlagError
+    label = "SGLang"
+    model_option = "--model-path"
+    host_option = "--host"
+    info_endpoint = "/get_server_info"
+    # /ready (0.5.23: 200 iff not paused and healthy, no generation), else /health_generate (a real
+    # one-token generation) on a release without it
+    ready_paths = ("/ready", "/health_generate")
+    drain_words = "SGLang's drain"
+    gated_option = "--gated-launch-port"
+    gate_activate = "POST /gate/activate"
+    container_module = "gpugate.engine.sglang.container"
 
-    choose_table = staticmethod(flags.choose_table)
-    validate_flags = staticmethod(flags.validate_flags)
-    flag_warnings = staticmethod(flags.flag_warnings)
-    canonical_name = staticmethod(flags.canonical_name)
-    is_secret_value = staticmethod(flags.is_secret_value)
-    secret_flag_options = staticmethod(flags.secret_flag_options)
-    render_flag_args = staticmethod(flags.render_flag_args)
-    parse_argv = staticmethod(flags.parse_argv)
-    diff_flags = staticmethod(flags.diff_flags)
-    redact_argv = staticmethod(flags.redact_argv)
-    server_info_view = staticmethod(flags.server_info_view)
-    capacity_from_server_info = staticmethod(capacity.capacity_from_server_info)
-    capacity_line = staticmethod(capacity.capacity_line)
-    check_report = staticmethod(flags.check_report)
-    supports = staticmethod(flags.supports)
-    weight_cache_argv = staticmethod(flags.weight_cache_argv)
+    def choose_table(self, container: Mapping[str, Any] | None, pinned: str | None) -> tuple[Any, str]:
+        return flags.choose_table(container, pinned)
 
-    @staticmethod
-    def render_argv(model_path: str, port: int, flag_values, host: str) -> list[str]:
-        return flags.render_argv(model_path, port, flag_values, host=host)
+    def fetch_table(self, run: Callable[[str], Mapping[str, Any]], python: str,
+                    observation: Mapping[str, Any] | None, say: Callable[[str], Any] | None = None
+                    ) -> Mapping[str, Any] | None:
+        return flags.fetch_table(run, python, observation, say)
+
+    def table_command(self, python: str, known: Sequence[str] = (), build: bool = True) -> str | None:
+        return flags.table_command(python, known, build)
+
+    def flag_warnings(self, flags_: Mapping[str, Any], table: Any = None) -> list[str]:
+        return flags.flag_warnings(flags_, table)
+
+    def validate_flags(self, flags_: Mapping[str, object] | None, table: Any = None) -> dict[str, Any]:
+        return flags.validate_flags(flags_, table)
+
+    def canonical_name(self, name: str, table: Any = None) -> str:
+        return flags.canonical_name(name, table)
+
+    def launch(self, inputs: ServerInputs, table: Any = None) -> Launch:
+        return launch.build(inputs, table)
+
+    def read_running(self, argv: Sequence[str], table: Any = None) -> Running:
+        parsed = flags.parse_argv(argv, table)
+        return Running(model_path=parsed.model_path, host=parsed.host, port=parsed.port, flags=parsed.flags,
+                       unknown=list(parsed.unknown), args_start=flags.server_args_start(argv))
+
+    def flag_lines(self, running: Mapping[str, Any], desired: Mapping[str, Any], table: Any = None) -> list[str]:
+        return flags.diff_flags(launch.redact_flags(running), launch.redact_flags(desired), table).lines(redact=True)
+
+    def redact_argv(self, argv: Sequence[str], table: Any = None) -> list[str]:
+        return flags.redact_argv(argv, table)
+
+    def redact_flags(self, flags_: Mapping[str, Any], table: Any = None) -> dict[str, Any]:
+        return launch.redact_flags(flags_)
+
+    def preflight(self, observation: Mapping[str, Any], planned: Launch) -> list[str]:
+        # host memory for the hierarchical cache (--hicache-size is GB per TP rank)
+        hicache = planned.flags.get("hicache-size")
+        limit = (observation.get("container") or {}).get("memory_limit_bytes")
+        ranks = len(planned.gpus) if planned.gpus is not None else 1
+        if hicache and limit and float(hicache) * 1e9 * ranks > 0.9 * limit:
+            return [f"--hicache-size {hicache} GB x {ranks} ranks = {float(hicache) * ranks:.0f} GB of host memory; "
+                    f"the container has {limit / 1e9:.0f} GB (limit at 90%)"]
+        return []
+
+    def capacity(self, info: Mapping[str, Any] | None) -> dict[str, Any]:
+        return capacity.capacity_from_server_info(info)
+
+    def capacity_line(self, before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> str | None:
+        return capacity.capacity_line(before, after)
+
+    def check_report(self, flags_: Mapping[str, Any], pinned: str | None, extra_args: Sequence[str] | None
+                     ) -> tuple[bool, list[str]]:
+        return flags.check_report(flags_, pinned, extra_args)
 
 
 ENGINE = SGLang()

@@ -3,7 +3,7 @@
 The flag set is SGLang's own, never a table written by hand (docs/flags.md):
 
 - a ``FlagTable`` is built from SGLang's parser (``ServerArgs.add_cli_args``) by
-  gpugate/remote/flag_table.py: in the container, for the SGLang installed there (the
+  gpugate/engine/sglang/table_builder.py: in the container, for the SGLang installed there (the
   ``SglangFlagTable`` fact, cached in ``/var/lib/gpugate/sglang-flags/``), or from a release's wheel
   (scripts/sglang_flags_snapshot.py -> the snapshots in gpugate/engine/sglang/flagtables/);
 - ``table=None`` everywhere means the union of the snapshots: "a flag of some SGLang release gpugate
@@ -45,7 +45,7 @@ import os
 import re
 import shlex
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import gpugate.engine as engine_seam
 from gpugate.rules import redact
@@ -171,7 +171,7 @@ _ITEM_OF_TYPE = {"int": "int", "float": "float", "str": "str", None: "str"}
 
 
 def _spec_from_row(row: Mapping[str, Any], prefer: frozenset[str] = frozenset()) -> FlagSpec | None:
-    """A FlagSpec for one row of a flag table (gpugate/remote/flag_table.py), or None for a row
+    """A FlagSpec for one row of a flag table (gpugate/engine/sglang/table_builder.py), or None for a row
     that is not a server flag."""
     options = [o[2:] for o in row.get("options") or [] if o.startswith("--")]
     if not options:
@@ -841,7 +841,7 @@ class ParsedCommand:
 _ENTRY_TOKENS = ("sglang.launch_server", "-msglang.launch_server")
 
 
-def _server_args_start(argv: Sequence[str]) -> int:
+def server_args_start(argv: Sequence[str]) -> int:
     """Index of the first server argument in a full cmdline (python -m sglang.launch_server ...,
     sglang serve ..., or bare arguments)."""
     for index, token in enumerate(argv):
@@ -893,7 +893,7 @@ def parse_argv(argv: Sequence[str], table: FlagTable | str | None = None) -> Par
         ('/m', 31000, {'disable-radix-cache': True, 'new-flag': 'x', 'tp-size': 8})
     """
     t = resolve_table(table)
-    tokens = list(argv)[_server_args_start(argv):]
+    tokens = list(argv)[server_args_start(argv):]
     result = ParsedCommand(model_path=None)
     raw: dict[str, Any] = {}
     index = 0
@@ -1276,3 +1276,64 @@ def weight_cache_argv(python: str, model_path: str, flags: Mapping[str, Any],
 
     kept = {name: value for name, value in flags.items() if name in weight_cache.WEIGHT_FLAGS}
     return [python, "-m", weight_cache.DAEMON_MODULE, "--model-path", model_path, *render_flag_args(kept, table)]
+
+
+# ------------------------------------------------------------------------------------------
+# The container's own table (table_builder.py sent inline; issue 13)
+# ------------------------------------------------------------------------------------------
+def table_command(python: str, known: Sequence[str] = (), build: bool = True, cache_dir: str | None = None) -> str:
+    """One command: table_builder.py sent inline, ``collect(...)`` printed as JSON."""
+    import json  # noqa: PLC0415
+
+    from gpugate.engine.sglang import table_builder  # noqa: PLC0415
+    from gpugate.remote import inline_program, python_command  # noqa: PLC0415
+
+    args = {"cache_dir": cache_dir or table_builder.CACHE_DIR, "known": sorted(known), "build_if_missing": bool(build)}
+    body = (f"ARGS = json.loads({json.dumps(json.dumps(args))})\n"
+            "try:\n"
+            "    out = sys.modules['gpugate_flag_table'].collect(**ARGS)\n"
+            "except BaseException as exc:\n"
+            "    out = _failure(exc)\n"
+            "_emit(out)\n")
+    script = inline_program({"gpugate_flag_table": Path(table_builder.__file__).read_text()}, body)
+    return python_command(script, {"schema": 1, "version": None, "error": "python not found in the container"},
+                          python)
+
+
+def fetch_table(run: Callable[[str], Mapping[str, Any]], python: str, observation: Mapping[str, Any] | None = None,
+                say: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """The container's flag table document, in the fewest commands: a read first; when no table is
+    cached for the installed version, ``say`` is told "building SGLang's flag table in the
+    container (first time for <version>)" and the build runs. A table received is kept in the
+    controller's cache (remember_table), so that later runs tell the container not to send it
+    again. ``run``: runs a command in the container and returns its JSON answer. ``observation``:
+    the agent's observe document; when its ``sglang.flag_table`` names a table this controller
+    has, no command is sent at all (the converged re-run stays at one command per container)."""
+    known = known_table_keys()
+    seen = ((observation or {}).get("sglang") or {}).get("flag_table") or {}
+    if isinstance(seen, dict) and seen.get("key") and seen["key"] in known:
+        # observe named it (the same key the table builder gives): what read(False) would answer
+        doc = {"schema": 1, "version": seen.get("version"), "server_args_sha256": seen.get("server_args_sha256"),
+               "key": seen["key"], "cached": bool(seen.get("cached")), "built": False, "build_s": None}
+        cached = cached_table_doc(seen["key"])
+        return dict(doc, table=cached) if cached is not None else doc
+
+    def read(build: bool) -> dict[str, Any]:
+        return dict(run(table_command(python, known, build)))
+
+    doc = read(False)
+    if doc.get("key") in known and not doc.get("table"):  # the controller has it: no build, no transfer
+        doc = {key: value for key, value in doc.items() if key != "error"}
+        cached = cached_table_doc(doc["key"])
+        return dict(doc, table=cached) if cached is not None else doc
+    if not doc.get("cached") and doc.get("key") and "no cached table" in str(doc.get("error") or ""):
+        if say is not None:
+            say(f"building SGLang's flag table in the container (first time for {doc.get('version')})")
+        doc = read(True)
+    if doc.get("table"):
+        remember_table(doc["table"])
+    elif doc.get("key") and not doc.get("error"):
+        cached = cached_table_doc(doc["key"])
+        if cached is not None:
+            doc = dict(doc, table=cached)
+    return doc

@@ -1,6 +1,6 @@
 """The SGLang installed in the container, read from its files without importing it: its version
 (dist-info METADATA, else the source tree's version.py) and the key of its flag table (the name
-gpugate/remote/flag_table.py's ``collect`` gives it). Stdlib only: bundled into the agent.
+gpugate/engine/sglang/table_builder.py's ``collect`` gives it). Stdlib only: bundled into the agent.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from gpugate.rules.procfs import read_file
 from gpugate.rules.redact import sha256
 
-FLAG_TABLE_DIR = "/var/lib/gpugate/sglang-flags"  # gpugate/remote/flag_table.py's CACHE_DIR
+FLAG_TABLE_DIR = "/var/lib/gpugate/sglang-flags"  # gpugate/engine/sglang/table_builder.py's CACHE_DIR
 
 
 def _dist_info_version(directory, name, package="sglang"):
@@ -69,7 +69,7 @@ def torch_version():
 
 
 def flag_table_key():
-    """The name gpugate/remote/flag_table.py's ``collect`` gives the container's SGLang flag table,
+    """The name gpugate/engine/sglang/table_builder.py's ``collect`` gives the container's SGLang flag table,
     found the same way (sys.path order: the first ``sglang-*.dist-info`` version, else "unknown"; the
     first ``sglang/srt/server_args.py``, hashed) without importing anything, so that a controller
     that already has that table needs no command of its own for it (issue 13). ->

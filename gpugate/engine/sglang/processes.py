@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 
-from gpugate.rules import gpus as rules_gpus
+from gpugate.engine.sglang import gpus as rules_gpus
+from gpugate.rules.procfs import CLEAN_PATH
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
@@ -24,7 +25,6 @@ SCHEDULER_TITLE = "sglang::scheduler"  # one per rank: a server's workers to cou
 INFO_KEYS = ("model_path", "port", "host", "tp_size", "dp_size", "pp_size", "version", "max_total_num_tokens",
              "max_running_requests", "context_length", "kv_cache_dtype")
 CAPACITY_KEYS = ("max_total_num_tokens", "max_running_requests", "context_length", "version")
-CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What an adopted server's (one we did not start: no pid file of ours) environment keeps for its
 # history record and a rollback to it: what SGLang and its libraries read, never the login session.
 ADOPT_ENV_PREFIXES = ("SGLANG_", "SGL_", "CUDA_", "NCCL_", "NVIDIA_", "HF_", "HUGGING_FACE_", "TORCH",
@@ -145,20 +145,9 @@ def argv_model(argv: Sequence[str]) -> str | None:
     return flag_value(argv, "--model-path", "--model")
 
 
-def connect_host(host: str | None) -> str:
-    """Where to reach a server bound to ``host`` from inside the container.
-
-    >>> connect_host("0.0.0.0"), connect_host("[::1]")
-    ('127.0.0.1', '::1')
-    """
-    if not host or host in ("0.0.0.0", "::", "[::]", "*"):
-        return "127.0.0.1"
-    return host.strip("[]")
-
-
 def server_gpus(argv: Sequence[str], env: Mapping[str, str] | None = None,
                 uuids: Sequence[str | None] | None = None) -> list[int] | None:
-    """The GPUs a server uses, from its flags and environment (gpugate.rules.gpus.gpu_set). None
+    """The GPUs a server uses, from its flags and environment (gpugate.engine.sglang.gpus.gpu_set). None
     when they cannot be told (a UUID we cannot map).
 
     >>> server_gpus(["python3", "-m", "sglang.launch_server", "--tp", "4", "--base-gpu-id", "4"])

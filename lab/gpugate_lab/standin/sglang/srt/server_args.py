@@ -13,7 +13,7 @@ store_const / ``--x/--no-x`` switches; SGLang's deprecated flags warn with SGLan
 SGLang's own converters by name (``human_readable_int``, ``nullable_str``, ``json_list_type``,
 ``parse_cuda_graph_backend_arg``); any other converter takes the text as it is. Each rebuilt
 converter and action class carries SGLang's module and name, so gpugate's table builder
-(gpugate/remote/flag_table.py) reads back the table it was built from.
+(gpugate/engine/sglang/table_builder.py) reads back the table it was built from.
 
 Stdlib only (runs under the container's python3).
 """

@@ -1,6 +1,6 @@
 """The GPU set rule: which GPUs (as the container numbers them) a server's ranks use.
 
-One function for both sides: the controller (gpugate.spec.gpu_set, from flags) and the agent
+One function for both sides: the controller (gpugate.engine.sglang.launch, from flags) and the agent
 (gpugate.engine.sglang.processes.server_gpus, from a running argv) read their numbers and call it.
 """
 
@@ -14,7 +14,12 @@ if TYPE_CHECKING:
 
 class GpuSetError(ValueError):
     """The set cannot be told: CUDA_VISIBLE_DEVICES too short for the ranks, or an entry that is
-    neither an index nor a known UUID. The message is the operator's."""
+    neither an index nor a known UUID. The message is the operator's; ``uuid``: the set could be
+    told once the container is asked (an entry is a UUID), so it is no error of the flags."""
+
+    def __init__(self, message: str, uuid: bool = False):
+        super().__init__(message)
+        self.uuid = uuid
 
 
 def gpu_set(tp: int = 1, pp: int = 1, dp: int = 1, dp_attention: bool = False, nnodes: int = 1,
@@ -56,5 +61,5 @@ def gpu_set(tp: int = 1, pp: int = 1, dp: int = 1, dp_attention: bool = False, n
             out.append(list(uuids).index(entry))
         else:
             raise GpuSetError("CUDA_VISIBLE_DEVICES=%s: %r is not a GPU index "
-                              "(UUIDs cannot be mapped before the container is asked)" % (visible, entry))
+                              "(UUIDs cannot be mapped before the container is asked)" % (visible, entry), uuid=True)
     return out

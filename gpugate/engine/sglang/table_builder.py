@@ -13,7 +13,7 @@ Three callers, one builder:
   pulls torch) and writes the table to ``/var/lib/gpugate/sglang-flags/<version>-<sha256 of
   server_args.py>.json``. Later runs only read that file. The cache write is the one write a fact
   of gpugate makes (docs/flags.md says why);
-- ``scripts/sglang_flags_snapshot.py`` runs ``python3 flag_table.py --help-text`` against a wheel
+- ``scripts/sglang_flags_snapshot.py`` runs ``python3 table_builder.py --help-text`` against a wheel
   unpacked into a temporary target, to make the snapshots shipped in gpugate/engine/sglang/flagtables/;
 - the lab's stand-in is importable as ``sglang.srt.server_args``, so the same code builds a table
   from it in a lab container.
@@ -24,7 +24,7 @@ SGLang imports, so that whatever SGLang prints cannot be mistaken for the one JS
 
 Example (in a container)::
 
-    $ python3 flag_table.py --cache-dir /var/lib/gpugate/sglang-flags
+    $ python3 table_builder.py --cache-dir /var/lib/gpugate/sglang-flags
     {"schema": 1, "version": "0.5.23", "server_args_sha256": "...", "cached": false, "build_s": 4.7,
      "table": {"schema": 1, "sglang_version": "0.5.23", "option_count": 560, "actions": [...]}}
 """

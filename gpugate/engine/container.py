@@ -1,0 +1,133 @@
+"""The container half of an engine: what the agent needs of the server it runs, as one stdlib-only
+module per engine (``gpugate/engine/<name>/container.py`` for the engines gpugate ships), named by
+the engine (``Engine.container_module``) and loaded by the agent (gpugate.agent.engine) from the
+name the controller's document carries. The agent's artifact bundles the container module of every
+installed engine (gpugate.bundle), and the engines' table of them (``MODULES``).
+
+A container module defines the names below; the agent takes this module's value for a name that
+the engine's module leaves out, so an engine defines only what is its own. The names:
+
+================== ==========================================================================
+``DEFAULT_PORT``   the port a server listens on when its argv says none
+``ENGINE_NAME``    the engine's name (its entry point's)
+``LABEL``          how the agent's messages name it ("SGLang")
+``MAIN_TEXT``      what a server main's argv looks like, for a refusal of another argv
+``is_main_argv``   argv -> a server main of this engine?
+``is_worker_argv`` argv -> one of a server's own child processes (by its title)?
+``is_scheduler_argv`` argv -> a rank's worker that the server must keep alive?
+``is_server_part`` argv -> main or worker
+``is_client_argv`` argv -> the engine's own clients (benchmarks): reported, never signalled
+``argv_port``, ``argv_host``, ``argv_model``, ``argv_token(argv, admin)``: what an argv says
+``server_gpus(argv, env, uuids)``: the GPUs a running server uses (None: cannot tell)
+``adopted_env(environ, keep_names, argv)``: what a server we did not start keeps of its environment
+``SHM_PREFIXES``   the /dev/shm segments its servers leave behind on a SIGKILL
+``HEALTH_PATH``, ``GENERATE_PATH``, ``INFO_PATHS``: health, a GET that proves a real generation,
+                   the info documents (first that answers) verified after a start
+``INFO_KEYS``, ``CAPACITY_KEYS``: what observe and the start keep of the info document
+``engine_version()``: the installed release, read without importing it (None: not installed)
+``flag_table_key()``: the key of the container's own flag table (None: the engine has none)
+``steady_argv``, ``gated_argv``: a running engine's argv without its launch-only options
+``is_daemon_argv``, ``cache_key``, ``key_changes``, ...: the weight cache, where the engine has one
+================== ==========================================================================
+
+Example::
+
+    >>> from gpugate.engine import container
+    >>> container.steady_argv(["python3", "-m", "server"]), container.is_client_argv(["python3"])
+    (['python3', '-m', 'server'], False)
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
+    from typing import Dict, List, Mapping, Optional, Sequence
+
+DEFAULT_PORT = 8000
+LABEL = "the server"
+MAIN_TEXT = "a server main"
+SHM_PREFIXES = ()  # type: tuple
+HEALTH_PATH = "/health"
+GENERATE_PATH = None  # type: Optional[str]
+INFO_PATHS = ()  # type: tuple
+INFO_KEYS = None  # type: Optional[tuple]
+CAPACITY_KEYS = ()  # type: tuple
+# gpugate.engine.container.MODULES: engine name -> its container module. The agent's artifact
+# carries the table (gpugate.bundle writes it as gpugate.engine.bundled); from the package it is
+# read from the installed entry points (modules()).
+
+
+def is_worker_argv(argv: Sequence[str] | None) -> bool:
+    return False
+
+
+def is_scheduler_argv(argv: Sequence[str] | None) -> bool:
+    return False
+
+
+def is_client_argv(argv: Sequence[str] | None) -> bool:
+    return False
+
+
+def argv_token(argv: Sequence[str], admin: bool = False) -> str | None:
+    return None
+
+
+def adopted_env(environ: Mapping[str, str] | None, keep_names: Sequence[str] = (),
+                argv: Sequence[str] | None = None) -> Dict[str, str]:
+    keep = set(keep_names or ())
+    return dict((name, value) for name, value in sorted((environ or {}).items()) if name in keep)
+
+
+def engine_version() -> str | None:
+    return None
+
+
+def torch_version() -> str | None:
+    return None
+
+
+def flag_table_key() -> dict | None:
+    return None
+
+
+def steady_argv(argv: Sequence[str] | None) -> List[str]:
+    return list(argv or [])
+
+
+def gated_argv(argv: Sequence[str], gate_port: int) -> List[str]:
+    raise NotImplementedError("this engine has no gated launch")
+
+
+def is_daemon_argv(argv: Sequence[str] | None) -> bool:
+    return False
+
+
+def model_config_sha256(model_path: str | None) -> str | None:
+    return None
+
+
+def modules() -> Dict[str, str]:
+    """Engine name -> container module: the bundle's table in a container, else the entry points
+    of the installed engines (``gpugate.engines``: each engine object names its module)."""
+    try:
+        from gpugate.engine import bundled  # type: ignore[attr-defined]  # only in the agent's artifact
+
+        return dict(bundled.MODULES)
+    except ImportError:
+        from gpugate.engine import get, names  # the package: the controller's registry
+
+        return dict((name, get(name).container_module) for name in names())
+
+
+def default_engine() -> str:
+    """The engine of a document that names none: the ``engine`` setting's default (the bundle
+    carries it; the package has it in gpugate.engine)."""
+    try:
+        from gpugate.engine import bundled  # type: ignore[attr-defined]
+
+        return str(bundled.DEFAULT)
+    except ImportError:
+        from gpugate.engine import DEFAULT_ENGINE
+
+        return DEFAULT_ENGINE

@@ -1,0 +1,39 @@
+"""SGLang in the container (gpugate/engine/container.py says what a container module is): its
+processes, endpoints, /dev/shm segments and adoption (processes.py), the installed release
+(installed.py) and the weight cache (weight_cache.py). Stdlib only: the agent loads it by name and
+its artifact bundles it.
+
+SGLang's endpoints: ``/health`` (200 once the scheduler answers), ``/health_generate`` (a real
+one-token generation), ``/get_server_info`` (the resolved ServerArgs; renamed ``/server_info`` in
+newer releases: the first that answers is read).
+
+Example::
+
+    >>> is_main_argv(["python3", "-m", "sglang.launch_server"]), GENERATE_PATH
+    (True, '/health_generate')
+"""
+
+from __future__ import annotations
+
+from gpugate.engine.sglang.installed import flag_table_key, torch_version
+from gpugate.engine.sglang.installed import sglang_version as engine_version
+from gpugate.engine.sglang.processes import (
+    CAPACITY_KEYS, DEFAULT_PORT, INFO_KEYS, SHM_PREFIXES, adopted_env, argv_host, argv_model, argv_port, argv_token,
+    is_client_argv, is_main_argv, is_scheduler_argv, is_server_part, is_worker_argv, server_gpus)
+from gpugate.engine.sglang.weight_cache import (
+    READY_TEMPLATE_ENV, SOCKET_TEMPLATE_ENV, cache_key, config_summary, file_paths, gated_argv, is_daemon_argv,
+    key_changes, model_config_sha256, parse_ready, steady_argv)
+
+ENGINE_NAME = "sglang"
+LABEL = "SGLang"
+MAIN_TEXT = "an SGLang server (python -m sglang.launch_server / sglang serve)"
+HEALTH_PATH = "/health"
+GENERATE_PATH = "/health_generate"
+INFO_PATHS = ("/get_server_info", "/server_info")
+
+__all__ = ["CAPACITY_KEYS", "DEFAULT_PORT", "ENGINE_NAME", "GENERATE_PATH", "HEALTH_PATH", "INFO_KEYS", "INFO_PATHS",
+           "LABEL", "MAIN_TEXT", "READY_TEMPLATE_ENV", "SHM_PREFIXES", "SOCKET_TEMPLATE_ENV", "adopted_env",
+           "argv_host", "argv_model", "argv_port", "argv_token", "cache_key", "config_summary", "engine_version",
+           "file_paths", "flag_table_key", "gated_argv", "is_client_argv", "is_daemon_argv", "is_main_argv",
+           "is_scheduler_argv", "is_server_part", "is_worker_argv", "key_changes", "model_config_sha256",
+           "parse_ready", "server_gpus", "steady_argv", "torch_version"]

@@ -1,0 +1,83 @@
+"""The engine seam, end to end: an engine that only the tests register (tests/engines/echo_engine,
+found through the ``gpugate.engines`` entry point of tests/engines/echo_engine-0.1.dist-info on
+PYTHONPATH) deploys, restarts and rolls back through the real pyinfra CLI, deploy.py and the @pct
+connector in the lab, with no change to gpugate: its launch, its process recognition and its
+endpoints are its own, and the agent loads its container module by the name the start document
+carries. In order, as an operator's successive runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+ENGINES = REPO_ROOT / "tests" / "engines"
+PORT = 8000
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    yield from module_lab(tmp_path_factory, "lab-engine-seam", hosts=1, gpus=2)
+
+
+def deploy(lab, flags, *extra: str) -> subprocess.CompletedProcess:
+    env = lab.env()
+    env["PYTHONPATH"] = os.pathsep.join([str(ENGINES), env.get("PYTHONPATH", "")])  # registers the engine
+    args = ["inventory.py", "deploy.py", "--data", "engine=echo", "--data", f"sglang_port={PORT}",
+            "--data", "sglang_model_path=/tmp",
+            "--data", f"sglang_flags={json.dumps(flags)}", "--data", "sglang_supervisor=process",
+            "--data", f"sglang_env={json.dumps({'PYTHONPATH': str(ENGINES)})}", "--data", "start_timeout_s=20"]
+    return subprocess.run([pyinfra_exe(), "-y", *args, *extra], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def served(lab, path: str) -> str:
+    out = lab.pct("pve1", "exec", "129", "--", "python3", "-c",
+                  f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{PORT}{path}', timeout=5).read().decode())")
+    return out.stdout.strip()
+
+
+def main_pid(lab) -> str:
+    out = lab.pct("pve1", "exec", "129", "--", "sh", "-c", f"cat /run/gpugate/sglang-{PORT}.pid 2>/dev/null")
+    return str(json.loads(out.stdout)["pid"]) if out.stdout.strip() else ""
+
+
+def test_the_test_engine_starts_verified(lab):
+    result = deploy(lab, {"greeting": "hi"})
+    said = result.stdout + result.stderr
+    assert result.returncode == 0, said
+    assert "verified: the running argv and /info match the desired flags" in said, said
+    assert json.loads(served(lab, "/generate")) == {"text": "hi"}
+
+
+def test_a_flag_change_restarts_it_and_a_rerun_changes_nothing(lab):
+    before = main_pid(lab)
+    result = deploy(lab, {"greeting": "hello there"})
+    said = result.stdout + result.stderr
+    assert result.returncode == 0, said
+    assert "- --greeting hi" in said and "+ --greeting hello there" in said, said
+    assert main_pid(lab) != before and json.loads(served(lab, "/info"))["greeting"] == "hello there"
+    again = deploy(lab, {"greeting": "hello there"})
+    assert again.returncode == 0 and "already serves the desired spec" in again.stdout + again.stderr
+
+
+def test_a_start_that_fails_rolls_back_to_the_last_good_one(lab):
+    result = deploy(lab, {"greeting": "broken", "fail-at-start": True})
+    said = result.stdout + result.stderr
+    assert result.returncode != 0, said
+    assert "rolled back" in said.lower() or "roll" in said.lower(), said
+    assert json.loads(served(lab, "/info"))["greeting"] == "hello there"
+
+
+def test_a_flag_the_engine_does_not_have_is_refused_and_touches_nothing(lab):
+    before = main_pid(lab)
+    result = deploy(lab, {"greting": "typo"})
+    said = result.stdout + result.stderr
+    assert result.returncode != 0 and "greting" in said and "not a flag of Echo" in said, said
+    assert main_pid(lab) == before
