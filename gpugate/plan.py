@@ -611,7 +611,7 @@ class Narrator:
             return f"the desired server already runs (pid {event.get('pid')}): waiting for it"
         if step == "stop" and phase == "begin":
             if event.get("main"):
-                return f"stopping :{event.get('port')} pid {event.get('main')} ({event.get('tree')} processes): SIGTERM, SGLang's drain"
+                return f"stopping :{event.get('port')} pid {event.get('main')} ({event.get('tree')} processes): SIGTERM, {self.engine.drain_words}"
             return None
         if step == "drain" and phase == "end":
             self.timings.setdefault(f"{target}:drain", float(event.get("elapsed_s") or 0))

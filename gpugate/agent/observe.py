@@ -127,7 +127,7 @@ def observe(args):
                                     for name in sorted(names))
         gpus = engine.server_gpus(main["argv"], environ, gpu_uuids(gpu_doc))
         report["gpus"] = gpus
-        report["workers"] = server.workers_of(table, tree, len(gpus) if gpus is not None else None)
+        report["workers"] = server.workers_of(table, tree, engine.expected_workers(gpus))
     if inodes:
         main_argv = main["argv"] if main else []
         report["health"] = server.health(host, port, generate=bool(args.get("generate")), token=engine.argv_token(main_argv))

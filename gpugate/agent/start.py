@@ -491,7 +491,7 @@ class StartSteps:
         gpus = spec.get("gpus")
         if gpus is None:
             gpus = engine.server_gpus(spec["argv"], spec.get("env"))
-        workers = server.workers_of(table, tree, len(gpus) if gpus is not None else None)
+        workers = server.workers_of(table, tree, engine.expected_workers(gpus))
         if workers["expected"] is not None and (workers["alive"] < workers["expected"] or workers["zombies"]):
             problems.append("%d of %d scheduler workers alive" % (workers["alive"], workers["expected"]))
         info = server.server_info(engine.argv_host(spec["argv"]), spec["port"], timeout=10.0, token=engine.argv_token(spec["argv"], True))

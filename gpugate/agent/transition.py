@@ -225,7 +225,7 @@ class Transition(StopSteps, StartSteps, CacheSteps):
             return None
         gpus = spec.get("gpus") if spec.get("gpus") is not None else engine.server_gpus(spec["argv"], spec.get("env"))
         tree = [main["pid"]] + procfs.descendants(table, main["pid"])
-        workers = server.workers_of(table, tree, len(gpus) if gpus is not None else None)
+        workers = server.workers_of(table, tree, engine.expected_workers(gpus))
         if workers["zombies"] or (workers["alive"] and workers["dead"]):
             return None  # it loaded once and lost a worker: restart it, do not wait for it
         if server.listeners(spec["port"]) and server.health(engine.argv_host(spec["argv"]), spec["port"], token=engine.argv_token(spec["argv"]))["health"] != 200:
@@ -261,7 +261,7 @@ class Transition(StopSteps, StartSteps, CacheSteps):
         # A server that serves when we find it was good: keep it as such (it may be all there is to
         # roll back to, e.g. a server started by hand before gpugate).
         gpus = spec["gpus"]
-        workers = server.workers_of(table, tree, len(gpus) if gpus is not None else None)
+        workers = server.workers_of(table, tree, engine.expected_workers(gpus))
         if server.health(engine.argv_host(main["argv"]), port, token=engine.argv_token(main["argv"]))["health"] == 200 and workers["dead"] == 0:
             spec["_serving"] = True
             self._add_good(spec, None, by="observed serving")

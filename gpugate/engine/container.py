@@ -16,6 +16,7 @@ the engine's module leaves out, so an engine defines only what is its own. The n
 ``is_worker_argv`` argv -> one of a server's own child processes (by its title)?
 ``is_scheduler_argv`` argv -> a rank's worker that the server must keep alive?
 ``is_server_part`` argv -> main or worker
+``expected_workers(gpus)``: how many rank workers a server on these GPUs keeps alive
 ``is_client_argv`` argv -> the engine's own clients (benchmarks): reported, never signalled
 ``argv_port``, ``argv_host``, ``argv_model``, ``argv_token(argv, admin)``: what an argv says
 ``server_gpus(argv, env, uuids)``: the GPUs a running server uses (None: cannot tell)
@@ -67,6 +68,12 @@ def is_scheduler_argv(argv: Sequence[str] | None) -> bool:
 
 def is_client_argv(argv: Sequence[str] | None) -> bool:
     return False
+
+
+def expected_workers(gpus: Sequence[int] | None) -> int | None:
+    """How many rank workers (``is_scheduler_argv``) a server on these GPUs keeps alive: 0 for an
+    engine without them; None when it cannot be told."""
+    return 0
 
 
 def argv_token(argv: Sequence[str], admin: bool = False) -> str | None:

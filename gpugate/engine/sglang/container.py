@@ -24,6 +24,11 @@ from gpugate.engine.sglang.weight_cache import (
     READY_TEMPLATE_ENV, SOCKET_TEMPLATE_ENV, cache_key, config_summary, file_paths, gated_argv, is_daemon_argv,
     key_changes, model_config_sha256, parse_ready, steady_argv)
 
+def expected_workers(gpus):
+    """One scheduler per rank: one per GPU the server uses (None: the GPUs cannot be told)."""
+    return len(gpus) if gpus is not None else None
+
+
 ENGINE_NAME = "sglang"
 LABEL = "SGLang"
 MAIN_TEXT = "an SGLang server (python -m sglang.launch_server / sglang serve)"
