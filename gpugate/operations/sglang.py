@@ -35,7 +35,7 @@ from gpugate.engine import DEFAULT_ENGINE, get as engine
 from gpugate.match import for_container
 from gpugate.report.status import desired_differences, history_spec_text
 from gpugate.claims import GpuClaim, ServerClaim, hand_off_holding_gpu_locks, own_claim_run, servers_of_inventory
-from gpugate.connectors.pct import PctConnector, PctFailureKind
+from gpugate.connectors.pct import PctConnector, PctFailure, PctFailureKind
 from gpugate.spec import Desired, Routing, Spec, SpecError, for_version
 
 FOLLOW_WAIT_S = 3.0       # one follow command waits up to this long for new journal events
@@ -278,7 +278,7 @@ def _pct(host_obj: Any) -> PctConnector | None:
     return connector if isinstance(connector, PctConnector) else None
 
 
-def _pct_trouble(failure: Any, pve_host: str, vmid: Any) -> Trouble | None:
+def _pct_trouble(failure: PctFailure | None, pve_host: str, vmid: Any) -> Trouble | None:
     """Why a command did not run in the container, from the connector's structured failure
     (gpugate.connectors.pct.PctFailure): 'container 129 on pve1 is stopped', 'pve1: the SSH
     connection was lost'; None when pct ran the command (its own exit status is the command's)."""
