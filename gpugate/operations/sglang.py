@@ -996,7 +996,8 @@ def _at_each_call(op: _Operation) -> _Operation:
     """What must happen when a deploy file calls the operation, before pyinfra looks at the call.
     pyinfra runs an operation's body at prepare only to detect changes, and under ``-y`` not at
     all, so the body comes too late for these; and pyinfra has no hook in between (its State
-    callbacks begin at execution). This wrapper is the one place gpugate steps in ahead of pyinfra:
+    callbacks hear connects and the execution of operations, nothing between a deploy file's call
+    and its change detection). This wrapper is the one place gpugate steps in ahead of pyinfra:
 
     - the run's object (:meth:`Run.of`) is made here, so that Ctrl-C is this run's from its first
       plan on (before the hand-off, "nothing was touched" and a non-zero exit, not pyinfra's 0);
