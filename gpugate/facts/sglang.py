@@ -29,7 +29,7 @@ or from the CLI: ``pyinfra inventory.py fact gpugate.facts.sglang.SglangServer p
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pyinfra.api import FactBase, StringCommand
@@ -95,12 +95,24 @@ def observation_from(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-class SglangObservation(FactBase):
+class _Observe:
+    """The observe facts' one command signature (pyinfra reads it: getcallargs; a fact's
+    arguments must be named): the agent's observe arguments (observe_args) and the interpreter.
+    Each fact says only which program carries them (``program``)."""
+
+    program: Callable[[str | None, Mapping[str, Any]], str] = staticmethod(agentcmd.observe_command)
+
+    def command(self, port: int = 30000, env_names: Iterable[str] = (), model_path: str | None = None,
+                gpus: Sequence[int] | None = None, tail_lines: int = 0, generate: bool = False,
+                python: str = DEFAULT_PYTHON, secret_flags: Iterable[str] = (), host: str | None = None,
+                engine: str | None = None) -> StringCommand:
+        return StringCommand(self.program(python, observe_args(port, env_names, model_path, gpus, tail_lines, generate,
+                                                               secret_flags, host, engine)))
+
+
+class SglangObservation(_Observe, FactBase):
     """``{"sglang", "gpu", "container", "agent"}`` in one round trip (the installed agent's
     observe), or ``{"agent_missing": true}`` (then: ``SglangObservationInline``)."""
-
-    def command(self, python: str = DEFAULT_PYTHON, **args: Any):  # args: observe_args's
-        return StringCommand(agentcmd.observe_command(python, observe_args(**args)))
 
     @staticmethod
     def default() -> dict[str, Any]:
@@ -115,16 +127,14 @@ class SglangObservationInline(SglangObservation):
     """The same observation with the agent sent inline (~45 KB argv): for a container where this
     controller's agent is not installed yet. Installs and writes nothing (``--dry`` stays read-only)."""
 
-    def command(self, python: str = DEFAULT_PYTHON, **args: Any):  # args: observe_args's
-        return StringCommand(agentcmd.inline_observe_command(python, observe_args(**args)))
+    program = staticmethod(agentcmd.inline_observe_command)
 
 
-class SglangServer(FactBase):
-    """The SGLang server on ``port`` (the observation's ``sglang`` part, ``command`` parsed)."""
+class SglangServer(_Observe, FactBase):
+    """The server on ``port`` (the observation's ``sglang`` part, ``command`` parsed)."""
 
-    def command(self, python: str = DEFAULT_PYTHON, **args: Any):  # args: observe_args's
-        # The inline agent: a fact read on its own (the CLI, a runbook) must answer without an install.
-        return StringCommand(agentcmd.inline_observe_command(python, observe_args(**args)))
+    # The inline agent: a fact read on its own (the CLI, a runbook) must answer without an install.
+    program = staticmethod(agentcmd.inline_observe_command)
 
     @staticmethod
     def default() -> dict[str, Any]:
@@ -156,8 +166,7 @@ class SglangObservationOnce(SglangObservation):
     """The agent's observation in one command (observe_once_command): the status's fact, asked
     what the deploy asks (``gpugate.spec.Desired.observe_args``), so both see the same."""
 
-    def command(self, python: str = DEFAULT_PYTHON, **args: Any):  # args: observe_args's
-        return StringCommand(observe_once_command(python, observe_args(**args)))
+    program = staticmethod(observe_once_command)
 
 
 # ---------------------------------------------------------------- the engine's own flag table (issue 13)

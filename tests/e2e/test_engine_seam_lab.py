@@ -56,13 +56,16 @@ def test_the_test_engine_starts_verified(lab):
     assert json.loads(served(lab, "/generate")) == {"text": "hi"}
 
 
-def test_a_flag_change_restarts_it(lab):
+def test_a_flag_change_restarts_it_and_a_rerun_changes_nothing(lab):
     before = main_pid(lab)
     result = deploy(lab, {"greeting": "hello there"})
     said = result.stdout + result.stderr
     assert result.returncode == 0, said
     assert "- --greeting hi" in said and "+ --greeting hello there" in said, said
     assert main_pid(lab) != before and json.loads(served(lab, "/info"))["greeting"] == "hello there"
+    again = deploy(lab, {"greeting": "hello there"})
+    assert again.returncode == 0 and "No changes" in again.stdout + again.stderr and "stopping" not in again.stdout, \
+        again.stdout + again.stderr
 
 
 def test_a_start_that_fails_rolls_back_to_the_last_good_one(lab):
