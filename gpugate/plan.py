@@ -1,5 +1,5 @@
-"""sglang.server's plan as pure functions: from the agent's observation and the desired
-:class:`gpugate.spec.Spec` to what will happen (nothing, a start, a restart, a stop, attaching to a
+"""sglang.server's plan as pure functions: from the agent's observation and the container's
+:class:`gpugate.spec.Desired` to what will happen (nothing, a start, a restart, a stop, attaching to a
 transition that runs), the checks that must pass before anything stops, and the lines the operator
 reads while the container's agent runs the transition (progress and outcome, from its journal).
 
@@ -9,10 +9,13 @@ recorded documents.
 
 Example::
 
-    plan = make_plan(observation, spec, port=30000)
-    plan.action            # "noop" | "start" | "restart" | "stop" | "attach"
-    plan.problems          # non-empty: refuse, nothing is touched
-    for line in plan_lines(plan): print(line)
+    >>> from gpugate.spec import desired_state
+    >>> desired = desired_state({"sglang_model_path": "/m", "sglang_flags": {"tp": 2}})
+    >>> plan = make_plan({"sglang": {"running": False}, "container": {"pid1": "init"}}, desired)
+    >>> plan.action, plan.reasons   # "noop" | "start" | "restart" | "stop" | "attach"; problems: refuse
+    ('start', ('sglang is not running on :30000',))
+    >>> plan_lines(plan, 30000)[:2]
+    ['sglang :30000 will start: sglang is not running on :30000', '    + --model-path /m']
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gpugate.engine import DEFAULT_ENGINE, get as engine
-from gpugate.match import cache_verdict, command_lines, compare, flag_differences, interpreter_lines, running_command
+from gpugate.match import (cache_verdict, command_lines, compare, flag_differences, for_container, interpreter_lines,
+                           running_command)
 from gpugate.rules import gate as rules_gate
 from gpugate.rules.redact import argv_hash, env_hash
-from gpugate.spec import Spec, option_items
+from gpugate.spec import Desired, Spec, option_items
 
 OUTCOMES_OK = ("verified",)
 PROGRESS_EVERY_S = 3.0  # at most one progress line per step this often (the agent journals every 1.5 s)
@@ -408,15 +412,18 @@ def held_by_other_servers(observation: Mapping[str, Any], port: int, gpus: Itera
     return out
 
 
-def make_plan(observation: Mapping[str, Any], spec: Spec | None, *, port: int, restart: bool = False,
-              siblings: tuple[int, ...] = (),
-              rollback_k: int | None = None, max_used_mib: int = 64, min_free_mib: int = 64,
-              end_other_gpu_holders: bool = False, budgets: Mapping[str, float] | None = None,
-              agent_silence_s: float = 30.0) -> Plan:
-    """Decide from the observation. ``spec`` None with ``rollback_k`` None: no server on ``port``;
-    ``rollback_k``: the rollback runbook (the k-th newest good spec unlike the running one)."""
+def make_plan(observation: Mapping[str, Any], desired: Desired, *, restoring: bool = False) -> Plan:
+    """What sglang.server does on one container: the agent's observation against the container's
+    desired state (its ``spec``: the server, None for none on its port; the run's settings: the
+    gate, the free space, restart, the other servers' ports). ``restoring``: the rollback runbook
+    (``desired.rollback_to``: the k-th newest good spec unlike the running one)."""
+    spec = for_container(desired.spec, observation)  # auto: systemd where the container's PID 1 is systemd
+    port, restart, siblings = desired.port, desired.restarted, desired.siblings
+    rollback_k = desired.rollback_to if restoring else None
+    max_used_mib, min_free_mib, agent_silence_s = desired.max_used_mib, desired.min_free_mib, desired.agent_silence_s
+    end_other_gpu_holders = desired.end_other_gpu_holders
     server = observation.get("sglang") or {}
-    budgets = dict(budgets or {})
+    budgets = dict(desired.budgets)
     last = last_run_line(server)
     running = bool(server.get("running"))
     transition = server.get("transition") or {}

@@ -464,7 +464,7 @@ class Job:
     # to plan again after following another operator's run of a different spec (issue: a second
     # operator must never report the other spec's verify as its own)
     observe_args: dict[str, Any] = dataclasses.field(default_factory=dict)
-    plan_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    desired: Desired | None = None  # what the plan was made from (its spec checked for this container's release)
     restoring: bool = False
     end_other_gpu_holders: bool = False
     routing: Routing | None = None          # behind a router: leave before the hand-off, rejoin after
@@ -764,7 +764,7 @@ def _follow(host_obj: Any, job: Job, run: str, attached: bool, watch: Watch | No
         misses = 0
         watch.read_at = time.time()
         stalled = None if answer.get("events") else stall_text(answer.get("agent"),
-                                                               float(job.plan_args.get("agent_silence_s", 30.0)))
+                                                               float(job.desired.agent_silence_s if job.desired else 30.0))
         if stalled:  # silence has a bound: say what is seen and leave the container alone
             book.ended(name, "stalled")
             _say(host_obj, job.port, f"{stalled}: the transition of run {run} is stalled (at "
@@ -868,7 +868,7 @@ def _attach(host_obj: Any, job: Job, run: str, depth: int = 0) -> bool:
     message = f"another operator's run applied a different spec (run {run}{by})"
     if name in book.failed:  # the other run's failure is not this run's: the rolling restart decides on ours
         book.failed.remove(name)
-    if job.restoring or not job.observe_args or depth >= MAX_REPLANS:
+    if job.restoring or not job.observe_args or job.desired is None or depth >= MAX_REPLANS:
         book.failed.append(name)
         book.outcomes[name] = message
         _say(host_obj, job.port, f"{message}; this run's desired state was not applied: see runbooks/status.py "
@@ -883,7 +883,7 @@ def _attach(host_obj: Any, job: Job, run: str, depth: int = 0) -> bool:
         _say(host_obj, job.port, f"{message}; observing again failed ({trouble}): this run's desired state was not "
                                  f"applied", error=True)
         return False
-    plan = make_plan(observation, job.spec, **job.plan_args)
+    plan = make_plan(observation, job.desired, restoring=job.restoring)
     lines = plan_lines(plan, job.port)
     if plan.problems:
         book.refused.append(name)
@@ -1087,14 +1087,10 @@ def server(desired: Desired, restore_previous: bool = False):
             return
 
     budget = dict(desired.budgets)
-    max_used_mib, restarted = desired.max_used_mib, desired.restarted
+    restarted = desired.restarted
     end_other_gpu_holders = desired.end_other_gpu_holders
-    plan_args: dict[str, Any] = dict(port=port, restart=restarted, siblings=desired.siblings,
-                                     rollback_k=desired.rollback_to if restoring else None,
-                                     max_used_mib=max_used_mib, min_free_mib=desired.min_free_mib,
-                                     agent_silence_s=desired.agent_silence_s,
-                                     end_other_gpu_holders=end_other_gpu_holders, budgets=budget)
-    plan = make_plan(observation, spec, **plan_args)
+    planned = dataclasses.replace(desired, spec=spec)  # the server as this container's release makes it
+    plan = make_plan(observation, planned, restoring=restoring)
     lines = plan_lines(plan, port)
     desired_spec = for_container(desired.spec, observation) if restoring else None
     if restoring and plan.target is not None and not plan.problems:  # which spec, and the desired state
@@ -1151,6 +1147,6 @@ def server(desired: Desired, restore_previous: bool = False):
     end_pids = _end_pids(observation, spec, end_other_gpu_holders)
     job = Job(plan, spec, port, python, budget, observation, desired.audit_log, desired.rolling,
               desired.max_failures, restarted, end_pids, _story(observation, plan, spec), observe_args=observed_args,
-              plan_args=plan_args, restoring=restoring, end_other_gpu_holders=end_other_gpu_holders,
+              desired=planned, restoring=restoring, end_other_gpu_holders=end_other_gpu_holders,
               routing=routing, desired_spec=desired_spec, desired_problem=desired.problem if restoring else None)
     yield FunctionCommand(_execute, (job,), {})

@@ -11,7 +11,8 @@ import pytest
 
 from gpugate import agentcmd
 from gpugate.operations.sglang import _pct_trouble
-from gpugate.plan import Narrator, make_plan, outcome_lines, plan_lines, rollback_choice
+from gpugate.plan import Narrator, outcome_lines, plan_lines, rollback_choice
+from tests.unit.plans import plan_of
 from gpugate.spec import build_spec, resolve_supervisor
 
 MODEL = "/opt/models/lab-model"
@@ -56,14 +57,14 @@ def observation(running=None, *, serving=True, good=(), transition=None, gpu_hol
 # ---------------------------------------------------------------- the plan
 def test_the_desired_spec_serving_is_no_change():
     desired = spec()
-    plan = make_plan(observation(desired), desired, port=PORT)
+    plan = plan_of(observation(desired), desired, port=PORT)
     assert plan.action == "noop" and not plan.touches
 
 
 def test_a_flag_change_restarts_and_shows_the_diff_without_secrets():
     running = spec(flags={"tp": 8, "api-key": "sk-old-1234"})
     desired = spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3", "api-key": "sk-new-5678"})
-    plan = make_plan(observation(running, good=[record(running)]), desired, port=PORT)
+    plan = plan_of(observation(running, good=[record(running)]), desired, port=PORT)
     assert plan.action == "restart" and plan.rollback_to == "auto"
     assert "+ --kv-cache-dtype fp8_e4m3" in plan.lines
     text = "\n".join(plan_lines(plan, PORT))
@@ -72,31 +73,31 @@ def test_a_flag_change_restarts_and_shows_the_diff_without_secrets():
 
 
 def test_only_the_host_differs_the_server_restarts_onto_it():
-    plan = make_plan(observation(spec()), spec(host="0.0.0.0"), port=PORT)
+    plan = plan_of(observation(spec()), spec(host="0.0.0.0"), port=PORT)
     assert plan.action == "restart" and plan.lines == ("- --host 127.0.0.1", "+ --host 0.0.0.0")
 
 
 def test_an_env_value_change_restarts_and_never_shows_the_value():
-    plan = make_plan(observation(spec()), spec(env={"HF_TOKEN": "hf_new"}), port=PORT)
+    plan = plan_of(observation(spec()), spec(env={"HF_TOKEN": "hf_new"}), port=PORT)
     assert plan.action == "restart" and plan.lines == ("~ env HF_TOKEN=*** (value changed)",)
     assert "environment differs" in plan.reasons[0]
 
 
 def test_dead_workers_are_not_serving_even_with_health_200():
     desired = spec()
-    plan = make_plan(observation(desired, workers_dead=2), desired, port=PORT)
+    plan = plan_of(observation(desired, workers_dead=2), desired, port=PORT)
     assert plan.action == "restart" and "does not serve" in plan.reasons[0]
 
 
 def test_restart_of_the_same_spec_is_asked_for_explicitly():
     desired = spec()
-    plan = make_plan(observation(desired), desired, port=PORT, restart=True)
+    plan = plan_of(observation(desired), desired, port=PORT, restart=True)
     assert plan.action == "restart" and plan.restart and "same spec" in plan.reasons[0]
 
 
 def test_a_running_transition_is_attached_to_not_started_again():
     running = {"run": "20261130T222547-129-a14e2f", "active": True, "step": "load", "by": "bob@desk"}
-    plan = make_plan(observation(spec(), transition=running), spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}),
+    plan = plan_of(observation(spec(), transition=running), spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}),
                      port=PORT)
     assert plan.action == "attach" and plan.attach_run == running["run"] and "bob@desk" in plan.reasons[0]
 
@@ -120,22 +121,22 @@ def test_an_attached_run_of_another_spec_is_told_from_this_runs_spec():
 
 def test_only_the_interpreter_changes_shows_an_interpreter_pair():
     running, desired = spec(python="/usr/bin/python3"), spec(python="/opt/venv/bin/python3")
-    lines = plan_lines(make_plan(observation(running), desired, port=PORT), PORT)
+    lines = plan_lines(plan_of(observation(running), desired, port=PORT), PORT)
     assert "    - interpreter /usr/bin/python3" in lines and "    + interpreter /opt/venv/bin/python3" in lines
     assert not [line for line in lines if line.strip() in ("- python3", "- /usr/bin/python3")]
-    plan = make_plan(observation(desired, good=[record(desired), record(running)]), None, port=PORT, rollback_k=1)
+    plan = plan_of(observation(desired, good=[record(desired), record(running)]), None, port=PORT, rollback_k=1)
     assert "+ interpreter /usr/bin/python3" in plan.lines, plan.lines
 
 
 def test_the_last_run_is_reported_when_it_ended_unwatched():
     ended = {"run": "r1", "active": False, "outcome": "verified", "by": "bob@desk", "message": "the desired server serves"}
-    plan = make_plan(observation(spec(), transition=ended), spec(), port=PORT)
+    plan = plan_of(observation(spec(), transition=ended), spec(), port=PORT)
     assert plan.action == "noop" and plan.last.startswith("the last transition (run r1 by bob@desk) ended: verified")
 
 
 def test_absent_stops_a_running_server_and_nothing_when_none_runs():
-    assert make_plan(observation(spec()), None, port=PORT).action == "stop"
-    assert make_plan(observation(None), None, port=PORT).action == "noop"
+    assert plan_of(observation(spec()), None, port=PORT).action == "stop"
+    assert plan_of(observation(None), None, port=PORT).action == "noop"
 
 
 # ---------------------------------------------------------------- checks before the stop
@@ -151,7 +152,7 @@ def test_absent_stops_a_running_server_and_nothing_when_none_runs():
 ])
 def test_checks_refuse_before_anything_stops(kwargs, expected):
     supervisor = kwargs.pop("_supervisor", "process")
-    plan = make_plan(observation(spec(), **kwargs), spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"},
+    plan = plan_of(observation(spec(), **kwargs), spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"},
                                                          supervisor=supervisor), port=PORT)
     assert any(expected in problem for problem in plan.problems), plan.problems
     text = "\n".join(plan_lines(plan, PORT))
@@ -165,11 +166,11 @@ def test_other_gpu_holders_offer_the_switch_and_monitors_are_only_noted():
                 "server_part": False},
                {"pid": 702, "cmdline": "sglang::scheduler_TP0", "gpus": [1], "used_mib": 9000, "memory": True,
                 "server_part": True}]
-    plan = make_plan(observation(spec(), gpu_holders=holders), spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}),
+    plan = plan_of(observation(spec(), gpu_holders=holders), spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}),
                      port=PORT)
     assert len(plan.problems) == 1 and "end_other_gpu_holders=true" in plan.problems[0]
     assert any("monitor" in note and "701" in note for note in plan.notes)
-    allowed = make_plan(observation(spec(), gpu_holders=holders), spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}),
+    allowed = plan_of(observation(spec(), gpu_holders=holders), spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}),
                         port=PORT, end_other_gpu_holders=True)
     assert not allowed.problems and any("the agent ends it" in note for note in allowed.notes)
 
@@ -177,12 +178,12 @@ def test_other_gpu_holders_offer_the_switch_and_monitors_are_only_noted():
 def test_a_holder_on_other_gpus_is_no_obstacle():
     holders = [{"pid": 700, "cmdline": "python3 train.py", "gpus": [6, 7], "used_mib": 512, "memory": True,
                 "server_part": False}]
-    plan = make_plan(observation(None, gpu_holders=holders), spec(flags={"tp": 4}), port=PORT)
+    plan = plan_of(observation(None, gpu_holders=holders), spec(flags={"tp": 4}), port=PORT)
     assert plan.action == "start" and not plan.problems and plan.gpus == (0, 1, 2, 3)
 
 
 def test_a_pinned_version_that_differs_is_refused():
-    plan = make_plan(observation(spec()), spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}, sglang_version="0.5.9"),
+    plan = plan_of(observation(spec()), spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}, sglang_version="0.5.9"),
                      port=PORT)
     assert any("0.5.5" in problem and "0.5.9" in problem for problem in plan.problems)
 
@@ -194,14 +195,14 @@ def test_a_port_change_replaces_the_server_on_the_same_gpus():
     desired = spec(port=30001)
     doc = observation(None, strays=[stray])
     doc["sglang"]["port"] = 30001
-    plan = make_plan(doc, desired, port=30001)
+    plan = plan_of(doc, desired, port=30001)
     assert plan.action == "start" and plan.replaces["port"] == 30000 and plan.replaces["gpus"] == list(range(8))
     assert "port change: :30000 -> :30001" in plan.reasons and plan.rollback_to == "auto"
     assert any("stop :30000 first" in step for step in plan.steps)
     # a server on other GPUs is left alone (two servers on disjoint halves)
     other = dict(stray, cmdline=" ".join(spec(flags={"tp": 4, "base-gpu-id": 4}).argv))
     doc = observation(None, strays=[other])
-    assert make_plan(doc, spec(flags={"tp": 4}, port=30001), port=30001).replaces is None
+    assert plan_of(doc, spec(flags={"tp": 4}, port=30001), port=30001).replaces is None
 
 
 # ---------------------------------------------------------------- the rollback runbook's choice
@@ -211,14 +212,14 @@ def test_rollback_goes_to_the_newest_good_spec_unlike_the_running_one():
     chosen, why = rollback_choice(observation(b, good=good)["sglang"])
     assert chosen["argv_hash"] == agentcmd.argv_hash(list(a.argv)) and "#1" in why
     assert rollback_choice(observation(b, good=good)["sglang"], 2)[0] is None
-    plan = make_plan(observation(b, good=good), None, port=PORT, rollback_k=1)
+    plan = plan_of(observation(b, good=good), None, port=PORT, rollback_k=1)
     assert plan.action == "restart" and plan.target["key"] == good[1]["key"]
     assert plan.rollback_to == {"running": True} and "- --host 0.0.0.0" in plan.lines
 
 
 def test_rollback_with_nothing_to_go_to_is_refused():
     only = spec()
-    plan = make_plan(observation(only, good=[record(only)]), None, port=PORT, rollback_k=1)
+    plan = plan_of(observation(only, good=[record(only)]), None, port=PORT, rollback_k=1)
     assert plan.problems and "nothing to roll back to" in plan.problems[0]
 
 
@@ -231,7 +232,7 @@ def test_the_rollback_runbook_says_which_spec_it_restored_and_how_the_desired_st
     a, b = spec(), spec({"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
     good = [record(b, at="2026-11-30T22:25:54Z"), record(a, at="2026-11-29T10:00:00Z", by="bo@ops")]
     seen = observation(b, good=good)
-    plan = make_plan(seen, None, port=PORT, rollback_k=1)
+    plan = plan_of(seen, None, port=PORT, rollback_k=1)
     job = Job(plan, None, PORT, "python3", {}, seen, None, False, 0, True, [], {}, restoring=True, desired_spec=b)
     key = good[1]["key"]
     assert _restored_lines(job, "verified", None) == [
@@ -250,7 +251,7 @@ def test_the_rollback_runbook_says_which_spec_it_restored_and_how_the_desired_st
 
     # a deploy of C that failed and rolled back: what serves again, and what C would have changed
     c = spec({"tp": 8, "kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True})
-    deploy = Job(make_plan(seen, c, port=PORT), c, PORT, "python3", {}, seen, None, False, 0, False, [], {})
+    deploy = Job(plan_of(seen, c, port=PORT), c, PORT, "python3", {}, seen, None, False, 0, False, [], {})
     to = dict(record(b), at="2026-12-01T00:00:00Z")  # the agent's rollback event: a fresh record of the target
     assert _restored_lines(deploy, "rolled_back", to) == [
         f"serving again: good 0 (newest) of :30000's history (key {good[0]['key']}, verified 2026-11-30 22:25Z by "
@@ -360,5 +361,5 @@ def test_importing_the_operation_installs_no_signal_handler():
 def test_recorded_documents_are_not_mutated():
     doc = observation(spec())
     before = copy.deepcopy(doc)
-    make_plan(doc, spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}), port=PORT)
+    plan_of(doc, spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}), port=PORT)
     assert doc == before

@@ -8,7 +8,8 @@ import pytest
 
 from gpugate.engine.sglang import weight_cache as cache
 from gpugate.match import cache_verdict, compare
-from gpugate.plan import make_plan, plan_lines
+from gpugate.plan import plan_lines
+from tests.unit.plans import plan_of
 from gpugate.spec import SpecError, build_spec
 
 MODEL = "/opt/models/m"
@@ -72,10 +73,10 @@ def test_an_engine_as_desired_over_daemons_of_another_key_is_not_as_desired():
 
 
 def test_dry_says_which_restart_it_is():
-    kept = make_plan(observation(spec(), spec()), spec({"kv-cache-dtype": "fp8_e4m3"}), port=30000)
+    kept = plan_of(observation(spec(), spec()), spec({"kv-cache-dtype": "fp8_e4m3"}), port=30000)
     assert "    restart: engine only: the weights stay on GPU 0-1 (the weight cache's key is unchanged)" in \
         plan_lines(kept, 30000)
-    moved = make_plan(observation(spec(), spec()), spec({"tp": 4}), port=30000)
+    moved = plan_of(observation(spec(), spec()), spec({"tp": 4}), port=30000)
     assert "    restart: engine and weight cache: the weight cache's key changes (--tp-size 2 -> 4)" in \
         plan_lines(moved, 30000)
     assert any("start the weight-cache daemons" in step for step in moved.steps)
