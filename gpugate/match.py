@@ -75,17 +75,18 @@ def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None 
     spec = for_container(spec, observation)
     server = observation.get("sglang") or {}
     running = bool(server.get("running"))
+    name = spec.engine if spec is not None else server.get("engine") or DEFAULT_ENGINE  # how lines name the server
     if spec is None:
         if running:
             main = server.get("main") or {}
-            return Match("should_not_run", (f"sglang runs on :{port} (pid {main.get('pid')}) and should not",))
+            return Match("should_not_run", (f"{name} runs on :{port} (pid {main.get('pid')}) and should not",))
         strays = [s for s in server.get("strays") or [] if s.get("port") in (None, port)]
         if strays:
-            return Match("strays", (f"{len(strays)} stray sglang server part(s) of :{port} left in the container",))
-        return Match("absent", (f"sglang on :{port} is absent, as desired",))
+            return Match("strays", (f"{len(strays)} stray {name} server part(s) of :{port} left in the container",))
+        return Match("absent", (f"{name} on :{port} is absent, as desired",))
     replaced = tuple(replaced_servers(observation, spec, siblings))
     if not running:
-        return Match("not_running", (f"sglang is not running on :{spec.port}",), replaced=replaced,
+        return Match("not_running", (f"{name} is not running on :{spec.port}",), replaced=replaced,
                      lines=tuple(diff_lines(server, spec) + env_lines(server, spec)))
     exact = runs_exactly(server, spec)
     have, pinned = server.get("sglang_version"), spec.sglang_version

@@ -53,6 +53,7 @@ class Plan:
     gpus: tuple[int, ...] | None = None           # the GPUs the new server takes (locks)
     target: Mapping[str, Any] | None = None       # rollback runbook: the history record to run
     kind: str | None = None                       # which restart (the weight cache kept or not, gated)
+    server: str = DEFAULT_ENGINE                  # how the lines name the server: its engine ("sglang :30000")
 
     @property
     def touches(self) -> bool:
@@ -417,6 +418,10 @@ def make_plan(observation: Mapping[str, Any], desired: Desired, *, restoring: bo
     desired state (its ``spec``: the server, None for none on its port; the run's settings: the
     gate, the free space, restart, the other servers' ports). ``restoring``: the rollback runbook
     (``desired.rollback_to``: the k-th newest good spec unlike the running one)."""
+    return dataclasses.replace(_decide(observation, desired, restoring), server=desired.engine)
+
+
+def _decide(observation: Mapping[str, Any], desired: Desired, restoring: bool) -> Plan:
     spec = for_container(desired.spec, observation)  # auto: systemd where the container's PID 1 is systemd
     port, restart, siblings = desired.port, desired.restarted, desired.siblings
     rollback_k = desired.rollback_to if restoring else None
@@ -473,7 +478,7 @@ def make_plan(observation: Mapping[str, Any], desired: Desired, *, restoring: bo
         problems.append("servers on :" + ", :".join(str(r["port"]) for r in replaced) + " use GPUs the desired server "
                         "needs; a deploy replaces at most one of them (stop the others first)")
     if match.verdict == "as_desired" and not restart:
-        return Plan("noop", (f"sglang on :{spec.port} already serves the desired spec ({spec_summary(server)})",),
+        return Plan("noop", (f"{desired.engine} on :{spec.port} already serves the desired spec ({spec_summary(server)})",),
                     last=last)
     lines = list(match.lines)
     reasons = list(match.why)
@@ -481,13 +486,13 @@ def make_plan(observation: Mapping[str, Any], desired: Desired, *, restoring: bo
     weights = cache_verdict(observation, spec)
     if match.verdict != "not_running" and match.exact:
         reasons.append("restart requested (same spec)" if restart else
-                       f"sglang on :{spec.port} runs the desired spec but does not serve ({health_text(server)}): "
+                       f"{desired.engine} on :{spec.port} runs the desired spec but does not serve ({health_text(server)}): "
                        f"the agent waits for it, or restarts it when a worker is dead")
     if replaced:
         reasons.append("port change: :" + ", :".join(str(p) for p in replacing) + f" -> :{spec.port}")
     strays = [s for s in server.get("strays") or [] if s.get("port") in (None, spec.port)]
     if strays:
-        reasons.append(f"{len(strays)} stray sglang server part(s) will be swept")
+        reasons.append(f"{len(strays)} stray {desired.engine} server part(s) will be swept")
     return Plan(action, tuple(reasons), lines=tuple(lines), problems=tuple(problems), notes=tuple(notes),
                 steps=steps_for(action, spec, max_used_mib, budgets, replacing, weights.mode),
                 replaces=replaces_doc(replaced[0]) if len(replaced) == 1 else None, rollback_to="auto",
@@ -509,13 +514,13 @@ def plan_lines(plan: Plan, port: int) -> list[str]:
     if plan.last:
         lines.append(plan.last)
     if plan.problems:
-        lines.append(f"sglang :{port} REFUSED, nothing touched" + (": " if len(plan.problems) == 1 else ":")
+        lines.append(f"{plan.server} :{port} REFUSED, nothing touched" + (": " if len(plan.problems) == 1 else ":")
                      + (plan.problems[0] if len(plan.problems) == 1 else ""))
         if len(plan.problems) > 1:
             lines += [f"    - {problem}" for problem in plan.problems]
         lines += [f"    note: {note}" for note in plan.notes]
         return lines
-    lines.append(f"sglang :{port} will {plan.action}: {'; '.join(plan.reasons)}")
+    lines.append(f"{plan.server} :{port} will {plan.action}: {'; '.join(plan.reasons)}")
     lines += ["    " + line for line in plan.lines]
     if plan.kind:
         lines.append(f"    {plan.action}: {plan.kind}")
