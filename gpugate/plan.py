@@ -611,115 +611,155 @@ class Narrator:
         return None
 
     def _event(self, event: Mapping[str, Any]) -> str | list[str] | None:
-        step, phase = event.get("step"), event.get("phase")
-        target = event.get("target")
-        if step == "run" and phase == "begin":
-            recovered = event.get("recovered")
-            if recovered:
-                return (f"recovering run {recovered.get('run')}, whose agent ended during "
-                        f"{recovered.get('last_step') or 'its start'}")
+        """The line of one journal event: each step's own method (``_on_<step>``), None for none."""
+        on = getattr(self, "_on_" + str(event.get("step")), None)
+        return on(event, event.get("phase"), event.get("target")) if on is not None else None
+
+    def _on_run(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        recovered = event.get("recovered") if phase == "begin" else None
+        if recovered:
+            return (f"recovering run {recovered.get('run')}, whose agent ended during "
+                    f"{recovered.get('last_step') or 'its start'}")
+        return None
+
+    def _on_adopt(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        return f"the desired server already runs (pid {event.get('pid')}): waiting for it"
+
+    def _on_stop(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase == "begin" and event.get("main"):
+            return (f"stopping :{event.get('port')} pid {event.get('main')} ({event.get('tree')} processes): "
+                    f"SIGTERM, {self.engine.drain_words}")
+        return None
+
+    def _on_drain(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase != "end":
             return None
-        if step == "adopt":
-            return f"the desired server already runs (pid {event.get('pid')}): waiting for it"
-        if step == "stop" and phase == "begin":
-            if event.get("main"):
-                return f"stopping :{event.get('port')} pid {event.get('main')} ({event.get('tree')} processes): SIGTERM, {self.engine.drain_words}"
+        self.timings.setdefault(f"{target}:drain", float(event.get("elapsed_s") or 0))
+        if event.get("drained"):
+            return f"drained and exited in {_seconds(event.get('elapsed_s'))}"
+        return f"drain deadline passed after {_seconds(event.get('elapsed_s'))}: SIGKILL of the tree"
+
+    def _on_kill(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase != "end":
             return None
-        if step == "drain" and phase == "end":
-            self.timings.setdefault(f"{target}:drain", float(event.get("elapsed_s") or 0))
-            if event.get("drained"):
-                return f"drained and exited in {_seconds(event.get('elapsed_s'))}"
-            return f"drain deadline passed after {_seconds(event.get('elapsed_s'))}: SIGKILL of the tree"
-        if step == "kill" and phase == "end":
-            parts = []
-            if event.get("killed"):
-                parts.append(f"SIGKILLed {len(event['killed'])} process(es)")
-            if event.get("swept"):
-                parts.append(f"swept {len(event['swept'])} stray server part(s)")
-            if event.get("survivors"):
-                parts.append(f"{len(event['survivors'])} survived SIGKILL: {event['survivors']}")
-            return ", ".join(parts) or None
-        if step == "sweep" and phase == "begin":
-            pids = event.get("pids") or []
-            return "sweeping " + ", ".join(f"{p.get('pid')} ({p.get('why')})" for p in pids[:6]) if pids else None
-        if step == "gate" and phase == "begin":
+        parts = []
+        if event.get("killed"):
+            parts.append(f"SIGKILLed {len(event['killed'])} process(es)")
+        if event.get("swept"):
+            parts.append(f"swept {len(event['swept'])} stray server part(s)")
+        if event.get("survivors"):
+            parts.append(f"{len(event['survivors'])} survived SIGKILL: {event['survivors']}")
+        return ", ".join(parts) or None
+
+    def _on_sweep(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        pids = event.get("pids") or [] if phase == "begin" else []
+        return "sweeping " + ", ".join(f"{p.get('pid')} ({p.get('why')})" for p in pids[:6]) if pids else None
+
+    def _on_gate(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase == "begin":
             self.gpus = event.get("gpus")
             return None
-        if step == "gate" and phase == "end":
-            self.timings.setdefault(f"{target}:gate", float(event.get("elapsed_s") or 0))
-            used = _compact(event.get("used_mib"))
-            if event.get("passed"):
-                monitors = event.get("monitors") or []
-                extra = f"; monitor(s) {monitors} not waited for" if monitors else ""
-                own = (f" besides this server's own {_compact(event['expected_mib'])} ({', '.join(event.get('own') or [])})"
-                       if event.get("expected_mib") else "")
-                return f"gate passed in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}{own}, no holder{extra}"
-            return f"gate did NOT pass in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}; " + "; ".join(event.get("problems") or [])
-        if step == "start" and phase == "end":
-            if event.get("gated"):
-                return (f"started pid {event.get('pid')}: the gated engine activated ({self.engine.gate_activate}), "
-                        f"it loads now")
-            return f"started pid {event.get('pid')}"
-        if step == "cache" and phase == "end" and event.get("mode") != "none":
-            return {"keep": "weight cache kept: ", "start": "weight cache (re)starts: "}.get(
-                str(event.get("mode")), "weight cache: ") + str(event.get("why") or "")
-        if step == "cache_stop" and phase == "end" and (event.get("terminated") or event.get("killed")):
-            return f"stopped the weight-cache daemons ({len(event.get('terminated') or [])} ended on SIGTERM, " \
-                   f"{len(event.get('killed') or [])} SIGKILLed)"
-        if step == "cache_start" and phase == "end":
-            self.timings.setdefault(f"{target}:weight cache", float(event.get("elapsed_s") or 0))
-            if event.get("ok"):
-                return f"weight cache ready on every GPU after {_seconds(event.get('elapsed_s'))} (daemons {event.get('daemons')})"
-            tail = [str(line) for line in event.get("log_tail") or []]
-            if tail:
-                self.tails[f"{target} weight cache"] = tail
-            return "the weight cache did NOT come up: " + ("; ".join(event.get("problems") or []) or
-                                                         f"exit code {event.get('exit_code')}")
-        if step == "gated" and phase == "begin":
+        if phase != "end":
+            return None
+        self.timings.setdefault(f"{target}:gate", float(event.get("elapsed_s") or 0))
+        used = _compact(event.get("used_mib"))
+        if event.get("passed"):
+            monitors = event.get("monitors") or []
+            extra = f"; monitor(s) {monitors} not waited for" if monitors else ""
+            own = (f" besides this server's own {_compact(event['expected_mib'])} ({', '.join(event.get('own') or [])})"
+                   if event.get("expected_mib") else "")
+            return f"gate passed in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}{own}, no holder{extra}"
+        return f"gate did NOT pass in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}; " + "; ".join(event.get("problems") or [])
+
+    def _on_start(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase != "end":
+            return None
+        if event.get("gated"):
+            return f"started pid {event.get('pid')}: the gated engine activated ({self.engine.gate_activate}), it loads now"
+        return f"started pid {event.get('pid')}"
+
+    def _on_cache(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase != "end" or event.get("mode") == "none":
+            return None
+        return {"keep": "weight cache kept: ", "start": "weight cache (re)starts: "}.get(
+            str(event.get("mode")), "weight cache: ") + str(event.get("why") or "")
+
+    def _on_cache_stop(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase == "end" and (event.get("terminated") or event.get("killed")):
+            return (f"stopped the weight-cache daemons ({len(event.get('terminated') or [])} ended on SIGTERM, "
+                    f"{len(event.get('killed') or [])} SIGKILLed)")
+        return None
+
+    def _on_cache_start(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase != "end":
+            return None
+        self.timings.setdefault(f"{target}:weight cache", float(event.get("elapsed_s") or 0))
+        if event.get("ok"):
+            return f"weight cache ready on every GPU after {_seconds(event.get('elapsed_s'))} (daemons {event.get('daemons')})"
+        tail = [str(line) for line in event.get("log_tail") or []]
+        if tail:
+            self.tails[f"{target} weight cache"] = tail
+        return "the weight cache did NOT come up: " + ("; ".join(event.get("problems") or []) or
+                                                     f"exit code {event.get('exit_code')}")
+
+    def _on_gated(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase == "begin":
             return (f"started the new engine gated (pid {event.get('pid')}, gate :{event.get('gate_port')}) while the old "
                     f"one serves")
-        if step == "gated" and phase == "end" and event.get("reached"):
+        if phase != "end":
+            return None
+        if event.get("reached"):
             return f"the gated engine reached its gate {_seconds(event.get('elapsed_s'))} after its start"
-        if step == "gated" and phase == "end" and event.get("taken_by"):
+        if event.get("taken_by"):
             return (f"the gated engine's gate port is taken by pid {', '.join(str(p) for p in event['taken_by'])}: "
                     f"it can never be activated; ended, an ordinary start instead")
-        if step == "gated" and phase == "end" and event.get("ended"):
+        if event.get("ended"):
             return f"ended the gated engine, never activated (pids {event.get('ended')})"
+        return None
 
-        if step == "load" and phase == "end":
-            self.timings.setdefault(f"{target}:load", float(event.get("elapsed_s") or 0))
-            state = event.get("state")
-            if state == "ready":
-                return f"healthy and generating after {_seconds(event.get('elapsed_s'))}"
-            tail = [str(line) for line in event.get("log_tail") or []]
-            if tail:
-                self.tails[str(target)] = tail
-            code = event.get("exit_code")
-            if state == "crashed":
-                what = "crashed" + (f" (exit code {code})" if code is not None else "")
-            elif state == "timeout":
-                what = "was not healthy in time"
-            else:
-                what = f"ended its load: {state}"
-            return f"the server {what} after {_seconds(event.get('elapsed_s'))}"
-        if step == "verify" and phase == "end":
-            if event.get("capacity"):
-                self.capacity = dict(event["capacity"])
-            if event.get("ok"):
-                what = self.desired_what if event.get("target") in (None, "desired") else "the recorded spec"
-                return f"verified: the running argv and {self.engine.info_endpoint} match {what}"
-            return "verify FAILED: " + "; ".join(event.get("problems") or [])
-        if step == "failed":
-            return f"the desired server failed: {event.get('reason')}"
-        if step == "rollback" and phase == "begin":
-            to = event.get("to") or {}
-            argv = " ".join(list(to.get("argv") or [])[3:])
-            return f"rolling back to the last good spec: {argv[:200]}"
-        if step == "rollback" and phase == "end" and not event.get("ok"):
-            return f"the rollback failed too: {event.get('reason')}"
-        if step == "outcome":
-            self.outcome = dict(event)
+    def _on_load(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase != "end":
             return None
+        self.timings.setdefault(f"{target}:load", float(event.get("elapsed_s") or 0))
+        state = event.get("state")
+        if state == "ready":
+            return f"healthy and generating after {_seconds(event.get('elapsed_s'))}"
+        tail = [str(line) for line in event.get("log_tail") or []]
+        if tail:
+            self.tails[str(target)] = tail
+        code = event.get("exit_code")
+        if state == "crashed":
+            what = "crashed" + (f" (exit code {code})" if code is not None else "")
+        elif state == "timeout":
+            what = "was not healthy in time"
+        else:
+            what = f"ended its load: {state}"
+        return f"the server {what} after {_seconds(event.get('elapsed_s'))}"
+
+    def _on_verify(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase != "end":
+            return None
+        if event.get("capacity"):
+            self.capacity = dict(event["capacity"])
+        if event.get("ok"):
+            what = self.desired_what if target in (None, "desired") else "the recorded spec"
+            return f"verified: the running argv and {self.engine.info_endpoint} match {what}"
+        return "verify FAILED: " + "; ".join(event.get("problems") or [])
+
+    def _on_failed(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        return f"the desired server failed: {event.get('reason')}"
+
+    def _on_rollback(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase == "begin":
+            argv = list((event.get("to") or {}).get("argv") or [])
+            args = " ".join(argv[self.engine.read_running(argv).args_start:])
+            return f"rolling back to the last good spec: {args[:200]}"
+        if phase == "end" and not event.get("ok"):
+            return f"the rollback failed too: {event.get('reason')}"
+        return None
+
+    def _on_outcome(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        self.outcome = dict(event)
         return None
 
     def timing_text(self) -> str:
