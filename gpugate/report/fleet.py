@@ -5,16 +5,39 @@ included (pyinfra drops them from the run otherwise).
 Example::
 
     fleet_report(state, "status", render, missing=unreachable).add(host.name, row)
+
+What lives as long as one run lives in the run's State callback handlers, as sglang.server's ``Run``
+does (``Run.of(state)``): each report and the connect errors are handlers of pyinfra's State, found
+there by class (and key), never kept as attributes of the State.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from pyinfra.api.state import BaseStateCallback
 
 from gpugate.report.text import natural_key
+
+_Handler = TypeVar("_Handler", bound=BaseStateCallback)
+
+
+def handler_of(state: Any, kind: type[_Handler], test: Callable[[_Handler], bool] = lambda handler: True,
+               ) -> _Handler | None:
+    """This run's State callback handler of class ``kind`` (that passes ``test``), or None: the one
+    place a per-run object is found (none before pyinfra's ``State.init``, which starts the list).
+
+    >>> class Seen(BaseStateCallback): ...
+    >>> class FakeState: callback_handlers = [Seen()]
+    >>> handler_of(FakeState(), Seen) is FakeState.callback_handlers[0], handler_of(FakeState(), FleetReport)
+    (True, None)
+    """
+    for handler in getattr(_real_state(state), "callback_handlers", None) or ():
+        if isinstance(handler, kind) and test(handler):
+            return handler
+    return None
+
 
 # ---------------------------------------------------------------- printing one report for the fleet
 
@@ -36,7 +59,8 @@ class FleetReport(BaseStateCallback):
     """
 
     def __init__(self, render: Callable[[list[Any]], str | None], out: Callable[[str], None] | None = None,
-                 missing: Callable[[Any, str], Any] | None = None) -> None:
+                 missing: Callable[[Any, str], Any] | None = None, key: str = "") -> None:
+        self.key = key  # the report's name in the run (fleet_report)
         self.render = render
         self.out = out or (lambda text: print(text, flush=True))
         self.missing = missing
@@ -73,13 +97,13 @@ class FleetReport(BaseStateCallback):
 
 def fleet_report(state: Any, key: str, render: Callable[[list[Any]], str | None],
                  missing: Callable[[Any, str], Any] | None = None) -> FleetReport:
-    """The run's ``FleetReport`` named ``key`` (made and registered with pyinfra's state on first use)."""
-    state = _real_state(state)
-    reports = state.__dict__.setdefault("_gpugate_reports", {})
-    if key not in reports:
-        reports[key] = FleetReport(render, missing=missing)
-        state.add_callback_handler(reports[key])
-    return reports[key]
+    """The run's ``FleetReport`` named ``key``: one of the run's State callback handlers (made and
+    registered on first use)."""
+    report = handler_of(state, FleetReport, lambda report: report.key == key)
+    if report is None:
+        report = FleetReport(render, missing=missing, key=key)
+        _real_state(state).add_callback_handler(report)
+    return report
 
 
 class ConnectErrors(BaseStateCallback):
@@ -113,18 +137,21 @@ def _real_state(state: Any) -> Any:
 
 
 def watch_connections(state: Any, on_all_failed: Callable[[Any], None] | None = None) -> ConnectErrors:
-    """Install (once) and return the run's ConnectErrors; inventory.py calls it at load time,
-    with the status's ``on_all_failed`` for a status run, so that a status run whose every host is
-    unreachable still prints its rows (the runbook itself never runs then)."""
+    """Install (once) and return the run's ConnectErrors, a State callback handler; inventory.py
+    calls it at load time, with the status's ``on_all_failed`` for a status run, so that a status
+    run whose every host is unreachable still prints its rows (the runbook itself never runs then)."""
     state = _real_state(state)
-    recorder = state.__dict__.get("_gpugate_connect_errors")
-    if recorder is None:
-        recorder = state.__dict__["_gpugate_connect_errors"] = ConnectErrors()
-        if getattr(state, "initialised", False):
-            state.add_callback_handler(recorder)
-        else:
-            # The CLI loads the inventory before State.init(), which starts the callback list afresh:
-            # register right after it, still before pyinfra connects.
+    recorder = handler_of(state, ConnectErrors) if getattr(state, "initialised", False) else None
+    if recorder is None and getattr(state, "initialised", False):
+        recorder = ConnectErrors()
+        state.add_callback_handler(recorder)
+    elif recorder is None:
+        # The CLI loads the inventory before State.init(), which starts the callback list afresh,
+        # and pyinfra has no hook between it and connecting: register right after it (as pyinfra's
+        # CLI sets its own should_raise_failed_hosts on the State), still before pyinfra connects.
+        recorder = getattr(state.init, "recorder", None)
+        if recorder is None:
+            recorder = ConnectErrors()
             init = state.init
 
             def init_then_watch(*args: Any, **kwargs: Any) -> Any:
@@ -132,6 +159,7 @@ def watch_connections(state: Any, on_all_failed: Callable[[Any], None] | None = 
                 state.add_callback_handler(recorder)
                 return result
 
+            init_then_watch.recorder = recorder  # type: ignore[attr-defined]  # a second call finds it
             state.init = init_then_watch
     if on_all_failed is not None:
         recorder.on_all_failed = on_all_failed
@@ -140,7 +168,7 @@ def watch_connections(state: Any, on_all_failed: Callable[[Any], None] | None = 
 
 def connect_errors(state: Any) -> dict[str, str]:
     """host name -> why it could not connect (empty when inventory.py installed no recorder)."""
-    recorder = _real_state(state).__dict__.get("_gpugate_connect_errors")
+    recorder = handler_of(state, ConnectErrors)
     return dict(recorder.errors) if recorder is not None else {}
 
 

@@ -236,7 +236,7 @@ class _State:
     def __init__(self, hosts, active):
         self.inventory = hosts
         self.activated_hosts = [h for h in hosts if h.name in active]
-        self.__dict__["_gpugate_connect_errors"] = rb.ConnectErrors()
+        self.callback_handlers = [rb.ConnectErrors()]  # as watch_connections registers it
 
     def is_host_in_limit(self, host):
         return True
@@ -246,7 +246,7 @@ def test_the_report_gets_a_row_for_each_host_that_never_connected():
     hosts = [_Host("@pct/pve1:129", pve_host="pve1", pct_vmid=129), _Host("@pct/pve2:129", pve_host="pve2",
                                                                           pct_vmid=129)]
     state = _State(hosts, active={"@pct/pve1:129"})
-    state._gpugate_connect_errors.host_connect_error(state, hosts[1], OSError("Unable to connect to port 22"))
+    state.callback_handlers[0].host_connect_error(state, hosts[1], OSError("Unable to connect to port 22"))
     printed = []
     report = rb.FleetReport(lambda rows: rb.render_status(rows), out=printed.append,
                             missing=lambda host, why: rb.unreachable_row(host.data["pve_host"], 129, why, desired_state({})))
@@ -259,7 +259,7 @@ def test_the_report_gets_a_row_for_each_host_that_never_connected():
 def test_when_every_host_fails_the_status_rows_still_print(capsys):
     hosts = [_Host("@pct/pve1:129", pve_host="pve1", pct_vmid=129, format="json")]
     state = _State(hosts, active=set())
-    recorder = state._gpugate_connect_errors
+    recorder = state.callback_handlers[0]
     recorder.on_all_failed = rb.status_when_unreachable
     recorder.host_connect_error(state, hosts[0], OSError("No route to host"))
     doc = json.loads(capsys.readouterr().out)
