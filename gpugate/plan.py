@@ -214,20 +214,33 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
     """Everything that can be checked before anything stops -> (problems, notes). A problem means:
     do not begin (a transition that cannot pass its gate, or cannot start, must not stop the
     server that serves). Notes are shown with the plan."""
-    server = observation.get("sglang") or {}
-    gpu_doc = observation.get("gpu") or {}
-    container = observation.get("container") or {}
     problems: list[str] = []
     notes: list[str] = []
     if spec is None:
         return problems, notes
-    gpus = spec.gpus
-    where = gpu_text(gpus)
-    # Other processes with memory on this server's GPUs (not parts of an SGLang server: those the
-    # agent sweeps or stops; monitors at 0 MiB are no obstacle)
+    server = observation.get("sglang") or {}
+    _holder_checks(observation, spec, end_other_gpu_holders, replacing, problems, notes)
+    problems += _gpu_checks(observation.get("gpu") or {}, spec.gpus, max_used_mib)
+    problems += _container_checks(observation.get("container") or {}, spec, min_free_mib)
+    problems += _server_checks(server, spec)
+    problems += engine(spec.engine).preflight(observation, spec.launch)  # what is the engine's own to see
+    notes += spec.warnings
+    history_problem = (server.get("history") or {}).get("problem")
+    if history_problem:  # the container's agent set a history aside (or will): said with the plan
+        notes.append(history_problem)
+    if replacing:
+        notes.append("port change: the server on :" + ", :".join(str(p) for p in replacing)
+                     + " drains and stops first (the rollback returns to it)")
+    return problems, notes
+
+
+def _holder_checks(observation: Mapping[str, Any], spec: Spec, end_other_gpu_holders: bool, replacing: Sequence[int],
+                   problems: list[str], notes: list[str]) -> None:
+    """Other processes with memory on this server's GPUs (not parts of a server: those the agent
+    sweeps or stops; monitors at 0 MiB are no obstacle)."""
     blockers, monitors = [], []
-    for holder in container.get("gpu_holders") or []:
-        mine = rules_gate.memory_gpus(holder, gpus)
+    for holder in (observation.get("container") or {}).get("gpu_holders") or []:
+        mine = rules_gate.memory_gpus(holder, spec.gpus)
         if holder.get("server_part") or holder.get("weight_cache") in (spec.port, *replacing):
             continue  # the agent stops the server's parts; its own weight cache it keeps or stops
         if holder.get("memory") and mine:
@@ -246,61 +259,62 @@ def checks(observation: Mapping[str, Any], spec: Spec | None, *, max_used_mib: i
     for holder in monitors:
         notes.append(f"pid {holder.get('pid')} ({(holder.get('cmdline') or '?')[:60]}) holds the GPU device files "
                      f"without memory (a monitor): not waited for, never signalled")
-    # Memory held from outside the container
-    if "source" in gpu_doc or gpu_doc.get("gpus"):
-        visible = [gpu.get("index") for gpu in gpu_doc.get("gpus") or []]
-        if gpus is not None and visible and gpu_doc.get("source") not in (None, "none"):
-            missing = sorted(set(gpus) - set(visible))
-            if missing:
-                problems.append(f"the server needs {where}; the container sees GPU(s) "
-                                f"{', '.join(str(i) for i in visible)} only (missing {', '.join(str(i) for i in missing)})")
-        for gpu in foreign_memory(gpu_doc, gpus):
-            if gpu["foreign_mib"] > max_used_mib:
-                problems.append(f"GPU {gpu['index']}: {gpu['foreign_mib']} MiB held from outside the container "
-                                f"(not this container's to free; see runbooks/who_holds_gpus.py): the gate "
-                                f"(<= {max_used_mib} MiB) could not pass after a stop")
-    # The supervisor
+
+
+def _gpu_checks(gpu_doc: Mapping[str, Any], gpus: Sequence[int] | None, max_used_mib: int) -> list[str]:
+    """The GPUs the server needs are there, and no memory held from outside the container blocks the gate."""
+    problems: list[str] = []
+    if "source" not in gpu_doc and not gpu_doc.get("gpus"):
+        return problems
+    visible = [gpu.get("index") for gpu in gpu_doc.get("gpus") or []]
+    if gpus is not None and visible and gpu_doc.get("source") not in (None, "none"):
+        missing = sorted(set(gpus) - set(visible))
+        if missing:
+            problems.append(f"the server needs {gpu_text(gpus)}; the container sees GPU(s) "
+                            f"{', '.join(str(i) for i in visible)} only (missing {', '.join(str(i) for i in missing)})")
+    for gpu in foreign_memory(gpu_doc, gpus):
+        if gpu["foreign_mib"] > max_used_mib:
+            problems.append(f"GPU {gpu['index']}: {gpu['foreign_mib']} MiB held from outside the container "
+                            f"(not this container's to free; see runbooks/who_holds_gpus.py): the gate "
+                            f"(<= {max_used_mib} MiB) could not pass after a stop")
+    return problems
+
+
+def _container_checks(container: Mapping[str, Any], spec: Spec, min_free_mib: int) -> list[str]:
+    """The supervisor, free space, the state directories, the port."""
+    problems: list[str] = []
     if spec.supervisor == "systemd" and container.get("pid1") not in (None, "systemd"):
         problems.append(f"supervisor systemd, but PID 1 of the container is {container.get('pid1')}, not systemd")
-    # Free space
     for path, free in sorted((container.get("free_mib") or {}).items()):
         if isinstance(free, (int, float)) and free < min_free_mib:
             problems.append(f"{path} has {free} MiB free, under the minimum of {min_free_mib} MiB "
                             f"(min_free_mib) for the server log, the journal and the history")
-    # The state directories: the journal, the history, the lock and pid file, the env file, the log
+    # the journal, the history, the lock and pid file, the env file, the log
     for path, why in sorted((container.get("unwritable") or {}).items()):
         problems.append(f"{path} cannot be written in the container ({why}): the transition could not keep its "
                         f"{STATE_DIR_USES.get(path, 'state')}")
-    # The port
     for holder in container.get("port_holders") or []:
-        cmdline = holder.get("cmdline") or ""
         if holder.get("server") or holder.get("server_part"):
             continue
-        problems.append(f"port {spec.port} is taken by pid {holder.get('pid')} ({cmdline[:80]}), which is not "
-                        f"the server being replaced")
-    # The model
+        problems.append(f"port {spec.port} is taken by pid {holder.get('pid')} ({(holder.get('cmdline') or '')[:80]}), "
+                        f"which is not the server being replaced")
+    return problems
+
+
+def _server_checks(server: Mapping[str, Any], spec: Spec) -> list[str]:
+    """The model path, and the engine's release against the pin."""
+    problems: list[str] = []
     if server.get("model_path_exists") is False:
         problems.append(f"the model path {spec.model_path} does not exist in the container")
     elif server.get("model_path_kind") not in (None, "directory", "missing"):
-        # SGLang loads a directory (or a hub id); a config.json named instead would stop the server
-        # for a start that cannot work
+        # an engine loads a directory (or a hub id); a config.json named instead would stop the
+        # server for a start that cannot work
         problems.append(f"the model path {spec.model_path} is a {server['model_path_kind']}, not a directory: give "
                         f"the model's directory (or a hub id)")
-    # The SGLang version
-    serving = engine(spec.engine)
     have = server.get("sglang_version")
     if spec.sglang_version and have and have != spec.sglang_version:
-        problems.append(f"the container has {serving.label} {have}; sglang_version pins {spec.sglang_version}")
-    problems += serving.preflight(observation, spec.launch)  # what is the engine's own to see
-    for warning in spec.warnings:
-        notes.append(warning)
-    history_problem = (server.get("history") or {}).get("problem")
-    if history_problem:  # the container's agent set a history aside (or will): said with the plan
-        notes.append(history_problem)
-    if replacing:
-        notes.append("port change: the server on :" + ", :".join(str(p) for p in replacing)
-                     + " drains and stops first (the rollback returns to it)")
-    return problems, notes
+        problems.append(f"the container has {engine(spec.engine).label} {have}; sglang_version pins {spec.sglang_version}")
+    return problems
 
 
 # ---------------------------------------------------------------- the plan
