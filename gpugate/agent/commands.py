@@ -270,11 +270,11 @@ def agent_main(doc, answer_fd):
             state.write_private("%s/%s.rollback.json" % (state.RUNS_DIR, run), json.dumps(rollback))
         except OSError:
             pass
-    transition.event("run", "begin", run=run, ports=ports, by=doc.get("operator"), pid=os.getpid(),
-                     desired=history.make_record(desired) if desired else None,
-                     replaces=history.make_record(doc["replaces"]) if doc.get("replaces") else None,
-                     restart=bool(doc.get("restart")), budgets=transition.budgets, recovered=recovered and dict(
-                         (k, v) for k, v in recovered.items() if k != "rollback"))
+    transition.ctx.event("run", "begin", run=run, ports=ports, by=doc.get("operator"), pid=os.getpid(),
+                         desired=history.make_record(desired) if desired else None,
+                         replaces=history.make_record(doc["replaces"]) if doc.get("replaces") else None,
+                         restart=bool(doc.get("restart")), budgets=transition.ctx.budgets, recovered=recovered and dict(
+                             (k, v) for k, v in recovered.items() if k != "rollback"))
     answer({"ok": True, "run": run, "pid": os.getpid(), "journal": run_journal.path,
             "recovered": recovered and recovered.get("run")})
     prune_agents()

@@ -1,4 +1,5 @@
-"""The start of a server by a transition (a mixin of gpugate.agent.transition.Transition): the GPU
+"""The start of a server by a transition (a step of gpugate.agent.transition.Transition, over its
+Context): the GPU
 gate (gpugate.rules.gate), prepare (/dev/shm, port, env file, unit), the start under its supervisor
 (a process with its log pump, or a systemd unit), the wait until it serves a real generation, and
 the verify of what runs against what was asked.
@@ -16,11 +17,18 @@ from gpugate.agent import logs, observe, server, state, supervise, weight_cache
 from gpugate.rules import gate as rules_gate
 from gpugate.rules import procfs, redact
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
+    from typing import Any, BinaryIO, Dict, Iterable, List, Optional, Set, Tuple, Union
+
+    from gpugate.agent.context import Context, Doc
+
 GATE_POLL_S = 0.05
 LOAD_POLL_S = 0.05  # the moment it turns ready is downtime; a look is /proc + netlink (+ one local GET)
 
 
-def gate_decision(doc, gpus, max_used_mib, expected_mib=None, ignore_pids=()):
+def gate_decision(doc: Doc, gpus: Iterable[int] | None, max_used_mib: int, expected_mib: Dict[int, int] | None = None,
+                  ignore_pids: Iterable[int] = ()) -> Tuple[bool, List[str], Dict[str, Any], bool]:
     """(passed, problems, used MiB per GPU, permanent) for this server's GPUs (None: every GPU), by
     gpugate.rules.gate.decide: a holder with memory on one of them blocks; one that only holds the
     device files (an NVML monitor at 0 MiB) does not.
@@ -51,52 +59,60 @@ def gate_decision(doc, gpus, max_used_mib, expected_mib=None, ignore_pids=()):
     return verdict["passed"], problems, verdict["used_mib"], verdict["permanent"]
 
 
-class StartSteps:
-    """The start's steps; the Transition holds the state they use (budgets, journal, redactor)."""
+def read_gpus() -> Doc:
+    """A GPU reading for the start's steps and the weight cache's (the NVML session kept open)."""
+    return observe.read_gpus(keep_open=True)
+
+
+class Start(object):
+    """The start's steps over the run's Context (budgets, journal, redactor, the children it starts);
+    the server's weight cache through its WeightCache step."""
+
+    def __init__(self, ctx: Context, cache: weight_cache.WeightCache) -> None:
+        self.ctx = ctx
+        self.cache = cache
 
     # ------------------------------------------------------------------ gate, prepare, start, load, verify
-    def _start_verified(self, spec, target):
+    def verified(self, spec: Doc, target: str) -> Dict[str, Any]:
         """The start of ``spec`` from a stopped server: its weight cache kept, stopped or started
         (gpugate.agent.weight_cache), the gate, prepare, the engine (started now, or the gated
-        engine launched before the stop, activated now), ready, verify, commit."""
-        mode, why = self._cache_state(spec)
-        self.event("cache", "end", target=target, port=spec["port"], mode=mode, why=why)
+        engine launched before the stop, activated now), ready, verify: -> the capacity it reports
+        (the transition commits it)."""
+        ctx = self.ctx
+        mode, why = self.cache.state(spec)
+        ctx.event("cache", "end", target=target, port=spec["port"], mode=mode, why=why)
         if mode != "keep":
-            self._stop_cache(spec["port"], target, why)
-        gated = self.gated if self.gated and self.gated["target"] == target else None
+            self.cache.stop(spec["port"], target, why)
+        gated = ctx.gated if ctx.gated and ctx.gated["target"] == target else None
         self._gate(spec, target, keep_cache=mode == "keep", gated=gated)
         self._prepare(spec, target)
         if mode == "start":
-            self._start_cache(spec, target)
+            self.cache.start(spec, target)
         if gated:
             pid, offset = self._activate_gated(spec, target)
         else:
             pid, offset = self._start(spec, target)
-        self._wait_ready(spec, pid, target, offset)
-        info = self._verify(spec, pid, target)
-        self._commit(spec, info, rollback=target == "rollback")
+        self.wait_ready(spec, pid, target, offset)
+        return self.verify(spec, pid, target)
 
-    @staticmethod
-    def _read_gpus():
-        return observe.read_gpus(keep_open=True)
-
-    def _gate(self, spec, target, keep_cache=False, gated=None):
+    def _gate(self, spec: Doc, target: str, keep_cache: bool = False, gated: Doc | None = None) -> None:
         """Until this server's GPUs are free: at most ``max_used_mib`` each, no holder; a kept
         weight cache's daemons and a gated engine of ours hold what they hold there (expected),
         and are no holders. Anything else blocks."""
+        ctx = self.ctx
         gpus = spec.get("gpus")
-        max_used = int(self.budgets["max_used_mib"])
+        max_used = int(ctx.budget("max_used_mib"))
         began = time.time()
-        deadline = began + self.budgets["gate_timeout_s"]
-        self.event("gate", "begin", target=target, gpus=gpus, max_used_mib=max_used)
+        deadline = began + ctx.budget("gate_timeout_s")
+        ctx.event("gate", "begin", target=target, gpus=gpus, max_used_mib=max_used)
         polls = 0
         while True:
             table = procfs.table()
-            ours = set()
+            ours: Set[int] = set()
             if keep_cache:
                 ours.update(weight_cache.tree(table, weight_cache.read_record(spec["port"]))[1])
             if gated:
-                ours.update(self._gated_tree(table))
+                ours.update(ctx.gated_tree(table))
             doc = observe.read_gpus(keep_open=True, exclude=server.own_pids(table))
             expected = weight_cache.used_by(doc, ours) if ours else None
             polls += 1
@@ -104,30 +120,31 @@ class StartSteps:
             if expected:  # the figures shown are the others' (ours are expected): what must go
                 used = dict((k, v - expected.get(int(k), 0) if v is not None else v) for k, v in used.items())
             if passed:
-                self.event("gate", "end", target=target, passed=True, used_mib=used, polls=polls,
+                ctx.event("gate", "end", target=target, passed=True, used_mib=used, polls=polls,
                            elapsed_s=round(time.time() - began, 3),
                            expected_mib=dict((str(k), v) for k, v in (expected or {}).items()) or None,
                            own=[what for what, on in (("its weight cache", keep_cache), ("its gated engine", gated)) if on],
                            monitors=[h["pid"] for h in doc.get("holders") or [] if not h.get("gpus")])
                 return
             if permanent or time.time() >= deadline:
-                self.event("gate", "end", target=target, passed=False, used_mib=used, problems=problems,
-                           elapsed_s=round(time.time() - began, 3))
-                raise state.Failure("GPU gate did not pass within %gs: %s" % (self.budgets["gate_timeout_s"], "; ".join(problems)))
-            self.progress("gate", target=target, elapsed_s=round(time.time() - began, 1), used_mib=used,
-                          problems=problems[:4])
+                ctx.event("gate", "end", target=target, passed=False, used_mib=used, problems=problems,
+                          elapsed_s=round(time.time() - began, 3))
+                raise state.Failure("GPU gate did not pass within %gs: %s" % (ctx.budget("gate_timeout_s"), "; ".join(problems)))
+            ctx.progress("gate", target=target, elapsed_s=round(time.time() - began, 1), used_mib=used,
+                         problems=problems[:4])
             time.sleep(GATE_POLL_S)
 
-    def _prepare(self, spec, target):
+    def _prepare(self, spec: Doc, target: str) -> None:
+        ctx = self.ctx
         port = spec["port"]
-        self.event("prepare", "begin", target=target, port=port)
+        ctx.event("prepare", "begin", target=target, port=port)
         removed = supervise.remove_stale_shm()
         inodes = server.listeners(port)
         if inodes:
             table = procfs.table()
             owners = server.socket_owners(inodes)
             raise state.Failure("port %d is taken by %s" % (port, ", ".join(
-                "%d (%s)" % (pid, self.redactor.text(" ".join(table.get(pid, {}).get("argv") or []))[:80])
+                "%d (%s)" % (pid, ctx.redactor.text(" ".join(table.get(pid, {}).get("argv") or []))[:80])
                 for pid in owners) or "a process outside this container's view"))
         try:
             state.makedirs(state.ETC_DIR, 0o700)
@@ -137,7 +154,7 @@ class StartSteps:
             if target != "rollback" or spec.get("supervisor") == "systemd":
                 raise state.Failure(text)
             # the process supervisor passes the environment itself: the previous server can come back
-            self.warnings.append(text)
+            ctx.warnings.append(text)
         if spec.get("supervisor") == "systemd":
             if server.pid1_comm() != "systemd":
                 raise state.Failure("supervisor systemd, but PID 1 is %s, not systemd" % server.pid1_comm())
@@ -147,22 +164,24 @@ class StartSteps:
                 raise state.Failure("cannot write the unit %s: %s" % (state.paths(port)["unit"], error.strerror or error))
         elif server.pid1_comm() == "systemd" and os.path.exists(state.paths(port)["unit"]):
             supervise.systemctl("disable", state.paths(port)["unit_name"])  # a unit of ours would restart an old server
-        self.event("prepare", "end", target=target, port=port, removed_shm=removed)
+        ctx.event("prepare", "end", target=target, port=port, removed_shm=removed)
 
-    def _start(self, spec, target):
+    def _start(self, spec: Doc, target: str) -> Tuple[int, int | None]:
+        ctx = self.ctx
         port = spec["port"]
-        self.touched = True
-        self.event("start", "begin", target=target, port=port, supervisor=spec.get("supervisor") or "process",
-                   argv=redact.redact_argv(spec["argv"], tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())))
+        ctx.touched = True
+        offset: Optional[int]
+        ctx.event("start", "begin", target=target, port=port, supervisor=spec.get("supervisor") or "process",
+                  argv=redact.redact_argv(spec["argv"], tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())))
         if spec.get("supervisor") == "systemd":
             pid = self._start_systemd(spec, target)
             offset = None
         else:
             pid, offset, _ = self._start_process(spec, target)
-        self.event("start", "end", target=target, port=port, pid=pid)
+        ctx.event("start", "end", target=target, port=port, pid=pid)
         return pid, offset
 
-    def _open_log(self, port, target):
+    def _open_log(self, port: int, target: str) -> Tuple[BinaryIO, str]:
         """The server's log (0600, rotated by size); on ENOSPC the rotated files go first, and a
         rollback may fall back to /run so that a full /var/log cannot keep the old server down."""
         log_path = state.paths(port)["log"]
@@ -184,24 +203,25 @@ class StartSteps:
             fallback = state.paths(port)["fallback_log"]
             try:
                 state.makedirs(state.RUN_DIR, 0o755)
-                self.warnings.append("server log on %s (%s: %s)" % (fallback, log_path, header))
+                self.ctx.warnings.append("server log on %s (%s: %s)" % (fallback, log_path, header))
                 return state.open_private_append(fallback), fallback
             except OSError:
                 pass
         raise state.Failure("cannot write the server log %s: %s" % (log_path, getattr(header, "strerror", None) or header))
 
-    def _start_process(self, spec, target, write_pid=True):
+    def _start_process(self, spec: Doc, target: str, write_pid: bool = True) -> Tuple[int, int, Doc]:
         """-> (pid, log offset, the pid file's record); the pid file written unless ``write_pid``
         is False (a gated engine: the stop of the old server reads the pid file first)."""
         import subprocess
 
+        ctx = self.ctx
         port = spec["port"]
         handle, log_path = self._open_log(port, target)
         flags = tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())
         try:
             offset = handle.seek(0, 2)
-            line = "\n=== gpugate start %s run %s (%s): %s\n" % (state.now_iso(), self.run, target,
-                                                               self.redactor.text(" ".join(redact.redact_argv(spec["argv"], flags))))
+            line = "\n=== gpugate start %s run %s (%s): %s\n" % (state.now_iso(), ctx.run, target,
+                                                               ctx.redactor.text(" ".join(redact.redact_argv(spec["argv"], flags))))
             handle.write(line.encode("utf-8"))
             handle.flush()
             os.fsync(handle.fileno())
@@ -211,12 +231,12 @@ class StartSteps:
                 handle = state.open_private_append(state.paths(port)["fallback_log"])
                 log_path = state.paths(port)["fallback_log"]
                 offset = handle.seek(0, 2)
-                self.warnings.append("server log on %s (%s)" % (log_path, error))
+                ctx.warnings.append("server log on %s (%s)" % (log_path, error))
             else:
                 raise state.Failure("cannot write the server log %s: %s" % (log_path, error.strerror or error))
         env = dict(state.BASE_ENV)
         env.update(spec.get("env") or {})
-        output = self._log_pump(log_path, spec) or handle
+        output: Union[int, BinaryIO] = ctx.log_pump(log_path, spec) or handle
         try:
             child = subprocess.Popen(spec["argv"], stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                                      env=env, cwd="/", start_new_session=True, close_fds=True)
@@ -224,13 +244,13 @@ class StartSteps:
             raise state.Failure("cannot start %s: %s" % (spec["argv"][0], error))
         finally:
             handle.close()
-            if output is not handle:
+            if isinstance(output, int):  # the pump's pipe (else the log file itself)
                 os.close(output)
-        self.children[child.pid] = child
+        ctx.children[child.pid] = child
         stat = procfs.read_stat(child.pid)
         record = {"pid": child.pid, "start_ticks": stat[4] if stat else None, "port": port, "log": log_path,
-                  "supervisor": "process", "run": self.run, "started": time.time()}
-        pump = self.pumps.get(port) if output is not handle else None
+                  "supervisor": "process", "run": ctx.run, "started": time.time()}
+        pump = ctx.pumps.get(port) if output is not handle else None
         if pump is not None:  # observe warns when it is gone while the server runs (pump_warnings)
             pump_stat = procfs.read_stat(pump.pid)
             record["pump"] = {"pid": pump.pid, "start_ticks": pump_stat[4] if pump_stat else None}
@@ -239,7 +259,7 @@ class StartSteps:
         return child.pid, offset, record
 
     @staticmethod
-    def _write_pid_file(port, record):
+    def _write_pid_file(port: int, record: Doc) -> None:
         try:
             state.makedirs(state.RUN_DIR, 0o755)
             state.write_private(state.paths(port)["pid"], json.dumps(record), 0o644)
@@ -247,136 +267,105 @@ class StartSteps:
             raise state.Failure("cannot write the pid file %s: %s" % (state.paths(port)["pid"], error))
 
     # ------------------------------------------------------------------ gated launch
-    def _launch_gated(self, spec, target):
+    def launch_gated(self, spec: Doc, target: str) -> None:
         """Start the engine with ``--gated-launch-port`` while the old server still serves: its
         imports and distributed init happen before the old server's stop (the transition waits
         for its gate first), and it blocks there (before any sizable GPU allocation, its CUDA
-        contexts only) until ``_activate_gated``. A launch that fails here costs only the overlap:
+        contexts only) until its activation (the start, ``_activate_gated``). A launch that fails here costs only the overlap:
         the start is then an ordinary one."""
+        ctx = self.ctx
         host = engine.argv_host(spec["argv"])
         try:
             gate_port = free_port(host)
             pid, offset, record = self._start_process(dict(spec, argv=engine.gated_argv(spec["argv"], gate_port)),
                                                       target, write_pid=False)
         except (state.Failure, OSError) as error:
-            self.warnings.append("gated launch not used: %s" % error)
+            ctx.warnings.append("gated launch not used: %s" % error)
             return
-        self.gated = {"pid": pid, "start_ticks": record["start_ticks"], "gate_port": gate_port, "host": host,
+        ctx.gated = {"pid": pid, "start_ticks": record["start_ticks"], "gate_port": gate_port, "host": host,
                       "target": target, "offset": offset, "record": record, "began": time.time(), "activated": False,
                       "reached": False}
-        self.event("gated", "begin", target=target, port=spec["port"], pid=pid, gate_port=gate_port)
+        ctx.event("gated", "begin", target=target, port=spec["port"], pid=pid, gate_port=gate_port)
 
-    def _gated_tree(self, table):
-        """The gated engine's live tree until its activation (spared by the stop of the old server,
-        expected by the gate); once activated it is the port's server like any other."""
-        gated = self.gated
-        if not gated or gated["activated"] or not procfs.alive(gated["pid"], gated["start_ticks"]):
-            return []
-        return [gated["pid"]] + procfs.descendants(table, gated["pid"])
-
-    def _wait_for_gate(self, spec, target):
+    def wait_for_gate(self, spec: Doc, target: str) -> str:
         """Until the gated engine serves its gate's /health (it has imported and initialised its
         distributed environment): "reached"; "taken" when another process holds its gate's port
         (its gate could not bind: it can never be activated; it is ended). Failure when it exits
         first, or at the start timeout."""
-        gated = self.gated
+        ctx = self.ctx
+        gated = ctx.gated
+        assert gated is not None  # launched, and not ended
         if gated.get("reached"):
             return "reached"
         pid, port = gated["pid"], spec["port"]
-        deadline = gated["began"] + float(self.budgets["start_timeout_s"])
+        deadline = gated["began"] + float(ctx.budget("start_timeout_s"))
         while True:
-            self._reap()
+            ctx.reap()
             if not procfs.alive(pid, gated["start_ticks"]):
                 # to the operator it is the start's crash, as for an engine started after the gate
                 raise self._crashed(spec, pid, target, gated["offset"], gated["began"], "before its gated launch",
                                     gated=True)
             owners = set(server.socket_owners(server.listeners(gated["gate_port"]) or []))
-            if owners and not owners & set(self._gated_tree(procfs.table())):
+            if owners and not owners & set(ctx.gated_tree(procfs.table())):
                 # the port was taken since free_port chose it: what this cost is the overlap
-                self.warnings.append("gated launch not used: its port %d is taken by pid %s" % (
+                ctx.warnings.append("gated launch not used: its port %d is taken by pid %s" % (
                     gated["gate_port"], ", ".join(str(p) for p in sorted(owners))))
-                self.event("gated", "end", target=target, port=port, reached=False, taken_by=sorted(owners))
-                self._end_gated()
+                ctx.event("gated", "end", target=target, port=port, reached=False, taken_by=sorted(owners))
+                self.end_gated()
                 return "taken"
             status, _ = server.http_get(gated["host"], gated["gate_port"], "/health", 2.0) if owners else (None, "")
             if status == 200:
                 gated["reached"] = True
-                self.event("gated", "end", target=target, port=port, reached=True,
-                           elapsed_s=round(time.time() - gated["began"], 2))
+                ctx.event("gated", "end", target=target, port=port, reached=True,
+                          elapsed_s=round(time.time() - gated["began"], 2))
                 return "reached"
             if time.time() >= deadline:
-                self.event("gated", "end", target=target, port=port, reached=False, state="timeout")
-                raise state.Failure("the server did not reach its gated launch within %gs" % self.budgets["start_timeout_s"])
-            self.progress("gated", target=target, port=port, elapsed_s=round(time.time() - gated["began"], 1))
+                ctx.event("gated", "end", target=target, port=port, reached=False, state="timeout")
+                raise state.Failure("the server did not reach its gated launch within %gs" % ctx.budget("start_timeout_s"))
+            ctx.progress("gated", target=target, port=port, elapsed_s=round(time.time() - gated["began"], 1))
             time.sleep(LOAD_POLL_S)
 
-    def _activate_gated(self, spec, target):
+    def _activate_gated(self, spec: Doc, target: str) -> Tuple[int, int | None]:
         """``POST /gate/activate`` to the gated engine (once it has reached its gate): from here it
         loads and allocates, and it is the server of its port (its pid file is written). A gate
         that turned out to be unusable gives an ordinary start."""
-        gated = self.gated
+        ctx = self.ctx
+        gated = ctx.gated
+        assert gated is not None  # launched, and not ended: the start activates it
         pid, port = gated["pid"], spec["port"]
-        if self._wait_for_gate(spec, target) == "taken":
+        if self.wait_for_gate(spec, target) == "taken":
             return self._start(spec, target)
         # the start of this server is its activation: from here it loads (the journal's order stays
         # stop -> gate -> prepare -> start -> load, whichever way it was launched)
-        self.touched = True
-        self.event("start", "begin", target=target, port=port, supervisor="process", gated=True,
-                   argv=redact.redact_argv(spec["argv"], tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())))
+        ctx.touched = True
+        ctx.event("start", "begin", target=target, port=port, supervisor="process", gated=True,
+                  argv=redact.redact_argv(spec["argv"], tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())))
         status, body = server.http_get(gated["host"], gated["gate_port"], "/gate/activate", 5.0, method="POST")
         if status != 200:
             raise state.Failure("POST /gate/activate on :%d: %s" % (gated["gate_port"], status or body))
         gated["activated"] = True
         self._write_pid_file(port, gated["record"])
-        self.event("start", "end", target=target, port=port, pid=pid, gated=True, gate_port=gated["gate_port"])
+        ctx.event("start", "end", target=target, port=port, pid=pid, gated=True, gate_port=gated["gate_port"])
         return pid, gated["offset"]
 
-    def _end_gated(self):
+    def end_gated(self) -> None:
         """A gated engine that was never activated ends with the run (any path that does not
         activate it: a refusal, a failure, the rollback)."""
-        gated = self.gated
+        ctx = self.ctx
+        gated = ctx.gated
         if not gated or gated["activated"]:
             return
         table = procfs.table()
-        pids = self._gated_tree(table)
-        self.gated = None
+        pids = ctx.gated_tree(table)
+        ctx.gated = None
         if pids:  # it serves nothing and holds no more than its contexts: no grace before the SIGKILL
-            self.event("gated", "end", target=gated["target"], ended=pids)
+            ctx.event("gated", "end", target=gated["target"], ended=pids)
             procfs.end_processes(dict((pid, table.get(pid, {}).get("start_ticks")) for pid in pids), 0.0, 0.02,
-                                 settle_s=float(self.budgets["kill_grace_s"]))
-            self._reap()
+                                 settle_s=float(ctx.budget("kill_grace_s")))
+            ctx.reap()
 
-    def _log_pump(self, log_path, spec):
-        """The write end of a pipe into a log pump (``logpump``: its own session, outliving us; it
-        masks the secret values in every line and rotates the log by size while the server runs).
-        None when it cannot start: the server then writes the file itself (rotated only at starts)."""
-        import subprocess
-
-        program = state.program()
-        if not os.path.isfile(program):
-            return None
-        read_fd, write_fd = os.pipe()
-        secrets = redact.spec_secrets(spec) + list(self.redactor.values)
-        # Its arguments travel in the environment and the interpreter is named /proc/self/exe, so its
-        # command line never names sglang (the log path, a venv's path): an operator's `pkill -f sglang`
-        # ends the server, never the pump that still has to write the server's last lines.
-        env = dict(state.BASE_ENV, GPUGATE_LOG_SECRETS=json.dumps(sorted(set(secrets))),
-                   GPUGATE_LOGPUMP=json.dumps({"path": log_path}))
-        try:
-            pump = subprocess.Popen(["/proc/self/exe", program, "logpump", procfs.PROBE_MARKER],
-                                    stdin=read_fd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                    cwd="/", start_new_session=True, close_fds=True)
-        except OSError as error:
-            self.warnings.append("log pump: %s" % error)
-            os.close(write_fd)
-            return None
-        finally:
-            os.close(read_fd)
-        self.children[pump.pid] = pump
-        self.pumps[spec["port"]] = pump
-        return write_fd
-
-    def _start_systemd(self, spec, target):
+    def _start_systemd(self, spec: Doc, target: str) -> int:
+        ctx = self.ctx
         unit = state.paths(spec["port"])["unit_name"]
         handle, _ = self._open_log(spec["port"], target)  # 0600 before systemd appends to it
         handle.close()
@@ -384,37 +373,38 @@ class StartSteps:
         for command in (["daemon-reload"], ["reset-failed", unit], ["start", unit]):
             ok, output = supervise.systemctl(*command)
             if not ok and command[0] != "reset-failed":
-                raise state.Failure("systemctl %s: %s" % (" ".join(command), self.redactor.text(output)[-300:]))
+                raise state.Failure("systemctl %s: %s" % (" ".join(command), ctx.redactor.text(output)[-300:]))
         ok, output = supervise.systemctl("show", "-p", "MainPID", "--value", unit)
         pid = int(output.strip() or 0) if output.strip().isdigit() else 0
         if pid <= 0:
             logs.journal_sync()  # journald stores what the unit printed
-            tail = [self.redactor.text(line) for line in logs.journal_tail(unit, 20, started)]
+            tail = [ctx.redactor.text(line) for line in logs.journal_tail(unit, 20, started)]
             raise state.Failure("%s has no main process after systemctl start%s" % (
                 unit, ": " + logs.crash_line(tail, spec["port"]) if tail else ""))
         stat = procfs.read_stat(pid)
         state.write_private(state.paths(spec["port"])["pid"], json.dumps({"pid": pid, "start_ticks": stat[4] if stat else None,
                                                               "port": spec["port"], "supervisor": "systemd",
-                                                              "log": state.paths(spec["port"])["log"], "run": self.run,
+                                                              "log": state.paths(spec["port"])["log"], "run": ctx.run,
                                                               "started": started}), 0o644)
         return pid
 
-    def _wait_ready(self, spec, pid, target, log_offset):
+    def wait_ready(self, spec: Doc, pid: int, target: str, log_offset: int | None) -> None:
         """loading (port closed) -> starting (health 503) -> ready (health 200 and a real
         generation through the engine's GENERATE_PATH). Fails when the main process exits, or at the
         start timeout."""
+        ctx = self.ctx
         port, host = spec["port"], engine.argv_host(spec["argv"])
         began = time.time()
-        timeout = self.budgets["start_timeout_s"]
-        if target == "rollback" and self.budgets.get("rollback_start_timeout_s"):
-            timeout = self.budgets["rollback_start_timeout_s"]
+        timeout = ctx.budget("start_timeout_s")
+        if target == "rollback" and ctx.budgets.get("rollback_start_timeout_s"):
+            timeout = ctx.budget("rollback_start_timeout_s")
         deadline = began + timeout
         ticks = (procfs.read_stat(pid) or (None,) * 5)[4]
         phase = "loading"
         quiet_at = 0.0  # when the last announcement of a blocking generation was written
-        self.event("load", "begin", target=target, port=port, pid=pid, timeout_s=timeout)
+        ctx.event("load", "begin", target=target, port=port, pid=pid, timeout_s=timeout)
         while True:
-            self._reap()
+            ctx.reap()
             if not procfs.alive(pid, ticks):
                 raise self._crashed(spec, pid, target, log_offset, began, "during " + phase)
             if server.listeners(port):
@@ -425,43 +415,45 @@ class StartSteps:
                     # is not taken for a stuck agent (quiet_s: the controller's bound grows by it)
                     if time.time() - quiet_at >= 1.0:  # at most once a second, when generations fail fast
                         quiet_at = time.time()
-                        self.event("load", "progress", target=target, port=port, state="generating",
-                                   elapsed_s=round(time.time() - began, 1), quiet_s=self.budgets["generate_timeout_s"])
-                    generated, error = server.generation(host, port, self.budgets["generate_timeout_s"],
+                        ctx.event("load", "progress", target=target, port=port, state="generating",
+                                  elapsed_s=round(time.time() - began, 1), quiet_s=ctx.budget("generate_timeout_s"))
+                    generated, error = server.generation(host, port, ctx.budget("generate_timeout_s"),
                                                         engine.argv_token(spec["argv"]))
                     if generated == 200:
-                        self.event("load", "end", target=target, port=port, state="ready",
-                                   elapsed_s=round(time.time() - began, 2))
+                        ctx.event("load", "end", target=target, port=port, state="ready",
+                                  elapsed_s=round(time.time() - began, 2))
                         return
             else:
                 phase = "loading"
             if time.time() >= deadline:
                 tail = self._tail(port, log_offset)
-                self.event("load", "end", target=target, port=port, state="timeout", last_state=phase,
-                           elapsed_s=round(time.time() - began, 2), log_tail=tail)
+                ctx.event("load", "end", target=target, port=port, state="timeout", last_state=phase,
+                          elapsed_s=round(time.time() - began, 2), log_tail=tail)
                 raise state.Failure("the server was not healthy within %gs (still %s)" % (timeout, phase))
-            self.progress("load", target=target, port=port, state=phase, elapsed_s=round(time.time() - began, 1))
+            ctx.progress("load", target=target, port=port, state=phase, elapsed_s=round(time.time() - began, 1))
             time.sleep(LOAD_POLL_S)
 
-    def _crashed(self, spec, pid, target, log_offset, began, when, **fields):
+    def _crashed(self, spec: Doc, pid: int, target: str, log_offset: int | None, began: float, when: str,
+                 **fields: Any) -> state.Failure:
         """The Failure of a server whose main process ended during its start (``when``: "during
         loading", "before its gated launch"), after journalling its exit code and log tail."""
+        ctx = self.ctx
         port = spec["port"]
-        code = self.exit_codes.get(pid)
+        code = ctx.exit_codes.get(pid)
         if code is None and spec.get("supervisor") == "systemd":
             code = supervise.unit_exit_code(port)
         self._settle_log(port)
         tail = self._tail(port, log_offset)
-        self.event("load", "end", target=target, port=port, state="crashed", exit_code=code,
-                   elapsed_s=round(time.time() - began, 2), log_tail=tail, **fields)
+        ctx.event("load", "end", target=target, port=port, state="crashed", exit_code=code,
+                  elapsed_s=round(time.time() - began, 2), log_tail=tail, **fields)
         return state.Failure("the server exited %s%s%s" % (
             when, " with code %s" % code if code is not None else "", ": " + logs.crash_line(tail, port) if tail else ""))
 
-    def _settle_log(self, port, timeout=1.0):
+    def _settle_log(self, port: int, timeout: float = 1.0) -> None:
         """Give the log pump up to ``timeout`` to write what a crashed server printed last (it ends
         at EOF, once the server's tree has closed the pipe); for a unit, give journald as long to
         store it (its tail unchanged over 0.2 s)."""
-        pump = self.pumps.get(port)
+        pump = self.ctx.pumps.get(port)
         deadline = time.time() + timeout
         while pump is not None and pump.poll() is None and time.time() < deadline:
             time.sleep(0.02)
@@ -477,11 +469,12 @@ class StartSteps:
                 last = tail
                 time.sleep(0.3)
 
-    def _tail(self, port, offset, lines=20):
-        return [self.redactor.text(line) for line in logs.server_log_tail(port, lines, offset)]
+    def _tail(self, port: int, offset: int | None, lines: int = 20) -> List[str]:
+        return [self.ctx.redactor.text(line) for line in logs.server_log_tail(port, lines, offset)]
 
-    def _verify(self, spec, pid, target):
-        self.event("verify", "begin", target=target, port=spec["port"])
+    def verify(self, spec: Doc, pid: int, target: str) -> Dict[str, Any]:
+        ctx = self.ctx
+        ctx.event("verify", "begin", target=target, port=spec["port"])
         problems = []
         argv = engine.steady_argv(procfs.read_argv(pid))
         if argv != spec["argv"]:
@@ -497,7 +490,7 @@ class StartSteps:
         info = server.server_info(engine.argv_host(spec["argv"]), spec["port"], timeout=10.0, token=engine.argv_token(spec["argv"], True))
         args = info.get("args") or {}
         if info.get("status") in (401, 403):
-            self.warnings.append("verify: %s %s; the argv was verified from /proc" % (info.get("path"), info["error"]))
+            ctx.warnings.append("verify: %s %s; the argv was verified from /proc" % (info.get("path"), info["error"]))
         elif info.get("error"):
             problems.append("server info: %s" % info["error"])
         else:
@@ -510,14 +503,14 @@ class StartSteps:
                 if key in args and args[key] != value:
                     problems.append("%s: the server reports %r, expected %r" % (key, args[key], value))
         capacity = dict((key, args[key]) for key in engine.CAPACITY_KEYS if key in args)
-        self.event("verify", "end", target=target, port=spec["port"], ok=not problems, problems=problems,
-                   workers=workers, capacity=capacity)
+        ctx.event("verify", "end", target=target, port=spec["port"], ok=not problems, problems=problems,
+                  workers=workers, capacity=capacity)
         if problems:
             raise state.Failure("verify: " + "; ".join(problems))
         return capacity
 
 
-def free_port(host):
+def free_port(host: str) -> int:
     """A TCP port free on ``host`` now (the gated launch's control port)."""
     import socket
 

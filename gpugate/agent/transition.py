@@ -1,78 +1,54 @@
 """One run of the transition's state machine (started by ``start``, detached, holding the lock):
 stop -> gate -> prepare -> start -> healthy -> verify -> commit; from the stop on, any failure ->
-rollback -> NOTHING SERVES with both reasons. The steps of the stop are gpugate.agent.stop's, those of
-a start gpugate.agent.start's; this module holds the run's course and its history.
+rollback -> NOTHING SERVES with both reasons. Its steps are objects over the run's Context
+(gpugate.agent.context): the stop (gpugate.agent.stop.Stop), the start (gpugate.agent.start.Start),
+the weight cache's daemons (gpugate.agent.weight_cache.WeightCache), the history's records (Records,
+here); this module holds the run's course.
 """
 
 from __future__ import annotations
 
 import os
 
+from gpugate.agent.context import DEFAULT_BUDGETS, Context, budgets  # noqa: F401 - the budgets' home was here
 from gpugate.agent.engine import engine
 from gpugate.agent import history, server, state, weight_cache
-from gpugate.agent.start import StartSteps
-from gpugate.agent.stop import StopSteps
-from gpugate.agent.weight_cache import CacheSteps
+from gpugate.agent.start import Start, read_gpus
+from gpugate.agent.stop import Stop
+from gpugate.agent.weight_cache import WeightCache
 from gpugate.rules import procfs, redact
 from gpugate.rules.procfs import read_file
 
-DEFAULT_BUDGETS = {"drain_timeout_s": 60.0, "kill_grace_s": 10.0, "gate_timeout_s": 120.0,
-                   "start_timeout_s": 2700.0, "max_used_mib": 64, "generate_timeout_s": 30.0,
-                   "rollback_start_timeout_s": None}  # None: start_timeout_s
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
+    from typing import Any, Dict, List, Optional, Set, Tuple
+
+    from gpugate.agent.context import Doc
+    from gpugate.agent.journal import Journal
+
+    Outcome = Tuple[str, Optional[Dict[str, Any]], str]  # (outcome, reasons, message)
 
 
-def budgets(doc):
-    """DEFAULT_BUDGETS with the start document's numbers where it gives them.
-
-    >>> budgets({"budgets": {"drain_timeout_s": 5, "bogus": 1}})["drain_timeout_s"]
-    5.0
-    """
-    chosen = dict(DEFAULT_BUDGETS)
-    for key, value in (doc.get("budgets") or {}).items():
-        if key in chosen and isinstance(value, (int, float)) and not isinstance(value, bool):
-            chosen[key] = float(value)
-    return chosen
-
-
-class Transition(StopSteps, StartSteps, CacheSteps):
+class Transition(object):
     """One run of the state machine, to exactly one outcome (verified | rolled_back |
-    nothing_serves; ``refused`` only when nothing was touched)."""
+    nothing_serves; ``refused`` only when nothing was touched): its course over the steps."""
 
-    def __init__(self, doc, journal, recovered=None):
-        self.doc = doc
-        self.run = doc["run"]
-        self.by = doc.get("operator")
-        self.journal = journal
-        self.budgets = budgets(doc)
-        self.desired = doc.get("desired")
-        self.replaces = doc.get("replaces")
-        self.recovered = recovered
-        self.redactor = redact.Redactor(redact.spec_secrets(self.desired) + redact.spec_secrets(self.replaces)
-                                 + (redact.spec_secrets(doc.get("rollback_to")) if isinstance(doc.get("rollback_to"), dict) else []))
-        self.port = (self.desired or {}).get("port") or int(doc.get("port") or engine.DEFAULT_PORT)
-        self.children = {}  # pid -> Popen of servers we started (reaped by us while we live)
-        self.touched = False
-        self.warnings = []
-        self.rollback = None
-        self.exit_codes = {}
-        self.pumps = {}  # port -> the log pump of the server we started there
-        self.gated = None  # the engine launched with --gated-launch-port before the stop, until activated
-
-    # ------------------------------------------------------------------ journal helpers
-    def event(self, step, phase, **fields):
-        self.journal.write(self.redactor.deep(dict(step=step, phase=phase, **fields)))
-
-    def progress(self, step, **fields):
-        self.journal.progress(step, **self.redactor.deep(fields))
+    def __init__(self, doc: Doc, journal: Journal, recovered: Doc | None = None) -> None:
+        self.ctx = Context(doc, journal, recovered)
+        self.records = Records(self.ctx)
+        self.cache = WeightCache(self.ctx, read_gpus)
+        self.stop = Stop(self.ctx)
+        self.start = Start(self.ctx, self.cache)
 
     # ------------------------------------------------------------------ entry
-    def execute(self):
+    def execute(self) -> str:
+        ctx = self.ctx
         try:
             result = self._execute()
         except BaseException as error:  # noqa: BLE001 - every path must end in an outcome
             reason = "agent error: %s: %s" % (type(error).__name__, error)
             try:
-                if self.touched:
+                if ctx.touched:
                     result = self._cleanup_outcome(reason, None)
                 else:
                     result = ("refused", {"desired": reason}, "nothing was touched: " + reason)
@@ -80,96 +56,99 @@ class Transition(StopSteps, StartSteps, CacheSteps):
                 result = ("nothing_serves", {"desired": reason, "rollback": "cleanup failed: %s" % second},
                           "NOTHING SERVES")
         try:
-            self._end_gated()  # never activated: it ends with the run
+            self.start.end_gated()  # never activated: it ends with the run
         except Exception as error:  # noqa: BLE001
-            self.warnings.append("gated engine: %s" % error)
+            ctx.warnings.append("gated engine: %s" % error)
         outcome, reasons, message = result
-        self._record_last(outcome, reasons, message)
-        self.event("outcome", "end", outcome=outcome, reasons=reasons, message=message,
-                   warnings=self.warnings + ([("journal: " + self.journal.failed)] if self.journal.failed else []))
+        self.records.last(outcome, reasons, message)
+        ctx.event("outcome", "end", outcome=outcome, reasons=reasons, message=message,
+                  warnings=ctx.warnings + ([("journal: " + ctx.journal.failed)] if ctx.journal.failed else []))
         return outcome
 
-    def _execute(self):
-        desired = self.desired
+    def _execute(self) -> Outcome:
+        ctx = self.ctx
+        desired = ctx.desired
         capture = self._capture_running()
-        self.rollback = self._resolve_rollback(capture)
-        if self.rollback is not None:
-            self.redactor.add(redact.spec_secrets(self.rollback))
-        self.event("plan", "end", rollback=history.make_record(self.rollback) if self.rollback else None)
+        ctx.rollback = self._resolve_rollback(capture)
+        if ctx.rollback is not None:
+            ctx.redactor.add(redact.spec_secrets(ctx.rollback))
+        ctx.event("plan", "end", rollback=history.make_record(ctx.rollback) if ctx.rollback else None)
         refusal = self._precheck()
         if refusal:
             return "refused", {"desired": refusal}, "refused before anything was touched: %s" % refusal
         # Converge: the desired server already runs (a recovered run left it loading, or a re-run).
-        if desired and not self.doc.get("restart") and not self.replaces:
+        if desired and not ctx.doc.get("restart") and not ctx.replaces:
             running = self._running_exactly(desired)
             if running is not None:
-                self.event("adopt", "end", pid=running, message="the desired server already runs; waiting for it")
+                ctx.event("adopt", "end", pid=running, message="the desired server already runs; waiting for it")
                 try:
-                    self.touched = True
-                    self._wait_ready(desired, running, "desired", log_offset=None)
-                    info = self._verify(desired, running, "desired")
-                    self._commit(desired, info)
+                    ctx.touched = True
+                    self.start.wait_ready(desired, running, "desired", log_offset=None)
+                    info = self.start.verify(desired, running, "desired")
+                    self.records.commit(desired, info)
                     return "verified", None, "the desired server serves (already running), verified"
                 except Exception as error:  # noqa: BLE001 - ours too: every path after the stop ends in an outcome
                     return self._after_failure(failure_reason(error))
         try:
             if desired and desired.get("gated_launch") and desired.get("supervisor") != "systemd":
                 # its imports and dist init while the old server still serves: the stop waits for its gate
-                self._launch_gated(desired, "desired")
-                if self.gated:
+                self.start.launch_gated(desired, "desired")
+                if ctx.gated:
                     try:
-                        self._wait_for_gate(desired, "desired")
+                        self.start.wait_for_gate(desired, "desired")
                     except state.Failure as failure:  # nothing was stopped: the old server still serves
-                        self._end_gated()
-                        self._record_failed(str(failure))
+                        self.start.end_gated()
+                        self.records.failed(str(failure))
                         why = "the new server failed before its gated launch: %s; the old server was never stopped" % failure
                         return "refused", {"desired": why}, "nothing was touched: " + why
-            if self.replaces:
-                self._stop(self.replaces["port"], "replaces", self.budgets["drain_timeout_s"])
-                self._stop_cache(self.replaces["port"], "replaces", "its server moves to :%d" % self.port)
-            self._stop(self.port, "desired", self.budgets["drain_timeout_s"])
-            self._end_gpu_holders()
+            if ctx.replaces:
+                self.stop.server(ctx.replaces["port"], "replaces", ctx.budget("drain_timeout_s"))
+                self.cache.stop(ctx.replaces["port"], "replaces", "its server moves to :%d" % ctx.port)
+            self.stop.server(ctx.port, "desired", ctx.budget("drain_timeout_s"))
+            self.stop.gpu_holders()
             if desired is None:
-                self._stop_cache(self.port, "desired", "present: false")
-                return "verified", None, "no server on :%d, as desired" % self.port
+                self.cache.stop(ctx.port, "desired", "present: false")
+                return "verified", None, "no server on :%d, as desired" % ctx.port
             self._start_verified(desired, "desired")
             return "verified", None, "the desired server serves, verified"
         except Exception as error:  # noqa: BLE001 - a state.Failure, or an exception of our own: both roll back
-            if not self.touched:
+            if not ctx.touched:
                 raise
             return self._after_failure(failure_reason(error))
 
-    def _after_failure(self, reason):
-        self._end_gated()
-        self.event("failed", "end", target="desired", reason=reason)
-        self._record_failed(reason)
-        if self.rollback is None:
+    def _after_failure(self, reason: str) -> Outcome:
+        ctx = self.ctx
+        self.start.end_gated()
+        ctx.event("failed", "end", target="desired", reason=reason)
+        self.records.failed(reason)
+        if ctx.rollback is None:
             return self._cleanup_outcome(reason, "nothing to roll back to (no good server recorded)")
-        target = self.rollback
-        self.event("rollback", "begin", reason=reason, to=history.make_record(target))
+        target = ctx.rollback
+        ctx.event("rollback", "begin", reason=reason, to=history.make_record(target))
         try:
-            self._stop(self.port, "rollback", self.budgets["kill_grace_s"])
-            if target["port"] != self.port:
-                self._stop(target["port"], "rollback", self.budgets["kill_grace_s"])
+            self.stop.server(ctx.port, "rollback", ctx.budget("kill_grace_s"))
+            if target["port"] != ctx.port:
+                self.stop.server(target["port"], "rollback", ctx.budget("kill_grace_s"))
             self._start_verified(target, "rollback")
-            self.event("rollback", "end", ok=True)
+            ctx.event("rollback", "end", ok=True)
             return ("rolled_back", {"desired": reason},
                     "the desired server failed (%s); the previous server serves again, verified" % reason)
         except Exception as error:  # noqa: BLE001
-            self.event("rollback", "end", ok=False, reason=failure_reason(error))
+            ctx.event("rollback", "end", ok=False, reason=failure_reason(error))
             return self._cleanup_outcome(reason, "rollback failed: %s" % failure_reason(error))
 
-    def _cleanup_outcome(self, reason, rollback_reason):
-        notes = []
+    def _cleanup_outcome(self, reason: str, rollback_reason: str | None) -> Outcome:
+        ctx = self.ctx
+        notes: List[str] = []
         try:
-            self._end_gated()
+            self.start.end_gated()
         except Exception as error:  # noqa: BLE001
             notes.append("gated engine: %s" % error)
-        ports = sorted(set([self.port] + [s["port"] for s in (self.replaces, self.rollback) if s]))
+        ports = sorted(set([ctx.port] + [s["port"] for s in (ctx.replaces, ctx.rollback) if s]))
         for port in ports:
             try:
-                self._stop(port, "cleanup", self.budgets["kill_grace_s"])
-                self._stop_cache(port, "cleanup", "nothing serves")
+                self.stop.server(port, "cleanup", ctx.budget("kill_grace_s"))
+                self.cache.stop(port, "cleanup", "nothing serves")
             except state.Failure as failure:
                 notes.append(str(failure))
             except Exception as error:  # noqa: BLE001
@@ -181,10 +160,11 @@ class Transition(StopSteps, StartSteps, CacheSteps):
         return "nothing_serves", reasons, message
 
     # ------------------------------------------------------------------ before the stop
-    def _precheck(self):
+    def _precheck(self) -> str | None:
         """What can be refused before anything is touched (the controller checked too; this
         catches what changed in between)."""
-        desired = self.desired
+        ctx = self.ctx
+        desired = ctx.desired
         if desired is None:
             return None
         if desired.get("supervisor") == "systemd" and server.pid1_comm() != "systemd":
@@ -195,23 +175,23 @@ class Transition(StopSteps, StartSteps, CacheSteps):
         table = procfs.table()
         inodes = server.listeners(desired["port"])
         if inodes:
-            replaced = set()
-            for port in set([desired["port"]] + ([self.replaces["port"]] if self.replaces else [])):
+            replaced: Set[int] = set()
+            for port in set([desired["port"]] + ([ctx.replaces["port"]] if ctx.replaces else [])):
                 main, tree = server.find_server(table, port)
                 replaced.update(tree)
             others = [pid for pid in server.socket_owners(inodes) if pid not in replaced and not engine.is_server_part(table.get(pid, {}).get("argv"))]
             if others:
                 return "port %d is taken by %s" % (desired["port"], ", ".join(
-                    "%d (%s)" % (pid, self.redactor.text(" ".join(table.get(pid, {}).get("argv") or []))[:80]) for pid in others))
+                    "%d (%s)" % (pid, ctx.redactor.text(" ".join(table.get(pid, {}).get("argv") or []))[:80]) for pid in others))
         return None
 
-    def _running_exactly(self, spec):
+    def _running_exactly(self, spec: Doc) -> int | None:
         """The pid of a main process that runs exactly ``spec`` (argv and env), else None."""
         table = procfs.table()
         main, _ = server.find_server(table, spec["port"])
         if main is None or main["argv"] != spec["argv"]:
             return None  # a gated engine (--gated-launch-port) of a run whose agent is gone: never adopted
-        if spec.get("weight_cache") and self._cache_state(spec)[0] != "keep":
+        if spec.get("weight_cache") and self.cache.state(spec)[0] != "keep":
             return None  # its daemons are gone or of another key: restart, never wait for it
         environ = procfs.read_environ(main["pid"]) or {}
         for name, value in (spec.get("env") or {}).items():
@@ -232,10 +212,11 @@ class Transition(StopSteps, StartSteps, CacheSteps):
             return None  # bound but not healthy: draining (a SIGTERM of an earlier run) or broken, not loading
         return main["pid"]
 
-    def _capture_running(self):
+    def _capture_running(self) -> Doc | None:
         """The exact spec of the server that runs now on the port being replaced (argv from /proc,
         env from the history entry it matches, else from its environment), before we stop it."""
-        port = (self.replaces or {}).get("port") or self.port
+        ctx = self.ctx
+        port = (ctx.replaces or {}).get("port") or ctx.port
         table = procfs.table()
         main, tree = server.find_server(table, port)
         if main is None:
@@ -251,7 +232,7 @@ class Transition(StopSteps, StartSteps, CacheSteps):
         if env is None:
             # Not started by us (e.g. by hand over SSH): its environment is a login session's; keep
             # only what SGLang reads, so neither the record's secrets nor a rollback get USER, SSH_*...
-            env = engine.adopted_env(environ, list((self.desired or {}).get("env") or ()), main["argv"])
+            env = engine.adopted_env(environ, list((ctx.desired or {}).get("env") or ()), main["argv"])
             source = "adopted: a server gpugate did not start"
         supervisor = server.supervisor_of(main["pid"], port)
         spec = {"argv": engine.steady_argv(main["argv"]), "env": env, "port": port, "supervisor": supervisor,
@@ -264,11 +245,11 @@ class Transition(StopSteps, StartSteps, CacheSteps):
         workers = server.workers_of(table, tree, engine.expected_workers(gpus))
         if server.health(engine.argv_host(main["argv"]), port, token=engine.argv_token(main["argv"]))["health"] == 200 and workers["dead"] == 0:
             spec["_serving"] = True
-            self._add_good(spec, None, by="observed serving")
+            self.records.add_good(spec, None, by="observed serving")
         return spec
 
     @staticmethod
-    def _env_we_gave(port, main, environ):
+    def _env_we_gave(port: int, main: Dict[str, Any], environ: Dict[str, str]) -> Dict[str, str] | None:
         """The env of a server we started (our pid file names it and every value of our env file is
         in its environment): the env file's, exactly. None for a server we did not start."""
         recorded = state.read_pid_file(port) or {}
@@ -282,15 +263,16 @@ class Transition(StopSteps, StartSteps, CacheSteps):
             return None
         return env
 
-    def _resolve_rollback(self, capture):
-        choice = self.doc.get("rollback_to")
+    def _resolve_rollback(self, capture: Doc | None) -> Doc | None:
+        ctx = self.ctx
+        choice = ctx.doc.get("rollback_to")
         if choice is None:
             return None
         if isinstance(choice, dict) and "argv" in choice:
             return choice
         if isinstance(choice, dict) and choice.get("running"):
             return history.clean_spec(capture)
-        port = (self.replaces or {}).get("port") or self.port
+        port = (ctx.replaces or {}).get("port") or ctx.port
         good = history.load_history(port).get("good") or []
         if isinstance(choice, dict) and "history" in choice:
             want = choice["history"]
@@ -301,23 +283,37 @@ class Transition(StopSteps, StartSteps, CacheSteps):
         # "auto": the server that runs now if it served, else the newest good spec unlike the desired one
         if capture is not None and capture.get("_serving"):
             return history.clean_spec(capture)
-        desired_key = history.spec_key(self.desired) if self.desired else None
+        desired_key = history.spec_key(ctx.desired) if ctx.desired else None
         for entry in good:
             if entry.get("key") != desired_key:
                 return history.clean_spec(entry.get("spec"))
-        if self.recovered and self.recovered.get("rollback"):
-            return history.clean_spec(self.recovered["rollback"])
+        if ctx.recovered and ctx.recovered.get("rollback"):
+            return history.clean_spec(ctx.recovered["rollback"])
         return None
 
-    # ------------------------------------------------------------------ history
-    def _commit(self, spec, capacity, rollback=False):
-        added = self._add_good(spec, capacity, by=self.by)
-        self.event("commit", "end", target="rollback" if rollback else "desired", port=spec["port"], added=added,
-                   key=history.spec_key(spec))
+    def _start_verified(self, spec: Doc, target: str) -> None:
+        """The start of ``spec`` from a stopped server (the Start step), then its commit."""
+        capacity = self.start.verified(spec, target)
+        self.records.commit(spec, capacity, rollback=target == "rollback")
 
-    def _add_good(self, spec, capacity, by):
+
+class Records(object):
+    """The run's entries in the history of its ports (gpugate.agent.history): the good specs it
+    verified (or found serving), the failed one, the last outcome."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def commit(self, spec: Doc, capacity: Dict[str, Any] | None, rollback: bool = False) -> None:
+        ctx = self.ctx
+        added = self.add_good(spec, capacity, by=ctx.by)
+        ctx.event("commit", "end", target="rollback" if rollback else "desired", port=spec["port"], added=added,
+                  key=history.spec_key(spec))
+
+    def add_good(self, spec: Doc, capacity: Dict[str, Any] | None, by: str | None) -> bool:
         """Newest first, at most history.HISTORY_GOOD; the same spec again moves to the front without
         adding (a same-spec restart adds nothing). Best-effort: a full disk is a warning."""
+        ctx = self.ctx
         spec = history.clean_spec(spec)
         port = spec["port"]
         try:
@@ -330,49 +326,43 @@ class Transition(StopSteps, StartSteps, CacheSteps):
                     good[0]["record"]["capacity"] = capacity
                     history.save_history(port, doc)
                 return False
-            record = history.make_record(spec, by=by, capacity=capacity, extra=self._cache_key_record(spec))
+            record = history.make_record(spec, by=by, capacity=capacity, extra=weight_cache.key_record(spec))
             rest = [entry for entry in good if entry.get("key") != key]
             doc["good"] = ([{"key": key, "spec": spec, "record": record}] + rest)[:history.HISTORY_GOOD]
             history.save_history(port, doc)
             return not same
         except OSError as error:
-            self.warnings.append("history not written: %s" % error)
+            ctx.warnings.append("history not written: %s" % error)
             return False
 
-    @staticmethod
-    def _cache_key_record(spec):
-        """The key the server's daemons hold, for its history record (None without a cache)."""
-        if not spec.get("weight_cache"):
-            return None
-        key = (weight_cache.read_record(spec["port"]) or {}).get("key") or {}
-        return {"weight_cache_key": key.get("id")} if key else None
-
-    def _record_failed(self, reason):
-        if not self.desired:
+    def failed(self, reason: str) -> None:
+        ctx = self.ctx
+        if not ctx.desired:
             return
-        port = self.desired["port"]
+        port = ctx.desired["port"]
         try:
             doc = history.load_history(port)
-            record = history.make_record(self.desired, by=self.by)
-            record.update({"reason": self.redactor.text(reason), "run": self.run})
+            record = history.make_record(ctx.desired, by=ctx.by)
+            record.update({"reason": ctx.redactor.text(reason), "run": ctx.run})
             doc["failed"] = ([record] + (doc.get("failed") or []))[:history.HISTORY_FAILED]
             history.save_history(port, doc)
         except OSError as error:
-            self.warnings.append("history not written: %s" % error)
+            ctx.warnings.append("history not written: %s" % error)
 
-    def _record_last(self, outcome, reasons, message):
-        ports = sorted(set([self.port] + [s["port"] for s in (self.replaces, self.rollback) if s]))
+    def last(self, outcome: str, reasons: Dict[str, Any] | None, message: str) -> None:
+        ctx = self.ctx
+        ports = sorted(set([ctx.port] + [s["port"] for s in (ctx.replaces, ctx.rollback) if s]))
         for port in ports:
             try:
                 doc = history.load_history(port)
-                doc["last"] = self.redactor.deep({"run": self.run, "outcome": outcome, "reasons": reasons,
-                                                  "message": message, "at": state.now_iso(), "by": self.by})
+                doc["last"] = ctx.redactor.deep({"run": ctx.run, "outcome": outcome, "reasons": reasons,
+                                                 "message": message, "at": state.now_iso(), "by": ctx.by})
                 history.save_history(port, doc)
             except OSError as error:
-                self.warnings.append("history not written: %s" % error)
+                ctx.warnings.append("history not written: %s" % error)
 
 
-def failure_reason(error):
+def failure_reason(error: BaseException) -> str:
     """What the operator reads for a failure: a Failure's own text, else the exception named."""
     if isinstance(error, state.Failure):
         return str(error)

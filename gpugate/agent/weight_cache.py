@@ -1,7 +1,8 @@
 """A server's weight-cache daemons (docs/weight-cache.md): SGLang's standalone daemon, started by
 the agent before the engine, one launcher per server and one child per GPU, recorded with the key
 they hold in ``/run/gpugate/weight-cache-<port>.json``; what observe reports of them; and the
-transition's steps around them (a mixin of gpugate.agent.transition.Transition): keep them when
+transition's steps around them (WeightCache, a step of gpugate.agent.transition.Transition over its
+Context): keep them when
 the key holds, stop them when it changes or no cache is wanted, start them and wait for every
 GPU's ``.ready``.
 
@@ -19,6 +20,12 @@ from gpugate.agent.engine import engine
 from gpugate.agent import logs, server, state, supervise
 from gpugate.rules import procfs, redact
 from gpugate.rules.procfs import read_file
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
+    from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional, Tuple, Union
+
+    from gpugate.agent.context import Context, Doc, Table
 
 READY_POLL_S = 0.05
 
@@ -183,10 +190,23 @@ def stale_files(gpu_doc, gpus, env=None, keep=()):
     return out
 
 
-class CacheSteps:
-    """The transition's steps for the daemons; the Transition holds the state they use."""
+def key_record(spec: Doc) -> Dict[str, Any] | None:
+    """The key the server's daemons hold, for its history record (None without a cache)."""
+    if not spec.get("weight_cache"):
+        return None
+    key = (read_record(spec["port"]) or {}).get("key") or {}
+    return {"weight_cache_key": key.get("id")} if key else None
 
-    def _cache_state(self, spec):
+
+class WeightCache(object):
+    """The transition's steps for the daemons, over the run's Context; ``read_gpus`` gives a GPU
+    reading (gpugate.agent.observe's, which reads this module's ``view``)."""
+
+    def __init__(self, ctx: Context, read_gpus: Callable[[], Doc]) -> None:
+        self.ctx = ctx
+        self.read_gpus = read_gpus
+
+    def state(self, spec: Doc) -> Tuple[str, str]:
         """``("none"|"keep"|"start", why)`` for starting ``spec``: none wanted (and the daemons
         of this port, if any, are stopped), the running daemons hold its key, or they must
         (re)start."""
@@ -198,7 +218,7 @@ class CacheSteps:
         want = desired_key(spec)
         if record is None:
             return "start", "no weight cache runs"
-        info = view(port, table, self._read_gpus())
+        info = view(port, table, self.read_gpus())
         if not info["running"]:
             return "start", "; ".join(info["problems"])
         if (record.get("key") or {}).get("id") != want["id"]:
@@ -209,25 +229,26 @@ class CacheSteps:
             return "start", "the key changes (%s)" % (", ".join(changes) or "a secret value of the daemons' command")
         return "keep", "the key is unchanged"
 
-    def _stop_cache(self, port, target, why):
+    def stop(self, port: int, target: str, why: str) -> None:
         """End the daemons of this server's record (SIGTERM to each daemon and the launcher, the
         kill grace, SIGKILL), then their stale files. Nothing when no record."""
+        ctx = self.ctx
         record = read_record(port)
         if record is None:
             return
         table = procfs.table()
         launcher, pids = tree(table, record)
-        self.event("cache_stop", "begin", target=target, port=port, pids=pids, why=why)
+        ctx.event("cache_stop", "begin", target=target, port=port, pids=pids, why=why)
         if pids:
-            self.touched = True
+            ctx.touched = True
         if record.get("supervisor") == "systemd" and server.pid1_comm() == "systemd":
             supervise.systemctl("stop", "--no-block", state.paths(port)["cache_unit_name"])
         targets = dict((pid, table[pid]["start_ticks"]) for pid in pids if pid in table)
-        ended = procfs.end_processes(targets, float(self.budgets["kill_grace_s"]), 0.02,
-                                     settle_s=float(self.budgets["kill_grace_s"]))
-        self._reap()
+        ended = procfs.end_processes(targets, float(ctx.budget("kill_grace_s")), 0.02,
+                                     settle_s=float(ctx.budget("kill_grace_s")))
+        ctx.reap()
         removed = []
-        for path in stale_files(self._read_gpus(), record.get("gpus"), record.get("env") or {}):
+        for path in stale_files(self.read_gpus(), record.get("gpus"), record.get("env") or {}):
             try:
                 os.unlink(path)
                 removed.append(path)
@@ -237,40 +258,43 @@ class CacheSteps:
             os.unlink(state.paths(port)["cache"])
         except OSError:
             pass
-        self.event("cache_stop", "end", target=target, port=port, terminated=ended["terminated"],
+        ctx.event("cache_stop", "end", target=target, port=port, terminated=ended["terminated"],
                    killed=ended["killed"], survivors=ended["survivors"], removed=removed)
         if ended["survivors"]:
             raise state.Failure("weight-cache daemons outlived SIGKILL on :%d: %s" % (
                 port, ", ".join(str(pid) for pid in ended["survivors"])))
 
-    def _start_cache(self, spec, target):
+    def start(self, spec: Doc, target: str) -> Doc:
         """Start the daemons (the launcher under the server's supervisor), record them with the key
         they will hold, and wait until every GPU's ``.ready`` names a daemon of theirs."""
+        ctx = self.ctx
         port = spec["port"]
         wanted = spec["weight_cache"]
         key = desired_key(spec)
-        gpu_doc = self._read_gpus()
+        gpu_doc = self.read_gpus()
         gpus = spec.get("gpus") or []
         for path in stale_files(gpu_doc, gpus, spec.get("env") or {}):
             try:
                 os.unlink(path)
             except OSError:
                 pass
-        self.touched = True
+        ctx.touched = True
         argv = list(wanted["argv"])
         flags = tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())
         shown = redact.redact_argv(argv, flags)
-        self.event("cache_start", "begin", target=target, port=port, argv=shown, key=key["id"])
+        ctx.event("cache_start", "begin", target=target, port=port, argv=shown, key=key["id"])
         began = time.time()
+        log_path: Optional[str]
+        since: float
         if wanted.get("unit_text") and server.pid1_comm() == "systemd":
-            launcher, since = self._start_cache_unit(port, wanted["unit_text"])
+            launcher, since = self._start_unit(port, wanted["unit_text"])
             supervisor, log_path = "systemd", None
         else:
-            launcher, log_path, since = self._start_cache_process(spec, target, argv, shown)
+            launcher, log_path, since = self._start_process(spec, target, argv, shown)
             supervisor = "process"
         record = {"launcher": launcher, "port": port,
                   "gpus": gpus, "uuids": dict((str(i), uuid_of(gpu_doc, i)) for i in gpus),
-                  "key": key, "argv_shown": shown, "supervisor": supervisor, "log": log_path, "run": self.run,
+                  "key": key, "argv_shown": shown, "supervisor": supervisor, "log": log_path, "run": ctx.run,
                   "started": state.now_iso(),
                   "env": dict((k, v) for k, v in (spec.get("env") or {}).items()
                               if k in (engine.SOCKET_TEMPLATE_ENV, engine.READY_TEMPLATE_ENV))}
@@ -279,30 +303,31 @@ class CacheSteps:
             state.write_private(state.paths(port)["cache"], json.dumps(record), 0o600)  # the key's argv: secrets
         except OSError as error:
             raise state.Failure("cannot write the weight cache's record %s: %s" % (state.paths(port)["cache"], error))
-        deadline = began + float(self.budgets["start_timeout_s"])
+        deadline = began + float(ctx.budget("start_timeout_s"))
         while True:
-            self._reap()
-            info = view(port, procfs.table(), self._read_gpus(), record)
+            ctx.reap()
+            info = view(port, procfs.table(), self.read_gpus(), record)
+            assert info is not None  # a record is given
             if info["running"]:
-                self.event("cache_start", "end", target=target, port=port, ok=True, launcher=launcher["pid"],
+                ctx.event("cache_start", "end", target=target, port=port, ok=True, launcher=launcher["pid"],
                            daemons=[g["pid"] for g in info["gpus"]], elapsed_s=round(time.time() - began, 2))
                 return info
             if info["launcher"] is None:
-                code = self.exit_codes.get(launcher["pid"])
-                tail = self._cache_tail(port, log_path, since)
-                self.event("cache_start", "end", target=target, port=port, ok=False, exit_code=code, log_tail=tail)
+                code = ctx.exit_codes.get(launcher["pid"])
+                tail = self._tail(port, log_path, since)
+                ctx.event("cache_start", "end", target=target, port=port, ok=False, exit_code=code, log_tail=tail)
                 raise state.Failure("the weight cache exited during its load%s%s" % (
                     " with code %s" % code if code is not None else "",
                     ": " + logs.crash_line(tail, port) if tail else ""))
             if time.time() >= deadline:
-                self.event("cache_start", "end", target=target, port=port, ok=False, problems=info["problems"])
+                ctx.event("cache_start", "end", target=target, port=port, ok=False, problems=info["problems"])
                 raise state.Failure("the weight cache was not ready within %gs: %s" % (
-                    self.budgets["start_timeout_s"], "; ".join(info["problems"])))
-            self.progress("cache_start", target=target, port=port, elapsed_s=round(time.time() - began, 1),
+                    ctx.budget("start_timeout_s"), "; ".join(info["problems"])))
+            ctx.progress("cache_start", target=target, port=port, elapsed_s=round(time.time() - began, 1),
                           ready=sum(1 for g in info["gpus"] if g["ready"]), of=len(info["gpus"]))
             time.sleep(READY_POLL_S)
 
-    def _start_cache_unit(self, port, unit_text):
+    def _start_unit(self, port: int, unit_text: str) -> Tuple[Doc, float]:
         """The daemons as the unit sglang-weight-cache-<port>.service: -> (the launcher's {pid,
         start_ticks}, when the unit was started: its journal's tail is read from then)."""
         path, unit = state.paths(port)["cache_unit"], state.paths(port)["cache_unit_name"]
@@ -314,7 +339,7 @@ class CacheSteps:
         for command in (["daemon-reload"], ["reset-failed", unit], ["start", unit]):
             ok, output = supervise.systemctl(*command)
             if not ok and command[0] != "reset-failed":
-                raise state.Failure("systemctl %s: %s" % (" ".join(command), self.redactor.text(output)[-300:]))
+                raise state.Failure("systemctl %s: %s" % (" ".join(command), self.ctx.redactor.text(output)[-300:]))
         ok, output = supervise.systemctl("show", "-p", "MainPID", "--value", unit)
         pid = int(output.strip()) if output.strip().isdigit() else 0
         if pid <= 0:
@@ -322,22 +347,23 @@ class CacheSteps:
         stat = procfs.read_stat(pid)
         return {"pid": pid, "start_ticks": stat[4] if stat else None}, started
 
-    def _cache_tail(self, port, log_path, since):
+    def _tail(self, port: int, log_path: str | None, since: float) -> List[str]:
         """The last lines the daemons printed: their log file from byte ``since``, or (``log_path``
         None) the unit's journal from the time ``since``."""
         if log_path is None:
             logs.journal_sync()
             unit = state.paths(port)["cache_unit_name"]
-            return [self.redactor.text(line) for line in logs.journal_tail(unit, 20, since)]
-        pump = self.pumps.get("cache-%d" % port)
+            return [self.ctx.redactor.text(line) for line in logs.journal_tail(unit, 20, since)]
+        pump = self.ctx.pumps.get("cache-%d" % port)
         settle = time.time() + 1.0  # the pump writes what the launcher printed last
         while pump is not None and pump.poll() is None and time.time() < settle:
             time.sleep(0.02)
-        return [self.redactor.text(line) for line in logs.log_tail(log_path, 20, since)]
+        return [self.ctx.redactor.text(line) for line in logs.log_tail(log_path, 20, since)]
 
-    def _start_cache_process(self, spec, target, argv, shown):
+    def _start_process(self, spec: Doc, target: str, argv: List[str], shown: List[str]) -> Tuple[Doc, str, int]:
         """The launcher as a detached process with its log pump: -> ({pid, start_ticks}, its log, the
         log's offset where its output begins)."""
+        ctx = self.ctx
         port = spec["port"]
         log_path = state.paths(port)["cache_log"]
         try:
@@ -350,22 +376,22 @@ class CacheSteps:
 
         env = dict(state.BASE_ENV)
         env.update(spec.get("env") or {})
-        output = None
+        output: Optional[Union[int, BinaryIO]] = None
         try:
             handle.write(("\n=== gpugate start %s run %s (%s): %s\n" % (
-                state.now_iso(), self.run, target, self.redactor.text(" ".join(shown)))).encode("utf-8"))
+                state.now_iso(), ctx.run, target, ctx.redactor.text(" ".join(shown)))).encode("utf-8"))
             handle.flush()
             offset = handle.tell()
-            output = self._log_pump(log_path, dict(spec, port="cache-%d" % port)) or handle
+            output = ctx.log_pump(log_path, dict(spec, port="cache-%d" % port)) or handle
             child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                                      env=env, cwd="/", start_new_session=True, close_fds=True)
         except OSError as error:
             raise state.Failure("cannot start the weight cache %s: %s" % (argv[0], error))
         finally:
             handle.close()
-            if output is not None and output is not handle:
+            if isinstance(output, int):  # the pump's pipe (else None, or the log file itself)
                 os.close(output)
-        self.children[child.pid] = child
+        ctx.children[child.pid] = child
         stat = procfs.read_stat(child.pid)
         return {"pid": child.pid, "start_ticks": stat[4] if stat else None}, log_path, offset
 

@@ -173,14 +173,14 @@ def test_history_keeps_five_good_specs_and_a_same_spec_adds_nothing(state_dirs):
 
     transition = Transition({"run": "h", "operator": "bob", "desired": spec(0)}, agent_journal.Journal("h"))
     for n in range(7):
-        transition._add_good(spec(n), None, by="bob")
-    assert transition._add_good(spec(6), {"max_total_num_tokens": 5}, by="bob") is False
+        transition.records.add_good(spec(n), None, by="bob")
+    assert transition.records.add_good(spec(6), {"max_total_num_tokens": 5}, by="bob") is False
     doc = history.load_history(30001)
     assert [e["spec"]["argv"][-1] for e in doc["good"]] == ["6", "5", "4", "3", "2"]
     assert doc["good"][0]["record"]["capacity"] == {"max_total_num_tokens": 5}
-    assert transition._add_good(spec(3), None, by="bob") is False  # known: moved to the front, not added
+    assert transition.records.add_good(spec(3), None, by="bob") is False  # known: moved to the front, not added
     assert [e["spec"]["argv"][-1] for e in history.load_history(30001)["good"]][:2] == ["3", "6"]
-    transition._record_failed("the server exited during loading with code 1")
+    transition.records.failed("the server exited during loading with code 1")
     public = history.public_history(history.load_history(30001))
     assert public["failed"][0]["reason"].startswith("the server exited") and len(public["good"]) == 5
     assert "spec" not in json.dumps(public["good"])

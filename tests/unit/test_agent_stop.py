@@ -70,14 +70,14 @@ main, tree = server.find_server(table, {PORT})
 neighbour = [p["pid"] for p in table.values() if p["argv"][-1:] == ["neighbour"]][0]
 other_tree = server.find_server(table, {PORT + 1})[1]
 t = transition()
-t._stop({PORT}, "desired", 5)
+t.stop.server({PORT}, "desired", 5)
 after = procfs.table()
 alive = lambda pid: procfs.alive(pid)
 result = {{"tree": tree, "main_pgid": main["pgid"], "neighbour_pgid": table[neighbour]["pgid"],
           "tree_alive": [p for p in tree if alive(p)], "second_alive": alive(second.pid),
           "neighbour_alive": alive(neighbour), "bench_alive": alive(bench.pid), "stray_alive": alive(stray.pid),
           "other_alive": [p for p in other_tree if alive(p)], "other_tree": other_tree,
-          "events": [e for e in t.journal.events if e["step"] in ("drain", "kill", "sweep")]}}
+          "events": [e for e in t.ctx.journal.events if e["step"] in ("drain", "kill", "sweep")]}}
 """)
     assert result["main_pgid"] == result["neighbour_pgid"]  # the trap: one process group
     assert result["tree_alive"] == [] and result["second_alive"] is False
@@ -99,9 +99,9 @@ assert wait_for(lambda: len(server.find_server(procfs.table(), {PORT})[1]) == 2)
 tree = server.find_server(procfs.table(), {PORT})[1]
 t = transition()
 began = time.time()
-t._stop({PORT}, "desired", 0.3)
+t.stop.server({PORT}, "desired", 0.3)
 result = {{"took": time.time() - began, "code": ignorer.wait(), "alive": [p for p in tree if procfs.alive(p)],
-          "drain": [e for e in t.journal.events if e["step"] == "drain" and e["phase"] == "end"][0]}}
+          "drain": [e for e in t.ctx.journal.events if e["step"] == "drain" and e["phase"] == "end"][0]}}
 """)
     assert result["drain"]["drained"] is False and result["code"] == -9 and result["alive"] == []
     assert result["took"] < 3
