@@ -19,12 +19,14 @@ import os
 import signal
 import sys
 import time
+import types
 import uuid
 from collections.abc import Callable, Iterator, Mapping, MutableSet
 from typing import Any, TypeVar, cast
 
 from pyinfra import logger
 from pyinfra.api import FunctionCommand, StringCommand, operation
+from pyinfra.api.exceptions import ArgumentTypeError
 from pyinfra.api.state import BaseStateCallback
 from pyinfra.context import host, state
 
@@ -36,7 +38,8 @@ from gpugate.match import for_container
 from gpugate.report.status import desired_differences, history_spec_text
 from gpugate.claims import GpuClaim, ServerClaim, hand_off_holding_gpu_locks, own_claim_run, servers_of_inventory
 from gpugate.connectors.pct import PctConnector, PctFailure, PctFailureKind
-from gpugate.spec import Desired, Routing, Spec, SpecError, for_version
+from gpugate.settings import SETTINGS, SettingsError, resolved, server_keys, suggest
+from gpugate.spec import Desired, Routing, Spec, SpecError, desired_states, for_version
 
 FOLLOW_WAIT_S = 3.0       # one follow command waits up to this long for new journal events
 FOLLOW_RETRIES = 3        # consecutive failed follow commands before the controller gives up watching
@@ -989,6 +992,124 @@ def _plan_under_dry() -> None:
         state.check_for_changes = True
 
 
+# ---------------------------------------------------------------- the keyword form
+class ServerArgumentError(ArgumentTypeError):
+    """sglang.server called with an argument it does not take (or with ``desired=`` and the server's
+    settings both): pyinfra's CLI prints it as an argument error at the deploy file's line."""
+
+
+class _Secret:
+    """An env value in an error message: never shown."""
+
+    def __repr__(self) -> str:
+        return "(not shown: a secret)"
+
+
+OWN_ARGUMENTS = ("desired", "restore_previous")  # sglang.server's arguments that are no setting
+
+
+def server_settings(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword form's arguments (the server's settings by their fleet.yaml ``sglang:`` names,
+    the rows of gpugate.settings.SETTINGS with a ``fleet_key``) as host data (the rows' keys), each
+    through its row's converter: the same checks as fleet.yaml and ``--data``. A bad value is the
+    settings' SettingsError naming the argument; an argument that is no server setting, a
+    ServerArgumentError naming the valid ones. None: the row's default where it has none (unset).
+
+    >>> server_settings({"model_path": "/m", "port": 31129, "present": "yes"})
+    {'sglang_model_path': '/m', 'sglang_port': 31129, 'sglang_present': True}
+    >>> server_settings({"modle_path": "/m"})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    gpugate.operations.sglang.ServerArgumentError: sglang.server got an unknown argument 'modle_path' (did you mean model_path?): ...
+    >>> server_settings({"port": "30000"})
+    Traceback (most recent call last):
+    ...
+    gpugate.settings.SettingsError: setting port='30000': expected a port number 1..65535, got '30000' (str)
+    """
+    rows = server_keys()
+    settings: dict[str, Any] = {}
+    for name, value in arguments.items():
+        row = rows.get(name)
+        if row is None:
+            raise ServerArgumentError(_unknown_argument(name, tuple(rows)))
+        if value is None and row.default is None:
+            settings[row.key] = None
+            continue
+        try:
+            settings[row.key] = row.convert(value)
+        except ValueError as error:
+            raise SettingsError(name, _Secret() if row.key == "sglang_env" else value, str(error)) from None
+    return settings
+
+
+def _unknown_argument(name: str, valid: tuple[str, ...]) -> str:
+    known = SETTINGS.get(name)
+    if known is not None and known.fleet_key:  # a host-data key: sglang_port for port
+        hint = f" (did you mean {known.fleet_key}?)"
+    elif known is not None:  # a setting of the run or the container, not of one server
+        hint = (f" ({name} is a setting of the container or the run, not of its server: "
+                f"set it in host data, e.g. --data {name}=... or fleet.yaml's data:)")
+    else:
+        hint = suggest(name, valid + OWN_ARGUMENTS)
+    return (f"sglang.server got an unknown argument {name!r}{hint}: it takes {', '.join(OWN_ARGUMENTS)} or the "
+            f"server's settings by their fleet.yaml sglang: names ({', '.join(valid)}), and pyinfra's global "
+            f"arguments (name, _sudo, _serial, ...)")
+
+
+def desired_of_call(data: Any, desired: Desired | None = None, settings: Mapping[str, Any] | None = None
+                    ) -> Desired | None:
+    """The desired state one sglang.server call stands for: ``desired`` as given, or the host data
+    with the keyword form's ``settings`` over it (:func:`server_settings`), built as every desired
+    state is (gpugate.spec.desired_states: the same rows, the same checks, the same cache). The
+    keywords name one server: where fleet.yaml's ``sglang:`` lists several, they go over the listed
+    server on their port (the others' ports stay its siblings). None where ``--data only_port``
+    names another port: this run leaves that server alone.
+
+    >>> d = desired_of_call({"sglang_model_path": "/m", "drain_timeout_s": 5}, settings={"port": 31129, "flags": {"tp": 2}})
+    >>> d.port, d.spec.argv[-2:], d.budgets["drain_timeout_s"]
+    (31129, ('--tp-size', '2'), 5.0)
+    >>> desired_of_call({"only_port": 30000}, settings={"model_path": "/m", "port": 31129}) is None
+    True
+    """
+    arguments = dict(settings or {})
+    if desired is not None:
+        if arguments:
+            raise ServerArgumentError(f"sglang.server takes desired= or the server's settings as keywords "
+                                      f"({', '.join(arguments)}), not both")
+        return desired
+    given = server_settings(arguments)
+    values = resolved(data)
+    servers = values["sglang_servers"]
+    ports = [int(server.get("sglang_port", values["sglang_port"])) for server in servers]
+    port = given.get("sglang_port")
+    base: Mapping[str, Any] = values
+    if servers:
+        if port is None and len(servers) > 1:
+            raise ServerArgumentError(f"sglang.server: this container has {len(servers)} desired servers (fleet.yaml's "
+                                      f"sglang: list, ports {', '.join(map(str, ports))}): name one with port=")
+        port = ports[0] if port is None else port
+        if port in ports:
+            base = {**values, **servers[ports.index(port)]}
+    found = desired_states({**base, **given, "sglang_servers": []})
+    if not found:
+        return None
+    siblings = tuple(p for p in ports if p != found[0].port)
+    return dataclasses.replace(found[0], siblings=siblings) if siblings else found[0]
+
+
+def _call_settings(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's keyword form settings: its keyword arguments but its own and pyinfra's global ones."""
+    return {key: value for key, value in kwargs.items()
+            if key not in OWN_ARGUMENTS and key != "name" and not key.startswith("_")}
+
+
+def _at_callers_line(error: Exception) -> Exception:
+    """``error`` as if raised at the line that called the operation (the deploy file's): pyinfra's
+    CLI prints an error at the innermost frame outside pyinfra, which would be gpugate's own."""
+    frame = sys._getframe(2)  # noqa: SLF001 -- the caller of the wrapper that calls this
+    return error.with_traceback(types.TracebackType(None, frame, frame.f_lasti, frame.f_lineno))
+
+
 _Operation = TypeVar("_Operation", bound=Callable[..., Any])
 
 
@@ -1003,14 +1124,28 @@ def _at_each_call(op: _Operation) -> _Operation:
       plan on (before the hand-off, "nothing was touched" and a non-zero exit, not pyinfra's 0);
     - ``--dry -y``: change detection turned back on (:func:`_plan_under_dry`);
     - a rolling restart: the hosts in the inventory's order (:meth:`Run.keep_fleet_order`) before
-      pyinfra takes the order of the hosts a ``_serial`` operation visits.
+      pyinfra takes the order of the hosts a ``_serial`` operation visits;
+    - the keyword form: the call's Desired built once, here (:func:`desired_of_call`), so that a bad
+      argument stops the run at the deploy file's line before any host is touched, and the body is
+      given ``desired=`` (the same object at prepare and at execute); the operation named
+      ``sglang.server :PORT`` where the call names it not (pyinfra would print its arguments: env
+      values and secret flags).
     """
 
     @functools.wraps(op)
     def call(*args: Any, **kwargs: Any) -> Any:
         run = Run.of(state)
         _plan_under_dry()
-        desired = kwargs.get("desired", args[0] if args else None)
+        settings = _call_settings(kwargs)
+        try:
+            desired = desired_of_call(host.data, args[0] if args else kwargs.get("desired"), settings)
+        except (ServerArgumentError, SettingsError) as error:
+            raise _at_callers_line(error) from None
+        if desired is not None:
+            kwargs = {key: value for key, value in kwargs.items() if key not in settings}
+            if not args:
+                kwargs["desired"] = desired
+        kwargs.setdefault("name", f"sglang.server :{desired.port if desired is not None else settings.get('port', '')}")
         if getattr(desired, "rolling", False) or kwargs.get("_serial"):
             run.keep_fleet_order(state)
         return op(*args, **kwargs)
@@ -1021,33 +1156,73 @@ def _at_each_call(op: _Operation) -> _Operation:
 # ---------------------------------------------------------------- the operation
 @_at_each_call
 @operation()
-def server(desired: Desired, restore_previous: bool = False):
+def server(desired: Desired | None = None, restore_previous: bool = False, **settings: Any):
     """
     Run (or not) the container's desired SGLang server, gated on its GPUs; the container's agent
     runs the transition to its end and rolls back to the last good spec on any failure.
 
-    + desired: the container's desired state (``gpugate.spec.desired_state(host.data)``: the server's
-      Spec, present or not, the budgets, the run's options; every setting is a row of
-      gpugate.settings.SETTINGS)
+    The server is given either by its settings as keywords (the names of fleet.yaml's ``sglang:``
+    section), over the host's data (fleet.yaml, group data, ``--data``), or as one built
+    ``desired`` state (deploy.py's form); not both. Every value is checked by its row of
+    gpugate.settings.SETTINGS, as fleet.yaml's and ``--data``'s are.
+
+    + model_path: the model path in the container or Hugging Face repo id (required when present)
+    + port: the server's port (default 30000)
+    + flags: the engine's flags as data, ``{"tp": 8, "kv-cache-dtype": "fp8_e4m3"}``; validated against
+      the container's SGLang release before anything is touched
+    + env: the server's environment, ``{"NAME": "value"}`` (values are never printed)
+    + present: ``False``: no server on this port (stopped, its GPUs swept)
+    + host: ``--host``, the address the server listens on in the container (default 127.0.0.1)
+    + supervisor: ``auto`` (systemd where the container's PID 1 is systemd), ``process`` or ``systemd``
+    + python: the interpreter in the container that runs the server (default /usr/bin/python3)
+    + engine: the inference engine (default ``sglang``; an installed engine's name)
+    + sglang_version: the SGLang release the container must have, a string (``"0.5.23"``)
+    + extra_args: argv items passed through after the flags as written, unchecked
+    + weight_cache: ``True``: SGLang's weight-cache daemons hold the weights across restarts
+    + gated_launch: start the new engine before the stop, gated until the GPUs are free (default: where
+      the release has it and the supervisor is process)
+    + router: the router (fleet.yaml ``routers:``) in front of this server: leave, drain, restart, rejoin
+    + router_url: the URL the router reaches this server at
+    + drain_timeout_s: how long the server may drain after SIGTERM before SIGKILL (default 60)
+    + desired: instead of the keywords, the container's built desired state
+      (``gpugate.spec.desired_states(host.data)``: one per server, as deploy.py iterates them)
     + restore_previous: run a good spec from the container's history instead (the rollback runbook):
-      the ``desired.rollback_to``-th newest (default 1) that differs from the running one
+      the ``rollback_to``-th newest (default 1) that differs from the running one
 
     Everything that can be checked before the stop is checked first; a failed check touches
     nothing and the running server keeps running. Exit status: non-zero unless every container
-    ended ``verified`` (or had nothing to do). ``desired.rolling``: this operation runs one
-    container at a time (``_serial``) and stops once more than ``desired.max_failures`` failed.
+    ended ``verified`` (or had nothing to do). The container's and the run's settings (the GPU
+    gate's budgets, ``rolling``, ``max_failures``, ``sglang_restarted``, ...) come from the host's
+    data: with ``--data rolling=true`` this operation runs one container at a time (``_serial``)
+    and stops once more than ``max_failures`` failed. An unknown keyword, or a value its row
+    refuses, stops the run at the deploy file's line, before any host is touched.
 
     **Example:**
 
     .. code:: python
 
-        from pyinfra import host
         from gpugate.operations import sglang
-        from gpugate.spec import desired_state
 
-        sglang.server(name="The desired SGLang server", desired=desired_state(host.data))
-        sglang.server(name="Back to the spec before", desired=desired_state(host.data), restore_previous=True)
+        sglang.server(
+            name="Qwen on GPUs 0-3",
+            model_path="/opt/models/qwen3-8b",
+            port=30000,
+            flags={"tp": 4, "kv-cache-dtype": "fp8_e4m3"},
+            env={"HF_HUB_OFFLINE": "1"},
+        )
+        sglang.server(name="Nothing on :30001", port=30001, present=False)
+
+        # or the inventory's desired state, as deploy.py does
+        from pyinfra import host
+        from gpugate.spec import desired_states
+
+        for desired in desired_states(host.data):
+            sglang.server(name=f"SGLang on :{desired.port}", desired=desired, _serial=desired.rolling)
     """
+    desired = desired_of_call(host.data, desired, settings)
+    if desired is None:  # --data only_port names another port: not this run's server
+        host.noop(f"sglang :{settings.get('port')}: not this run's server (only_port={host.data.get('only_port')})")
+        return
     book = Run.of(state)
     port, python = desired.port, desired.python
     restoring = bool(restore_previous)
