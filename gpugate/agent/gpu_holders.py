@@ -13,7 +13,7 @@ from gpugate.rules.procfs import PROBE_MARKER
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
-    from typing import Any, Dict, List
+    from typing import Any, Dict, Iterable, List
 
 # A device node of the NVIDIA driver (also matches the lab's bind-mounted stand-ins, whose host-side
 # path ends in .../dev/nvidia0).
@@ -28,7 +28,7 @@ DRIVER_DAEMONS = ("nvidia-smi", "nvidia-persistenced", "nv-fabricmanager", "nv-h
 DRIVER_DAEMON_COMMS = tuple(name[:15] for name in DRIVER_DAEMONS)  # /proc/PID/stat comm: 15 chars
 
 
-def vmid_from_cgroup(text: str):
+def vmid_from_cgroup(text: str) -> int | None:
     """The Proxmox container of a process from its /proc/PID/cgroup text, or None (the host).
 
     >>> vmid_from_cgroup("0::/lxc/129/ns/user.slice")
@@ -43,7 +43,7 @@ def vmid_from_cgroup(text: str):
     return None
 
 
-def read_vmid(proc_root: str, pid: int):
+def read_vmid(proc_root: str, pid: int) -> int | None:
     try:
         with open(os.path.join(proc_root, str(pid), "cgroup")) as handle:
             return vmid_from_cgroup(handle.read())
@@ -66,7 +66,7 @@ def is_probe_or_monitor(argv: list, comm: str) -> bool:
             and "python" in os.path.basename(argv[0]))
 
 
-def scan_holders(proc_root: str = "/proc", exclude_pids=(), with_vmid: bool = False) -> list:
+def scan_holders(proc_root: str = "/proc", exclude_pids: Iterable[int] = (), with_vmid: bool = False) -> list:
     """Processes with an open /dev/nvidia* fd, sorted by pid, without ``exclude_pids``, probes and
     nvidia-smi."""
     exclude = set(int(pid) for pid in exclude_pids)
@@ -104,7 +104,7 @@ def scan_holders(proc_root: str = "/proc", exclude_pids=(), with_vmid: bool = Fa
     return holders
 
 
-def describe_process(proc_root: str, pid: int, with_vmid: bool = False):
+def describe_process(proc_root: str, pid: int, with_vmid: bool = False) -> Dict[str, Any] | None:
     stat = procfs.read_stat(pid, proc_root)
     if stat is None:
         return None

@@ -42,7 +42,9 @@ from gpugate.rules.procfs import PROBE_MARKER  # noqa: F401 - the probe's marker
 # imported in run_command; the typing names only in annotations, which are never evaluated).
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # mypy treats this name as true
-    from typing import Any, Dict, List
+    from typing import Any, Callable, Dict, Iterable, List, Tuple
+
+    Runner = Callable[[list, float], tuple]  # run_command: (argv, timeout) -> (code, stdout, stderr)
 
 SCHEMA = 1
 NVML_TIMEOUT_S = 8.0
@@ -91,7 +93,7 @@ def nvml_error_kind(exc: BaseException) -> str:
     return name
 
 
-def as_text(value) -> str | None:
+def as_text(value: Any) -> str | None:
     if value is None:
         return None
     if isinstance(value, bytes):
@@ -99,14 +101,14 @@ def as_text(value) -> str | None:
     return str(value)
 
 
-def bytes_to_mib(value) -> int | None:
+def bytes_to_mib(value: Any) -> int | None:
     # NVML reports "not available" as None (nvidia-ml-py) or as the all-ones sentinel.
     if value is None or value < 0 or value >= (1 << 63):
         return None
     return int(value) // MIB
 
 
-def call_with_deadline(function, timeout_s: float):
+def call_with_deadline(function: Callable[[], Any], timeout_s: float) -> Any:
     """Run ``function()`` in a daemon thread; raise ProbeTimeout if it has not returned in time.
 
     A hung thread is abandoned (a thread stuck in a driver call cannot be interrupted).
@@ -180,7 +182,7 @@ def empty_gpu(index: int) -> dict:
     }
 
 
-def read_nvml_memory(nvml, handle) -> tuple:
+def read_nvml_memory(nvml: Any, handle: Any) -> tuple:
     """(memory struct, "v2" | "v1"). v2 where the binding and the driver have it."""
     v2_version = getattr(nvml, "nvmlMemory_v2", None)
     if v2_version is not None:
@@ -194,7 +196,7 @@ def read_nvml_memory(nvml, handle) -> tuple:
     return nvml.nvmlDeviceGetMemoryInfo(handle), "v1"
 
 
-def read_nvml_processes(nvml, handle) -> list:
+def read_nvml_processes(nvml: Any, handle: Any) -> list:
     by_pid: dict = {}
     for function_name in (
         "nvmlDeviceGetComputeRunningProcesses",
@@ -215,7 +217,7 @@ def read_nvml_processes(nvml, handle) -> list:
     return [by_pid[pid] for pid in sorted(by_pid)]
 
 
-def read_nvml_gpu(nvml, index: int) -> tuple:
+def read_nvml_gpu(nvml: Any, index: int) -> tuple:
     """One GPU; errors of this GPU (GpuIsLost...) stay in its ``error``. -> (gpu, memory api)."""
     gpu = empty_gpu(index)
     api = None
@@ -244,7 +246,7 @@ def read_nvml_gpu(nvml, index: int) -> tuple:
 class NvmlSession:
     """NVML kept initialised between reads (a poll loop must not pay nvmlInit every time)."""
 
-    def __init__(self, loader=None, keep_open: bool = False) -> None:
+    def __init__(self, loader: Callable[[], Any] | None = None, keep_open: bool = False) -> None:
         self.loader = loader or load_pynvml
         self.keep_open = keep_open
         self.module: Any = None
@@ -286,7 +288,7 @@ class NvmlSession:
                 pass
 
 
-def load_pynvml():
+def load_pynvml() -> Any:
     import pynvml  # noqa: PLC0415 - optional in the container
 
     return pynvml
@@ -296,7 +298,7 @@ def load_pynvml():
 # nvidia-smi
 
 
-def smi_value(text: str):
+def smi_value(text: str) -> str | None:
     """A CSV field: ``[N/A]``, ``[Not Supported]``, ``[Unknown Error]``... -> None."""
     text = text.strip()
     if not text or (text.startswith("[") and text.endswith("]")) or text == "N/A":
@@ -304,7 +306,7 @@ def smi_value(text: str):
     return text
 
 
-def smi_int(text: str):
+def smi_int(text: str) -> int | None:
     value = smi_value(text)
     if value is None:
         return None
@@ -331,7 +333,8 @@ def parse_smi_gpus(text: str) -> list:
         # A name may contain commas: the fields around it are fixed.
         index, uuid, used, total = row[0], row[1], row[-2], row[-1]
         name = ",".join(row[2:-2]).strip()
-        gpu = empty_gpu(smi_int(index) if smi_int(index) is not None else len(gpus))
+        number = smi_int(index)
+        gpu = empty_gpu(number if number is not None else len(gpus))
         gpu["uuid"] = smi_value(uuid)
         gpu["name"] = smi_value(name)
         gpu["total_mib"] = smi_int(total)
@@ -342,7 +345,8 @@ def parse_smi_gpus(text: str) -> list:
     return gpus
 
 
-def read_nvidia_smi(run=run_command, smi_path: str | None = None, timeout_s: float = SMI_TIMEOUT_S):
+def read_nvidia_smi(run: Runner = run_command, smi_path: str | None = None,
+                    timeout_s: float = SMI_TIMEOUT_S) -> Tuple[dict | None, list]:
     """-> (part dict or None, errors). memory.reserved is asked separately: nvidia-smi before R510
     does not know it and an unknown field aborts the whole query. Where it is unknown, memory.used
     is taken to count reserved memory in (memory_api v1)."""
@@ -388,8 +392,8 @@ def read_nvidia_smi(run=run_command, smi_path: str | None = None, timeout_s: flo
 # The document
 
 
-def read_gpus(session: NvmlSession, run=run_command, smi_path=None,
-              nvml_timeout_s: float = NVML_TIMEOUT_S, smi_timeout_s: float = SMI_TIMEOUT_S):
+def read_gpus(session: NvmlSession, run: Runner = run_command, smi_path: str | None = None,
+              nvml_timeout_s: float = NVML_TIMEOUT_S, smi_timeout_s: float = SMI_TIMEOUT_S) -> Tuple[str, dict | None, list]:
     """-> (source, part or None, errors): NVML first, then nvidia-smi."""
     errors = []
     if session.hung:
@@ -417,8 +421,8 @@ def read_gpus(session: NvmlSession, run=run_command, smi_path=None,
 _default_session = None
 
 
-def collect(exclude_pids=(), scope: str = "container", keep_nvml_open: bool = False, *,
-            session: NvmlSession | None = None, nvml_loader=None, run=run_command,
+def collect(exclude_pids: Iterable[int] = (), scope: str = "container", keep_nvml_open: bool = False, *,
+            session: NvmlSession | None = None, nvml_loader: Callable[[], Any] | None = None, run: Runner = run_command,
             smi_path: str | None = None, proc_root: str = "/proc",
             nvml_timeout_s: float = NVML_TIMEOUT_S, smi_timeout_s: float = SMI_TIMEOUT_S) -> dict:
     """Read every GPU and every holder of /dev/nvidia*; never raises.
@@ -480,8 +484,8 @@ def collect(exclude_pids=(), scope: str = "container", keep_nvml_open: bool = Fa
 # Ending the holders (gpu.idle(kill=True)): only what this pid namespace can see
 
 
-def end_holders(grace_s: float = 10.0, ignore_pids=(), proc_root: str = "/proc",
-                poll_s: float = 0.02, settle_s: float = 5.0, send=os.kill) -> dict:
+def end_holders(grace_s: float = 10.0, ignore_pids: Iterable[int] = (), proc_root: str = "/proc",
+                poll_s: float = 0.02, settle_s: float = 5.0, send: Callable[[int, int], None] = os.kill) -> dict:
     """SIGTERM every holder, SIGKILL those still running after ``grace_s`` (gpugate.rules.procfs.
     end_processes); never pid 1, the probe or its ancestors. Run inside the container, so no pid
     outside it can be reached.

@@ -13,13 +13,19 @@ import time
 from gpugate.agent import state
 from gpugate.rules import redact
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
+    from typing import Any, Dict, Tuple
+
+    Doc = Dict[str, Any]  # a history, a record, a spec document
+
 
 HISTORY_GOOD = 5
 HISTORY_FAILED = 10
 PREV = ".prev"  # the copy save_history keeps of the history it replaces
 
 
-def spec_key(spec):
+def spec_key(spec: Doc) -> str:
     """What makes two specs the same server: exact argv, env, supervisor and unit text.
 
     >>> spec_key({"argv": ["a"], "env": {"X": "1"}}) == spec_key({"argv": ["a"], "env": {"X": "2"}})
@@ -33,11 +39,11 @@ def spec_key(spec):
     return redact.sha256(material.encode("utf-8")).hexdigest()[:16]
 
 
-def empty_history(port):
+def empty_history(port: int) -> Doc:
     return {"schema": 2, "port": int(port), "good": [], "failed": [], "last": None}
 
 
-def shape_problem(doc):
+def shape_problem(doc: Any) -> str | None:
     """Why ``doc`` is not a history this agent can use, or None (every reader relies on this shape:
     a record of the wrong type would fail later, far from the file that caused it).
 
@@ -66,7 +72,7 @@ def shape_problem(doc):
     return None
 
 
-def parse_problem(text):
+def parse_problem(text: str) -> str | None:
     """Why ``text`` is not JSON (None when it is), in the words the operator reads: a file that
     ends inside its JSON is "truncated JSON" (a disk that filled, a write cut short).
 
@@ -84,7 +90,7 @@ def parse_problem(text):
         return "not JSON (%s)" % str(error)[:80]
 
 
-def read_history(path):
+def read_history(path: str) -> Tuple[Doc | None, str | None]:
     """-> (doc, problem): (None, None) when there is no file; (doc, None) when it reads and has the
     shape; (None, why) otherwise. Never raises: a state file must never end in a traceback."""
     try:
@@ -108,7 +114,7 @@ def read_history(path):
     return (None, problem) if problem else (doc, None)
 
 
-def aside_name(path, problem, t=None):
+def aside_name(path: str, problem: str, t: float | None = None) -> str:
     """The name a history that does not read is kept under: it says so, and when.
 
     >>> aside_name("/v/sglang-30000.json", "truncated JSON", 0)
@@ -120,7 +126,7 @@ def aside_name(path, problem, t=None):
     return "%s.%s-%s" % (path, kind, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(t if t is not None else time.time())))
 
 
-def copy_time(path):
+def copy_time(path: str) -> str | None:
     """When the kept copy was written, as the operator reads times (``2026-12-01 21:14Z``)."""
     try:
         return time.strftime("%Y-%m-%d %H:%MZ", time.gmtime(os.stat(path).st_mtime))
@@ -128,7 +134,7 @@ def copy_time(path):
         return None
 
 
-def recovery_text(port, recovered):
+def recovery_text(port: int, recovered: Doc) -> str:
     """The one line that says what happened to a history that did not read.
 
     >>> recovery_text(30000, {"reason": "truncated JSON", "kept_as": "/v/h.unreadable-X", "copy_of": "2026-12-01 21:14Z"})
@@ -148,7 +154,7 @@ def recovery_text(port, recovered):
     return head + "; no earlier copy reads: the history starts empty"
 
 
-def load_history(port, repair=True):
+def load_history(port: int, repair: bool = True) -> Doc:
     """The history of ``port``. A file that does not read or has the wrong shape is never taken for
     an empty history silently: with ``repair`` (the agent's transition) it is renamed to a name that
     says so, the previous copy (``.prev``, kept by save_history) is used and written back, and the
@@ -162,7 +168,7 @@ def load_history(port, repair=True):
         doc.setdefault("failed", [])
         return doc
     prev_doc, _prev_problem = read_history(path + PREV)
-    recovered = {"reason": problem, "kept_as": None, "copy_of": copy_time(path + PREV) if prev_doc else None,
+    recovered: Doc = {"reason": problem, "kept_as": None, "copy_of": copy_time(path + PREV) if prev_doc else None,
                  "at": state.now_iso()}
     doc = prev_doc if prev_doc is not None else empty_history(port)
     doc.setdefault("good", [])
@@ -185,7 +191,7 @@ def load_history(port, repair=True):
     return doc
 
 
-def recovery_note(port, doc):
+def recovery_note(port: int, doc: Doc) -> str | None:
     """The line to report for ``doc``'s recovery, or None: shown while the file set aside exists
     (the operator removes it once looked at), or while the bad file is still in place."""
     recovered = doc.get("recovered")
@@ -196,7 +202,7 @@ def recovery_note(port, doc):
     return recovery_text(port, recovered)
 
 
-def save_history(port, doc):
+def save_history(port: int, doc: Doc) -> None:
     """Atomically replace the history; the copy it replaces (when it reads) is kept as ``.prev``
     first, so that a file cut short later still leaves the one before."""
     path = state.paths(port)["history"]
@@ -206,7 +212,7 @@ def save_history(port, doc):
     state.write_private(path, json.dumps(doc, indent=1, sort_keys=True))
 
 
-def make_record(spec, by=None, capacity=None, extra=None):
+def make_record(spec: Doc, by: str | None = None, capacity: Doc | None = None, extra: Doc | None = None) -> Doc:
     """A history record of a spec: nothing secret (flags and argv redacted, env as names and
     hashes) plus what the controller's own record says (redacted again here)."""
     redactor = redact.Redactor(redact.spec_secrets(spec))
@@ -227,14 +233,14 @@ def make_record(spec, by=None, capacity=None, extra=None):
     return record
 
 
-def public_history(doc, port=None):
+def public_history(doc: Doc, port: int | None = None) -> Doc:
     port = port or doc.get("port")
     return {"good": [entry.get("record") for entry in doc.get("good") or []],
             "failed": list(doc.get("failed") or []), "last": doc.get("last"),
             "problem": recovery_note(port, doc) if port else None}
 
 
-def clean_spec(spec):
+def clean_spec(spec: Doc | None) -> Doc | None:
     """A SpecDoc without the agent's own marks (keys starting with ``_``).
 
     >>> clean_spec({"argv": ["a"], "_serving": True})

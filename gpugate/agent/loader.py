@@ -21,8 +21,16 @@ From the package (``_BUNDLE`` empty: tests, a checkout) it imports the package's
     python3 gpugate/agent/loader.py observe '{"port": 30000}'
 """
 
+from __future__ import annotations
+
 import os
 import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
+    from importlib.machinery import ModuleSpec
+    from types import CodeType, ModuleType
+    from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 _BUNDLE = {}  # filled by gpugate.agentcmd.agent_source(): {"gpugate.rules.gate": "<source>", ...}
 # gpugate.agent.state's STATE_DIR, which this file cannot import before its finder serves the package.
@@ -39,46 +47,47 @@ class BundleImporter(object):
     ([], None)
     """
 
-    def __init__(self, sources, code=None, origin="<gpugate>"):
+    def __init__(self, sources: Mapping[str, str], code: Mapping[str, CodeType] | None = None,
+                 origin: str = "<gpugate>") -> None:
         self.sources = dict(sources)
         self.code = dict(code or {})
         self.origin = origin
-        self.packages = set()
+        self.packages: set[str] = set()
         for name in self.sources:
             parts = name.split(".")
             self.packages.update(".".join(parts[:end]) for end in range(1, len(parts)))
 
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> ModuleSpec | None:
         if fullname not in self.sources and fullname not in self.packages:
             return None
         return module_spec(fullname, self, self.filename(fullname), fullname in self.packages)
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> None:
         return None  # the default module object
 
-    def exec_module(self, module):
+    def exec_module(self, module: ModuleType) -> None:
         module.__file__ = self.filename(module.__name__)
         code = self.compiled(module.__name__)
         if code is not None:  # a package without a source of its own stays empty
             exec(code, module.__dict__)
 
-    def filename(self, name):
+    def filename(self, name: str) -> str:
         tail = "/__init__.py" if name in self.packages else ".py"
         return "%s/%s%s" % (self.origin, name.replace(".", "/"), tail)
 
-    def compiled(self, name):
+    def compiled(self, name: str) -> CodeType | None:
         code = self.code.get(name)
         if code is None and name in self.sources:
             code = compile(self.sources[name], self.filename(name), "exec", dont_inherit=True)
             self.code[name] = code
         return code
 
-    def compile_all(self):
+    def compile_all(self) -> Dict[str, Optional[CodeType]]:
         """Every module's code (for the cache), compiled where it is not yet."""
         return dict((name, self.compiled(name)) for name in sorted(self.sources))
 
 
-def module_spec(name, loader, origin, is_package):
+def module_spec(name: str, loader: BundleImporter, origin: str, is_package: bool) -> ModuleSpec:
     """importlib's ModuleSpec from the frozen bootstrap, which every CPython has loaded already."""
     try:
         spec_class = sys.modules["_frozen_importlib"].ModuleSpec
@@ -87,7 +96,7 @@ def module_spec(name, loader, origin, is_package):
     return spec_class(name, loader, origin=origin, is_package=is_package)
 
 
-def install(sources, code=None, origin="<gpugate>"):
+def install(sources: Mapping[str, str], code: Mapping[str, CodeType] | None = None, origin: str = "<gpugate>") -> Any:
     """Serve ``sources`` first on sys.meta_path (once per process) -> the importer."""
     for finder in sys.meta_path:
         if isinstance(finder, BundleImporter) or type(finder).__name__ == "BundleImporter":
@@ -97,7 +106,7 @@ def install(sources, code=None, origin="<gpugate>"):
     return importer
 
 
-def cache_path(sha):
+def cache_path(sha: str) -> str:
     """Where the bundled modules' code is cached for the agent ``sha``.
 
     >>> cache_path("ab" * 32).startswith("/var/lib/gpugate/__pycache__/bundle-abababababababab-")
@@ -106,7 +115,7 @@ def cache_path(sha):
     return "%s/__pycache__/bundle-%s-%d%d.marshal" % (STATE_DIR, sha[:16], sys.version_info[0], sys.version_info[1])
 
 
-def read_cache(path):
+def read_cache(path: str) -> Dict[str, CodeType] | None:
     """{module name: code} from the cache file, or None (absent, torn, another interpreter's)."""
     import marshal
 
@@ -118,7 +127,7 @@ def read_cache(path):
     return code if isinstance(code, dict) else None
 
 
-def write_cache(path, code):
+def write_cache(path: str, code: Dict[str, Optional[CodeType]]) -> None:
     """The cache file, private and atomic (temp, fsync, rename); a full disk is no failure."""
     import marshal
 
@@ -138,7 +147,7 @@ def write_cache(path, code):
         pass
 
 
-def installed_sha(path):
+def installed_sha(path: str | None) -> str | None:
     """The sha256 an installed agent's file name carries (``agent-<sha>.py``), else None."""
     name = os.path.basename(path or "")
     if os.path.dirname(path or "") == STATE_DIR and name.startswith("agent-") and name.endswith(".py"):
@@ -146,7 +155,7 @@ def installed_sha(path):
     return None
 
 
-def use_the_package():
+def use_the_package() -> None:
     """Run from a checkout or an installed package: import gpugate from the files beside this one
     (and not this directory's modules as top-level names)."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -156,7 +165,7 @@ def use_the_package():
         sys.path.insert(0, root)
 
 
-def main(argv, stdin_doc=None):
+def main(argv: List[str], stdin_doc: Any = None) -> int:
     """The bootstrap's entry (and this file's as a program): the finder, the cache, then the
     agent's command. The bootstrap sets WRITE_CACHE, INSTALLED_NOW, AGENT_SHA256 (and INLINE for
     the inline observe) on this module before it calls."""

@@ -18,7 +18,7 @@ from gpugate.rules import procfs, redact
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
-    from typing import Dict, Pattern, Tuple
+    from typing import Any, BinaryIO, Dict, List, Optional, Pattern, Sequence, Tuple
 
 LOG_MAX_BYTES = 64 * 1024 * 1024
 LOG_KEEP = 3
@@ -28,7 +28,7 @@ LOG_TAIL_SCAN = 4 * 1024 * 1024  # at most this much of a log is read backwards 
 _OWN_POLLS = {}  # type: Dict[Tuple[str, ...], Pattern[str]]  # the engine's paths -> their pattern
 
 
-def own_poll():
+def own_poll() -> Pattern[str]:
     """The pattern of an access-log line of one of our polls of the engine in use (its health,
     generation and info paths, and the OpenAI-compatible /v1/models)."""
     paths = tuple(p for p in (engine.HEALTH_PATH, engine.GENERATE_PATH) + tuple(engine.INFO_PATHS) + ("/v1/models",) if p)
@@ -40,7 +40,7 @@ def own_poll():
     return pattern
 
 
-def without_own_polls(lines):
+def without_own_polls(lines: Sequence[str]) -> List[str]:
     """``lines`` less the access-log lines of gpugate's own polls (any status), so a tail shows the
     server's own last words.
 
@@ -52,7 +52,7 @@ def without_own_polls(lines):
     return [line for line in lines if not pattern.search(line)]
 
 
-def log_tail(path, lines=40, offset=0):
+def log_tail(path: str | None, lines: int = 40, offset: int | None = 0) -> List[str]:
     """The last ``lines`` lines of the file at ``path`` from byte ``offset`` on, our own polls left
     out (read backwards in chunks, at most LOG_TAIL_SCAN bytes, so a log of polls is no obstacle)."""
     try:
@@ -63,7 +63,8 @@ def log_tail(path, lines=40, offset=0):
         return []
     with handle:
         end = handle.seek(0, 2)
-        start, chunk, kept = end, 65536, []
+        start, chunk = end, 65536
+        kept: List[str] = []
         while start > (offset or 0) and end - start < LOG_TAIL_SCAN:
             start = max(offset or 0, end - chunk)
             chunk *= 4
@@ -76,7 +77,7 @@ def log_tail(path, lines=40, offset=0):
         return kept[-lines:] if lines else []
 
 
-def journal_tail(unit, lines=40, since=None):
+def journal_tail(unit: str, lines: int = 40, since: float | None = None) -> List[str]:
     """The last ``lines`` lines journald holds for ``unit`` (the systemd supervisor's server logs to
     journald, templates/sglang.service.j2), from ``since`` (epoch seconds: this start's) on; systemd's
     own lines about the unit ("<unit>: Main process exited, ...") included. [] without journalctl.
@@ -98,7 +99,7 @@ def journal_tail(unit, lines=40, since=None):
     return without_own_polls(done.stdout[:LOG_TAIL_SCAN].decode("utf-8", "replace").splitlines())[:lines][::-1]
 
 
-def journal_sync(timeout=5.0):
+def journal_sync(timeout: float = 5.0) -> bool:
     """``journalctl --sync``: journald stores every message queued to it first (its sync signal is
     handled after the pending stream input), so what a dead server printed is readable afterwards."""
     import subprocess
@@ -110,7 +111,7 @@ def journal_sync(timeout=5.0):
         return False
 
 
-def server_log_tail(port, lines=40, offset=0):
+def server_log_tail(port: int, lines: int = 40, offset: int | None = 0) -> List[str]:
     """The server's last log lines, unmasked: journald's for a unit of ours (the pid file says
     ``supervisor: systemd``; since its recorded start), else the log file from byte ``offset``."""
     recorded = state.read_pid_file(port) or {}
@@ -119,7 +120,7 @@ def server_log_tail(port, lines=40, offset=0):
     return log_tail(recorded.get("log") or state.paths(port)["log"], lines, offset)
 
 
-def crash_line(tail, port):
+def crash_line(tail: Sequence[str], port: int) -> str:
     """The line that says why a server ended: the last of its own, not systemd's about the unit
     (journald's tail may or may not hold "<unit>: Failed with result ..." yet), else the last.
 
@@ -131,7 +132,7 @@ def crash_line(tail, port):
     return (own or [line for line in tail if line.strip()] or [""])[-1]
 
 
-def rotate_log(path, max_bytes=LOG_MAX_BYTES, keep=LOG_KEEP):
+def rotate_log(path: str, max_bytes: int = LOG_MAX_BYTES, keep: int = LOG_KEEP) -> bool:
     """path -> path.1 -> ... path.<keep> when it is over max_bytes (checked at each start)."""
     try:
         if os.path.getsize(path) < max_bytes:
@@ -145,7 +146,7 @@ def rotate_log(path, max_bytes=LOG_MAX_BYTES, keep=LOG_KEEP):
     return True
 
 
-def command_logpump(args):
+def command_logpump(args: Dict[str, Any]) -> Dict[str, Any]:
     """Copies the server's output (stdin) into its log, line by line: secret values masked
     (GPUGATE_LOG_SECRETS, read once and dropped from the environment), the file rotated when it
     passes ``max_bytes`` (``keep`` old files). Never blocks the server: a line that cannot be
@@ -167,7 +168,8 @@ def command_logpump(args):
     except ValueError:
         secrets = []
     redactor = redact.Redactor(secrets)
-    out, size, dropped = None, 0, 0
+    out: Optional[BinaryIO] = None
+    size, dropped = 0, 0
     source = sys.stdin.buffer
     while True:
         line = source.readline(65536)

@@ -13,8 +13,14 @@ import time
 from gpugate.agent import journal, state
 from gpugate.rules import procfs
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
+    from typing import Any, Dict, List, Optional
 
-def command_follow(args):
+    Doc = Dict[str, Any]  # a command's arguments and answer
+
+
+def command_follow(args: Doc) -> Doc:
     """New journal events of a run from ``offset``, waiting up to ``wait_s`` for some or the end."""
     run = str(args.get("run") or "")
     if not journal.RUN_ID.match(run):
@@ -27,7 +33,7 @@ def command_follow(args):
         lock = journal.lock_status()
         active = bool(lock.get("held") and lock.get("run") == run)
         events, new_offset = journal.read_journal(run, offset, limit=int(args.get("limit") or 2000))
-        outcome = None
+        outcome: Optional[Doc] = None
         for event in events or []:
             if event.get("step") == "outcome":
                 outcome = event
@@ -53,7 +59,7 @@ def command_follow(args):
         time.sleep(0.05)
 
 
-def command_wait(args):
+def command_wait(args: Doc) -> Doc:
     """Block until run ``run`` has ended (an outcome, or its agent gone), or it did not appear
     within ``grace_s``. -> {run, appeared, ended, outcome}."""
     run = str(args.get("run") or "")
@@ -84,7 +90,7 @@ def command_wait(args):
         time.sleep(0.1)
 
 
-def decode_args(word):
+def decode_args(word: str) -> str:
     """A command's JSON argument as agentcmd wrote it: plain, or ``b64:<base64>`` when the text names
     sglang (a model path, an env name), so that no gpugate command line matches ``pkill -f sglang``.
 
@@ -98,12 +104,12 @@ def decode_args(word):
     return word
 
 
-def main(argv, stdin_doc=None):
+def main(argv: List[str], stdin_doc: Any = None) -> int:
     """``argv``: [command, json args?, ...]; ``stdin_doc``: the start document (already read)."""
     command = argv[0] if argv else ""
     state.add_site_dirs()
     try:
-        args = {}
+        args: Doc = {}
         if len(argv) > 1 and argv[1] != procfs.PROBE_MARKER:
             args = json.loads(decode_args(argv[1]))
         # the engine the document names (none: the default), for every command's recognition of

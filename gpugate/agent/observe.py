@@ -13,8 +13,14 @@ from gpugate.agent import history, journal, logs, server, state, weight_cache
 from gpugate.rules import gate, procfs, redact
 from gpugate.rules.procfs import read_file
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
+    from typing import Any, Dict, Iterable, List
 
-def read_gpus(keep_open=False, exclude=()):
+    Doc = Dict[str, Any]  # observe's report, a GPU reading, a pid file
+
+
+def read_gpus(keep_open: bool = False, exclude: Iterable[int] = ()) -> Doc:
     try:
         from gpugate.agent import gpu_probe  # its import is part of the guarded read
 
@@ -24,7 +30,7 @@ def read_gpus(keep_open=False, exclude=()):
                 "errors": [{"source": "agent", "kind": type(error).__name__, "message": str(error)[:300]}]}
 
 
-def owner_port(table, pid):
+def owner_port(table: Dict[int, Dict[str, Any]], pid: int) -> int | None:
     """The port of the live server main a worker belongs to (its nearest main ancestor); None for
     an orphaned part: only those are strays of every port (the stop's sweep reads parts the same way).
 
@@ -40,15 +46,16 @@ def owner_port(table, pid):
     return None
 
 
-def gpu_uuids(gpu_doc):
+def gpu_uuids(gpu_doc: Doc | None) -> List[str | None]:
     return [g.get("uuid") for g in (gpu_doc or {}).get("gpus") or []]
 
 
-def gpu_holders(gpu_doc, skip_pids, redactor, cache_pids=None):
+def gpu_holders(gpu_doc: Doc | None, skip_pids: Iterable[int], redactor: redact.Redactor,
+                cache_pids: Dict[int, int] | None = None) -> List[Doc]:
     """GPU holders that are not ``skip_pids``: with the GPUs where they hold memory (a CUDA
     context) and whether they hold memory at all (an NVML monitor holds the files at 0 MiB);
     ``cache_pids``: pid -> the port whose weight-cache daemon it is (a holder that is expected)."""
-    out = []
+    out: List[Doc] = []
     cache_pids = cache_pids or {}
     for holder in (gpu_doc or {}).get("holders") or []:
         if holder.get("pid") in skip_pids:
@@ -64,7 +71,7 @@ def gpu_holders(gpu_doc, skip_pids, redactor, cache_pids=None):
     return out
 
 
-def observe(args):
+def observe(args: Doc) -> Doc:
     """Everything the controller plans from, in one read-only pass (docs/agent-protocol.md)."""
     began = time.time()
     port = int(args.get("port") or engine.DEFAULT_PORT)
@@ -87,7 +94,7 @@ def observe(args):
         redactor.add(redact.secret_flag_values(main["argv"], secret_flags))
         redactor.add(list((environ or {}).get(name) for name in (args.get("env_names") or []) if environ))
     tree_set = set(tree)
-    report = {"schema": state.SCHEMA, "port": port, "running": main is not None, "main": None,
+    report: Doc = {"schema": state.SCHEMA, "port": port, "running": main is not None, "main": None,
               "tree": [server.summary(table[pid], redactor) for pid in tree if pid in table],
               "strays": [], "clients": [], "listening": False, "listener_pids": [], "health": None,
               "server_info": None, "env_hashes": {}, "workers": None, "serving": False, "gpus": None}
@@ -180,7 +187,7 @@ def observe(args):
             "agent": {"sha256": state.RUNTIME["sha256"], "schema": state.SCHEMA, "pid": os.getpid()}}
 
 
-def path_kind(path):
+def path_kind(path: str) -> str:
     """What ``path`` is, for the model path's check before the stop: a model is a directory
     (SGLang reads its config.json and weights from it), never a file.
 
@@ -194,7 +201,7 @@ def path_kind(path):
     return "other" if os.path.lexists(path) else "missing"
 
 
-def pump_warnings(recorded, main):
+def pump_warnings(recorded: Doc | None, main: Doc | None) -> List[str]:
     """Warnings about the log pump of the server that runs (``recorded``: its pid file): a pump that
     is gone while the server it served runs means the server's output is lost from then on (its
     writes fail with EPIPE; SGLang logs through ``logging``, which drops them, and keeps serving).
@@ -208,4 +215,4 @@ def pump_warnings(recorded, main):
     if procfs.alive(pump.get("pid"), pump.get("start_ticks")):
         return []
     return ["the log pump (pid %s) is gone: the server's output is no longer written to %s (a restart "
-            "starts a new one)" % (pump.get("pid"), recorded.get("log"))]
+            "starts a new one)" % (pump.get("pid"), (recorded or {}).get("log"))]

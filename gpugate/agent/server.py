@@ -15,6 +15,12 @@ from gpugate.agent import state
 from gpugate.rules import procfs, redact
 from gpugate.rules.procfs import read_file
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
+    from typing import Any, Dict, Iterable, List, Set, Tuple
+
+    Table = Dict[int, Dict[str, Any]]  # procfs.table()
+
 
 def connect_host(host: str | None) -> str:
     """Where to reach a server bound to ``host`` from inside the container.
@@ -27,7 +33,7 @@ def connect_host(host: str | None) -> str:
     return host.strip("[]")
 
 
-def listeners(port):
+def listeners(port: int) -> Set[str]:
     """Socket inodes (``socket:[N]``) in LISTEN on TCP ``port`` (v4 and v6, any address): netlink
     sock_diag (walks only the listening sockets: ~0.2 ms), else /proc/net/tcp* (~10-20 ms on a
     busy host, it walks every socket)."""
@@ -35,7 +41,7 @@ def listeners(port):
         return _listeners_netlink(int(port))
     except (OSError, ValueError, AttributeError):
         pass
-    inodes = set()
+    inodes: Set[str] = set()
     for path in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in (read_file(path) or "").splitlines()[1:]:
             cols = line.split()
@@ -44,12 +50,12 @@ def listeners(port):
     return inodes
 
 
-def _listeners_netlink(port):
+def _listeners_netlink(port: int) -> Set[str]:
     import _socket as socket  # the C module: the socket module's import converts its enums (~3-5 ms)
     import struct
 
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)  # NETLINK_SOCK_DIAG
-    inodes = set()
+    inodes: Set[str] = set()
     try:
         sock.settimeout(2.0)
         for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), start=1):
@@ -80,9 +86,9 @@ def _listeners_netlink(port):
     return inodes
 
 
-def socket_owners(inodes):
+def socket_owners(inodes: Iterable[str] | None) -> List[int]:
     """pids holding any of the socket ``inodes`` (a /proc/*/fd scan; only when something listens)."""
-    pids = []
+    pids: List[int] = []
     if not inodes:
         return pids
     for name in os.listdir("/proc"):
@@ -98,11 +104,11 @@ def socket_owners(inodes):
     return sorted(pids)
 
 
-def pid1_comm():
+def pid1_comm() -> str | None:
     return (read_file("/proc/1/comm") or "").strip() or None
 
 
-def memory_limit_bytes():
+def memory_limit_bytes() -> int | None:
     limits = []
     for line in (read_file("/proc/meminfo") or "").splitlines():
         if line.startswith("MemTotal:"):
@@ -114,17 +120,18 @@ def memory_limit_bytes():
     return min(limits) if limits else None
 
 
-def _connect(host, port, timeout):
+def _connect(host: str, port: int, timeout: float) -> Any:
     """socket.create_connection((host, port), timeout) on the C module ``_socket``: the socket
     module's import (its enums) costs ~3-5 ms of every command, and a str host in getaddrinfo
     imports the idna codec; an ASCII host goes as bytes."""
     import _socket
 
+    name: str | bytes
     try:
         name = host.encode("ascii")
     except UnicodeEncodeError:
         name = host
-    error = None
+    error: OSError | None = None
     for family, kind, proto, _, address in _socket.getaddrinfo(name, port, 0, _socket.SOCK_STREAM):
         sock = _socket.socket(family, kind, proto)
         try:
@@ -137,7 +144,8 @@ def _connect(host, port, timeout):
     raise error or OSError("getaddrinfo returned no address for %s" % host)
 
 
-def http_get(host, port, path, timeout=3.0, token=None, method="GET"):
+def http_get(host: str | None, port: int, path: str, timeout: float = 3.0, token: str | None = None,
+             method: str = "GET") -> Tuple[int | None, str]:
     """(status, body) or (None, error text). 503 is an answer, not an error. ``token``: the
     server's --api-key / --admin-api-key, sent as a bearer token (never printed). ``method``
     POST sends an empty body (gated launch's ``POST /gate/activate``)."""
@@ -151,7 +159,8 @@ def http_get(host, port, path, timeout=3.0, token=None, method="GET"):
         length = "Content-Length: 0\r\n" if method == "POST" else ""
         conn.sendall(("%s %s HTTP/1.0\r\nHost: 127.0.0.1:%d\r\n%s%sConnection: close\r\n\r\n"
                       % (method, path, int(port), auth, length)).encode())
-        chunks, size = [], 0
+        chunks: List[bytes] = []
+        size = 0
         while size < 4 * 1024 * 1024:
             conn.settimeout(max(0.05, deadline - time.time()))
             data = conn.recv(65536)
@@ -177,15 +186,16 @@ def http_get(host, port, path, timeout=3.0, token=None, method="GET"):
     return int(parts[1]), body.decode("utf-8", "replace")
 
 
-def generation(host, port, timeout=30.0, token=None):
+def generation(host: str | None, port: int, timeout: float = 30.0, token: str | None = None) -> Tuple[int | None, str]:
     """A real generation through the engine's GET that proves one (``GENERATE_PATH``): (status,
     error); an engine without one: its health."""
     return http_get(host, port, engine.GENERATE_PATH or engine.HEALTH_PATH, timeout, token)
 
 
-def health(host, port, generate=False, timeout=3.0, generate_timeout=30.0, token=None):
+def health(host: str | None, port: int, generate: bool = False, timeout: float = 3.0, generate_timeout: float = 30.0,
+           token: str | None = None) -> Dict[str, Any]:
     status, error = http_get(host, port, engine.HEALTH_PATH, timeout, token)
-    doc = {"health": status, "health_error": error if status is None else None,
+    doc: Dict[str, Any] = {"health": status, "health_error": error if status is None else None,
            "health_generate": None, "health_generate_error": None}
     if generate and status == 200:
         code, error = generation(host, port, generate_timeout, token)
@@ -194,7 +204,8 @@ def health(host, port, generate=False, timeout=3.0, generate_timeout=30.0, token
     return doc
 
 
-def server_info(host, port, timeout=3.0, keys=None, token=None):
+def server_info(host: str | None, port: int, timeout: float = 3.0, keys: Iterable[str] | None = None,
+                token: str | None = None) -> Dict[str, Any]:
     """The engine's info document (the first of its ``INFO_PATHS`` that answers): the resolved
     args, or an error (``status`` 401/403: the admin key is needed and we do not have it)."""
     for path in engine.INFO_PATHS:
@@ -216,11 +227,11 @@ def server_info(host, port, timeout=3.0, keys=None, token=None):
     return {"path": None, "error": "no server info endpoint answered", "args": None}
 
 
-def own_pids(table):
+def own_pids(table: Table) -> Set[int]:
     return procfs.ancestors(table, os.getpid())
 
 
-def find_server(table, port, own=None):
+def find_server(table: Table, port: int, own: Set[int] | None = None) -> Tuple[Dict[str, Any] | None, List[int]]:
     """The main process serving/configured for ``port`` and its tree (pids with start ticks)."""
     own = own if own is not None else own_pids(table)
     recorded = state.read_pid_file(port)
@@ -239,12 +250,12 @@ def find_server(table, port, own=None):
     return main, tree
 
 
-def summary(proc, redactor):
+def summary(proc: Dict[str, Any], redactor: redact.Redactor) -> Dict[str, Any]:
     return {"pid": proc["pid"], "ppid": proc["ppid"], "pgid": proc["pgid"], "state": proc["state"],
             "cmdline": redactor.text(" ".join(redact.redact_argv(proc["argv"])))[:300]}
 
 
-def workers_of(table, tree, expected):
+def workers_of(table: Table, tree: Iterable[int], expected: int | None) -> Dict[str, Any]:
     """The scheduler workers (one per rank) of a server's ``tree``: alive, dead against
     ``expected`` (the ranks its GPUs say), zombies."""
     schedulers = [table[pid] for pid in tree if pid in table and engine.is_scheduler_argv(table[pid]["argv"])]
@@ -253,6 +264,6 @@ def workers_of(table, tree, expected):
             "zombies": [p["pid"] for p in schedulers if p["state"] in ("Z", "X")]}
 
 
-def supervisor_of(pid, port):
+def supervisor_of(pid: int, port: int) -> str:
     cgroup = read_file("/proc/%d/cgroup" % pid) or ""
     return "systemd" if state.paths(port)["unit_name"] in cgroup else "process"

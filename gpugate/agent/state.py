@@ -15,10 +15,14 @@ import time
 from gpugate.rules.procfs import CLEAN_PATH
 from gpugate.rules.procfs import read_file
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
+    from typing import Any, BinaryIO, Dict, List
+
 # What the bootstrap (gpugate.agentcmd) knows and the agent asks: its own sha256, the installed
 # file, whether this command may write the code caches (start, install), whether it installed the
 # agent just now, and whether it runs inline (read-only, nothing installed).
-RUNTIME = {"sha256": None, "file": None, "write_cache": False, "installed_now": False, "inline": False}
+RUNTIME: Dict[str, Any] = {"sha256": None, "file": None, "write_cache": False, "installed_now": False, "inline": False}
 
 SCHEMA = 1
 STATE_DIR = "/var/lib/gpugate"
@@ -30,7 +34,7 @@ LOCK_PATH = RUN_DIR + "/transition.lock"
 BASE_ENV = {"PATH": CLEAN_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
 
 
-def program():
+def program() -> str:
     """The file that runs this agent as a program again (the log pump's): the installed artifact
     in a container; from the package (tests, a checkout), gpugate/agent/loader.py, which imports it.
 
@@ -46,7 +50,7 @@ class Failure(Exception):
     """A step did not reach its goal; the message is what the operator reads (no secret in it)."""
 
 
-def add_site_dirs():
+def add_site_dirs() -> None:
     """Commands run with ``python -S`` (site and sitecustomize cost ~10-25 ms): put the site
     directories (and the plain directory lines of their .pth files) on sys.path ourselves, without
     executing anything, so pynvml and the SGLang metadata are found as usual."""
@@ -54,7 +58,7 @@ def add_site_dirs():
         return
     import site
 
-    dirs = []
+    dirs: List[str] = []
     try:
         dirs = list(site.getsitepackages())
     except AttributeError:
@@ -73,7 +77,7 @@ def add_site_dirs():
                             sys.path.append(path)
 
 
-def json_file(path):
+def json_file(path: str) -> Dict[str, Any] | None:
     """A state file's JSON object, or None when it is gone, unreadable, not JSON or not an object
     (every state file holds an object; anything else must not reach a ``.get`` as a traceback).
 
@@ -91,12 +95,12 @@ def json_file(path):
     return doc if isinstance(doc, dict) else None
 
 
-def makedirs(path, mode=0o755):
+def makedirs(path: str, mode: int = 0o755) -> None:
     if not os.path.isdir(path):
         os.makedirs(path, mode=mode, exist_ok=True)
 
 
-def write_private(path, data, mode=0o600):
+def write_private(path: str, data: str | bytes, mode: int = 0o600) -> None:
     """Atomically replace ``path`` with ``data`` (temp file, fsync, rename), mode 0600.
 
     >>> import tempfile; path = os.path.join(tempfile.mkdtemp(), "state.json"); write_private(path, b"{}")
@@ -125,7 +129,7 @@ def write_private(path, data, mode=0o600):
     os.replace(tmp, path)
 
 
-def unwritable(path):
+def unwritable(path: str) -> str | None:
     """Why the agent could not write in the directory ``path`` (None when it can): checked on the
     directory, or on its nearest existing parent where the agent would create it. access(2) answers
     for a read-only mount even as root, which ignores the mode bits.
@@ -152,11 +156,11 @@ def unwritable(path):
     return "not writable"
 
 
-def unwritable_state_dirs():
+def unwritable_state_dirs() -> Dict[str, str]:
     """{directory: why} for each state directory a transition writes that it could not: checked
     before anything stops (a journal that cannot be written leaves nobody knowing what runs; the
     server log's fallback to RUN_DIR serves a rollback only)."""
-    found = {}
+    found: Dict[str, str] = {}
     for path in (STATE_DIR, RUNS_DIR, RUN_DIR, ETC_DIR, LOG_DIR):
         why = unwritable(path)
         if why:
@@ -164,7 +168,7 @@ def unwritable_state_dirs():
     return found
 
 
-def free_mib(path):
+def free_mib(path: str) -> int | None:
     try:
         st = os.statvfs(path)
     except OSError:
@@ -172,7 +176,7 @@ def free_mib(path):
     return st.f_bavail * st.f_frsize // (1024 * 1024)
 
 
-def now_iso(t=None):
+def now_iso(t: float | None = None) -> str:
     """UTC, to the second, as records carry it.
 
     >>> now_iso(0)
@@ -181,14 +185,14 @@ def now_iso(t=None):
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t if t is not None else time.time()))
 
 
-def listdir(path):
+def listdir(path: str) -> List[str]:
     try:
         return os.listdir(path)
     except OSError:
         return []
 
 
-def paths(port):
+def paths(port: int | str) -> Dict[str, str]:
     """The files of the server on ``port``.
 
     >>> paths(30000)["history"], paths(30000)["unit_name"]
@@ -205,7 +209,7 @@ def paths(port):
             "cache_unit_name": "sglang-weight-cache-%d.service" % port}
 
 
-def read_pid_file(port):
+def read_pid_file(port: int) -> Dict[str, Any] | None:
     """The supervisor's record of the main process: {pid, start_ticks, log, supervisor} or None."""
     text = (read_file(paths(port)["pid"]) or "").strip()
     if not text:
@@ -219,7 +223,7 @@ def read_pid_file(port):
     return doc if isinstance(doc, dict) and isinstance(doc.get("pid"), int) else None
 
 
-def env_file_text(env):
+def env_file_text(env: Dict[str, str]) -> str:
     """systemd EnvironmentFile syntax, double-quoted (read back by parse_env_file)."""
     lines = ["# written by gpugate; secrets live only here (mode 0600)"]
     for name, value in sorted(env.items()):
@@ -227,20 +231,21 @@ def env_file_text(env):
     return "\n".join(lines) + "\n"
 
 
-def parse_env_file(text):
+def parse_env_file(text: str) -> Dict[str, str]:
     """An env file written by env_file_text, read back.
 
     >>> parse_env_file(env_file_text({"HF_TOKEN": 'a "quoted" \\\\ value'}))
     {'HF_TOKEN': 'a "quoted" \\\\ value'}
     """
-    env = {}
+    env: Dict[str, str] = {}
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#") or "=" not in line:
             continue
         key, _, value = line.partition("=")
         if len(value) >= 2 and value[0] == value[-1] == '"':
-            out, index, value = [], 0, value[1:-1]
+            out: List[str] = []
+            index, value = 0, value[1:-1]
             while index < len(value):
                 char = value[index]
                 if char == "\\" and index + 1 < len(value):
@@ -253,7 +258,7 @@ def parse_env_file(text):
     return env
 
 
-def open_private_append(path):
+def open_private_append(path: str) -> BinaryIO:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.fchmod(fd, 0o600)  # an older log may be 0644, and it holds what the server prints
     return os.fdopen(fd, "ab")

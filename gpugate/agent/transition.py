@@ -314,7 +314,7 @@ class Records(object):
         """Newest first, at most history.HISTORY_GOOD; the same spec again moves to the front without
         adding (a same-spec restart adds nothing). Best-effort: a full disk is a warning."""
         ctx = self.ctx
-        spec = history.clean_spec(spec)
+        spec = history.clean_spec(spec)  # type: ignore[assignment]  # a spec gives a spec
         port = spec["port"]
         try:
             doc = history.load_history(port)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent
 READY_POLL_S = 0.05
 
 
-def read_record(port):
+def read_record(port: int) -> Doc | None:
     """The agent's record of the server's daemons, or None."""
     text = read_file(state.paths(port)["cache"])
     try:
@@ -40,20 +40,20 @@ def read_record(port):
     return doc if isinstance(doc, dict) and isinstance((doc.get("launcher") or {}).get("pid"), int) else None
 
 
-def tree(table, record):
+def tree(table: Table, record: Doc | None) -> Tuple[Dict[str, Any] | None, List[int]]:
     """(the launcher's proc or None, the pids of its live tree) of a record: a launcher whose pid
     is now another process (start time differs) is gone."""
-    launcher = (record or {}).get("launcher") or {}
-    proc = table.get(launcher.get("pid"))
+    launcher: Doc = (record or {}).get("launcher") or {}
+    proc = table.get(launcher.get("pid"))  # type: ignore[arg-type]  # None: no such pid
     if proc is None or proc["state"] in ("Z", "X") or launcher.get("start_ticks") not in (None, proc["start_ticks"]):
         return None, []
     return proc, [proc["pid"]] + [pid for pid in procfs.descendants(table, proc["pid"])
                                   if table.get(pid, {}).get("state") not in ("Z", "X")]
 
 
-def daemon_ports(table):
+def daemon_ports(table: Table) -> Dict[int, int]:
     """pid -> the port whose recorded daemons it is, for every server of the container."""
-    out = {}
+    out: Dict[int, int] = {}
     for name in state.listdir(state.RUN_DIR):
         if name.startswith("weight-cache-") and name.endswith(".json") and name[13:-5].isdigit():
             port = int(name[13:-5])
@@ -62,16 +62,16 @@ def daemon_ports(table):
     return out
 
 
-def uuid_of(gpu_doc, index):
+def uuid_of(gpu_doc: Doc | None, index: int) -> str | None:
     for gpu in (gpu_doc or {}).get("gpus") or []:
         if gpu.get("index") == index:
             return gpu.get("uuid")
     return None
 
 
-def used_by(gpu_doc, pids):
+def used_by(gpu_doc: Doc | None, pids: Iterable[int]) -> Dict[int, int]:
     """GPU index -> MiB that ``pids`` hold there (the driver's per-process figures)."""
-    out = {}
+    out: Dict[int, int] = {}
     for holder in (gpu_doc or {}).get("holders") or []:
         if holder.get("pid") in pids and holder.get("used_mib"):
             for index in holder.get("gpus") or []:
@@ -83,7 +83,7 @@ def used_by(gpu_doc, pids):
     return out
 
 
-def view(port, table, gpu_doc, record=None, probe=True):
+def view(port: int, table: Table, gpu_doc: Doc | None, record: Doc | None = None, probe: bool = True) -> Doc | None:
     """What runs of the server's daemons: ``{"running", "launcher", "pids", "key", "gpus": [{index,
     uuid, pid, ready, used_mib, config}], "problems", "supervisor", "started"}``; None without a
     record. ``running``: the launcher lives and every GPU's ``.ready`` names a live daemon of its
@@ -95,13 +95,14 @@ def view(port, table, gpu_doc, record=None, probe=True):
     launcher, pids = tree(table, record)
     live = set(pids)
     used = used_by(gpu_doc, live)
-    gpus, problems = [], []
+    gpus: List[Doc] = []
+    problems: List[str] = []
     for index in record.get("gpus") or []:
         uuid = uuid_of(gpu_doc, index) or (record.get("uuids") or {}).get(str(index))
-        ready = None
+        ready: Any = None
         if uuid:
             ready = engine.parse_ready(read_file(engine.file_paths(uuid, record.get("env") or {})[1]))
-        pid = (ready or {}).get("pid")
+        pid: Any = (ready or {}).get("pid")
         entry = {"index": index, "uuid": uuid, "pid": pid, "ready": bool(ready and pid in live),
                  "used_mib": used.get(index), "config": engine.config_summary((ready or {}).get("config"))}
         why = None
@@ -130,7 +131,7 @@ STOPPED_STATES = ("T", "t")  # SIGSTOPped or traced: its socket never answers an
 PING_TIMEOUT_S = 2.0
 
 
-def answers(socket_path, timeout=PING_TIMEOUT_S):
+def answers(socket_path: str, timeout: float = PING_TIMEOUT_S) -> bool:
     """Whether the daemon behind this socket answers SGLang's ``ping`` (protocol.py: a length-prefixed
     pickle, ``{"type": "ping"}`` -> ``{"status": "ok"}``) within ``timeout``: a hung daemon is no cache."""
     import pickle
@@ -149,7 +150,7 @@ def answers(socket_path, timeout=PING_TIMEOUT_S):
         return False
 
 
-def desired_key(spec):
+def desired_key(spec: Doc) -> Doc:
     """The key of the cache ``spec`` (a SpecDoc with ``weight_cache``) wants, from what the
     container has now: its config.json, its SGLang and torch."""
     wanted = (spec or {}).get("weight_cache") or {}
@@ -158,26 +159,27 @@ def desired_key(spec):
                            engine.torch_version())
 
 
-def procs_model(spec):
+def procs_model(spec: Doc | None) -> str | None:
     return engine.argv_model((spec or {}).get("argv") or [])
 
 
-def is_daemon(pid):
+def is_daemon(pid: int) -> bool:
     """A weight-cache daemon: a launcher, or a spawned child of one (SGLang's single-rank mode is
     the launcher's command itself)."""
     argv = procfs.read_argv(pid)
     if engine.is_daemon_argv(argv):
         return True
     stat = procfs.read_stat(pid)
-    return bool(stat) and "spawn_main" in " ".join(argv) and engine.is_daemon_argv(procfs.read_argv(stat[2]))
+    return stat is not None and "spawn_main" in " ".join(argv) and engine.is_daemon_argv(procfs.read_argv(stat[2]))
 
 
-def stale_files(gpu_doc, gpus, env=None, keep=()):
+def stale_files(gpu_doc: Doc | None, gpus: Iterable[int] | None, env: Dict[str, str] | None = None,
+                keep: Iterable[int] = ()) -> List[str]:
     """The socket and .ready files of these GPUs whose daemon is gone (SGLang's
     cleanup_stale_daemon_files: a client start against a socket nobody listens on is a hard
     error), or that name a live process that is no daemon (SGLang would refuse them as "already
     running"); those of a pid in ``keep`` or of a live daemon are left."""
-    out = []
+    out: List[str] = []
     for index in gpus or []:
         uuid = uuid_of(gpu_doc, index)
         if not uuid:
@@ -219,6 +221,8 @@ class WeightCache(object):
         if record is None:
             return "start", "no weight cache runs"
         info = view(port, table, self.read_gpus())
+        if info is None:  # the record went in between (it was read a moment ago)
+            return "start", "no weight cache runs"
         if not info["running"]:
             return "start", "; ".join(info["problems"])
         if (record.get("key") or {}).get("id") != want["id"]:
@@ -358,7 +362,7 @@ class WeightCache(object):
         settle = time.time() + 1.0  # the pump writes what the launcher printed last
         while pump is not None and pump.poll() is None and time.time() < settle:
             time.sleep(0.02)
-        return [self.ctx.redactor.text(line) for line in logs.log_tail(log_path, 20, since)]
+        return [self.ctx.redactor.text(line) for line in logs.log_tail(log_path, 20, int(since))]
 
     def _start_process(self, spec: Doc, target: str, argv: List[str], shown: List[str]) -> Tuple[Doc, str, int]:
         """The launcher as a detached process with its log pump: -> ({pid, start_ticks}, its log, the
