@@ -51,7 +51,7 @@ def module_path(name: str) -> Path:
 # ``import gpugate.x, os``. A regular expression, not ast.parse: every controller run bundles the
 # agent, and parsing its modules cost 0.13 s of each run (tests/unit/test_bundle.py checks that both
 # find at least what ast finds in every file of the package, and exactly the agent's bundle).
-_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+(gpugate(?:\.\w+)*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)"
+_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+(\w+(?:\.\w+)*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)"
                      r"|import[ \t]+([^\n]*))", re.M)
 
 
@@ -61,22 +61,31 @@ def _names(clause: str) -> list[str]:
     return [part.split()[0] for part in " ".join(words).split(",") if part.strip()]
 
 
-def gpugate_imports(source: str) -> set[str]:
-    """The gpugate modules a source imports (at any depth: a function's lazy import counts). Never
-    a package's ``__init__.py``: in a container the loader serves every package empty, so what the
-    controller's package files hold never runs there.
+def _module_file(name: str) -> Path | None:
+    try:
+        path = module_path(name)
+    except (ImportError, ValueError):  # a name imported from a module, not a module
+        return None
+    return path if path.is_file() and path.name != "__init__.py" else None
+
+
+def gpugate_imports(source: str, packages: Iterable[str] = ("gpugate",)) -> set[str]:
+    """The modules of ``packages`` (gpugate's, and an engine plug-in's own) a source imports (at any
+    depth: a function's lazy import counts). Never a package's ``__init__.py``: in a container the
+    loader serves every package empty, so what the controller's package files hold never runs there.
 
     >>> sorted(gpugate_imports("from gpugate.rules import gate, procfs\\nimport os"))
     ['gpugate.rules.gate', 'gpugate.rules.procfs']
     """
+    tops = set(packages)
     found: set[str] = set()
     for module, names, plain in _IMPORT.findall(source):
-        if module:
+        if module and module.split(".")[0] in tops:
             found.add(module)
             found.update("%s.%s" % (module, name) for name in _names(names))
-        else:
-            found.update(name for name in _names(plain) if name.split(".")[0] == "gpugate")
-    return {name for name in found if module_path(name).is_file() and module_path(name).name != "__init__.py"}
+        elif not module:
+            found.update(name for name in _names(plain) if name.split(".")[0] in tops)
+    return {name for name in found if _module_file(name) is not None}
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,7 +97,7 @@ def with_imports(names: Iterable[str]) -> tuple[str, ...]:
         if name in seen:
             continue
         seen.add(name)
-        todo.extend(gpugate_imports(module_path(name).read_text()) - seen)
+        todo.extend(gpugate_imports(module_path(name).read_text(), ("gpugate", name.split(".")[0])) - seen)
     return tuple(sorted(seen))
 
 
@@ -102,9 +111,14 @@ def engine_sources() -> dict[str, str]:
     """The container modules of every installed engine (gpugate.engine.container: what the agent
     loads by the name a document carries), their imports, and their table as the module
     ``gpugate.engine.bundled`` (``MODULES``: engine name -> module; ``DEFAULT``: the default engine)."""
-    from gpugate.engine import DEFAULT_ENGINE, get, names  # noqa: PLC0415 -- only a bundle of the agent needs it
+    from gpugate.engine import DEFAULT_ENGINE, EngineError, get, names  # noqa: PLC0415 -- only the agent's bundle
 
-    modules = {name: get(name).container_module for name in names()}
+    modules = {}
+    for name in names():
+        try:
+            modules[name] = get(name).container_module
+        except EngineError:  # a broken plug-in: its servers are refused (gpugate.spec), the others go on
+            continue
     table = f"MODULES = {modules!r}\nDEFAULT = {DEFAULT_ENGINE!r}\n"
     return dict(sources(with_imports(tuple(sorted(modules.values())))), **{"gpugate.engine.bundled": table})
 

@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gpugate.engine import DEFAULT_ENGINE, get as engine
+from gpugate.engine import DEFAULT_ENGINE, get as engine, names
 from gpugate.match import (cache_verdict, command_lines, compare, flag_differences, for_container, interpreter_lines,
                            running_command)
 from gpugate.rules import gate as rules_gate
@@ -467,6 +467,10 @@ def _decide(observation: Mapping[str, Any], desired: Desired, restoring: bool) -
                 f"cannot roll back to {why}: it takes {gpu_text(record.get('gpus'))}, and the server on :{other} "
                 f"holds {gpu_text(gpus)} of them (it would never pass its gate; stop that server first, or pick "
                 f"another spec with --data rollback_to=K)" for other, gpus in taken))
+        if (record.get("engine") or DEFAULT_ENGINE) not in names():
+            return Plan("refuse", (why,), last=last, problems=(
+                f"cannot roll back to {why}: it is a server of the engine {record.get('engine')!r}, which this "
+                f"controller does not have (engines: {', '.join(names())})",))
         lines = record_lines(server, record)
         action = "restart" if running else "start"
         steps = steps_for(action, None, max_used_mib, budgets)

@@ -258,7 +258,15 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
                           host=host, supervisor=supervisor, python=python, extra_args=extras, version=sglang_version,
                           weight_cache=bool(weight_cache), gated_launch=gated_launch)
     try:
-        return Spec(inputs=inputs, launch=engine(engine_name).launch(inputs, table))
+        serving = engine(engine_name)
+    except KeyError as error:  # EngineError too: a broken plug-in refuses its own servers only
+        raise SpecError(str(error).strip('"')) from None
+    if weight_cache and not serving.has_weight_cache:
+        raise SpecError(f"weight_cache: {serving.label} has no weight cache: set weight_cache: false")
+    if gated_launch and not serving.gated_option:
+        raise SpecError(f"gated_launch: {serving.label} has no gated launch: set gated_launch: false")
+    try:
+        return Spec(inputs=inputs, launch=serving.launch(inputs, table))
     except FlagError as error:
         raise SpecError(str(error)) from None
 

@@ -29,14 +29,23 @@ import abc
 import dataclasses
 import functools
 import importlib
+import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["Engine", "FlagError", "ServerInputs", "Launch", "Running", "get", "names", "ENTRY_POINT_GROUP", "DEFAULT_ENGINE"]
+__all__ = ["Engine", "EngineError", "FlagError", "ServerInputs", "Launch", "Running", "get", "names", "ENTRY_POINT_GROUP", "DEFAULT_ENGINE"]
 
 ENTRY_POINT_GROUP = "gpugate.engines"
 DEFAULT_ENGINE = "sglang"  # the ``engine`` setting's default: what every fleet.yaml before it ran
+
+
+class EngineError(KeyError):
+    """An installed engine that cannot be used (its plug-in does not load, or its container module
+    is missing): only the servers of that engine are refused."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class FlagError(ValueError):
@@ -118,7 +127,8 @@ class Engine(abc.ABC):
     info_endpoint: str = "/server_info"   # what the verify reads, named in the plan's steps
     drain_words: str = "the engine's drain"  # what SIGTERM starts, in the stop's line
     ready_paths: tuple[str, ...] = ("/health",)  # readiness before a router sends to it again (first that exists)
-    gated_option: str = ""         # a gated launch's option and how the gate opens (plan's steps)
+    has_weight_cache: bool = False  # the weights can be held across engine restarts (docs/weight-cache.md)
+    gated_option: str = ""         # a gated launch's option and how the gate opens (plan's steps); "": none
     gate_activate: str = ""
     container_module: str = ""     # the stdlib-only module the agent loads (gpugate/engine/container.py)
 
@@ -236,5 +246,15 @@ def get(name: str) -> Engine:
     entry = _entry_points().get(name)
     if entry is None:
         raise KeyError(f"no engine {name!r}; engines: {', '.join(names()) or 'none installed'}")
-    engine = entry.load()
-    return engine() if isinstance(engine, type) else engine
+    try:
+        loaded = entry.load()
+        engine = loaded() if isinstance(loaded, type) else loaded
+        found = importlib.util.find_spec(engine.container_module) if engine.container_module else None
+    except Exception as error:  # a broken plug-in is that engine's problem alone
+        raise EngineError(f"the engine {name!r} ({entry.value}) cannot be loaded: {type(error).__name__}: {error}") \
+            from None
+    if not isinstance(engine, Engine):
+        raise EngineError(f"the engine {name!r} ({entry.value}) is no gpugate.engine.Engine")
+    if found is None:
+        raise EngineError(f"the engine {name!r}: its container module {engine.container_module!r} cannot be found")
+    return engine

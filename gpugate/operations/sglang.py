@@ -1242,7 +1242,9 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
                            f"the engine's GPU flags, CUDA_VISIBLE_DEVICES; or sglang_present: false for one)", port)
         return
 
-    observed_args = desired.observe_args() if spec is not None else {"port": port}
+    # no server wanted (present: false, a rollback): the port, and the engine whose server it is
+    observed_args = desired.observe_args() if spec is not None else {
+        key: value for key, value in desired.observe_args().items() if key in ("port", "engine")}
     observation, trouble = _observe(host, python, observed_args)
     connector = _pct(host)
     unavailable = connector.unavailable if connector is not None else None

@@ -218,7 +218,11 @@ def _record_flags(record: Mapping[str, Any]) -> dict[str, Any]:
     argv = record.get("argv")
     if not isinstance(argv, list):
         return {}
-    return dict(engine(record.get("engine") or DEFAULT_ENGINE).read_running(argv).flags)
+    try:
+        recorded = engine(record.get("engine") or DEFAULT_ENGINE)
+    except KeyError:  # a spec of an engine this controller does not have: its flags as recorded
+        return dict(record.get("flags") or {}) if isinstance(record.get("flags"), Mapping) else {}
+    return dict(recorded.read_running(argv).flags)
 
 
 def good_label(index: int, count: int) -> str:

@@ -31,6 +31,7 @@ class SGLang(Engine):
     # one-token generation) on a release without it
     ready_paths = ("/ready", "/health_generate")
     drain_words = "SGLang's drain"
+    has_weight_cache = True
     gated_option = "--gated-launch-port"
     gate_activate = "POST /gate/activate"
     container_module = "gpugate.engine.sglang.container"

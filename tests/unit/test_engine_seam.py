@@ -1,0 +1,81 @@
+"""The engine seam as an operator meets it: engines found by entry point, one engine's trouble is
+its own servers' alone, and what an engine lacks is refused by name (tests/engines/echo_engine is
+an engine of the tests' own)."""
+
+from __future__ import annotations
+
+import sys
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import pytest
+
+import gpugate.engine as seam
+from gpugate import bundle
+from gpugate.report.status import _record_flags
+from gpugate.spec import SpecError, build_spec, desired_states
+from tests.unit.plans import plan_of
+
+ENGINES = Path(__file__).resolve().parents[1] / "engines"
+
+
+@pytest.fixture
+def installed(monkeypatch, tmp_path):
+    """Engines by entry point: sglang, the tests' echo, and ``broken`` (a plug-in that does not load)."""
+    monkeypatch.syspath_prepend(str(ENGINES))
+    entries = {"sglang": EntryPoint("sglang", "gpugate.engine.sglang:ENGINE", seam.ENTRY_POINT_GROUP),
+               "echo": EntryPoint("echo", "echo_engine:ENGINE", seam.ENTRY_POINT_GROUP),
+               "broken": EntryPoint("broken", "no_such_plugin:ENGINE", seam.ENTRY_POINT_GROUP)}
+    monkeypatch.setattr(seam, "_entry_points", lambda: entries)
+    seam.get.cache_clear()
+    bundle.engine_sources.cache_clear()
+    yield entries
+    seam.get.cache_clear()
+    bundle.engine_sources.cache_clear()
+
+
+def test_an_engine_is_found_by_its_entry_point(installed):
+    assert seam.names() == ["broken", "echo", "sglang"]
+    assert seam.get("echo").label == "Echo"
+    with pytest.raises(KeyError, match="no engine 'tgi'; engines: broken, echo, sglang"):
+        seam.get("tgi")
+
+
+def test_a_broken_plugin_refuses_its_own_servers_only(installed):
+    with pytest.raises(seam.EngineError, match="the engine 'broken' .* cannot be loaded: ModuleNotFoundError"):
+        seam.get("broken")
+    broken, fine = (desired_states({"engine": name, "sglang_model_path": "/m"})[0] for name in ("broken", "sglang"))
+    assert broken.spec is None and "cannot be loaded" in broken.problem
+    assert fine.problem is None and fine.spec is not None
+    # the agent's artifact carries the engines that load, and says which
+    assert "echo_engine.container" in bundle.agent_source() and "no_such_plugin" not in bundle.agent_source()
+
+
+def test_what_an_engine_lacks_is_refused_by_name(installed):
+    with pytest.raises(SpecError, match="weight_cache: Echo has no weight cache: set weight_cache: false"):
+        build_spec("/m", 8000, {}, engine_name="echo", weight_cache=True)
+    with pytest.raises(SpecError, match="gated_launch: Echo has no gated launch"):
+        build_spec("/m", 8000, {}, engine_name="echo", gated_launch=True)
+    with pytest.raises(SpecError, match="--tp: not a flag of Echo"):
+        build_spec("/m", 8000, {"tp": 2}, engine_name="echo")
+
+
+def test_the_bundle_follows_a_plugins_own_modules(installed, tmp_path, monkeypatch):
+    plugin = tmp_path / "plug"
+    plugin.mkdir()
+    (plugin / "__init__.py").write_text("")
+    (plugin / "helpers.py").write_text("def port(argv):\n    return 1\n")
+    (plugin / "container.py").write_text("from plug.helpers import port\nfrom gpugate.rules import procfs\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert bundle.with_imports(("plug.container",)) >= ("gpugate.rules.procfs", "plug.container", "plug.helpers")
+    sys.modules.pop("plug", None)
+
+
+def test_a_record_of_an_engine_this_controller_lacks(installed):
+    record = {"engine": "vanished", "argv": ["python3", "-m", "vanished", "--x", "1"], "flags": {"x": 1},
+              "gpus": [0], "port": 30000}
+    assert _record_flags(record) == {"x": 1}  # the status shows it as recorded, never a traceback
+    observation = {"sglang": {"port": 30000, "running": False, "history": {"good": [record]}},
+                   "container": {"pid1": "init"}, "gpu": {}}
+    plan = plan_of(observation, None, port=30000, rollback_k=1)
+    assert plan.action == "refuse" and "engine 'vanished', which this controller does not have" in plan.problems[0]
