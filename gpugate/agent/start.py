@@ -370,12 +370,7 @@ class Start(object):
         handle, _ = self._open_log(spec["port"], target)  # 0600 before systemd appends to it
         handle.close()
         started = time.time()  # the unit logs to journald: its tail is read from here on (journal_tail)
-        for command in (["daemon-reload"], ["reset-failed", unit], ["start", unit]):
-            ok, output = supervise.systemctl(*command)
-            if not ok and command[0] != "reset-failed":
-                raise state.Failure("systemctl %s: %s" % (" ".join(command), ctx.redactor.text(output)[-300:]))
-        ok, output = supervise.systemctl("show", "-p", "MainPID", "--value", unit)
-        pid = int(output.strip() or 0) if output.strip().isdigit() else 0
+        pid = supervise.start_unit(unit, ctx.redactor)
         if pid <= 0:
             logs.journal_sync()  # journald stores what the unit printed
             tail = [ctx.redactor.text(line) for line in logs.journal_tail(unit, 20, started)]

@@ -14,6 +14,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
     from typing import List, Set, Tuple
 
+    from gpugate.rules import redact
+
 
 def systemctl(*args: str) -> Tuple[bool, str]:
     import subprocess
@@ -24,6 +26,17 @@ def systemctl(*args: str) -> Tuple[bool, str]:
     except (OSError, subprocess.TimeoutExpired) as error:
         return False, str(error)
     return done.returncode == 0, done.stdout.decode("utf-8", "replace")
+
+
+def start_unit(unit: str, redactor: redact.Redactor) -> int:
+    """``systemctl daemon-reload``, ``reset-failed`` and ``start`` of ``unit`` (its file written):
+    -> its MainPID, 0 when it has none. A failed reload or start is a Failure (the output masked)."""
+    for command in (["daemon-reload"], ["reset-failed", unit], ["start", unit]):
+        ok, output = systemctl(*command)
+        if not ok and command[0] != "reset-failed":
+            raise state.Failure("systemctl %s: %s" % (" ".join(command), redactor.text(output)[-300:]))
+    ok, output = systemctl("show", "-p", "MainPID", "--value", unit)
+    return int(output.strip()) if output.strip().isdigit() else 0
 
 
 def unit_exit_code(port: int) -> int | None:

@@ -340,12 +340,7 @@ class WeightCache(object):
         except OSError as error:
             raise state.Failure("cannot write the unit %s: %s" % (path, error.strerror or error))
         started = time.time()
-        for command in (["daemon-reload"], ["reset-failed", unit], ["start", unit]):
-            ok, output = supervise.systemctl(*command)
-            if not ok and command[0] != "reset-failed":
-                raise state.Failure("systemctl %s: %s" % (" ".join(command), self.ctx.redactor.text(output)[-300:]))
-        ok, output = supervise.systemctl("show", "-p", "MainPID", "--value", unit)
-        pid = int(output.strip()) if output.strip().isdigit() else 0
+        pid = supervise.start_unit(unit, self.ctx.redactor)
         if pid <= 0:
             raise state.Failure("%s has no main process after systemctl start" % unit)
         stat = procfs.read_stat(pid)
