@@ -17,7 +17,7 @@ from gpugate.spec import desired_states
 
 for desired in desired_states(host.data):  # one server per container, or fleet.yaml's sglang: list
     sglang.server(
-        name=f"SGLang on :{desired.port}" + (" (present)" if desired.present else " (absent)"),
+        name=f"{desired.label} on :{desired.port}" + (" (present)" if desired.present else " (absent)"),
         desired=desired,
         # A rolling restart: this operation runs host by host instead of on every host at once, and
         # stops after max_failures failed containers (the rest are not touched).

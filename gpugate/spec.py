@@ -362,6 +362,14 @@ class Desired:
     routing: Routing | None = None   # behind a router: leave, drain, restart, rejoin
 
     @property
+    def label(self) -> str:
+        """How messages name the server's engine ("SGLang"), for operation names."""
+        try:
+            return engine(self.engine).label
+        except KeyError:
+            return self.engine
+
+    @property
     def max_used_mib(self) -> int:
         return int(self.budgets["max_used_mib"])
 

@@ -21,4 +21,4 @@ from gpugate.spec import desired_states
 
 for desired in desired_states(host.data):
     desired = dataclasses.replace(desired, restarted=True)
-    sglang.server(name=f"Restart SGLang on :{desired.port}", desired=desired, _serial=desired.rolling)
+    sglang.server(name=f"Restart {desired.label} on :{desired.port}", desired=desired, _serial=desired.rolling)

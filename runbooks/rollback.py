@@ -18,5 +18,5 @@ from gpugate.operations import sglang
 from gpugate.spec import desired_states
 
 for desired in desired_states(host.data):  # every server of the container, each to its own history
-    sglang.server(name=f"Roll back SGLang on :{desired.port} to a good spec from its history", desired=desired,
+    sglang.server(name=f"Roll back {desired.label} on :{desired.port} to a good spec from its history", desired=desired,
                   restore_previous=True)

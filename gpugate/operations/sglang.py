@@ -113,6 +113,7 @@ class Run(BaseStateCallback):
         self.untouched: list[str] = []
         self.watching: dict[str, Watch] = {}
         self.unavailable: set[str] = set()  # containers said to be stopped or missing (a connect error's line)
+        self.servers: dict[tuple[str, int], str] = {}  # (container, port) -> its server's engine, for the lines
         self.printed = False
         self._claims: list[ServerClaim] | None = None
 
@@ -189,11 +190,11 @@ class Run(BaseStateCallback):
         for watch in list(self.watching.values()):
             if watch.handed_off:
                 handed = True
-                lines.append(f"[{watch.host}] sglang :{watch.port} {word}: the transition continues in the container: "
+                lines.append(f"[{watch.host}] {self.servers.get((watch.host, watch.port), DEFAULT_ENGINE)} :{watch.port} {word}: the transition continues in the container: "
                              f"{watch.narrator.doing(now)} (run {watch.run}{_staleness(watch, now)}); follow with "
                              f"runbooks/status.py, or re-run to attach to it")
             else:
-                lines.append(f"[{watch.host}] sglang :{watch.port} {word} during the hand-off of run {watch.run}: "
+                lines.append(f"[{watch.host}] {self.servers.get((watch.host, watch.port), DEFAULT_ENGINE)} :{watch.port} {word} during the hand-off of run {watch.run}: "
                              f"the transition may have begun in the container; see runbooks/status.py")
         if not lines:
             lines.append(f"{word} before any hand-off: nothing was touched")
@@ -476,11 +477,16 @@ class Job:
     desired_problem: str | None = None      # why the desired state makes no server, when it does not
 
 
+def _label(host_obj: Any, port: int) -> str:
+    """``sglang :30000``: a container's server as its lines name it (by its engine)."""
+    return f"{Run.of(state).servers.get((host_obj.name, port), DEFAULT_ENGINE)} :{port}"
+
+
 def _say(host_obj: Any, port: int, message: str, error: bool = False) -> None:
     if error:
-        host_obj.log_styled(f"sglang :{port} {message}", fg="red", log_func=logger.error)
+        host_obj.log_styled(f"{_label(host_obj, port)} {message}", fg="red", log_func=logger.error)
     else:
-        host_obj.log(f"sglang :{port} {message}")
+        host_obj.log(f"{_label(host_obj, port)} {message}")
 
 
 def _audit(job: Job, host_obj: Any, step: str, phase: str, **fields: Any) -> None:
@@ -500,7 +506,7 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     if job.rolling and book.stop_rolling(job.max_failures):
         book.untouched.append(name)
         book.outcomes[name] = "not touched (rolling restart stopped)"
-        host_obj.log_styled(f"sglang :{job.port} not touched: the rolling restart stopped after the failure of "
+        host_obj.log_styled(f"{_label(host_obj, job.port)} not touched: the rolling restart stopped after the failure of "
                             f"{', '.join(book.failed + book.refused)}", fg="yellow", log_func=logger.warning)
         return True
     plan = job.plan
@@ -1221,7 +1227,7 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
     """
     desired = desired_of_call(host.data, desired, settings)
     if desired is None:  # --data only_port names another port: not this run's server
-        host.noop(f"sglang :{settings.get('port')}: not this run's server (only_port={host.data.get('only_port')})")
+        host.noop(f"{settings.get('engine') or DEFAULT_ENGINE} :{settings.get('port')}: not this run's server (only_port={host.data.get('only_port')})")
         return
     book = Run.of(state)
     port, python = desired.port, desired.python
@@ -1232,12 +1238,14 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
                                              desired.max_failures, False, [], {}),), {})
         return
     spec = None if restoring else desired.spec
+    book.servers[(host.name, port)] = desired.engine  # how this container's lines name its server
+    label = f"{desired.engine} :{port}"
     if desired.problem and not restoring:
-        yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {desired.problem}", port)
+        yield from _refuse(f"{label} REFUSED, nothing touched: {desired.problem}", port)
         return
     overlaps = _claim_overlaps(host, spec, desired.siblings) if spec is not None else []
     if overlaps:  # the desired state itself is contradictory: nothing to observe, nothing to touch
-        yield from _refuse(f"sglang :{port} REFUSED, nothing touched: another desired server of this Proxmox host "
+        yield from _refuse(f"{label} REFUSED, nothing touched: another desired server of this Proxmox host "
                            f"claims its GPUs: {'; '.join(overlaps)} (give each server its own GPUs: "
                            f"the engine's GPU flags, CUDA_VISIBLE_DEVICES; or sglang_present: false for one)", port)
         return
@@ -1252,7 +1260,7 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
         yield from _unavailable(unavailable)
         return
     if trouble or observation is None:
-        yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {trouble}", port)
+        yield from _refuse(f"{label} REFUSED, nothing touched: {trouble}", port)
         return
     spec = for_container(spec, observation)  # auto: systemd where the container's PID 1 is systemd
     if spec is not None:  # the flags again, against the table of the SGLang that will run (issue 13)
@@ -1260,7 +1268,7 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
             spec = _spec_for_version(host, python, spec, desired.flags, desired.sglang_version, observation,
                                      desired.gated_launch)
         except SpecError as error:
-            yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {error}", port)
+            yield from _refuse(f"{label} REFUSED, nothing touched: {error}", port)
             return
 
     budget = dict(desired.budgets)
@@ -1293,10 +1301,10 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
         preflight = router.preflight(dataclasses.replace(desired.routing, register=False))
         if preflight.kind == "not-listed":
             if not desired.routing.register:
-                yield from _refuse(f"sglang :{port} REFUSED: it serves as desired, but {preflight.problem}", port)
+                yield from _refuse(f"{label} REFUSED: it serves as desired, but {preflight.problem}", port)
                 return
             if show:
-                host.log(f"sglang :{port} serves as desired; router {desired.routing.router}: add it (POST /workers "
+                host.log(f"{label} serves as desired; router {desired.routing.router}: add it (POST /workers "
                          f"url {desired.routing.worker_url}) and wait until it is listed healthy")
             job = Job(plan, spec, port, python, dict(desired.budgets), observation, desired.audit_log, desired.rolling,
                       desired.max_failures, False, [], {}, routing=desired.routing)
@@ -1313,14 +1321,14 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
         from gpugate import router  # noqa: PLC0415 -- only routed servers talk to a router
         preflight = router.preflight(routing)
         if preflight.problem:
-            yield from _refuse(f"sglang :{port} REFUSED, nothing touched: {preflight.problem}", port)
+            yield from _refuse(f"{label} REFUSED, nothing touched: {preflight.problem}", port)
             return
         router_lines = preflight.lines(routing, budget["drain_timeout_s"])
     if show:
         for line in lines:
             host.log(line)
         for line in router_lines:
-            host.log(f"sglang :{port} {line}")
+            host.log(f"{label} {line}")
     end_pids = _end_pids(observation, spec, end_other_gpu_holders)
     job = Job(plan, spec, port, python, budget, observation, desired.audit_log, desired.rolling,
               desired.max_failures, restarted, end_pids, _story(observation, plan, spec), observe_args=observed_args,

@@ -52,7 +52,8 @@ def test_the_test_engine_starts_verified(lab):
     result = deploy(lab, {"greeting": "hi"})
     said = result.stdout + result.stderr
     assert result.returncode == 0, said
-    assert "verified: the running argv and /info match the desired flags" in said, said
+    assert "echo :8000 verified: the running argv and /info match the desired flags" in said, said
+    assert "Echo on :8000" in said and "sglang" not in said.lower().replace("sglang_", ""), said  # its own name
     assert json.loads(served(lab, "/generate")) == {"text": "hi"}
 
 
