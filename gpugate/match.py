@@ -104,9 +104,13 @@ def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None 
     flag_lines, changed_env = diff_lines(server, spec), env_lines(server, spec)
     why = []
     serving_engine = engine(spec.engine)
-    signs = (("the interpreter", "interpreter "), ("the model", serving_engine.model_option + " "),
-             ("the listen host", serving_engine.host_option + " "))
-    command = [what for what, sign in signs if any(line[2:].startswith(sign) for line in flag_lines)]
+    signs: tuple[tuple[str, str], ...] = (("the interpreter", "interpreter "),
+                                          ("the model", serving_engine.model_option + " "),
+                                          ("the listen host", serving_engine.host_option + " "))
+    if other_engine(server, spec):
+        why.append(f"the running server is {other_engine(server, spec)}'s, the desired one {spec.engine}'s")
+        signs += (("", "engine "),)
+    command = [what for what, sign in signs if what and any(line[2:].startswith(sign) for line in flag_lines)]
     if command:
         why.append("the running command differs from the desired one: " + ", ".join(command))
     if any(not any(line[2:].startswith(sign) for _, sign in signs) for line in flag_lines):
@@ -219,12 +223,25 @@ def interpreter_lines(running: str | None, desired: str | None) -> list[str]:
     return [f"- interpreter {running}", f"+ interpreter {desired}"]
 
 
+def other_engine(server: Mapping[str, Any], spec: Spec) -> str | None:
+    """The engine of the server that runs, where it is not the desired server's (observe names it).
+
+    >>> other_engine({"engine": "echo"}, None), other_engine({}, None)
+    ('echo', None)
+    """
+    have = server.get("engine")
+    return str(have) if have and have != (spec.engine if spec is not None else DEFAULT_ENGINE) else None
+
+
 def diff_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
     """What changes from the running command to the desired one, one line per argv change
     (secrets ``***``), model path, host and interpreter included."""
     running = running_command(server, spec.engine)
     if running is None:
         return [f"+ {arg}" for arg in spec.display_args()]
+    other = other_engine(server, spec)
+    if other:  # another engine's server: its flags are no flags of this one; the whole command changes
+        return [f"- engine {other}", f"+ engine {spec.engine}"] + [f"+ {arg}" for arg in spec.display_args()]
     lines: list[str] = interpreter_lines(running["python"], spec.python)
     lines += command_lines(engine(spec.engine), running, spec.model_path, spec.host)
     lines += flag_differences(running["flags"], spec.flags, spec.engine)

@@ -122,6 +122,7 @@ def observe(args: Doc) -> Doc:
     host = engine.argv_host(main["argv"]) if main else args.get("host") or "127.0.0.1"
     if main:
         uptime = float((read_file("/proc/uptime") or "0").split()[0])
+        engine.use_for(main["argv"])  # the running server's engine answers for its health and info
         steady = engine.steady_argv(main["argv"])  # a gated launch's --gated-launch-port is not what runs
         report["main"] = {"pid": main["pid"], "pgid": main["pgid"], "state": main["state"],
                           "start_ticks": main["start_ticks"], "argv": redactor.deep(redact.redact_argv(steady, secret_flags)),

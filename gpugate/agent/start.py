@@ -212,6 +212,7 @@ class Start(object):
     def _start_process(self, spec: Doc, target: str, write_pid: bool = True) -> Tuple[int, int, Doc]:
         """-> (pid, log offset, the pid file's record); the pid file written unless ``write_pid``
         is False (a gated engine: the stop of the old server reads the pid file first)."""
+        engine.use_for(spec["argv"])  # this server's engine: its paths, its workers
         import subprocess
 
         ctx = self.ctx
@@ -387,6 +388,7 @@ class Start(object):
         """loading (port closed) -> starting (health 503) -> ready (health 200 and a real
         generation through the engine's GENERATE_PATH). Fails when the main process exits, or at the
         start timeout."""
+        engine.use_for(spec["argv"])  # this server's engine: its paths, its workers
         ctx = self.ctx
         port, host = spec["port"], engine.argv_host(spec["argv"])
         began = time.time()
@@ -468,6 +470,7 @@ class Start(object):
         return [self.ctx.redactor.text(line) for line in logs.server_log_tail(port, lines, offset)]
 
     def verify(self, spec: Doc, pid: int, target: str) -> Dict[str, Any]:
+        engine.use_for(spec["argv"])  # this server's engine: its paths, its workers
         ctx = self.ctx
         ctx.event("verify", "begin", target=target, port=spec["port"])
         problems = []

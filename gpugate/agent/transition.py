@@ -203,6 +203,7 @@ class Transition(object):
                                for name in (entry.get("spec") or {}).get("env") or {})
         if any(name in environ for name in had - set(spec.get("env") or {})):
             return None
+        engine.use_for(spec["argv"])  # the desired server's engine: its health, its workers
         gpus = spec.get("gpus") if spec.get("gpus") is not None else engine.server_gpus(spec["argv"], spec.get("env"))
         tree = [main["pid"]] + procfs.descendants(table, main["pid"])
         workers = server.workers_of(table, tree, engine.expected_workers(gpus))
@@ -221,6 +222,7 @@ class Transition(object):
         main, tree = server.find_server(table, port)
         if main is None:
             return None
+        engine.use_for(main["argv"])  # the running server's engine (it may be another than the desired one)
         environ = procfs.read_environ(main["pid"]) or {}
         past = history.load_history(port)
         for entry in past.get("good") or []:

@@ -122,9 +122,15 @@ def modules() -> Dict[str, str]:
 
         return dict(bundled.MODULES)
     except ImportError:
-        from gpugate.engine import get, names  # the package: the controller's registry
+        from gpugate.engine import EngineError, get, names  # the package: the controller's registry
 
-        return dict((name, get(name).container_module) for name in names())
+        out = {}
+        for name in names():
+            try:
+                out[name] = get(name).container_module
+            except EngineError:  # a broken plug-in: no engine of this agent's
+                continue
+        return out
 
 
 def default_engine() -> str:

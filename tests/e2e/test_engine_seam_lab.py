@@ -26,13 +26,15 @@ def lab(tmp_path_factory):
     yield from module_lab(tmp_path_factory, "lab-engine-seam", hosts=1, gpus=2)
 
 
-def deploy(lab, flags, *extra: str) -> subprocess.CompletedProcess:
+def deploy(lab, flags, *extra: str, engine: str = "echo") -> subprocess.CompletedProcess:
     env = lab.env()
     env["PYTHONPATH"] = os.pathsep.join([str(ENGINES), env.get("PYTHONPATH", "")])  # registers the engine
-    args = ["inventory.py", "deploy.py", "--data", "engine=echo", "--data", f"sglang_port={PORT}",
-            "--data", "sglang_model_path=/tmp",
+    server_env = {"PYTHONPATH": str(ENGINES)} if engine == "echo" else {"SGLANG_STANDIN_LOAD_S": "0.3"}
+    model = "/tmp" if engine == "echo" else "/opt/models/lab-model"
+    args = ["inventory.py", "deploy.py", "--data", f"engine={engine}", "--data", f"sglang_port={PORT}",
+            "--data", f"sglang_model_path={model}",
             "--data", f"sglang_flags={json.dumps(flags)}", "--data", "sglang_supervisor=process",
-            "--data", f"sglang_env={json.dumps({'PYTHONPATH': str(ENGINES)})}", "--data", "start_timeout_s=20"]
+            "--data", f"sglang_env={json.dumps(server_env)}", "--data", "start_timeout_s=20"]
     return subprocess.run([pyinfra_exe(), "-y", *args, *extra], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=300, stdin=subprocess.DEVNULL)
 
@@ -83,3 +85,33 @@ def test_a_flag_the_engine_does_not_have_is_refused_and_touches_nothing(lab):
     said = result.stdout + result.stderr
     assert result.returncode != 0 and "greting" in said and "not a flag of Echo" in said, said
     assert main_pid(lab) == before
+
+
+def processes(lab) -> str:
+    return lab.pct("pve1", "exec", "129", "--", "sh", "-c", "ps -eo args").stdout
+
+
+def test_switching_the_port_to_another_engine_replaces_the_server(lab):
+    result = deploy(lab, {"tp": 1}, engine="sglang")
+    said = result.stdout + result.stderr
+    assert result.returncode == 0 and "sglang :8000 verified" in said, said
+    assert "echo_server" not in processes(lab)  # the echo server was this port's: stopped, not left behind
+    assert json.loads(served(lab, "/get_server_info"))["port"] == PORT
+
+
+def test_a_failed_switch_rolls_back_to_the_other_engines_server(lab):
+    result = deploy(lab, {"greeting": "new", "fail-at-start": True})
+    said = result.stdout + result.stderr
+    assert result.returncode != 0 and "NOTHING SERVES" not in said, said
+    assert "rolled back" in said.lower(), said
+    running = processes(lab)
+    assert "sglang.launch_server" in running and "echo_server" not in running, running
+    assert json.loads(served(lab, "/get_server_info"))["port"] == PORT  # SGLang's own endpoint answers again
+    status = subprocess.run([pyinfra_exe(), "-y", "inventory.py", "runbooks/status.py", "--data", "engine=sglang",
+                             "--data", f"sglang_port={PORT}", "--data", "sglang_model_path=/opt/models/lab-model",
+                             "--data", 'sglang_flags={"tp": 1}', "--data", "sglang_supervisor=process",
+                             "--data", 'sglang_env={"SGLANG_STANDIN_LOAD_S": "0.3"}'],
+                            cwd=REPO_ROOT, env=lab.env(), capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    # the status says what happened and what serves: the failed switch, the SGLang server back
+    assert "transition failed: rolled_back" in status.stdout and "serving pid" in status.stdout, status.stdout

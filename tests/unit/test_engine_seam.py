@@ -79,3 +79,22 @@ def test_a_record_of_an_engine_this_controller_lacks(installed):
                    "container": {"pid1": "init"}, "gpu": {}}
     plan = plan_of(observation, None, port=30000, rollback_k=1)
     assert plan.action == "refuse" and "engine 'vanished', which this controller does not have" in plan.problems[0]
+
+
+def test_the_agent_recognises_every_engines_servers(installed, monkeypatch):
+    """A switch of engines on a port: the agent, working for one engine, still sees the other's
+    server as a server (to stop, sweep and roll back to), read by that engine's own rules."""
+    from gpugate.agent import engine as agent_engine
+
+    monkeypatch.setattr(agent_engine, "_LOADED", {})
+    monkeypatch.setattr(agent_engine, "_current", None)
+    sglang_main = ["python3", "-m", "sglang.launch_server", "--model-path", "/m", "--port", "31000"]
+    echo_main = ["python3", "-m", "echo_server", "--model", "/m", "--port", "8000"]
+    agent_engine.use("echo")
+    engine = agent_engine.engine
+    assert engine.is_server_part(sglang_main) and engine.is_worker_argv(["sglang::scheduler_TP0"])
+    assert engine.argv_port(sglang_main) == 31000 and engine.argv_port(echo_main) == 8000
+    assert not engine.is_server_part(["python3", "-m", "http.server"])
+    assert engine.HEALTH_PATH == "/health" and engine.GENERATE_PATH == "/generate"
+    assert agent_engine.use_for(sglang_main).LABEL == "SGLang" and engine.GENERATE_PATH == "/health_generate"
+    assert "sgl_shm_" in engine.SHM_PREFIXES  # what any engine's killed server leaves behind
