@@ -102,7 +102,7 @@ def test_install_writes_only_this_agent_checked_by_hash_and_starts_nothing(lab):
     assert any(name.endswith(".code") for name in cache_files(lab)), cache_files(lab)
     # nothing else: no run, no lock held, no agent process, the older agents still there
     assert ct(lab, "ls /var/lib/gpugate/runs 2>&1; pgrep -x gpugate-agent; true").stdout.strip().endswith("No such file or directory")
-    assert ct(lab, "ls /var/lib/gpugate | grep -c '^agent-0'").stdout.strip() == "4"
+    assert ct(lab, "ls /var/lib/gpugate | grep -c '^agent-0[1-4][.]py$'").stdout.strip() == "4"
     again = install(lab)
     assert again["ok"] and again["installed"] is False, again
     assert observe(lab)["agent"]["sha256"] == sha
