@@ -54,18 +54,19 @@ def load(name: str | None = None) -> ModuleType:
     return module
 
 
+_ALL = []  # type: List[ModuleType]  # every engine's module, loaded once per command
+
+
 def every() -> List[ModuleType]:
     """Every engine's container module, the one in use first."""
     current = _current if _current is not None else use(None)
-    out = [current]
-    for name in sorted(interface.modules()):
-        try:
-            module = load(name)
-        except Exception:  # noqa: BLE001 -- an engine whose module fails is no engine here
-            continue
-        if module not in out:
-            out.append(module)
-    return out
+    if not _ALL:
+        for name in sorted(interface.modules()):
+            try:
+                _ALL.append(load(name))
+            except Exception:  # noqa: BLE001 -- an engine whose module fails is no engine here
+                continue
+    return [current] + [module for module in _ALL if module is not current]
 
 
 def _asked(module: ModuleType, name: str) -> Any:

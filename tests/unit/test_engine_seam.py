@@ -88,6 +88,7 @@ def test_the_agent_recognises_every_engines_servers(installed, monkeypatch):
 
     monkeypatch.setattr(agent_engine, "_LOADED", {})
     monkeypatch.setattr(agent_engine, "_current", None)
+    monkeypatch.setattr(agent_engine, "_ALL", [])
     sglang_main = ["python3", "-m", "sglang.launch_server", "--model-path", "/m", "--port", "31000"]
     echo_main = ["python3", "-m", "echo_server", "--model", "/m", "--port", "8000"]
     agent_engine.use("echo")
