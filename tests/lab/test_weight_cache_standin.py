@@ -148,11 +148,19 @@ def held_by(sim, pids) -> Dict[int, int]:
     return out
 
 
+def complete(ready: Path) -> bool:
+    try:
+        return ready.read_text().count("\n") >= 2
+    except OSError:
+        return False
+
+
 def daemon_up(sim, wc, d: Daemon, gpus, launcher: bool = True) -> Dict[int, int]:
     """Wait until a daemon serves on every GPU of ``gpus`` (and a launcher says so: it then monitors
     its children); {gpu: child pid}."""
     for gpu in gpus:
-        wait_until(lambda: paths(wc, sim, gpu)[1].exists() or d.proc.poll() is not None, 15,
+        # SGLang writes the .ready in two writes (pid, then config): wait for both, as a reader must
+        wait_until(lambda: complete(paths(wc, sim, gpu)[1]) or d.proc.poll() is not None, 15,
                    f"the daemon's .ready for GPU {gpu}")
         assert d.proc.poll() is None, d.log()
     if launcher:
