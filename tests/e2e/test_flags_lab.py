@@ -104,6 +104,8 @@ def test_flags_new_in_0_5_23_are_accepted_and_applied(lab):
     ({"kv-cache-dtype": "fp4_e2m1"},
      "--kv-cache-dtype: 'fp4_e2m1' is not one of auto, fp8_e5m2, fp8_e4m3, mxfp8, bf16, bfloat16, nvfp4, "
      "fp4_mx_block16 in SGLang 0.5.23"),
+    # what gpugate sets itself (issue 32 item 6): the agent's own gate port would clash, every deploy would roll back
+    ({"gated-launch-port": 41000}, "--gated-launch-port: gpugate sets it: write gated_launch: true (or false) instead"),
 ])
 def test_flags_0_5_23_does_not_take_are_refused_before_anything_stops(lab, flags, words):
     before = main_pid(lab)
@@ -112,6 +114,14 @@ def test_flags_0_5_23_does_not_take_are_refused_before_anything_stops(lab, flags
     assert words in result.stdout + result.stderr
     assert "REFUSED, nothing touched" in result.stdout + result.stderr
     assert main_pid(lab) == before  # the running server was never stopped
+
+
+def test_what_gpugate_sets_is_refused_in_extra_args_too(lab):
+    before = main_pid(lab)
+    result = deploy(lab, BASE, "--data", 'sglang_extra_args=["--gated-launch-port", "41000"]')
+    assert result.returncode != 0 and "REFUSED, nothing touched" in result.stdout
+    assert "--gated-launch-port: gpugate sets it: write gated_launch: true (or false) instead" in result.stdout
+    assert main_pid(lab) == before
 
 
 def test_a_deprecated_flag_applies_with_sglangs_own_warning(lab):

@@ -126,3 +126,15 @@ def test_gpu_set_matches_the_agents_rule():
 def test_uuid_visible_devices_leave_the_set_open():
     spec = build_spec("/m", 30000, {"tp": 1}, {"CUDA_VISIBLE_DEVICES": "GPU-1234"})
     assert spec.gpus is None and any("every GPU" in warning for warning in spec.warnings)
+
+
+@pytest.mark.parametrize("options", [{"flags": {"gated-launch-port": 41000}},
+                                     {"extra_args": ["--gated-launch-port", "41000"]},
+                                     {"extra_args": ["--weight-cache-mode=client"]},
+                                     {"flags": {"weight-cache-mode": "client"}}])
+def test_what_gpugate_sets_is_refused_before_anything_stops(options):
+    """Issue 32 item 6: a gate port or a weight-cache mode of the operator's own clashes with the
+    agent's; each is refused naming the setting that says it instead."""
+    flags = options.get("flags", {})
+    with pytest.raises(SpecError, match="gpugate sets it: write (gated_launch|weight_cache): true"):
+        build_spec("/m", 30000, flags, extra_args=options.get("extra_args"))

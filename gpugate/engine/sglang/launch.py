@@ -33,6 +33,9 @@ from gpugate.engine.sglang import weight_cache
 GPU_SET_FLAGS = ("tp-size", "pp-size", "dp-size", "enable-dp-attention", "nnodes", "base-gpu-id", "gpu-id-step")
 SEPARATE_FIELD_TEXT = {"model-path": "set the model as sglang.model_path", "port": "set the port as sglang.port",
                        "host": "set the host as sglang.host"}
+# What gpugate sets itself, never the operator (the setting that says it instead): a gated launch's
+# port is chosen per start, the weight cache's mode follows weight_cache
+GPUGATE_SETS = {"gated-launch-port": "gated_launch: true (or false)", "weight-cache-mode": "weight_cache: true (or false)"}
 # SGLang's IPC allowlist (weight_cache/protocol.py IPC_QUANT_ALLOWLIST): unquantized, or block-wise
 # FP8; any other method is a hard error of the daemon and the engine
 WEIGHT_CACHE_QUANTIZATION = (None, "fp8")
@@ -101,8 +104,6 @@ def _with_weight_cache(normal: dict[str, Any], wanted: bool, parsed_extras: sgla
                        table: Any) -> dict[str, Any]:
     """The flags with ``--weight-cache-mode client`` where the weight cache is wanted; FlagError for
     what would make SGLang refuse it, or make the daemons hold other weights than the engine maps."""
-    if "weight-cache-mode" in normal:
-        raise FlagError("weight-cache-mode", "gpugate sets it: write weight_cache: true (or false) instead")
     if not wanted:
         return normal
     if normal.get("quantization") not in WEIGHT_CACHE_QUANTIZATION:
@@ -144,6 +145,9 @@ def build(inputs: ServerInputs, table: Any = None) -> Launch:
     table = sglang_flags.resolve_table(table)
     normal = sglang_flags.validate_flags(inputs.flags or {}, table)
     parsed_extras = _parsed_extras(inputs.extra_args, table)
+    for name, setting in GPUGATE_SETS.items():  # in flags or extra_args: the agent's own would clash with it
+        if name in normal or (parsed_extras is not None and name in parsed_extras.flags):
+            raise FlagError(name, f"gpugate sets it: write {setting} instead")
     normal = _with_weight_cache(normal, inputs.weight_cache, parsed_extras, table)
     for name, value in normal.items():
         # argv carries any byte but NUL; a line break would still end a line of the systemd unit
