@@ -328,12 +328,18 @@ def steps_for(action: str, spec: Spec | None, max_used_mib: int, budgets: Mappin
     steps = ["hand off to the container's agent (one command)"]
     serving = engine(spec.engine if spec else DEFAULT_ENGINE)
     gated = bool(spec and spec.gated_launch and action != "stop")
-    if gated:
+    first = action == "start" and not replacing  # nothing runs on this port: nothing to serve on, nothing to stop
+    if gated and first:
+        steps.append(f"start the new engine gated ({serving.gated_option}): its imports and dist init first")
+    elif gated:
         steps.append(f"start the new engine gated ({serving.gated_option}) while the old one serves: its imports "
                      "and dist init before the stop, a crash there stops nothing")
     if replacing:
         steps.append(f"stop :{', :'.join(str(p) for p in replacing)} first")
-    steps.append(stop)
+    if first:
+        steps.append("sweep stray server parts of this port, if any")
+    else:
+        steps.append(stop)
     if action == "stop" or spec is None and action != "start":
         if cache == "stop" or action == "stop":
             steps.append("stop this server's weight-cache daemons, if any")

@@ -363,3 +363,13 @@ def test_recorded_documents_are_not_mutated():
     before = copy.deepcopy(doc)
     plan_of(doc, spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}), port=PORT)
     assert doc == before
+
+
+def test_a_first_start_says_nothing_of_a_stop_or_an_old_server():
+    """Issue 32 item 11: --dry of a first start listed "while the old one serves" and "stop (SIGTERM
+    drain ...)" although nothing runs."""
+    first = plan_of(observation(None), spec(), port=PORT)
+    steps = " -> ".join(first.steps)
+    assert first.action == "start" and "while the old one serves" not in steps and "SIGTERM drain" not in steps
+    again = plan_of(observation(spec()), spec(flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"}), port=PORT)
+    assert "SIGTERM drain" in " -> ".join(again.steps)  # a restart does stop the old server
