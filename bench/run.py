@@ -37,7 +37,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import report  # noqa: E402
-from bench.benchlab import BenchLab, Container, machine, server_argv  # noqa: E402
+from bench.benchlab import BenchLab, Container, machine, server_argv, tool_path  # noqa: E402
 from gpugate_lab import core  # noqa: E402
 from bench.tools import (  # noqa: E402
     gpugate_host,
@@ -356,6 +356,12 @@ def phase_converged(lab: BenchLab, profile: dict, workdir: Path) -> dict:
 # ------------------------------------------------------------------------------------------ main
 
 
+def missing_tools() -> list[str]:
+    """The baseline's executables that are not installed (beside this interpreter, or on PATH)."""
+    return [name for name in ("ansible-playbook",)
+            if not Path(tool_path(name)).is_absolute() and shutil.which(name) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a ~2 minute smoke run (fewer trials, smaller fleet)")
@@ -367,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true",
                         help="keep the run's directory (its lab's state, fleet files, logs) instead of removing it")
     args = parser.parse_args(argv)
+    missing = missing_tools()
+    if missing:  # the baseline's tools: a clear word, never a traceback minutes into a run
+        print(f"bench/run.py: {', '.join(missing)} not found: the benchmarks compare gpugate with an Ansible "
+              f"playbook; install the baseline's tools with `scripts/bootstrap --bench` (pip install -e '.[bench]')",
+              file=sys.stderr)
+        return 2
     mode = "quick" if args.quick else "full"
     profile = PROFILES[mode]
     markdown = args.markdown or (REPO_ROOT / ("bench/results/quick.md" if args.quick else "docs/benchmarks.md"))

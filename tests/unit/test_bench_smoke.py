@@ -65,3 +65,20 @@ def test_report_says_missed_when_a_target_is_missed():
     assert "Target: gpugate median < 150 ms: **missed** (200 ms)" in text
     assert ">= 3x faster than Ansible: **missed** (1.10x;" in text  # then the figure before the rebuild
     assert "## 5. Real H200 gate latency" in text
+
+
+def test_without_the_baseline_the_benchmark_says_how_to_install_it():
+    """Issue 32 item 13: `python3 bench/run.py` on a fresh machine died with a traceback minutes in
+    (ansible-playbook not found); now it says what is missing and the install step, at once."""
+    import subprocess
+    import sys
+
+    env = {"PATH": "/nonexistent", "HOME": "/tmp"}
+    bare = Path(sys.executable).with_name("ansible-playbook")
+    if bare.exists():
+        pytest.skip("ansible-playbook is installed beside this interpreter")
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "run.py"), "--quick"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "ansible-playbook not found" in result.stderr and "scripts/bootstrap --bench" in result.stderr
+    assert "Traceback" not in result.stderr
