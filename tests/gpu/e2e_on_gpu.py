@@ -548,8 +548,12 @@ def step_crash_rollback(run: Run) -> dict:
     figures = run.transition("6_crash_rollback", res)
     after = run.ct_state()
     text = res["out"] + res["err"]
-    argv_before = (before.get("main") or {}).get("argv")
-    argv_after = (after.get("main") or {}).get("argv")
+    # compared as the product compares what runs: without the launch-only --gated-launch-port (the old
+    # server was started gated; its rollback is an ordinary start of the same spec)
+    from gpugate.engine.sglang.weight_cache import steady_argv  # noqa: PLC0415
+
+    argv_before = steady_argv((before.get("main") or {}).get("argv"))
+    argv_after = steady_argv((after.get("main") or {}).get("argv"))
     return {"crash_env": {k: v for k, v in crash_env.items()}, "pyinfra": summary_of(res, 6000), "figures": figures,
             "server_before": before, "server_after": after, "same_argv_after": argv_before == argv_after,
             "rolled_back_said": bool(re.search(r"roll(ed)?[ _-]?back|previous server", text, re.I)),
