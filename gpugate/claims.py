@@ -13,6 +13,10 @@ Two checks, one at each end of a run:
   their gates together, whatever the plan said (two operators, two fleet files, a hand-started
   server).
 
+The same plan-time check for routers (issue 32): ``shared_worker_urls(routes_of_inventory(hosts))``
+names every pair of routed servers of the inventory that name one worker URL behind one router
+(fleet.yaml refuses it too; this also sees what ``--data`` overrides make of the inventory).
+
 GPU indexes are the Proxmox host's (what ``nvidia-smi`` on the host numbers), as the container sees
 them when its config passes every GPU through (the usual setup for TP servers).
 
@@ -41,7 +45,7 @@ if TYPE_CHECKING:  # the run-time half imports pyinfra when it runs: the plan-ti
 
 __all__ = ["ServerClaim", "overlapping_claims", "overlaps_of", "servers_of_inventory", "claim_host", "gpu_ranges",
            "LOCK_DIR", "HANDOFF_S", "lock_path", "busy_message", "own_claim_run", "GpuClaim", "hold_gpu_locks",
-           "hand_off_holding_gpu_locks"]
+           "hand_off_holding_gpu_locks", "ServerRoute", "worker_url_key", "shared_worker_urls", "routes_of_inventory"]
 
 # (Proxmox host, vmid, port, the server's GPUs as host GPU indexes)
 ServerClaim = tuple[str, int, int, tuple[int, ...]]
@@ -166,6 +170,76 @@ def servers_of_inventory(hosts: Iterable[tuple[str, Mapping[str, Any]]],
                 continue
             claims.append((claim_host(name, data), vmid, port, gpus))
     return claims
+
+
+# ---------------------------------------------------------------- plan time: one worker URL, one server
+
+# (the server as its lines name it, the router's name, the router's URL, the server's worker URL)
+ServerRoute = tuple[str, str, str, str]
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def worker_url_key(url: str) -> str:
+    """A URL as a router reaches it, whatever way it is written: scheme and host in lower case, the
+    scheme's default port made explicit, no trailing slash (two spellings of one URL reach one server).
+
+    >>> worker_url_key("HTTP://Node-1.example/"), worker_url_key("http://node-1.example:80")
+    ('http://node-1.example:80', 'http://node-1.example:80')
+    >>> worker_url_key("https://[FD00::5]/v1/"), worker_url_key("http://10.0.0.5:30000")
+    ('https://[fd00::5]:443/v1', 'http://10.0.0.5:30000')
+    """
+    import urllib.parse  # noqa: PLC0415
+
+    text = str(url or "").strip()
+    try:
+        parts = urllib.parse.urlsplit(text)
+        scheme = parts.scheme.lower()
+        host = (parts.hostname or "").lower()
+        port = parts.port or _DEFAULT_PORTS.get(scheme)
+    except ValueError:  # not a URL the settings let through; compare it as written, in lower case
+        return text.rstrip("/").lower()
+    where = f"[{host}]" if ":" in host else host
+    query = f"?{parts.query}" if parts.query else ""
+    return f"{scheme}://{where}{f':{port}' if port else ''}{parts.path.rstrip('/')}{query}"
+
+
+def shared_worker_urls(routes: Iterable[ServerRoute]) -> list[str]:
+    """One line per pair of servers behind one router (its URL, whatever its name) that name one
+    worker URL (:func:`worker_url_key`): the router keeps one worker per URL, so the leave of one
+    would take the OTHER out of the router, and the one that stops would still be routed to.
+
+    >>> shared_worker_urls([("@pct/pve1:129 :30000", "gw", "http://gw:1", "http://10.0.0.5:30000"),
+    ...                     ("@pct/pve2:130 :30000", "gw", "http://gw:1/", "HTTP://10.0.0.5:30000/"),
+    ...                     ("@pct/pve2:131 :30000", "gw", "http://gw:1", "http://10.0.0.6:30000")])
+    ['@pct/pve1:129 :30000 and @pct/pve2:130 :30000 both name worker URL http://10.0.0.5:30000 behind router gw']
+    """
+    listed = [(str(who), str(name), worker_url_key(endpoint), str(url), worker_url_key(url))
+              for who, name, endpoint, url in routes]
+    lines = []
+    for i, (who, name, router, url, key) in enumerate(listed):
+        for other, _other_name, other_router, _other_url, other_key in listed[i + 1:]:
+            if router == other_router and key == other_key:
+                lines.append(f"{who} and {other} both name worker URL {url} behind router {name}")
+    return lines
+
+
+def routes_of_inventory(hosts: Iterable[tuple[str, Mapping[str, Any]]]) -> list[ServerRoute]:
+    """The routed servers of the inventory (every one that names a router, ``present: false`` too:
+    it leaves its router before its stop), from each host's data (name, data) as the deploy reads
+    it, ``--data`` overrides included and ``only_port`` ignored (the fleet is the desired state).
+    A server whose data cannot be read is left out (its own operation reports it)."""
+    from gpugate.spec import desired_states  # noqa: PLC0415
+
+    routes: list[ServerRoute] = []
+    for name, data in hosts:
+        try:
+            desired = desired_states({key: value for key, value in data.items() if key != "only_port"})
+        except Exception:  # noqa: BLE001 -- a server we cannot read is its own operation's error
+            continue
+        routes += [(f"{name} :{d.port}", d.routing.router, d.routing.endpoint, d.routing.worker_url)
+                   for d in desired if d.routing is not None]
+    return routes
 
 
 def claim_host(name: str, data: Mapping[str, Any]) -> str:

@@ -41,7 +41,8 @@ Relative ``ssh.key``, ``ssh.known_hosts_file`` and ``ssh.config_file`` are relat
 fleet file's directory. The Proxmox host's key must already be in known_hosts (the @pct
 connector checks strictly); ``strict_host_key_checking: accept-new`` relaxes that explicitly.
 
-What is refused (each with the entry named): unknown keys anywhere (with a did-you-mean), data of
+What is refused (each with the entry named): two servers naming one ``router_url`` behind one
+router (however it is written: the router keeps one worker per URL), unknown keys anywhere (with a did-you-mean), data of
 the wrong type (``validated_settings``: the same rules for ``--data``), env values YAML did not
 read as strings (``0755`` is 493, ``1.10`` is 1.1: quote them), integers YAML reads unlike a
 person (``0201`` is octal 129, ``1:30`` is 90), a ``python:`` that is not a Python 3
@@ -73,6 +74,7 @@ import yaml
 
 from gpugate.settings import (REMOVED, SETTINGS, SSH_SETTINGS, data_keys, describe as _describe, env_name, env_value,
                               server_keys, suggest as _suggest)
+from gpugate.claims import worker_url_key
 from gpugate.engine import DEFAULT_ENGINE, Engine, FlagError, get as engine
 
 __all__ = [
@@ -440,6 +442,25 @@ def _check_routed(check: _Checker, sglang: dict[str, Any], routers: Mapping[str,
                                                 "(e.g. http://10.0.0.5:30000)")
 
 
+def _check_worker_url(check: _Checker, sglang: dict[str, Any], routers: Mapping[str, Router], entry: str,
+                      seen: dict[tuple[str, str], tuple[str, str]]) -> None:
+    """One worker URL, one server, behind one router (issue 32): two servers naming one URL (written
+    alike or not: gpugate.claims.worker_url_key) are refused, naming both. ``seen``: (router URL,
+    worker URL) -> (the entry that named it, its router's name)."""
+    name, url = sglang.get("sglang_router"), sglang.get("sglang_router_url")
+    if not name or not url or name not in routers:
+        return
+    key = (worker_url_key(routers[name].url), worker_url_key(url))
+    if key in seen:
+        other, other_router = seen[key]
+        behind = f"router {name}" + (f" (router {other_router}'s URL too)" if other_router != name else "")
+        raise check.fail(f"{entry}.router_url",
+                         f"{url} is also the router_url of {other} behind {behind}: the router keeps one worker "
+                         f"per URL, so a restart of either would take the other out of the router and stop one it "
+                         f"still sends requests to; give each server the URL the router reaches it at")
+    seen[key] = (entry, name)
+
+
 def _check_sglang(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
     """The sglang: section as settings (host-data key -> checked value), each key by its row of
     gpugate.settings.SETTINGS; the flags validated here too, so a typo names its entry."""
@@ -559,6 +580,7 @@ def parse_fleet(document: Any, path: str | os.PathLike[str] = "fleet.yaml") -> F
         fleet.groups[name] = check.data(group.get("data"), f"{entry}.data")
 
     seen_names: dict[str, str] = {}
+    worker_urls: dict[tuple[str, str], tuple[str, str]] = {}  # every routed server's, across hosts
     for host_name, raw_host in check.mapping(top["hosts"], "hosts").items():
         entry = f"hosts.{host_name}"
         if not isinstance(host_name, str) or not _HOST_NAME.match(host_name):
@@ -593,7 +615,9 @@ def parse_fleet(document: Any, path: str | os.PathLike[str] = "fleet.yaml") -> F
             )
             servers = (container.sglang or {}).get("sglang_servers")
             for index, server in enumerate(servers or ([container.sglang] if container.sglang else [])):
-                _check_routed(check, server, fleet.routers, f"{where}.sglang" + (f"[{index}]" if servers else ""))
+                at = f"{where}.sglang" + (f"[{index}]" if servers else "")
+                _check_routed(check, server, fleet.routers, at)
+                _check_worker_url(check, server, fleet.routers, at, worker_urls)
             name = host.inventory_name(vmid)
             if name in seen_names:
                 raise check.fail(where, f"{name} is already defined at {seen_names[name]}")

@@ -36,7 +36,8 @@ from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, s
 from gpugate.engine import DEFAULT_ENGINE, get as engine
 from gpugate.match import for_container
 from gpugate.report.status import desired_differences, history_spec_text
-from gpugate.claims import GpuClaim, ServerClaim, hand_off_holding_gpu_locks, own_claim_run, servers_of_inventory
+from gpugate.claims import (GpuClaim, ServerClaim, ServerRoute, hand_off_holding_gpu_locks, own_claim_run,
+                            routes_of_inventory, servers_of_inventory)
 from gpugate.connectors.pct import PctConnector, PctFailure, PctFailureKind
 from gpugate.settings import SETTINGS, SettingsError, resolved, server_keys, suggest
 from gpugate.spec import Desired, Routing, Spec, SpecError, desired_states, for_version
@@ -116,6 +117,7 @@ class Run(BaseStateCallback):
         self.servers: dict[tuple[str, int], str] = {}  # (container, port) -> its server's engine, for the lines
         self.printed = False
         self._claims: list[ServerClaim] | None = None
+        self._routes: list[ServerRoute] | None = None
 
     @classmethod
     def of(cls, state: Any) -> Run:
@@ -147,6 +149,12 @@ class Run(BaseStateCallback):
         if self._claims is None:
             self._claims = servers_of_inventory((h.name, h.data.dict()) for h in inventory)
         return self._claims
+
+    def desired_routes(self, inventory: Any) -> list[ServerRoute]:
+        """Every routed server of the inventory (gpugate.claims.routes_of_inventory), read once per run."""
+        if self._routes is None:
+            self._routes = routes_of_inventory((h.name, h.data.dict()) for h in inventory)
+        return self._routes
 
     def operation_end(self, state: Any, op_hash: Any) -> None:  # type: ignore[override]
         if self.printed or not (self.failed or self.refused or self.untouched):
@@ -410,6 +418,22 @@ def _claim_overlaps(host_obj: Any, spec: Spec, desired_siblings: tuple[int, ...]
     return overlaps_of(mine, servers if mine in servers else [*servers, mine])
 
 
+def _shared_worker_urls(host_obj: Any, desired: Desired) -> list[str]:
+    """Plan-time worker URLs (issue 32): the lines naming this server and every other routed server
+    of the inventory (whatever ``--limit`` runs now, ``--data`` overrides included) behind the same
+    router with the same worker URL. This server's own entry is the one this operation was given."""
+    from gpugate.claims import shared_worker_urls  # noqa: PLC0415
+
+    routing = desired.routing
+    if routing is None:
+        return []
+    me = f"{host_obj.name} :{desired.port}"
+    mine = (me, routing.router, routing.endpoint, routing.worker_url)
+    routes = [mine if route[0] == me else route for route in Run.of(state).desired_routes(state.inventory)]
+    return [line for line in shared_worker_urls(routes if mine in routes else [*routes, mine])
+            if line.startswith(f"{me} and ") or f" and {me} both " in line]
+
+
 # ---------------------------------------------------------------- the FunctionCommands
 def _fail(state: Any, host: Any, message: str) -> bool:  # noqa: A002 -- pyinfra passes them by these names
     host.log_styled(message, fg="red", log_func=logger.error)
@@ -625,7 +649,7 @@ def _leave_router(host_obj: Any, job: Job, run: str) -> bool:
     routing = job.routing
     assert routing is not None
     client = router.client_for(routing)
-    preflight = router.preflight(routing, client)
+    preflight = router.preflight(routing, client, **_identity_of(job.observation, job.desired))
     problem = preflight.problem
     if problem is None and preflight.worker is not None:
         try:
@@ -643,6 +667,16 @@ def _leave_router(host_obj: Any, job: Job, run: str) -> bool:
     _audit(job, host_obj, "router", "end", run=run, router=routing.router, action="left" if preflight.worker else "absent",
            worker_id=(preflight.worker or {}).get("id"))
     return True
+
+
+def _identity_of(observation: Mapping[str, Any] | None, desired: Desired | None) -> dict[str, Any]:
+    """What the router's preflight checks the worker URL against (gpugate.router.identity_problem):
+    this server as the container's observe saw it, and its engine's info endpoint."""
+    try:
+        info_path = engine(desired.engine if desired is not None else DEFAULT_ENGINE).info_endpoint
+    except KeyError:
+        info_path = None
+    return {"observed": (observation or {}).get("sglang") or {}, "info_path": info_path}
 
 
 def _rejoin_router(host_obj: Any, job: Job, run: str, why: str) -> bool:
@@ -1250,6 +1284,14 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
                            f"the engine's GPU flags, CUDA_VISIBLE_DEVICES; or sglang_present: false for one)", port)
         return
 
+    shared = _shared_worker_urls(host, desired)
+    if shared:  # two servers, one worker URL: the leave of one would take the other out of its router
+        yield from _refuse(f"{label} REFUSED, nothing touched: another desired server names its worker URL: "
+                           f"{'; '.join(shared)} (the router keeps one worker per URL: give each server the URL "
+                           f"the router reaches it at, router_url; a --data sglang_router_url= applies to every "
+                           f"host of the inventory)", port)
+        return
+
     # no server wanted (present: false, a rollback): the port, and the engine whose server it is
     observed_args = desired.observe_args() if spec is not None else {
         key: value for key, value in desired.observe_args().items() if key in ("port", "engine")}
@@ -1319,7 +1361,7 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
     router_lines: list[str] = []
     if routing is not None:
         from gpugate import router  # noqa: PLC0415 -- only routed servers talk to a router
-        preflight = router.preflight(routing)
+        preflight = router.preflight(routing, **_identity_of(observation, desired))
         if preflight.problem:
             yield from _refuse(f"{label} REFUSED, nothing touched: {preflight.problem}", port)
             return

@@ -2,7 +2,9 @@
 (docs/transition.md, "Routed servers"):
 
     preflight   GET /workers: the router answers, lists this server, and enough other healthy workers
-                of its model stay (``min_serving``): else REFUSED, nothing touched
+                of its model stay (``min_serving``); the worker URL answers as THIS server (its info
+                endpoint through the URL says what the container's observe read of it: the engine's
+                info keys, SGLang's per-process ``random_seed`` among them): else REFUSED, nothing touched
     leave       DELETE /workers/{id} (not again while a removal is under way: smg ends one by URL, so a
                 second would take the re-added entry out); wait until smg no longer lists it ready,
                 then until the server's own in-flight count (SGLang's /metrics gauges) is 0, both
@@ -25,7 +27,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -33,9 +39,10 @@ from gpugate.router.smg import (RouterError, SmgClient, healthy_peers, in_flight
                                 server_ready)
 from gpugate.spec import Routing
 
-__all__ = ["Preflight", "RouterError", "client_for", "preflight", "leave", "rejoin", "membership"]
+__all__ = ["Preflight", "RouterError", "client_for", "preflight", "identity_problem", "leave", "rejoin", "membership"]
 
 POLL_S = 0.25
+IDENTITY_TIMEOUT_S = 10.0  # an info endpoint that asks the scheduler answers slowly under load
 
 
 def client_for(routing: Routing) -> SmgClient:
@@ -43,7 +50,7 @@ def client_for(routing: Routing) -> SmgClient:
     return SmgClient(routing.endpoint, routing.api_key_env)
 
 
-PreflightKind = Literal["no-answer", "not-listed", "min-serving"]
+PreflightKind = Literal["no-answer", "not-listed", "min-serving", "not-this-server"]
 
 
 @dataclasses.dataclass
@@ -75,9 +82,12 @@ class Preflight:
                 f"and wait until it is listed healthy"]
 
 
-def preflight(routing: Routing, client: SmgClient | None = None) -> Preflight:
+def preflight(routing: Routing, client: SmgClient | None = None, observed: Mapping[str, Any] | None = None,
+              info_path: str | None = None) -> Preflight:
     """Read-only: may this server leave its router now? A refusal names the router and the reason
-    (never its key)."""
+    (never its key). ``observed``: the container's observe document of this server (its
+    ``server_info``, ``health``): given, a listed worker URL must answer as this server
+    (:func:`identity_problem`; ``info_path`` the engine's ``info_endpoint``) before it may leave."""
     client = client or client_for(routing)
     where = f"router {routing.router} ({routing.endpoint})"
     try:
@@ -91,6 +101,15 @@ def preflight(routing: Routing, client: SmgClient | None = None) -> Preflight:
             return Preflight(None, [], None)
         return Preflight(None, [], f"{where} does not list this server (no worker at {routing.worker_url}); "
                                    f"`--data router_register=true` adds it after the restart", "not-listed")
+    if observed is not None:
+        # the leave takes out whatever serves at this URL: it must be this server (a URL another server
+        # registered, a copy-paste slip in fleet.yaml), else the leave takes the OTHER out and this one
+        # is stopped while the router still sends it requests
+        wrong = identity_problem(routing.worker_url, observed, info_path)
+        if wrong is not None:
+            return Preflight(worker, [], f"{where} lists worker {worker.get('id')} at {routing.worker_url}, but {wrong}; "
+                                         f"fix this server's router_url (the URL the router reaches THIS server at)",
+                             "not-this-server")
     peers = healthy_peers(workers, worker.get("model_id"), routing.worker_url)
     serving_now = bool(worker.get("is_healthy")) and worker.get("status", "ready") == "ready"
     if serving_now and len(peers) < routing.min_serving:
@@ -98,6 +117,104 @@ def preflight(routing: Routing, client: SmgClient | None = None) -> Preflight:
                                         f"of {worker.get('model_id') or 'its model'} (min_serving "
                                         f"{routing.min_serving})", "min-serving")
     return Preflight(worker, peers, None)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        return None  # what answers at the worker URL itself, not where it points
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+_SECRET_KEY = re.compile(r"key|token|secret|passw|credential|auth", re.IGNORECASE)
+_ABSENT = object()
+
+
+def _read_info(url: str, paths: list[str], timeout: float) -> tuple[str, Any]:
+    """What the info endpoint at ``url`` answers: ``("info", (path, document))``, ``("locked",
+    status)`` (it asks for a key), ``("status", (path, status))``, ``("no-answer", reason)`` or
+    ``("none", None)`` (every path 404)."""
+    for path in paths:
+        request = urllib.request.Request(url.rstrip("/") + path, method="GET", headers={"accept": "application/json"})
+        try:
+            with _OPENER.open(request, timeout=timeout) as response:
+                status, body = response.status, response.read(1 << 22)
+        except urllib.error.HTTPError as error:
+            status, body = error.code, b""
+        except (OSError, ValueError) as error:
+            return "no-answer", str(getattr(error, "reason", None) or error)[:200]
+        if status == 404:
+            continue
+        if status in (401, 403):
+            return "locked", status
+        if status != 200:
+            return "status", (path, status)
+        try:
+            document = json.loads(body)
+        except ValueError:
+            document = None
+        if not isinstance(document, dict):
+            return "status", (path, "200 without a JSON object")
+        return "info", (path, document)
+    return "none", None
+
+
+def _shown(key: str, value: Any) -> str:
+    if value is _ABSENT:
+        return "none"
+    return "***" if _SECRET_KEY.search(key) else json.dumps(value)[:80]
+
+
+def _what(document: Mapping[str, Any]) -> str:
+    """A server as its info document says (model and port, where it says them)."""
+    said = [f"{key} {_shown(key, document[key])}" for key in ("model_path", "port") if key in document]
+    return f"a server of {', '.join(said)}" if said else "a server"
+
+
+def identity_problem(url: str, observed: Mapping[str, Any], info_path: str | None = None,
+                     timeout: float = IDENTITY_TIMEOUT_S) -> str | None:
+    """None when ``url`` answers as the server the container's observe saw (``observed``: its
+    observe document), else what answers there instead. Engine-neutral: the info endpoint is the
+    one that answered in the container (``server_info.path``), else ``info_path`` (the engine's
+    ``info_endpoint``); every plain value the observe read of it (the engine's info keys: port, model
+    path, its parallelism, SGLang's ``random_seed``, drawn per process unless pinned) must be what
+    the URL answers. A server that asks for a key neither side has cannot be told: not refused.
+
+    - this server answers in the container: the URL must answer, and with its values;
+    - it does not (not serving, no info): the URL must not answer with a server's info either."""
+    info = observed.get("server_info") or {}
+    mine = info.get("args") if isinstance(info.get("args"), Mapping) else None
+    paths = list(dict.fromkeys(path for path in (info.get("path"), info_path) if path))
+    if not paths:
+        return None  # an engine without an info endpoint: nothing to compare
+    kind, answer = _read_info(url, paths, timeout)
+    if kind == "locked" or (mine is None and str(info.get("error") or "").startswith("unauthorized")):
+        return None
+    if mine is None:
+        if kind == "info":
+            path, document = answer
+            return (f"{url}{path} answers as {_what(document)} while this server does not serve there "
+                    f"(its observe read no info: {info.get('error') or 'not serving'}): another server answers at "
+                    f"that URL")
+        return None  # neither answers: the URL may well be this server's, down with it
+    if kind == "no-answer":
+        return f"{url} does not answer ({answer}) while this server serves: it cannot be told that the URL reaches it"
+    if kind == "status":
+        path, status = answer
+        return f"{url}{path} answers {status} while this server answers its info: another server answers there?"
+    if kind == "none":
+        return f"{url} has no info endpoint ({', '.join(paths)}: 404) while this server answers {paths[0]}"
+    path, document = answer
+    differ = []
+    for key, value in mine.items():
+        if isinstance(value, (dict, list)) or (isinstance(value, str) and "***" in value):
+            continue  # a structure may hold what changes by the second; a masked value compares nothing
+        theirs = document.get(key, _ABSENT)
+        if theirs != value:
+            differ.append(f"{key} {_shown(key, theirs)} (this server: {_shown(key, value)})")
+    if not differ:
+        return None
+    return (f"{url}{path} answers as {_what(document)} that is not this server: {'; '.join(differ[:4])}"
+            f"{f' and {len(differ) - 4} more' if len(differ) > 4 else ''}")
 
 
 def leave(routing: Routing, client: SmgClient, budget_s: float,

@@ -45,14 +45,20 @@ def routed(tmp_path_factory):
         core.down(lab_dir)
 
 
-def write_fleet(lab: Lab, router: dict, extra_flags: dict | None = None, router_url: str | None = None) -> None:
-    """The lab's fleet with ``extra_flags`` on every server (a fleet-wide flag change)."""
+def write_fleet(lab: Lab, router: dict, extra_flags: dict | None = None, router_url: str | None = None,
+                worker_urls: dict[int, str] | None = None, vmids: tuple[int, ...] = VMIDS) -> None:
+    """The lab's fleet with ``extra_flags`` on every server (a fleet-wide flag change); ``worker_urls``:
+    a container's ``router_url`` other than its own published port; ``vmids``: the containers it lists."""
     from gpugate_lab import core
 
     doc = core.fleet_document(lab.dir, [(h.name, h.port) for h in lab.hosts], {"pve1": list(VMIDS)},
                               router=router)
     if router_url:
         doc["routers"]["lab"]["url"] = router_url
+    for vmid, url in (worker_urls or {}).items():
+        doc["hosts"]["pve1"]["containers"][vmid]["sglang"]["router_url"] = url
+    for vmid in set(VMIDS) - set(vmids):
+        del doc["hosts"]["pve1"]["containers"][vmid]
     for container in doc["hosts"]["pve1"]["containers"].values():
         container["sglang"]["flags"].update(extra_flags or {})
     path = lab.dir / "fleet.test.yaml"
@@ -194,6 +200,37 @@ def test_refused_when_fewer_than_min_serving_would_stay(routed):
     assert "would leave 2 healthy worker(s)" in out and "min_serving 3" in out, out
     assert server_info(router, 129)["disable_radix_cache"] is True
     assert listed_healthy(router) == published(router)
+
+
+def test_a_worker_url_that_answers_as_another_server_is_refused_before_anything_stops(routed):
+    """Issue 32 item 2: one worker URL, one server. The fleet refuses two servers naming one URL; a
+    --data override that makes one URL of several is refused at plan time; a URL another server
+    registered (131, outside this fleet) answers as that server, not as 130: refused before the
+    leave, nothing stops, 131 stays in smg, and no client through smg sees a failure."""
+    lab, router = routed
+    url = {vmid: f"http://127.0.0.1:{router['ports'][f'pve1:{vmid}']}" for vmid in VMIDS}
+    before = {vmid: server_info(router, vmid) for vmid in VMIDS}
+    change = {"disable-radix-cache": not before[130]["disable_radix_cache"]}  # a change for 130, whatever it runs
+    write_fleet(lab, router, change, worker_urls={130: url[129] + "/"})
+    code, out = deploy(lab, "--dry")
+    assert code != 0 and f"sglang.router_url: {url[129]} is also the router_url of hosts.pve1.containers.129" \
+                         f".sglang behind router lab" in out, out
+    write_fleet(lab, router, change)
+    code, out = deploy(lab, "--dry", "--limit", "@pct/pve1:130", "--data", f"sglang_router_url={url[129]}")
+    assert code != 0 and "REFUSED, nothing touched: another desired server names its worker URL: " \
+                         f"@pct/pve1:129 :30000 and @pct/pve1:130 :30000 both name worker URL {url[129]}" in out, out
+    write_fleet(lab, router, change, worker_urls={130: url[131]}, vmids=(129, 130))
+    with Client(router["url"]) as client:
+        code, out = deploy(lab, "--limit", "@pct/pve1:130")
+    assert code != 0, out
+    assert f"REFUSED, nothing touched: router lab ({router['url']}) lists worker" in out, out
+    assert f"at {url[131]}, but {url[131]}/get_server_info answers as a server of model_path " \
+           f'"/opt/models/lab-model", port 30000 that is not this server: random_seed ' \
+           f"{before[131]['random_seed']} (this server: {before[130]['random_seed']})" in out, out
+    assert "left it" not in out and "stopping" not in out, out
+    assert client.failed == 0 and client.ok > 0, (client.failed, client.errors[:5], out)
+    assert {vmid: server_info(router, vmid) for vmid in VMIDS} == before  # the same processes, untouched
+    assert listed_healthy(router) == published(router), workers(router)
 
 
 def test_crash_mid_rolling_change_stops_there_leaves_it_out_and_says_so(routed):

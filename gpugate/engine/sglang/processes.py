@@ -22,8 +22,10 @@ SHM_PREFIXES = ("psm_", "sgl_shm_", "multi_tokenizer_args_")
 TITLE_PREFIXES = ("sglang::scheduler", "sglang::detokenizer", "sglang::data_parallel_controller",
                   "sglang::tokenizer_worker")
 SCHEDULER_TITLE = "sglang::scheduler"  # one per rank: a server's workers to count
+# random_seed: drawn per process unless --random-seed pins it (ServerArgs), so what answers at a
+# router's worker URL is told from another replica of the same flags (gpugate.router.identity_problem)
 INFO_KEYS = ("model_path", "port", "host", "tp_size", "dp_size", "pp_size", "version", "max_total_num_tokens",
-             "max_running_requests", "context_length", "kv_cache_dtype")
+             "max_running_requests", "context_length", "kv_cache_dtype", "random_seed")
 CAPACITY_KEYS = ("max_total_num_tokens", "max_running_requests", "context_length", "version")
 # What an adopted server's (one we did not start: no pid file of ours) environment keeps for its
 # history record and a rollback to it: what SGLang and its libraries read, never the login session.
