@@ -12,7 +12,10 @@ What it uses, as smg serves it (lightseekorg/smg ``model_gateway/src/server.rs``
 
 The API key (``Authorization: Bearer``) comes from the control machine's environment variable that
 fleet.yaml names (``api_key_env``); it is read per request and never printed: errors name the
-router, the path and the status only.
+router, the path and the status only. A key holding a control character (a key file saved with
+CRLF) is refused before anything is sent, naming the variable; every message is masked of the key
+(:meth:`SmgClient._error`), an exception's text included. A redirect is never followed: the key
+would go wherever it points (the message says where, the host only).
 
 Example::
 
@@ -35,10 +38,45 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gpugate.rules import redact
+
 __all__ = ["RouterError", "SmgClient", "in_flight", "in_flight_from_metrics", "same_url", "healthy_peers",
            "rejoin_body"]
 
 REQUEST_TIMEOUT_S = 5.0
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Never follows a redirect (urllib re-sends every header, the key's too, to the host it names):
+    the 3xx comes back as an HTTPError, which :meth:`SmgClient._request` turns into a refusal."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+_CONTROL_NAMES = {"\r": "CR", "\n": "LF", "\0": "NUL", "\t": "TAB", "\x7f": "DEL"}
+
+
+def _where(location: str | None) -> str:
+    """Where a redirect points, as much as may be shown: scheme, host and port (never a user, a
+    path or a query, which may carry a token).
+
+    >>> _where("https://user:pw@other.example:8443/workers?token=x"), _where("/workers"), _where(None)
+    ('https://other.example:8443', 'a path of its own (/workers)', 'nowhere it says')
+    """
+    if not location:
+        return "nowhere it says"
+    try:
+        parts = urllib.parse.urlsplit(location)
+        port = parts.port
+    except ValueError:
+        return "an URL gpugate cannot read"
+    if not parts.netloc:
+        return f"a path of its own ({parts.path[:60]})"
+    host = parts.hostname or "?"
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}" + (f":{port}" if port else "")
 
 
 class RouterError(RuntimeError):
@@ -168,27 +206,59 @@ class SmgClient:
         self.api_key_env = api_key_env
         self.timeout = timeout
 
+    def _key(self) -> str | None:
+        """The key from ``$api_key_env``, checked before any use: a control character (a key file
+        saved with CRLF; Python's HTTP client would quote the whole header in its error) or a
+        character a header cannot carry is refused naming the variable, never the value."""
+        if not self.api_key_env:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise RouterError(f"router {self.endpoint}: ${self.api_key_env} (its API key) is not set on this "
+                              f"machine", unreachable=True)
+        bad = next((c for c in key if c < " " or c == "\x7f"), None)
+        if bad is not None:
+            name = _CONTROL_NAMES.get(bad, f"0x{ord(bad):02x}")
+            raise RouterError(f"router {self.endpoint}: the key in ${self.api_key_env} holds a control character "
+                              f"({name}; a key file saved with CRLF?): nothing sent", unreachable=True)
+        if any(ord(c) > 0xFF for c in key):
+            raise RouterError(f"router {self.endpoint}: the key in ${self.api_key_env} holds a character an HTTP "
+                              f"header cannot carry (beyond Latin-1): nothing sent", unreachable=True)
+        return key
+
+    def _error(self, message: str, unreachable: bool = False) -> RouterError:
+        """Every RouterError of a request: the one place its text is masked of the key (and so of
+        ``Bearer <key>``), whatever an exception or the router's answer put in it."""
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        return RouterError(redact.mask_values(message, [key]), unreachable=unreachable)
+
+    def _open(self, request: urllib.request.Request, timeout: float) -> Any:
+        return _OPENER.open(request, timeout=timeout)
+
     def _request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> tuple[int, Any]:
         headers = {"accept": "application/json"}
         data = None
         if body is not None:
             data = json.dumps(body).encode()
             headers["content-type"] = "application/json"
-        key = os.environ.get(self.api_key_env) if self.api_key_env else None
-        if self.api_key_env and not key:
-            raise RouterError(f"router {self.endpoint}: ${self.api_key_env} (its API key) is not set on this "
-                              f"machine", unreachable=True)
+        key = self._key()
         if key:
             headers["authorization"] = f"Bearer {key}"
         request = urllib.request.Request(self.endpoint + path, data=data, method=method, headers=headers)
+        shown = path.split("?")[0]
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310
+            with self._open(request, timeout=self.timeout) as response:
                 status, raw = response.status, response.read(1 << 24)
         except urllib.error.HTTPError as error:
             status, raw = error.code, error.read(1 << 16)
+            if 300 <= status < 400:
+                raise self._error(f"router {self.endpoint} redirected {method} {shown} ({status}) to "
+                                  f"{_where(error.headers.get('location'))}: gpugate does not follow redirects "
+                                  f"with its key (name the URL it serves at in fleet.yaml routers:)",
+                                  unreachable=True) from None
         except (OSError, ValueError) as error:
             reason = getattr(error, "reason", None) or error
-            raise RouterError(f"router {self.endpoint} unreachable: {method} {path.split('?')[0]}: {reason}",
+            raise self._error(f"router {self.endpoint} unreachable: {method} {shown}: {reason}",
                               unreachable=True) from None
         try:
             return status, json.loads(raw) if raw else None
@@ -199,10 +269,10 @@ class SmgClient:
         """Every worker smg lists (``GET /workers``)."""
         status, doc = self._request("GET", "/workers")
         if status == 401 or status == 403:
-            raise RouterError(f"router {self.endpoint}: GET /workers refused ({status}): check the API key "
+            raise self._error(f"router {self.endpoint}: GET /workers refused ({status}): check the API key "
                               f"(${self.api_key_env or '(none configured)'})", unreachable=True)
         if status != 200 or not isinstance(doc, Mapping) or not isinstance(doc.get("workers"), list):
-            raise RouterError(f"router {self.endpoint}: GET /workers answered {status}, not a worker list",
+            raise self._error(f"router {self.endpoint}: GET /workers answered {status}, not a worker list",
                               unreachable=True)
         return [dict(w) for w in doc["workers"] if isinstance(w, Mapping)]
 
@@ -214,7 +284,7 @@ class SmgClient:
         """``DELETE /workers/{id}``: smg stops sending it requests at once (draining), drops it later."""
         status, doc = self._request("DELETE", "/workers/" + urllib.parse.quote(str(worker_id), safe=""))
         if status not in (200, 202, 204, 404):
-            raise RouterError(f"router {self.endpoint}: DELETE /workers/{worker_id} answered {status}: "
+            raise self._error(f"router {self.endpoint}: DELETE /workers/{worker_id} answered {status}: "
                               f"{_message(doc)}")
 
     def add(self, body: Mapping[str, Any]) -> str | None:
@@ -225,7 +295,7 @@ class SmgClient:
         if isinstance(doc, Mapping) and doc.get("code") == "WORKER_ALREADY_EXISTS":
             found = self.find(str(body.get("url")))
             return found.get("id") if found else None
-        raise RouterError(f"router {self.endpoint}: POST /workers answered {status}: {_message(doc)}")
+        raise self._error(f"router {self.endpoint}: POST /workers answered {status}: {_message(doc)}")
 
 
 def _message(doc: Any) -> str:

@@ -207,6 +207,33 @@ class Redactor:
         return value
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def mask_values(text: Any, secrets: Iterable[Any]) -> Any:
+    """``text`` with each of ``secrets`` masked, whatever its length (unlike :class:`Redactor`, for the
+    few values known to be secrets, such as a key a request carried): as it is, as ``repr`` shows it
+    (an exception's text quotes a header as bytes: ``b'Bearer sk-1\\r'``), and each part of it between
+    control characters. Masking ``<key>`` masks ``Bearer <key>`` too (``Bearer ***``).
+
+    >>> mask_values("Invalid header value b'Bearer sk-1\\\\r'", ["sk-1\\r"])
+    "Invalid header value b'Bearer ***'"
+    >>> mask_values("no secret here", [None, ""])
+    'no secret here'
+    """
+    if not isinstance(text, str):
+        return text
+    forms: set[str] = set()
+    for value in secrets:
+        if not isinstance(value, str) or not value:
+            continue
+        forms.update((value, repr(value)[1:-1], repr(value.encode("utf-8", "backslashreplace"))[2:-1]))
+        forms.update(part for part in _CONTROL.split(value) if len(part) >= 4 or part == value.strip())
+    for form in sorted((f for f in forms if f), key=len, reverse=True):
+        text = text.replace(form, MASK)
+    return text
+
+
 def spec_secrets(spec: dict | None) -> list[str]:
     """The secret values of a SpecDoc: its env values and the values of its secret options.
 
