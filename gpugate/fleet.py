@@ -72,8 +72,9 @@ from typing import Any, Mapping
 
 import yaml
 
-from gpugate.settings import (REMOVED, SETTINGS, SSH_SETTINGS, data_keys, describe as _describe, env_name, env_value,
-                              server_keys, suggest as _suggest)
+from gpugate.rules.redact import leaf_strings, mask_values
+from gpugate.settings import (MAY_HOLD_SECRETS, REMOVED, SETTINGS, SSH_SETTINGS, data_keys, describe as _describe,
+                              env_name, env_value, server_keys, suggest as _suggest)
 from gpugate.claims import worker_url_key
 from gpugate.engine import DEFAULT_ENGINE, Engine, FlagError, get as engine
 
@@ -502,8 +503,9 @@ def _check_sglang(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
         elif value is not None and key != "engine":
             try:
                 out[row.key] = row.convert(value)
-            except ValueError as error:
-                raise check.fail(where, str(error)) from None
+            except ValueError as error:  # a value that may hold a secret is never quoted back
+                raise check.fail(where, mask_values(str(error), leaf_strings(value)) if row.key in MAY_HOLD_SECRETS
+                                 else str(error)) from None
     if out.get("sglang_present", True) and not out.get("sglang_model_path"):
         raise check.fail(f"{entry}.model_path", "missing: the model path or Hugging Face repo id to serve")
     out.setdefault("sglang_flags", {})

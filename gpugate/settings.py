@@ -34,6 +34,7 @@ from typing import Any, Callable
 from pyinfra.api.exceptions import PyinfraError
 
 from gpugate.engine import DEFAULT_ENGINE
+from gpugate.rules.redact import leaf_strings, mask_values
 
 __all__ = ["Setting", "SETTINGS", "SettingsError", "validated_settings", "resolved", "defaults",
            "server_keys", "data_keys", "SUPERVISORS", "to_bool"]
@@ -49,9 +50,17 @@ class SettingsError(PyinfraError, ValueError):
 
     def __init__(self, key: str, value: Any, problem: str):
         self.key = key
+        if key in MAY_HOLD_SECRETS:  # an --api-key in flags, a token in extra_args or env: never shown
+            shown = "(not shown: it may hold a secret)"
+            problem = mask_values(problem, leaf_strings(value))
+        else:
+            shown = _SHORT.repr(value)
         self.problem = problem
-        shown = "(not shown: a secret)" if key == "sglang_env" else _SHORT.repr(value)
         super().__init__(f"setting {key}={shown}: {problem}")
+
+
+# the settings whose values may hold a secret: an error shows neither the value nor any part of it
+MAY_HOLD_SECRETS = ("sglang_env", "sglang_flags", "sglang_extra_args", "sglang_servers")
 
 
 _SHORT = reprlib.Repr()

@@ -210,6 +210,28 @@ class Redactor:
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 
 
+def leaf_strings(value: Any) -> list:
+    """Every string inside ``value`` (itself, list items, mapping keys' values, at any depth), and
+    the whole as its repr: what an error about it may quote.
+
+    >>> leaf_strings({"api-key": ["sk-1"], "tp": 2})
+    ['sk-1', "{'api-key': ['sk-1'], 'tp': 2}"]
+    """
+    out = []
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple, set)):
+            todo.extend(item)
+    if not isinstance(value, str):
+        out.append(repr(value))
+    return out
+
+
 def mask_values(text: Any, secrets: Iterable[Any]) -> Any:
     """``text`` with each of ``secrets`` masked, whatever its length (unlike :class:`Redactor`, for the
     few values known to be secrets, such as a key a request carried): as it is, as ``repr`` shows it

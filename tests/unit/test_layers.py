@@ -70,7 +70,7 @@ ALLOWED = {
     "gpugate.rules": ("gpugate.rules.*",),
     "gpugate.engine": ("gpugate.engine", "gpugate.engine.*", "gpugate.rules.*", "gpugate.remote"),
     "gpugate.agent": ("gpugate.agent.*", "gpugate.rules.*", "gpugate.engine.container"),
-    "gpugate.settings": ("gpugate.engine",),
+    "gpugate.settings": ("gpugate.engine", "gpugate.rules.*"),
 }
 
 

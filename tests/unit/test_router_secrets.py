@@ -198,3 +198,25 @@ def test_the_preflight_and_the_status_say_why_without_the_key(monkeypatch, smg, 
     assert view["state"] == "unknown" and "$GW_TEST_KEY holds a control character" in view["error"], view
     assert no_key_in(json.dumps(view), KEY + "\r")
     assert smg.seen == []
+
+
+@pytest.mark.parametrize("data", [
+    {"sglang_flags": {"api-key": ["sk-canary-flag-1"]}},
+    {"sglang_flags": {"admin-api-key": {"a": "sk-canary-flag-1"}}},
+    {"sglang_flags": {"model-loader-extra-config": '{"hf_token": "sk-canary-flag-1"'}},
+    {"sglang_flags": "api-key=sk-canary-flag-1"},
+    {"sglang_extra_args": ["--api-key", "sk-canary-flag-1\n"]},
+    {"sglang_extra_args": ["--api-key", 5, "sk-canary-flag-1"]},
+])
+def test_a_bad_value_holding_the_servers_own_key_is_refused_without_quoting_it(data):
+    """Issue 32 item 1, the server's own secrets: a refusal of a flag or extra_args value never
+    quotes the value (an --api-key given as a list, a JSON flag holding an hf_token, a line break)."""
+    from gpugate.settings import SettingsError
+    from gpugate.spec import desired_state
+
+    try:
+        desired = desired_state(dict(data, sglang_model_path="/m"))
+        said = desired.problem or ""
+    except SettingsError as error:
+        said = str(error)
+    assert said and "sk-canary-flag-1" not in said, said

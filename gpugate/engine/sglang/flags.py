@@ -722,7 +722,12 @@ def validate_flags(flags: Mapping[str, object] | None, table: FlagTable | str | 
         spec = t.specs[name]
         if spec.kind == "switch" and _strip_name(str(raw_name)) == "no-" + name and isinstance(value, bool):
             value = not value  # `no-x: true` is --no-x
-        typed = _normalise_value(spec, value, t.label)
+        try:
+            typed = _normalise_value(spec, value, t.label)
+        except FlagError as error:
+            if _is_secret(name, t) or name in JSON_TEXT_FLAGS:  # a key, or a JSON document that may hold one
+                raise FlagError(name, redact.mask_values(error.message, redact.leaf_strings(value))) from None
+            raise
         if typed is not None:
             normalised[name] = typed
     _check_conflicts(normalised)
