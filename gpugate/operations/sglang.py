@@ -1341,6 +1341,9 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
         # a server its router does not list is not as desired there, so not here either
         from gpugate import router  # noqa: PLC0415
         preflight = router.preflight(dataclasses.replace(desired.routing, register=False))
+        if preflight.kind == "no-answer":  # membership unknown is not as desired: it pages (issue 32 item 9)
+            yield from _refuse(f"{label} REFUSED: it serves as desired, but {preflight.problem}", port)
+            return
         if preflight.kind == "not-listed":
             if not desired.routing.register:
                 yield from _refuse(f"{label} REFUSED: it serves as desired, but {preflight.problem}", port)

@@ -68,6 +68,7 @@ VERDICT_KINDS = {
     "transition_failed": "transition failed", "gpu_held": "GPU memory held with no holder in the container",
     "unreachable": "unreachable", "unknown": "unknown", "invalid": "desired state invalid",
     "unrouted": "serving, but its router does not list it",
+    "router_unknown": "serving, but its router does not answer (membership unknown)",
 }
 OK_KINDS = ("serving", "stopped")
 FAILED_OUTCOMES = ("rolled_back", "nothing_serves", "interrupted")
@@ -430,7 +431,8 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
 
     - serving as desired, but routed and its router does not list it (``router``: router_view's
       membership): ``serving, but its router does not list it`` (the deploy refuses it, or adds it
-      with ``router_register=true``; a router that does not answer is shown, not a verdict).
+      with ``router_register=true``); a router that does not answer: ``serving, but its router does not
+      answer`` (not ok: membership unknown is not as desired).
 
     ``ok`` is true for serving as desired and stopped as desired only: exactly when the deploy
     would change nothing.
@@ -502,6 +504,9 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
         kind, why = "down", state.split(" pid")[0] + (f", {health}" if health not in ("-", "") else "")
     elif match.verdict == "as_desired" and router is not None and router.get("state") == "missing":
         kind, why = "unrouted", f"router {router.get('router')} has no worker at {router.get('url')}"
+    elif match.verdict == "as_desired" and router is not None and router.get("state") == "unknown":
+        # a replica that dropped out because its router died must page: unknown is not as desired
+        kind, why = "router_unknown", f"router {router.get('router')}: {str(router.get('error') or '?')[:120]}"
     elif match.verdict == "as_desired":
         kind, why = "serving", ""
     elif held:

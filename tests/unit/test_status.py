@@ -274,3 +274,19 @@ def test_an_unwritable_prometheus_path_still_prints_the_status_and_fails(tmp_pat
     assert ok is False
     assert len(printed) == 1 and "serving as desired" in printed[0]
     assert not (tmp_path / "missing-dir").exists()
+
+
+def test_serving_behind_a_router_that_does_not_answer_is_not_as_desired():
+    """Issue 32 item 9: a router that does not answer left membership `unknown`, yet the row said
+    "serving as desired" (status exit 0): a replica that dropped out because its router died must page."""
+    from gpugate.report.status import status_row
+
+    data = {"sglang_flags": {"tp": 8}, "sglang_model_path": "/opt/models/lab-model"}
+    desired = desired_state(data)
+    view = {"router": "gw", "url": "http://10.0.0.5:30000", "state": "unknown", "listed": None,
+            "error": "unreachable: GET /workers: connection refused"}
+    row = status_row("pve1", 129, observation(), desired, router=view)
+    assert row["kind"] == "router_unknown" and not row["ok"], row
+    assert "connection refused" in row["verdict"]
+    healthy = status_row("pve1", 129, observation(), desired, router=dict(view, state="healthy", listed=True))
+    assert healthy["kind"] == "serving" and healthy["ok"]
