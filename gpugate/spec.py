@@ -1,12 +1,13 @@
 """The desired state of one container as ONE value: :class:`Desired` (the port, present or not,
-the budgets, the run's options) holding a frozen :class:`Spec` (the server: its validation, the
-argv rendered once, here, and the GPUs it will use).
+the budgets, the run's options) holding a frozen :class:`Spec` (the server: the operator's
+engine-neutral :class:`gpugate.engine.ServerInputs`, and the engine's :class:`gpugate.engine.Launch`
+made of them once per flag table: the argv, the GPUs it will use, what it must report).
 
 Everything the controller knows about "what should run" comes from here: ``deploy.py``, the
 runbooks and the status build the container's Desired once from its host data
-(``gpugate.settings.desired_state``, with the defaults of the settings table), the operation takes
-it as it is and sends :meth:`Spec.doc` to the container's agent (docs/agent-protocol.md,
-``SpecDoc``); the status compares the same Spec with what runs (``gpugate.rules.match``).
+(:func:`desired_states`, with the defaults of the settings table), the operation takes it as it is
+and sends :meth:`Spec.doc` to the container's agent (docs/agent-protocol.md, ``SpecDoc``); the
+status compares the same Spec with what runs (``gpugate.match.compare``).
 
 Example::
 

@@ -177,7 +177,7 @@ def flag_table_command(python: str = DEFAULT_PYTHON, known: Sequence[str] = (), 
 
 
 class SglangFlagTable(FactBase):
-    """SGLang's own flag table for the SGLang installed in the container (gpugate/remote/flag_table.py):
+    """SGLang's own flag table for the SGLang installed in the container (gpugate/engine/sglang/table_builder.py):
     ``{"version", "server_args_sha256", "key", "cached", "built", "build_s", "table"?, "error"?}``.
 
     ``known``: table keys the controller already has (shipped snapshots, its own cache): such a table
