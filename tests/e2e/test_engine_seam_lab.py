@@ -21,15 +21,22 @@ ENGINES = REPO_ROOT / "tests" / "engines"
 PORT = 8000
 
 
+IN_CT = "/opt/echo"  # where the container has the echo server: it sees none of this checkout (/tmp is its own)
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    yield from module_lab(tmp_path_factory, "lab-engine-seam", hosts=1, gpus=2)
+    for lab in module_lab(tmp_path_factory, "lab-engine-seam", hosts=1, gpus=2):
+        lab.pct("pve1", "exec", "129", "--", "mkdir", "-p", IN_CT)
+        pushed = lab.pct("pve1", "push", "129", str(ENGINES / "echo_server.py"), f"{IN_CT}/echo_server.py")
+        assert pushed.returncode == 0, pushed.stderr
+        yield lab
 
 
 def deploy(lab, flags, *extra: str, engine: str = "echo") -> subprocess.CompletedProcess:
     env = lab.env()
     env["PYTHONPATH"] = os.pathsep.join([str(ENGINES), env.get("PYTHONPATH", "")])  # registers the engine
-    server_env = {"PYTHONPATH": str(ENGINES)} if engine == "echo" else {"SGLANG_STANDIN_LOAD_S": "0.3"}
+    server_env = {"PYTHONPATH": IN_CT} if engine == "echo" else {"SGLANG_STANDIN_LOAD_S": "0.3"}
     model = "/tmp" if engine == "echo" else "/opt/models/lab-model"
     args = ["inventory.py", "deploy.py", "--data", f"engine={engine}", "--data", f"sglang_port={PORT}",
             "--data", f"sglang_model_path={model}",
