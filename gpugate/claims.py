@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpugate.router.smg import worker_url_key
+
 if TYPE_CHECKING:  # the run-time half imports pyinfra when it runs: the plan-time half stays light
     from pyinfra.api.arguments import ConnectorArguments
     from pyinfra.api.command import StringCommand
@@ -45,7 +47,7 @@ if TYPE_CHECKING:  # the run-time half imports pyinfra when it runs: the plan-ti
 
 __all__ = ["ServerClaim", "overlapping_claims", "overlaps_of", "servers_of_inventory", "claim_host", "gpu_ranges",
            "LOCK_DIR", "HANDOFF_S", "lock_path", "busy_message", "own_claim_run", "GpuClaim", "hold_gpu_locks",
-           "hand_off_holding_gpu_locks", "ServerRoute", "worker_url_key", "shared_worker_urls", "routes_of_inventory"]
+           "hand_off_holding_gpu_locks", "ServerRoute", "shared_worker_urls", "routes_of_inventory"]
 
 # (Proxmox host, vmid, port, the server's GPUs as host GPU indexes)
 ServerClaim = tuple[str, int, int, tuple[int, ...]]
@@ -177,31 +179,6 @@ def servers_of_inventory(hosts: Iterable[tuple[str, Mapping[str, Any]]],
 # (the server as its lines name it, the router's name, the router's URL, the server's worker URL)
 ServerRoute = tuple[str, str, str, str]
 
-_DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-def worker_url_key(url: str) -> str:
-    """A URL as a router reaches it, whatever way it is written: scheme and host in lower case, the
-    scheme's default port made explicit, no trailing slash (two spellings of one URL reach one server).
-
-    >>> worker_url_key("HTTP://Node-1.example/"), worker_url_key("http://node-1.example:80")
-    ('http://node-1.example:80', 'http://node-1.example:80')
-    >>> worker_url_key("https://[FD00::5]/v1/"), worker_url_key("http://10.0.0.5:30000")
-    ('https://[fd00::5]:443/v1', 'http://10.0.0.5:30000')
-    """
-    import urllib.parse  # noqa: PLC0415
-
-    text = str(url or "").strip()
-    try:
-        parts = urllib.parse.urlsplit(text)
-        scheme = parts.scheme.lower()
-        host = (parts.hostname or "").lower()
-        port = parts.port or _DEFAULT_PORTS.get(scheme)
-    except ValueError:  # not a URL the settings let through; compare it as written, in lower case
-        return text.rstrip("/").lower()
-    where = f"[{host}]" if ":" in host else host
-    query = f"?{parts.query}" if parts.query else ""
-    return f"{scheme}://{where}{f':{port}' if port else ''}{parts.path.rstrip('/')}{query}"
 
 
 def shared_worker_urls(routes: Iterable[ServerRoute]) -> list[str]:

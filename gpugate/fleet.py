@@ -75,7 +75,7 @@ import yaml
 from gpugate.rules.redact import leaf_strings, mask_values
 from gpugate.settings import (MAY_HOLD_SECRETS, REMOVED, SETTINGS, SSH_SETTINGS, data_keys, describe as _describe,
                               env_name, env_value, server_keys, suggest as _suggest)
-from gpugate.claims import worker_url_key
+from gpugate.router.smg import worker_url_key
 from gpugate.engine import DEFAULT_ENGINE, Engine, FlagError, get as engine
 
 __all__ = [
@@ -446,7 +446,7 @@ def _check_routed(check: _Checker, sglang: dict[str, Any], routers: Mapping[str,
 def _check_worker_url(check: _Checker, sglang: dict[str, Any], routers: Mapping[str, Router], entry: str,
                       seen: dict[tuple[str, str], tuple[str, str]]) -> None:
     """One worker URL, one server, behind one router (issue 32): two servers naming one URL (written
-    alike or not: gpugate.claims.worker_url_key) are refused, naming both. ``seen``: (router URL,
+    alike or not: gpugate.router.smg.worker_url_key) are refused, naming both. ``seen``: (router URL,
     worker URL) -> (the entry that named it, its router's name)."""
     name, url = sglang.get("sglang_router"), sglang.get("sglang_router_url")
     if not name or not url or name not in routers:

@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from gpugate.router.smg import (RouterError, SmgClient, healthy_peers, in_flight, rejoin_body, same_url,
+from gpugate.router.smg import (NO_REDIRECTS, RouterError, SmgClient, healthy_peers, in_flight, rejoin_body, same_url,
                                 server_ready)
+from gpugate.rules import redact
 from gpugate.spec import Routing
 
 __all__ = ["Preflight", "RouterError", "client_for", "preflight", "identity_problem", "leave", "rejoin", "membership"]
@@ -119,13 +119,6 @@ def preflight(routing: Routing, client: SmgClient | None = None, observed: Mappi
     return Preflight(worker, peers, None)
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
-        return None  # what answers at the worker URL itself, not where it points
-
-
-_OPENER = urllib.request.build_opener(_NoRedirect)
-_SECRET_KEY = re.compile(r"key|token|secret|passw|credential|auth", re.IGNORECASE)
 _ABSENT = object()
 
 
@@ -136,7 +129,8 @@ def _read_info(url: str, paths: list[str], timeout: float) -> tuple[str, Any]:
     for path in paths:
         request = urllib.request.Request(url.rstrip("/") + path, method="GET", headers={"accept": "application/json"})
         try:
-            with _OPENER.open(request, timeout=timeout) as response:
+            # what answers at the worker URL itself, never where a redirect points
+            with NO_REDIRECTS.open(request, timeout=timeout) as response:
                 status, body = response.status, response.read(1 << 22)
         except urllib.error.HTTPError as error:
             status, body = error.code, b""
@@ -161,7 +155,7 @@ def _read_info(url: str, paths: list[str], timeout: float) -> tuple[str, Any]:
 def _shown(key: str, value: Any) -> str:
     if value is _ABSENT:
         return "none"
-    return "***" if _SECRET_KEY.search(key) else json.dumps(value)[:80]
+    return "***" if redact.names_a_secret(key) else json.dumps(value)[:80]
 
 
 def _what(document: Mapping[str, Any]) -> str:

@@ -40,8 +40,8 @@ from typing import Any
 
 from gpugate.rules import redact
 
-__all__ = ["RouterError", "SmgClient", "in_flight", "in_flight_from_metrics", "same_url", "healthy_peers",
-           "rejoin_body"]
+__all__ = ["RouterError", "SmgClient", "in_flight", "in_flight_from_metrics", "same_url", "worker_url_key",
+           "healthy_peers", "rejoin_body", "NO_REDIRECTS"]
 
 REQUEST_TIMEOUT_S = 5.0
 
@@ -54,7 +54,7 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-_OPENER = urllib.request.build_opener(_NoRedirect)
+NO_REDIRECTS = urllib.request.build_opener(_NoRedirect)  # every request to a router or a worker URL
 _CONTROL_NAMES = {"\r": "CR", "\n": "LF", "\0": "NUL", "\t": "TAB", "\x7f": "DEL"}
 
 
@@ -88,18 +88,39 @@ class RouterError(RuntimeError):
         self.unreachable = unreachable
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def worker_url_key(url: str) -> str:
+    """A URL as a router reaches it, whatever way it is written: scheme and host in lower case, the
+    scheme's default port made explicit, no trailing slash (two spellings of one URL reach one server).
+
+    >>> worker_url_key("HTTP://Node-1.example/"), worker_url_key("http://node-1.example:80")
+    ('http://node-1.example:80', 'http://node-1.example:80')
+    >>> worker_url_key("https://[FD00::5]/v1/"), worker_url_key("http://10.0.0.5:30000")
+    ('https://[fd00::5]:443/v1', 'http://10.0.0.5:30000')
+    """
+    text = str(url or "").strip()
+    try:
+        parts = urllib.parse.urlsplit(text)
+        scheme = parts.scheme.lower()
+        host = (parts.hostname or "").lower()
+        port = parts.port or _DEFAULT_PORTS.get(scheme)
+    except ValueError:  # not a URL the settings let through; compare it as written, in lower case
+        return text.rstrip("/").lower()
+    where = f"[{host}]" if ":" in host else host
+    query = f"?{parts.query}" if parts.query else ""
+    return f"{scheme}://{where}{f':{port}' if port else ''}{parts.path.rstrip('/')}{query}"
+
+
 def same_url(a: str | None, b: str | None) -> bool:
-    """Worker URLs compared as smg keeps them (no trailing slash, scheme and host in any case).
+    """Worker URLs compared by :func:`worker_url_key` (smg keeps them as registered: no trailing
+    slash, scheme and host in any case, the default port written or not).
 
     >>> same_url("http://127.0.0.1:31129/", "HTTP://127.0.0.1:31129"), same_url("http://a:1", "http://a:2")
     (True, False)
     """
-    def norm(url: str | None) -> str:
-        text = (url or "").strip().rstrip("/")
-        scheme, _, rest = text.partition("://")
-        host, slash, path = rest.partition("/")
-        return f"{scheme.lower()}://{host.lower()}{slash}{path}"
-    return bool(a) and bool(b) and norm(a) == norm(b)
+    return bool(a) and bool(b) and worker_url_key(str(a)) == worker_url_key(str(b))
 
 
 def healthy_peers(workers: Sequence[Mapping[str, Any]], model_id: str | None, url: str) -> list[str]:
@@ -233,7 +254,7 @@ class SmgClient:
         return RouterError(redact.mask_values(message, [key]), unreachable=unreachable)
 
     def _open(self, request: urllib.request.Request, timeout: float) -> Any:
-        return _OPENER.open(request, timeout=timeout)
+        return NO_REDIRECTS.open(request, timeout=timeout)
 
     def _request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> tuple[int, Any]:
         headers = {"accept": "application/json"}

@@ -26,8 +26,8 @@ ALWAYS_MASKED_FLAGS = ("api-key", "admin-api-key")
 ALWAYS_MASKED_OPTIONS = tuple("--" + name for name in ALWAYS_MASKED_FLAGS)
 
 # A key of a JSON-valued flag that names a secret (``{"hf_token": ...}`` in
-# --model-loader-extra-config): the whole value is then secret.
-SECRET_KEY_WORDS = ("token", "key", "secret", "password", "credential", "auth")
+# --model-loader-extra-config): the whole value is then secret. "passw": password and passwd.
+SECRET_KEY_WORDS = ("token", "key", "secret", "passw", "credential", "auth")
 # ``name=value`` shapes in free text (SGLang prints its ServerArgs) whose value is masked.
 SECRET_WORDS = ("api_key", "admin_api_key", "token", "password", "secret")
 MIN_SECRET_TEXT = 6  # shorter values are never masked as secrets: "root", "1", "true" would mangle every line
@@ -81,6 +81,16 @@ def is_secret_name(name: str) -> bool:
     return name in SECRET_FLAGS or bool(_SECRET_NAME.search(name))
 
 
+def names_a_secret(key: Any) -> bool:
+    """Whether a document's key names a secret (SECRET_KEY_WORDS, in any case).
+
+    >>> names_a_secret("hf_token"), names_a_secret("DB_Passwd"), names_a_secret("model_path")
+    (True, True, False)
+    """
+    text = str(key).lower()
+    return any(word in text for word in SECRET_KEY_WORDS)
+
+
 def json_holds_secret(value: Any) -> bool:
     """Whether a JSON document (or its text) has a key, at any depth, naming a secret
     (token, key, secret, password, credential, auth; any case, anywhere in the key).
@@ -96,8 +106,7 @@ def json_holds_secret(value: Any) -> bool:
         except ValueError:
             return False
     if isinstance(value, Mapping):
-        return any(any(word in str(key).lower() for word in SECRET_KEY_WORDS) or json_holds_secret(item)
-                   for key, item in value.items())
+        return any(names_a_secret(key) or json_holds_secret(item) for key, item in value.items())
     if isinstance(value, (list, tuple)):
         return any(json_holds_secret(item) for item in value)
     return False

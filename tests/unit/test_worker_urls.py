@@ -14,7 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from gpugate import router
-from gpugate.claims import routes_of_inventory, shared_worker_urls, worker_url_key
+from gpugate.claims import routes_of_inventory, shared_worker_urls
+from gpugate.router.smg import worker_url_key
 from gpugate.fleet import FleetError, fleet_to_inventory, load_fleet
 from gpugate.spec import Routing
 
