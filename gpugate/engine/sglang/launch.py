@@ -28,6 +28,7 @@ from gpugate.engine import FlagError, Launch, ServerInputs
 from gpugate.engine.sglang import flags as sglang_flags
 from gpugate.engine.sglang import gpus as sglang_gpus
 from gpugate.engine.sglang import weight_cache
+from gpugate.rules.redact import SECRET_MASK
 
 # the flags the GPU set is made of (gpu_set)
 GPU_SET_FLAGS = ("tp-size", "pp-size", "dp-size", "enable-dp-attention", "nnodes", "base-gpu-id", "gpu-id-step")
@@ -193,7 +194,5 @@ def redact_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
     >>> redact_flags({"tp-size": 8, "api-key": "sk-1", "model-loader-extra-config": '{"hf_token":"hf_1"}'})
     {'tp-size': 8, 'api-key': '***', 'model-loader-extra-config': '***'}
     """
-    from gpugate.rules.redact import SECRET_MASK  # noqa: PLC0415
-
     return {name: SECRET_MASK if value not in (None, False) and sglang_flags.is_secret_value(name, value) else value
             for name, value in flags.items()}
