@@ -94,12 +94,16 @@ def start(lab_dir: Path, containers: list[tuple[str, int, int]], pick_port) -> d
     state: dict = {"ports": ports, "targets": targets}
     smg_alive = _alive(old.get("smg_pid"), "smg")
     state["smg_port"] = old["smg_port"] if smg_alive else pick_port(old.get("smg_port"))
+    # smg's Prometheus server binds 0.0.0.0:29000 unless told: two labs at once (CI, helpers) collided
+    # there ("Address already in use": smg exits), and the lab listens on loopback only
+    state["smg_metrics_port"] = old.get("smg_metrics_port") if smg_alive else pick_port(old.get("smg_metrics_port"))
     if smg_alive:
         state["smg_pid"] = old["smg_pid"]
     else:
         with open(rdir / "smg.log", "ab") as log:
             proc = subprocess.Popen(
                 [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(state["smg_port"]),
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(state["smg_metrics_port"]),
                  "--health-check-interval-secs", str(SMG_HEALTH_INTERVAL_S), "--health-success-threshold", "1",
                  "--log-level", "warn", *shlex.split(os.environ.get("GPUGATE_LAB_SMG_ARGS", ""))],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
