@@ -74,6 +74,9 @@ def _asked(module: ModuleType, name: str) -> Any:
         return getattr(module, name)
     if name == "is_server_part":  # main or worker, by the same engine's own tests
         return lambda argv: _asked(module, "is_main_argv")(argv) or _asked(module, "is_worker_argv")(argv)
+    if name in ("generation_request", "read_info"):  # the default reads the engine's own paths
+        default = getattr(interface, "default_" + name)
+        return lambda *args: default(module, *args)
     return getattr(interface, name)
 
 

@@ -17,7 +17,7 @@ from gpugate.rules.procfs import read_file
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
-    from typing import Any, Dict, Iterable, List, Set, Tuple
+    from typing import Any, Dict, Iterable, List, Sequence, Set, Tuple
 
     Table = Dict[int, Dict[str, Any]]  # procfs.table()
 
@@ -145,10 +145,10 @@ def _connect(host: str, port: int, timeout: float) -> Any:
 
 
 def http_get(host: str | None, port: int, path: str, timeout: float = 3.0, token: str | None = None,
-             method: str = "GET") -> Tuple[int | None, str]:
+             method: str = "GET", body: bytes | None = None) -> Tuple[int | None, str]:
     """(status, body) or (None, error text). 503 is an answer, not an error. ``token``: the
     server's --api-key / --admin-api-key, sent as a bearer token (never printed). ``method``
-    POST sends an empty body (gated launch's ``POST /gate/activate``)."""
+    POST sends ``body`` as JSON, or an empty body (gated launch's ``POST /gate/activate``)."""
     deadline = time.time() + timeout
     try:
         conn = _connect(connect_host(host), int(port), timeout)
@@ -156,9 +156,10 @@ def http_get(host: str | None, port: int, path: str, timeout: float = 3.0, token
         return None, "%s: %s" % (type(error).__name__, error)
     try:
         auth = "Authorization: Bearer %s\r\n" % token if token else ""
-        length = "Content-Length: 0\r\n" if method == "POST" else ""
+        length = ("Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body) if body is not None
+                  else "Content-Length: 0\r\n" if method == "POST" else "")
         conn.sendall(("%s %s HTTP/1.0\r\nHost: 127.0.0.1:%d\r\n%s%sConnection: close\r\n\r\n"
-                      % (method, path, int(port), auth, length)).encode())
+                      % (method, path, int(port), auth, length)).encode() + (body or b""))
         chunks: List[bytes] = []
         size = 0
         while size < 4 * 1024 * 1024:
@@ -186,19 +187,22 @@ def http_get(host: str | None, port: int, path: str, timeout: float = 3.0, token
     return int(parts[1]), body.decode("utf-8", "replace")
 
 
-def generation(host: str | None, port: int, timeout: float = 30.0, token: str | None = None) -> Tuple[int | None, str]:
-    """A real generation through the engine's GET that proves one (``GENERATE_PATH``): (status,
-    error); an engine without one: its health."""
-    return http_get(host, port, engine.GENERATE_PATH or engine.HEALTH_PATH, timeout, token)
+def generation(host: str | None, port: int, timeout: float = 30.0, token: str | None = None,
+               argv: Sequence[str] | None = None) -> Tuple[int | None, str]:
+    """A real generation, the request the engine says proves one (``generation_request`` of the
+    server's ``argv``: SGLang's ``GET /health_generate``, vLLM's 1-token completion): (status,
+    error)."""
+    method, path, body = engine.generation_request(argv)
+    return http_get(host, port, path, timeout, token, method=method, body=body)
 
 
 def health(host: str | None, port: int, generate: bool = False, timeout: float = 3.0, generate_timeout: float = 30.0,
-           token: str | None = None) -> Dict[str, Any]:
+           token: str | None = None, argv: Sequence[str] | None = None) -> Dict[str, Any]:
     status, error = http_get(host, port, engine.HEALTH_PATH, timeout, token)
     doc: Dict[str, Any] = {"health": status, "health_error": error if status is None else None,
            "health_generate": None, "health_generate_error": None}
     if generate and status == 200:
-        code, error = generation(host, port, generate_timeout, token)
+        code, error = generation(host, port, generate_timeout, token, argv)
         doc["health_generate"] = code
         doc["health_generate_error"] = error if code is None else None
     return doc
@@ -206,25 +210,13 @@ def health(host: str | None, port: int, generate: bool = False, timeout: float =
 
 def server_info(host: str | None, port: int, timeout: float = 3.0, keys: Iterable[str] | None = None,
                 token: str | None = None) -> Dict[str, Any]:
-    """The engine's info document (the first of its ``INFO_PATHS`` that answers): the resolved
-    args, or an error (``status`` 401/403: the admin key is needed and we do not have it)."""
-    for path in engine.INFO_PATHS:
-        status, body = http_get(host, port, path, timeout, token)
-        if status in (401, 403):
-            return {"path": path, "error": "unauthorized (%d)" % status, "status": status, "args": None}
-        if status == 200:
-            try:
-                info = json.loads(body)
-            except ValueError:
-                return {"path": path, "error": "not JSON", "args": None}
-            if not isinstance(info, dict):
-                return {"path": path, "error": "not an object", "args": None}
-            if keys is not None:
-                info = dict((key, info[key]) for key in keys if key in info)
-            return {"path": path, "error": None, "args": info}
-        if status is None:
-            return {"path": path, "error": body, "args": None}
-    return {"path": None, "error": "no server info endpoint answered", "args": None}
+    """The engine's info document (its ``read_info``: SGLang's first of ``INFO_PATHS`` that
+    answers, vLLM's models, version and metrics): the resolved args, or an error (``status``
+    401/403: the admin key is needed and we do not have it)."""
+    info = engine.read_info(lambda path: http_get(host, port, path, timeout, token))
+    if keys is not None and isinstance(info.get("args"), dict):
+        info["args"] = dict((key, info["args"][key]) for key in keys if key in info["args"])
+    return info
 
 
 def own_pids(table: Table) -> Set[int]:

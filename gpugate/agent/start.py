@@ -415,7 +415,7 @@ class Start(object):
                         ctx.event("load", "progress", target=target, port=port, state="generating",
                                   elapsed_s=round(time.time() - began, 1), quiet_s=ctx.budget("generate_timeout_s"))
                     generated, error = server.generation(host, port, ctx.budget("generate_timeout_s"),
-                                                        engine.argv_token(spec["argv"]))
+                                                        engine.argv_token(spec["argv"]), spec["argv"])
                     if generated == 200:
                         ctx.event("load", "end", target=target, port=port, state="ready",
                                   elapsed_s=round(time.time() - began, 2))

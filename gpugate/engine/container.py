@@ -24,6 +24,10 @@ the engine's module leaves out, so an engine defines only what is its own. The n
 ``SHM_PREFIXES``   the /dev/shm segments its servers leave behind on a SIGKILL
 ``HEALTH_PATH``, ``GENERATE_PATH``, ``INFO_PATHS``: health, a GET that proves a real generation,
                    the info documents (first that answers) verified after a start
+``generation_request(argv)``: (method, path, JSON body or None) of a real generation (default:
+                   ``GET GENERATE_PATH``; vLLM: a 1-token ``POST /v1/completions``)
+``read_info(get)``: the info document, flat (default: the first of ``INFO_PATHS`` that answers;
+                   ``get(path)`` -> (status, body))
 ``INFO_KEYS``, ``CAPACITY_KEYS``: what observe and the start keep of the info document
 ``engine_version()``: the installed release, read without importing it (None: not installed)
 ``flag_table_key()``: the key of the container's own flag table (None: the engine has none)
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
-    from typing import Dict, List, Mapping, Optional, Sequence
+    from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 DEFAULT_PORT = 8000
 LABEL = "the server"
@@ -112,6 +116,35 @@ def is_daemon_argv(argv: Sequence[str] | None) -> bool:
 
 def model_config_sha256(model_path: str | None) -> str | None:
     return None
+
+
+# The defaults of ``generation_request`` and ``read_info`` read the engine's own constants: the agent
+# passes the engine's module first (gpugate.agent.engine binds it).
+def default_generation_request(module: Any, argv: Sequence[str] | None) -> Tuple[str, str, Optional[bytes]]:
+    """``GET GENERATE_PATH`` (an engine without one: its health)."""
+    path = getattr(module, "GENERATE_PATH", GENERATE_PATH) or getattr(module, "HEALTH_PATH", HEALTH_PATH)
+    return "GET", str(path), None
+
+
+def default_read_info(module: Any, get: Callable[[str], Tuple[Optional[int], str]]) -> Dict[str, Any]:
+    """The first of the engine's ``INFO_PATHS`` that answers, parsed: {"path", "error", "status", "args"}."""
+    import json  # noqa: PLC0415
+
+    for path in getattr(module, "INFO_PATHS", INFO_PATHS):
+        status, body = get(path)
+        if status in (401, 403):
+            return {"path": path, "error": "unauthorized (%d)" % status, "status": status, "args": None}
+        if status == 200:
+            try:
+                info = json.loads(body)
+            except ValueError:
+                return {"path": path, "error": "not JSON", "args": None}
+            if not isinstance(info, dict):
+                return {"path": path, "error": "not an object", "args": None}
+            return {"path": path, "error": None, "args": info}
+        if status is None:
+            return {"path": path, "error": body, "args": None}
+    return {"path": None, "error": "no server info endpoint answered", "args": None}
 
 
 def modules() -> Dict[str, str]:

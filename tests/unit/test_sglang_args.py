@@ -61,7 +61,7 @@ def test_unknown_flag_without_any_close_match_says_so_plainly():
 
 
 def test_the_snapshots_are_sglangs_own_tables():
-    # What SGLang's parser declared (scripts/sglang_flags_snapshot.py), not a list written here.
+    # What SGLang's parser declared (scripts/flags_snapshot.py sglang), not a list written here.
     new, old = load_snapshot("0.5.23"), load_snapshot("0.5.10")
     assert (new.option_count, old.option_count) == (559, 365)
     assert new.specs["kv-cache-dtype"].choices == ("auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16",

@@ -15,14 +15,24 @@ Example::
 
 from __future__ import annotations
 
-from gpugate.engine.sglang.installed import flag_table_key, torch_version
-from gpugate.engine.sglang.installed import sglang_version as engine_version
+from gpugate.engine import installed
+from gpugate.engine.installed import torch_version
 from gpugate.engine.sglang.processes import (
     CAPACITY_KEYS, DEFAULT_PORT, INFO_KEYS, SHM_PREFIXES, adopted_env, argv_host, argv_model, argv_port, argv_token,
     is_client_argv, is_main_argv, is_scheduler_argv, is_server_part, is_worker_argv, server_gpus)
 from gpugate.engine.sglang.weight_cache import (
     READY_TEMPLATE_ENV, SOCKET_TEMPLATE_ENV, cache_key, config_summary, file_paths, gated_argv, is_daemon_argv,
     key_changes, model_config_sha256, parse_ready, steady_argv)
+
+def engine_version():
+    """The installed SGLang's release, read without importing it."""
+    return installed.package_version("sglang")
+
+
+def flag_table_key():
+    """The key of the container's own SGLang flag table (gpugate/engine/sglang/table_builder.py)."""
+    return installed.flag_table_key("sglang", "sglang/srt/server_args.py", "/var/lib/gpugate/sglang-flags")
+
 
 def expected_workers(gpus):
     """One scheduler per rank: one per GPU the server uses (None: the GPUs cannot be told)."""

@@ -26,7 +26,7 @@ from typing import Any
 
 from gpugate.engine import FlagError, Launch, ServerInputs
 from gpugate.engine.sglang import flags as sglang_flags
-from gpugate.engine.sglang import gpus as sglang_gpus
+from gpugate.engine import gpus as sglang_gpus
 from gpugate.engine.sglang import weight_cache
 from gpugate.rules.redact import SECRET_MASK
 

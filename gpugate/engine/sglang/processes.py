@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-from gpugate.engine.sglang import gpus as rules_gpus
-from gpugate.rules.procfs import CLEAN_PATH
+from gpugate.engine import gpus as rules_gpus
+from gpugate.engine.argv import adopt_env, flag_int, flag_value, python_module
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
@@ -33,49 +33,6 @@ ADOPT_ENV_PREFIXES = ("SGLANG_", "SGL_", "CUDA_", "NCCL_", "NVIDIA_", "HF_", "HU
                       "PYTORCH_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "MKL_", "TRITON_", "FLASHINFER_",
                       "NVSHMEM_", "UCX_", "GLOO_", "MASTER_")
 ADOPT_ENV_NAMES = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "VIRTUAL_ENV")
-SESSION_ENV_NAMES = ("USER", "HOME", "LOGNAME", "SHELL", "TERM", "PWD", "OLDPWD", "SHLVL", "MAIL", "LANG",
-                     "LANGUAGE", "_", "MOTD_SHOWN", "HOSTNAME", "DISPLAY", "COLORTERM", "LS_COLORS", "EDITOR")
-SESSION_ENV_PREFIXES = ("SSH_", "XDG_", "GPUGATE_", "LC_", "DBUS_", "TMUX", "STY", "WINDOW", "LESS")
-
-
-def flag_value(argv: Sequence[str], *names: str) -> str | None:
-    """The last value given for any of ``names`` (``--x v`` or ``--x=v``), else None.
-
-    >>> flag_value(["--port", "1", "--port=2"], "--port")
-    '2'
-    """
-    value = None
-    for index, arg in enumerate(argv):
-        for name in names:
-            if arg == name and index + 1 < len(argv):
-                value = argv[index + 1]
-            elif arg.startswith(name + "="):
-                value = arg[len(name) + 1:]
-    return value
-
-
-def flag_int(argv: Sequence[str], default: int, *names: str) -> int:
-    value = flag_value(argv, *names)
-    try:
-        return int(value) if value is not None else default
-    except ValueError:
-        return default
-
-
-def python_module(argv: Sequence[str]) -> str | None:
-    """``-m <module>`` of a python argv (within its first options), else None.
-
-    >>> python_module(["python3", "-m", "sglang.launch_server"]), python_module(["sleep", "-m", "x"])
-    ('sglang.launch_server', None)
-    """
-    if not argv or not os.path.basename(argv[0]).startswith("python"):
-        return None
-    for index, part in enumerate(argv[1:5], start=1):
-        if part == "-m" and index + 1 < len(argv):
-            return argv[index + 1]
-        if part.startswith("-m") and len(part) > 2:
-            return part[2:]
-    return None
 
 
 def is_main_argv(argv: Sequence[str] | None) -> bool:
@@ -149,7 +106,7 @@ def argv_model(argv: Sequence[str]) -> str | None:
 
 def server_gpus(argv: Sequence[str], env: Mapping[str, str] | None = None,
                 uuids: Sequence[str | None] | None = None) -> list[int] | None:
-    """The GPUs a server uses, from its flags and environment (gpugate.engine.sglang.gpus.gpu_set). None
+    """The GPUs a server uses, from its flags and environment (gpugate.engine.gpus.gpu_set). None
     when they cannot be told (a UUID we cannot map).
 
     >>> server_gpus(["python3", "-m", "sglang.launch_server", "--tp", "4", "--base-gpu-id", "4"])
@@ -169,25 +126,10 @@ def server_gpus(argv: Sequence[str], env: Mapping[str, str] | None = None,
 
 def adopted_env(environ: Mapping[str, str] | None, keep_names: Sequence[str] = (),
                 argv: Sequence[str] | None = None) -> Dict[str, str]:
-    """The part of a server's environment that a record of a server we did not start keeps (and a
-    rollback to it gets): names SGLang and its libraries read (ADOPT_ENV_PREFIXES, ADOPT_ENV_NAMES)
-    and ``keep_names`` (the desired spec's env names); never the login session's (USER, SSH_*,
-    GPUGATE_*...), and PATH only when argv[0] is found through it (the clean PATH is set anyway).
+    """What an adopted SGLang server's environment keeps (gpugate.engine.argv.adopt_env): the names
+    SGLang and its libraries read.
 
     >>> adopted_env({"USER": "root", "SSH_CLIENT": "10.0.0.1 5 22", "HF_TOKEN": "hf-x", "FOO": "1"}, ["FOO"])
     {'FOO': '1', 'HF_TOKEN': 'hf-x'}
     """
-    keep = set(keep_names or ())
-    kept = {}
-    for name, value in sorted((environ or {}).items()):
-        if name.startswith(("SSH_", "GPUGATE_")):
-            continue  # the session that started it, and gpugate's own: never what the server needs
-        if name in keep:
-            kept[name] = value
-        elif name in SESSION_ENV_NAMES or name.startswith(SESSION_ENV_PREFIXES):
-            continue
-        elif name.startswith(ADOPT_ENV_PREFIXES) or name in ADOPT_ENV_NAMES:
-            kept[name] = value
-        elif name == "PATH" and argv and "/" not in argv[0] and value != CLEAN_PATH:
-            kept[name] = value  # a relative argv[0] ("python3") is found through it: a venv's python
-    return kept
+    return adopt_env(environ, keep_names, argv, ADOPT_ENV_PREFIXES, ADOPT_ENV_NAMES)

@@ -2,7 +2,7 @@
 
 ``ServerArgs.add_cli_args(parser)`` declares exactly the actions of one SGLang release, read from
 ``flag_table.json`` beside this file: a snapshot made from that release's wheel by
-scripts/sglang_flags_snapshot.py (gpugate/engine/sglang/flagtables/sglang-<version>.json), installed by
+scripts/flags_snapshot.py sglang (gpugate/engine/sglang/flagtables/sglang-<version>.json), installed by
 ``gpugate lab up --sglang-version``. Never gpugate's own validation (gpugate/engine/sglang/flags.py): the
 stand-in and gpugate read the same snapshot through different code, so when gpugate lets a flag
 through that this SGLang refuses, the stand-in refuses it as SGLang would (argparse's message, exit 2).

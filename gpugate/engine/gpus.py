@@ -1,7 +1,10 @@
-"""The GPU set rule: which GPUs (as the container numbers them) a server's ranks use.
+"""The GPU set rule: which GPUs (as the container numbers them) a server's ranks use: rank i on
+device ``base + i*step`` of the devices CUDA_VISIBLE_DEVICES shows (SGLang's --base-gpu-id and
+--gpu-id-step; vLLM places ranks from device 0 of what CUDA_VISIBLE_DEVICES shows).
 
-One function for both sides: the controller (gpugate.engine.sglang.launch, from flags) and the agent
-(gpugate.engine.sglang.processes.server_gpus, from a running argv) read their numbers and call it.
+One function for both sides of each engine: the controller (the engine's launch, from flags) and the
+agent (the engine's container module's ``server_gpus``, from a running argv) read their numbers and
+call it. Stdlib only: bundled into the agent.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class GpuSetError(ValueError):
 def gpu_set(tp: int = 1, pp: int = 1, dp: int = 1, dp_attention: bool = False, nnodes: int = 1,
             base_gpu_id: int = 0, gpu_id_step: int = 1, visible: str | None = None,
             uuids: Sequence[str | None] | None = None) -> list[int]:
-    """GPU indexes as SGLang assigns them: ``tp x pp x dp`` ranks (dp counts only without
+    """GPU indexes as the engines assign them: ``tp x pp x dp`` ranks (dp counts only without
     dp-attention: with it the DP ranks share the TP GPUs), divided over ``nnodes``, from
     ``base_gpu_id`` every ``gpu_id_step``, then mapped through ``visible``
     (CUDA_VISIBLE_DEVICES): an index entry is taken as is, a UUID through ``uuids`` (the GPUs'

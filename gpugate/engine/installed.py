@@ -1,6 +1,7 @@
-"""The SGLang installed in the container, read from its files without importing it: its version
+"""An engine installed in the container, read from its files without importing it: its version
 (dist-info METADATA, else the source tree's version.py) and the key of its flag table (the name
-gpugate/engine/sglang/table_builder.py's ``collect`` gives it). Stdlib only: bundled into the agent.
+its table_builder.py's ``collect`` gives it: gpugate/engine/argparse_table.py). Stdlib only:
+bundled into the agent with the engines' container modules, which bind it to their package.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ import sys
 from gpugate.rules.procfs import read_file
 from gpugate.rules.redact import sha256
 
-FLAG_TABLE_DIR = "/var/lib/gpugate/sglang-flags"  # gpugate/engine/sglang/table_builder.py's CACHE_DIR
 
 
-def _dist_info_version(directory, name, package="sglang"):
+def _dist_info_version(directory, name, package):
     """The version a ``<package>-*.dist-info`` (or ``.egg-info``) entry of ``directory`` declares, else None."""
     lower = name.lower()
     if not (lower.startswith(package + "-") and (lower.endswith(".dist-info") or lower.endswith(".egg-info"))):
@@ -41,16 +41,16 @@ def _path_listings():
             continue
 
 
-def sglang_version():
-    """The installed SGLang's version from its dist-info/egg-info METADATA (never imports sglang)."""
+def package_version(package):
+    """The installed ``package``'s version from its dist-info/egg-info METADATA (never imports it)."""
     for directory, names in _path_listings():
         for name in names:
-            version = _dist_info_version(directory, name)
+            version = _dist_info_version(directory, name, package)
             if version is not None:
                 return version
-        if "sglang" in names:  # a source tree or the lab's stand-in: version.py, without importing
+        if package in names:  # a source tree or the lab's stand-in: version.py, without importing
             for candidate in ("version.py", "__init__.py"):
-                text = read_file(os.path.join(directory, "sglang", candidate)) or ""
+                text = read_file(os.path.join(directory, package, candidate)) or ""
                 match = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
                 if match:
                     return match.group(1)
@@ -68,24 +68,25 @@ def torch_version():
     return None
 
 
-def flag_table_key():
-    """The name gpugate/engine/sglang/table_builder.py's ``collect`` gives the container's SGLang flag table,
-    found the same way (sys.path order: the first ``sglang-*.dist-info`` version, else "unknown"; the
-    first ``sglang/srt/server_args.py``, hashed) without importing anything, so that a controller
+def flag_table_key(package, source, table_dir):
+    """The name the engine's table_builder.py's ``collect`` gives the container's flag table of
+    ``package``, found the same way (sys.path order: the first ``<package>-*.dist-info`` version,
+    else "unknown"; the first ``source``, e.g. ``sglang/srt/server_args.py``, hashed) without
+    importing anything, so that a controller
     that already has that table needs no command of its own for it (issue 13). ->
     ``{"version", "server_args_sha256", "key", "cached"}``, or None without server_args.py.
 
-    >>> flag_table_key()["key"]   # doctest: +SKIP
+    >>> flag_table_key("sglang", "sglang/srt/server_args.py", "/var/lib/gpugate/sglang-flags")["key"]  # doctest: +SKIP
     '0.5.23-3f2a9c0d1e7b4a55'
     """
     version, server_args = None, None
     for directory, names in _path_listings():
         for name in sorted(names) if version is None else ():
-            version = _dist_info_version(directory, name)
+            version = _dist_info_version(directory, name, package)
             if version is not None:
                 break
-        if server_args is None and "sglang" in names:
-            candidate = os.path.join(directory, "sglang", "srt", "server_args.py")
+        if server_args is None and package in names:
+            candidate = os.path.join(directory, *source.split("/"))
             if os.path.isfile(candidate):
                 server_args = candidate
     if server_args is None:
@@ -97,4 +98,4 @@ def flag_table_key():
     safe = "".join(c if c.isalnum() or c in ".+-_" else "_" for c in str(version or "unknown"))
     key = "%s-%s" % (safe, digest[:16])
     return {"version": version, "server_args_sha256": digest, "key": key,
-            "cached": os.path.isfile(os.path.join(FLAG_TABLE_DIR, key + ".json"))}
+            "cached": os.path.isfile(os.path.join(table_dir, key + ".json"))}

@@ -1,24 +1,26 @@
 #!/usr/bin/env python3
-"""Make gpugate's snapshot of SGLang's flags for one release, from the real wheel on PyPI.
+"""Make gpugate's snapshot of an engine's flags for one release, from the real wheel on PyPI.
 
-    python3 scripts/sglang_flags_snapshot.py 0.5.23 [--torch SPEC] [--out gpugate/engine/sglang/flagtables]
+    python3 scripts/flags_snapshot.py sglang 0.5.23 [--torch SPEC] [--out gpugate/engine/sglang/flagtables]
+    python3 scripts/flags_snapshot.py vllm 0.33.0 --torch torch==2.13.0
 
-1. ``pip download sglang==VERSION --no-deps``: the real wheel.
-2. Unpack it into a temporary target and run gpugate/engine/sglang/table_builder.py there (the builder that
-   runs in containers): it imports ``sglang.srt.server_args`` and calls SGLang's own
-   ``ServerArgs.add_cli_args(argparse.ArgumentParser())``.
+1. ``pip download ENGINE==VERSION --no-deps``: the real wheel.
+2. Unpack it into a temporary target and run gpugate/engine/ENGINE/table_builder.py there (the builder
+   that runs in containers): SGLang's imports ``sglang.srt.server_args`` and calls its own
+   ``ServerArgs.add_cli_args(argparse.ArgumentParser())``; vLLM's calls its own
+   ``make_arg_parser(FlexibleArgumentParser())`` (what ``vllm serve`` parses).
 3. Only what that import needs is installed into a second temporary target, one module at a time:
    each ``ModuleNotFoundError`` names the next one; it is installed with pip, pinned as the wheel's
    ``Requires-Dist`` pins it (``--torch`` says where torch comes from: a CPU build is enough, e.g.
    ``--torch /opt/wheels/torch-2.13.0+cpu-...whl``).
-4. The table goes to ``gpugate/engine/sglang/flagtables/sglang-VERSION.json`` with the version, the sha256 of
-   server_args.py, the number of option names, and what was installed and what was stubbed.
+4. The table goes to ``gpugate/engine/ENGINE/flagtables/ENGINE-VERSION.json`` with the version, the sha256 of
+   the parser's source file, the number of option names, and what was installed and what was stubbed.
 
 Every install is ``--no-deps``: a dependency that an import needs shows up as the next missing module
 (or missing package metadata), so nothing but the import chain is installed and pip never replaces
 the given torch with another build.
 
-Stubbed, never installed:
+Stubbed, never installed (``STUBBED``, per engine):
 
 - ``torchvision`` (0.5.10 .. 0.5.1x import ``from torchvision.io import decode_jpeg`` in
   ``sglang/srt/utils/common.py``, for image inputs). PyPI's torchvision is built against a CUDA torch
@@ -52,12 +54,15 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILDER = ROOT / "gpugate" / "engine" / "sglang" / "table_builder.py"
-OUT_DIR = ROOT / "gpugate" / "engine" / "sglang" / "flagtables"
-STUBBED = ("torchvision",)
+CORE = ROOT / "gpugate" / "engine" / "argparse_table.py"
+STUBBED = {"sglang": ("torchvision",), "vllm": ("torchvision",)}
+# vLLM builds parts of its parser from its configs, which infer the device: on a machine without a GPU
+# that fails ("Failed to infer device type") unless vLLM is told it runs on the CPU
+BUILD_ENV = {"vllm": {"VLLM_TARGET_DEVICE": "cpu"}}
 # import name -> distribution name, where they differ
 DISTRIBUTIONS = {"zmq": "pyzmq", "PIL": "pillow", "yaml": "pyyaml", "google": "protobuf", "cv2": "opencv-python",
-                 "sklearn": "scikit-learn", "dateutil": "python-dateutil", "jwt": "pyjwt"}
+                 "sklearn": "scikit-learn", "dateutil": "python-dateutil", "jwt": "pyjwt",
+                 "tvm_ffi": "apache-tvm-ffi"}
 MAX_ROUNDS = 60
 
 # Runs in the build's python: a finder that answers imports of the STUBBED roots with an empty,
@@ -112,7 +117,11 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         pass
 sys.meta_path.insert(0, _Finder())
-sys.argv = [sys.argv[2]] + sys.argv[3:]
+import importlib.util
+_core = importlib.util.spec_from_file_location("gpugate_argparse_table", sys.argv[2])
+sys.modules["gpugate_argparse_table"] = importlib.util.module_from_spec(_core)
+_core.loader.exec_module(sys.modules["gpugate_argparse_table"])
+sys.argv = [sys.argv[3]] + sys.argv[4:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
@@ -127,9 +136,9 @@ def pip(*args: str) -> None:
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
 
 
-def requires_dist(target: Path) -> dict[str, str]:
+def requires_dist(target: Path, engine: str) -> dict[str, str]:
     """distribution name (normalised) -> the wheel's requirement line for it (marker dropped)."""
-    metadata = next(target.glob("sglang-*.dist-info/METADATA"))
+    metadata = next(target.glob(f"{engine}-*.dist-info/METADATA"))
     pins: dict[str, str] = {}
     for line in metadata.read_text().splitlines():
         if not line.startswith("Requires-Dist:"):
@@ -146,22 +155,24 @@ def normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def run_builder(target: Path, deps: Path, stubs: tuple[str, ...]) -> subprocess.CompletedProcess:
-    # PYTHONHASHSEED: SGLang builds some choice lists from sets; a fixed seed keeps their order stable
+def run_builder(target: Path, deps: Path, stubs: tuple[str, ...], builder: Path) -> subprocess.CompletedProcess:
+    # PYTHONHASHSEED: engines build some choice lists from sets; a fixed seed keeps their order stable
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), str(deps)]), PYTHONNOUSERSITE="1",
-               PYTHONHASHSEED="0")
-    return subprocess.run([sys.executable, "-c", _BOOT, ",".join(stubs), str(BUILDER), "--no-cache",
+               PYTHONHASHSEED="0", **BUILD_ENV.get(builder.parent.name, {}))
+    return subprocess.run([sys.executable, "-c", _BOOT, ",".join(stubs), str(CORE), str(builder), "--no-cache",
                            "--help-text", "--source", f"wheel {os.environ.get('SNAPSHOT_WHEEL', '')}"],
                           env=env, capture_output=True, text=True)
 
 
-def build_table(target: Path, deps: Path, torch: str, stubs: tuple[str, ...]) -> tuple[dict, list[str]]:
-    pins = requires_dist(target)
+def build_table(target: Path, deps: Path, torch: str, engine: str) -> tuple[dict, list[str]]:
+    pins = requires_dist(target, engine)
+    builder = ROOT / "gpugate" / "engine" / engine / "table_builder.py"
+    stubs = STUBBED.get(engine, ())
     record = deps / ".installed-modules.json"  # survives a rerun with the same --work
     installed: list[str] = json.loads(record.read_text()) if record.is_file() else []
     for _round in range(MAX_ROUNDS):
         began = time.monotonic()
-        result = run_builder(target, deps, stubs)
+        result = run_builder(target, deps, stubs, builder)
         if result.returncode == 0:
             table = json.loads(result.stdout.strip().splitlines()[-1])
             say(f"table built in {time.monotonic() - began:.1f} s ({table['option_count']} option names)")
@@ -169,11 +180,12 @@ def build_table(target: Path, deps: Path, torch: str, stubs: tuple[str, ...]) ->
         missing = re.findall(r"No module named '([^']+)'", result.stderr)
         metadata = re.findall(r"No package metadata was found for ([A-Za-z0-9_.\-]+)", result.stderr)
         wrong = re.findall(r"(\S+) is required for a normal functioning of this module, but found", result.stderr)
-        if wrong and not missing:
+        wrong += re.findall(r"The '([^']+)' distribution was not found and is required", result.stderr)
+        if wrong and (not missing or "distribution was not found" in result.stderr):
             # transformers checks its own dependencies' versions at import: install what it asks
             if wrong[-1] in installed:
                 raise SystemExit(f"installed {wrong[-1]} and still:\n" + result.stderr[-2000:])
-            say(f"server_args needs {wrong[-1]}: installing it")
+            say(f"the parser needs {wrong[-1]}: installing it")
             name = normalise(re.split(r"[<>=!~\[]", wrong[-1], maxsplit=1)[0]).replace("-", "_")
             for old in deps.iterdir():  # pip --target keeps the old dist-info beside the new one
                 if normalise(old.name.split("-")[0]).replace("-", "_") == name or old.name == name:
@@ -189,10 +201,10 @@ def build_table(target: Path, deps: Path, torch: str, stubs: tuple[str, ...]) ->
             module = distribution = metadata[-1]
         else:
             raise SystemExit("the builder failed:\n" + result.stderr[-4000:])
-        if module == "sglang" or module in installed:
+        if module == engine or module in installed:
             raise SystemExit(f"cannot import {module!r} although it was installed:\n" + result.stderr[-3000:])
         requirement = torch if module == "torch" else pins.get(normalise(distribution), distribution)
-        say(f"server_args needs {module!r}: installing {requirement}")
+        say(f"the parser needs {module!r}: installing {requirement}")
         pip("install", "--quiet", "--no-deps", "--target", str(deps), requirement)
         installed.append(module)
         record.write_text(json.dumps(installed))
@@ -208,35 +220,39 @@ def _comparable(actions: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("version", help="the SGLang release, e.g. 0.5.23")
+    parser.add_argument("engine", choices=sorted(STUBBED), help="the engine: its package on PyPI")
+    parser.add_argument("version", help="the release, e.g. 0.5.23")
     parser.add_argument("--torch", default="torch", help="pip requirement or wheel path for torch (a CPU build is enough)")
-    parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--out", type=Path, default=None, help="default: gpugate/engine/ENGINE/flagtables")
     parser.add_argument("--work", type=Path, default=None, help="keep the downloads and targets here (reused)")
     parser.add_argument("--compare-real", default="", help="also build with these stubbed modules installed, "
                                                          "and fail if the table differs (e.g. triton)")
     args = parser.parse_args(argv)
 
-    work = args.work or Path(tempfile.mkdtemp(prefix="sglang-flags-"))
+    engine, stubbed = args.engine, STUBBED[args.engine]
+    out = args.out or ROOT / "gpugate" / "engine" / engine / "flagtables"
+    work = args.work or Path(tempfile.mkdtemp(prefix=f"{engine}-flags-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         wheels = work / "wheel"
-        if not list(wheels.glob(f"sglang-{args.version}-*.whl")):
-            pip("download", "--quiet", "--no-deps", "--dest", str(wheels), f"sglang=={args.version}")
-        wheel = next(wheels.glob(f"sglang-{args.version}-*.whl"))
+        if not list(wheels.glob(f"{engine}-{args.version}-*.whl")):
+            pip("download", "--quiet", "--no-deps", "--dest", str(wheels), f"{engine}=={args.version}")
+        wheel = next(wheels.glob(f"{engine}-{args.version}-*.whl"))
         os.environ["SNAPSHOT_WHEEL"] = wheel.name
-        target = work / f"sglang-{args.version}"
-        if not (target / "sglang").is_dir():
+        target = work / f"{engine}-{args.version}"
+        if not (target / engine).is_dir():
             with zipfile.ZipFile(wheel) as archive:
                 archive.extractall(target)
         deps = work / "deps"
         deps.mkdir(exist_ok=True)
-        table, installed = build_table(target, deps, args.torch, STUBBED)
+        table, installed = build_table(target, deps, args.torch, engine)
         if args.compare_real:
             real = tuple(m for m in args.compare_real.split(",") if m)
             for module in real:
                 pip("install", "--quiet", "--no-deps", "--target", str(work / "real"), module)
             result = run_builder(target, Path(os.pathsep.join([str(deps), str(work / "real")])),
-                                 tuple(s for s in STUBBED if s not in real))
+                                 tuple(s for s in stubbed if s not in real),
+                                 ROOT / "gpugate" / "engine" / engine / "table_builder.py")
             if result.returncode != 0:
                 raise SystemExit("the build with the real " + ", ".join(real) + " failed:\n" + result.stderr[-3000:])
             other = json.loads(result.stdout.strip().splitlines()[-1])
@@ -246,11 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         table.pop("import_s", None)
         table["source"] = f"wheel {wheel.name} ({wheel.stat().st_size} bytes)"
         table["built_with"] = {"python": sys.version.split()[0], "installed": installed,
-                               "stubbed": list(STUBBED), "script": "scripts/sglang_flags_snapshot.py"}
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"sglang-{args.version}.json"
+                               "stubbed": list(stubbed), "script": f"scripts/flags_snapshot.py {engine}"}
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{engine}-{args.version}.json"
         path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-        say(f"SGLang {args.version}: {table['option_count']} option names, server_args.py sha256 "
+        say(f"{engine} {args.version}: {table['option_count']} option names, parser source sha256 "
             f"{table['server_args_sha256']}")
         print(path)
         return 0
