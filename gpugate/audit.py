@@ -2,7 +2,8 @@
 
 Every event carries the run, the operator, the host and container, the step and what was seen, so that
 after a restart the log alone tells the story (``jq`` reads it line by line). Secret values never reach
-it: keys that name a secret, and the values of any ``env`` mapping, are replaced by ``***``.
+it: keys that name a secret, and the values of an ``env`` mapping whose names name a secret
+(gpugate.rules.redact.names_a_secret), are replaced by ``***``.
 
 Example:
 
@@ -32,6 +33,8 @@ from typing import Any
 
 import structlog
 
+from gpugate.rules.redact import names_a_secret
+
 DEFAULT_AUDIT_LOG = "audit.jsonl"
 REDACTED = "***"
 
@@ -60,7 +63,15 @@ def audit_log_path(path: str | os.PathLike[str] | None = None) -> Path:
 
 
 def redact(value: Any, key: str = "") -> Any:
-    """Return ``value`` with every secret replaced by ``***`` (recursively)."""
+    """Return ``value`` with every secret replaced by ``***`` (recursively). An ``env`` mapping (a
+    history record's: the agent masked its secret values already, the operator's ``secret_env``
+    included) keeps the values that are no secret, by the one rule (redact.names_a_secret).
+
+    >>> redact({"env": {"HF_TOKEN": "hf_1", "SGLANG_LOAD_S": "0.5"}, "api_key": "sk-1"})
+    {'env': {'HF_TOKEN': '***', 'SGLANG_LOAD_S': '0.5'}, 'api_key': '***'}
+    """
+    if key == "env" and isinstance(value, Mapping):
+        return {str(k): REDACTED if names_a_secret(k) or not isinstance(v, str) else v for k, v in value.items()}
     if key and (_SECRET_KEY.search(key) or key == "env"):
         if isinstance(value, Mapping):
             return {str(k): REDACTED for k in value}

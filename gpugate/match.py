@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpugate.engine import DEFAULT_ENGINE, Engine, get as engine
-from gpugate.rules.redact import argv_hash, env_hash
+from gpugate.rules.redact import argv_hash, env_hash, shown_env_value
 from gpugate.spec import Spec, SpecError, gpu_set, resolve_supervisor
 
 __all__ = ["Match", "compare", "VERDICTS", "CacheVerdict", "cache_verdict"]
@@ -196,15 +196,23 @@ def runs_exactly(server: Mapping[str, Any], spec: Spec) -> bool:
 
 
 def env_lines(server: Mapping[str, Any], spec: Spec) -> list[str]:
-    """Env differences, values never shown: against the running process's environment, by hash
-    (names the desired spec sets, and names a good spec had that the desired one drops)."""
+    """Env differences against the running process's environment, by hash (names the desired spec
+    sets, and names a good spec had that the desired one drops), each with the value about to be
+    applied, ``***`` for a name that names a secret (gpugate.rules.redact.names_a_secret: the
+    pattern list and the spec's ``secret_env``).
+
+    >>> from gpugate.spec import build_spec
+    >>> env_lines({"env_hashes": {}}, build_spec("/m", 30000, {}, {"HF_TOKEN": "hf_1", "SGLANG_LOAD_S": "0.5"}))
+    ['+ env HF_TOKEN=***', '+ env SGLANG_LOAD_S=0.5']
+    """
     have = server.get("env_hashes") or {}
     lines = []
     for name, value in sorted(spec.env.items()):
+        shown = shown_env_value(name, value, spec.secret_env)
         if have.get(name) is None:
-            lines.append(f"+ env {name}=***")
+            lines.append(f"+ env {name}={shown}")
         elif have[name] != env_hash(value):
-            lines.append(f"~ env {name}=*** (value changed)")
+            lines.append(f"~ env {name}={shown} (value changed)")
     for name in sorted(set(have) - set(spec.env)):
         if have[name] is not None:
             lines.append(f"- env {name}")

@@ -28,7 +28,7 @@ from gpugate.engine import DEFAULT_ENGINE, get as engine, names
 from gpugate.match import (cache_verdict, command_lines, compare, flag_differences, for_container, interpreter_lines,
                            running_command)
 from gpugate.rules import gate as rules_gate
-from gpugate.rules.redact import argv_hash, env_hash
+from gpugate.rules.redact import SECRET_MASK, argv_hash, env_hash
 from gpugate.spec import Desired, Spec, option_items
 
 OUTCOMES_OK = ("verified",)
@@ -180,11 +180,12 @@ def record_lines(server: Mapping[str, Any], record: Mapping[str, Any]) -> list[s
     lines += flag_differences(running["flags"], target.flags, name)
     have = server.get("env_hashes") or {}
     wanted = record.get("env_hashes") or {}
+    shown = record.get("env") or {}  # the values that are no secret (a record before issue 32 has none: ***)
     for name in sorted(set(have) | set(wanted)):
         if wanted.get(name) is not None and have.get(name) is None:
-            lines.append(f"+ env {name}=***")
+            lines.append(f"+ env {name}={shown.get(name, SECRET_MASK)}")
         elif wanted.get(name) is not None and have.get(name) != wanted[name]:
-            lines.append(f"~ env {name}=*** (value changed)")
+            lines.append(f"~ env {name}={shown.get(name, SECRET_MASK)} (value changed)")
         elif wanted.get(name) is None and have.get(name) is not None:
             lines.append(f"- env {name}")
     if not lines:
@@ -424,24 +425,110 @@ def held_by_other_servers(observation: Mapping[str, Any], port: int, gpus: Itera
         return []
     wanted = set(gpus)
     out = []
-    for stray in (observation.get("sglang") or {}).get("strays") or []:
-        other = stray.get("port")
-        if stray.get("main") and other and other != port and stray.get("gpus") is not None:
-            shared = sorted(wanted & set(stray["gpus"]))
-            if shared:
-                out.append((int(other), shared))
+    for other, held in other_servers(observation, port).items():
+        shared = sorted(wanted & set(held))
+        if shared:
+            out.append((other, shared))
     return out
 
 
-def make_plan(observation: Mapping[str, Any], desired: Desired, *, restoring: bool = False) -> Plan:
+def other_servers(observation: Mapping[str, Any], port: int) -> dict[int, tuple[int, ...]]:
+    """port -> GPUs of the container's servers (mains) on other ports than ``port`` that run now.
+
+    >>> other_servers({"sglang": {"strays": [{"port": 30001, "main": True, "gpus": [4, 5]}]}}, 30000)
+    {30001: (4, 5)}
+    """
+    out: dict[int, tuple[int, ...]] = {}
+    for stray in (observation.get("sglang") or {}).get("strays") or []:
+        other = stray.get("port")
+        if stray.get("main") and other and other != port and stray.get("gpus") is not None:
+            out[int(other)] = tuple(stray["gpus"])
+    return out
+
+
+def kept_gpu_problems(observation: Mapping[str, Any], desired: Desired, spec: Spec, replacing: Sequence[int] = (),
+                      executing: bool = False) -> list[str]:
+    """The refusals of a server whose GPUs another server of the container holds and keeps holding
+    when this one's turn comes (issue 32 item 7): it is not stopped before this one in this run, so
+    this one's gate after its stop could only time out on the other's memory. ``replacing``: the
+    servers this one's own transition stops first (a port change). ``executing``: the container's
+    earlier servers of this run have run (pyinfra's execute phase: the observation shows what they
+    hold); else what they will hold is foretold from ``desired.run_order``: a server set
+    ``present: false`` frees its GPUs, one that moves holds its new ones, unless its own move meets
+    GPUs still held (then it is refused and keeps its own). Each line names both servers and the GPUs,
+    and how to get there.
+
+    >>> from gpugate.spec import build_spec
+    >>> spec = build_spec("/m", 30000, {"tp": 4, "base-gpu-id": 4})
+    >>> swap = Desired(port=30000, present=True, python="/usr/bin/python3", spec=spec, budgets={}, siblings=(30001,),
+    ...                run_order=((30000, (4, 5, 6, 7)), (30001, (0, 1, 2, 3))))
+    >>> obs = {"sglang": {"gpus": [0, 1, 2, 3], "strays": [{"port": 30001, "main": True, "gpus": [4, 5, 6, 7]}]}}
+    >>> line = kept_gpu_problems(obs, swap, spec)[0]
+    >>> line[:42], "in two deploys" in line
+    ('the server on :30001 holds GPU 4-7, which ', True)
+    """
+    if spec.gpus is None:
+        return []
+    holding = {port: set(gpus) for port, gpus in other_servers(observation, desired.port).items()}
+    holding[desired.port] = set((observation.get("sglang") or {}).get("gpus") or [])
+    ports = [port for port, _ in desired.run_order]
+    turn = ports.index(desired.port) if desired.port in ports else len(ports)
+    later = dict(desired.run_order[turn + 1:])
+    refused_earlier = set()
+    for port, takes in (() if executing else desired.run_order[:turn]):
+        if takes is None:
+            continue  # refused for its own reason, or GPUs not told: it keeps what it holds
+        if any(set(takes) & held for other, held in holding.items() if other != port):
+            refused_earlier.add(port)  # its own move meets GPUs still held: refused, it keeps its own
+            continue
+        holding[port] = set(takes)  # () for present: false
+    mine_now = holding.pop(desired.port)
+    problems = []
+    for other, held in sorted(holding.items()):
+        shared = set(spec.gpus) & held
+        if not shared or other in replacing:
+            continue
+        head = (f"the server on :{other} holds {gpu_text(shared)}, which :{desired.port} would move onto, and keeps "
+                f"them through the turn of :{desired.port} (it is not stopped before it in this run): stopping "
+                f":{desired.port} would leave its gate waiting on that memory until it timed out; ")
+        takes = later.get(other)
+        if takes == ():
+            how = (f":{other} stops (present: false) after :{desired.port} in this run: list it before :{desired.port} "
+                   f"in the container's sglang: list")
+        elif isinstance(takes, tuple) and set(takes) & mine_now:
+            how = (f"the two swap GPUs (:{other} moves to {gpu_text(takes)}, which :{desired.port} holds), and neither "
+                   f"can move while the other holds its GPUs: do it in two deploys: (1) :{other} present: false, "
+                   f":{desired.port} as it runs now (:{other} stops, :{desired.port} keeps serving); (2) both on their "
+                   f"new GPUs, :{other} present again (:{desired.port} moves onto the freed {gpu_text(shared)}, then "
+                   f":{other} starts on {gpu_text(takes)})")
+        elif isinstance(takes, tuple):
+            how = (f":{other} moves to {gpu_text(takes)} after :{desired.port} in this run: list it before "
+                   f":{desired.port} in the container's sglang: list, so that it moves off first")
+        elif other in later:  # its GPUs not told, or refused for its own reason
+            how = (f":{other} runs after :{desired.port} in this run and keeps its GPUs until then: stop it first "
+                   f"(present: false, in a deploy of its own), or give :{desired.port} other GPUs")
+        elif other in refused_earlier:
+            how = (f":{other} cannot move off first (its own new GPUs are held: see its line): free those first, "
+                   f"or stop :{other} (present: false) in a deploy of its own")
+        else:
+            how = (f":{other} is not changed by this run: stop it first (present: false on its port, in a deploy of "
+                   f"its own), or give :{desired.port} other GPUs")
+        problems.append(head + how)
+    return problems
+
+
+def make_plan(observation: Mapping[str, Any], desired: Desired, *, restoring: bool = False,
+              executing: bool = False) -> Plan:
     """What sglang.server does on one container: the agent's observation against the container's
     desired state (its ``spec``: the server, None for none on its port; the run's settings: the
     gate, the free space, restart, the other servers' ports). ``restoring``: the rollback runbook
-    (``desired.rollback_to``: the k-th newest good spec unlike the running one)."""
-    return dataclasses.replace(_decide(observation, desired, restoring), server=desired.engine)
+    (``desired.rollback_to``: the k-th newest good spec unlike the running one). ``executing``: the
+    container's servers before this one in the run have run (pyinfra's execute phase), so the
+    observation shows what they hold (else it is foretold: :func:`kept_gpu_problems`)."""
+    return dataclasses.replace(_decide(observation, desired, restoring, executing), server=desired.engine)
 
 
-def _decide(observation: Mapping[str, Any], desired: Desired, restoring: bool) -> Plan:
+def _decide(observation: Mapping[str, Any], desired: Desired, restoring: bool, executing: bool = False) -> Plan:
     spec = for_container(desired.spec, observation)  # auto: systemd where the container's PID 1 is systemd
     port, restart, siblings = desired.port, desired.restarted, desired.siblings
     rollback_k = desired.rollback_to if restoring else None
@@ -501,6 +588,7 @@ def _decide(observation: Mapping[str, Any], desired: Desired, restoring: bool) -
     if len(replaced) > 1:
         problems.append("servers on :" + ", :".join(str(r["port"]) for r in replaced) + " use GPUs the desired server "
                         "needs; a deploy replaces at most one of them (stop the others first)")
+    problems += kept_gpu_problems(observation, desired, spec, replacing, executing)
     if match.verdict == "as_desired" and not restart:
         return Plan("noop", (f"{desired.engine} on :{spec.port} already serves the desired spec ({spec_summary(server)})",),
                     last=last)

@@ -242,6 +242,19 @@ def to_env(value: Any) -> dict[str, str]:
     return {env_name(name): env_value(name, item) for name, item in value.items()}
 
 
+def to_env_names(value: Any) -> list[str]:
+    """A list of environment variable names (``secret_env``).
+
+    >>> to_env_names(["DB_URL"]), to_env_names("DB_URL")
+    (['DB_URL'], ['DB_URL'])
+    """
+    if isinstance(value, str):  # --data sglang_secret_env=DB_URL: one name
+        value = [value]
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list of environment variable names, got {describe(value)}")
+    return [env_name(name) for name in value]
+
+
 _VERSION = re.compile(r"^[0-9]+(\.[0-9]+)*([.+-]?[A-Za-z0-9]+)*$")
 
 
@@ -366,8 +379,10 @@ SETTINGS: dict[str, Setting] = _rows(
             "--host: the address the server listens on inside the container", "server", "host"),
     Setting("sglang_flags", to_flags, {}, "SGLang flags as data (validated against the container's SGLang)",
             "server", "flags"),
-    Setting("sglang_env", to_env, {}, "the server's environment (file mode 0600; values never printed)",
-            "server", "env"),
+    Setting("sglang_env", to_env, {}, "the server's environment (file mode 0600; the values of secret names "
+            "never printed, the others shown: docs/transition.md, Secrets)", "server", "env"),
+    Setting("sglang_secret_env", to_env_names, [], "env names whose values are secrets besides those the "
+            "pattern list names (TOKEN, KEY, SECRET, PASSWORD, ...): masked everywhere", "server", "secret_env"),
     Setting("sglang_present", to_bool, True, "false: no server on this port (stopped, its GPUs swept)",
             "server", "present"),
     Setting("sglang_supervisor", to_supervisor, "auto",

@@ -122,6 +122,7 @@ class Spec:
     model_path = property(lambda self: self.inputs.model_path)
     port = property(lambda self: self.inputs.port)
     env = property(lambda self: self.inputs.env)
+    secret_env = property(lambda self: self.inputs.secret_env)  # the operator's secret env names
     host = property(lambda self: self.inputs.host)
     supervisor = property(lambda self: self.inputs.supervisor)
     python = property(lambda self: self.inputs.python)
@@ -141,7 +142,7 @@ class Spec:
 
     def record(self, by: str | None = None) -> dict[str, Any]:
         """What may be shown and stored anywhere: secret flags ``***``, env as names only (the
-        agent adds the value hashes), argv redacted.
+        agent adds the value hashes, and the values that are no secret), argv redacted.
 
         >>> build_spec("/m", 30000, {"api-key": "sk-123456"}).record()["argv"][-2:]
         ['--api-key', '***']
@@ -186,6 +187,8 @@ class Spec:
                                "expect_info": self.expect_info()}
         if self.secret_flags():
             doc["secret_flags"] = self.secret_flags()
+        if self.secret_env:
+            doc["secret_env"] = list(self.secret_env)
         if self.engine != DEFAULT_ENGINE:
             doc["engine"] = self.engine
         if self.weight_cache:
@@ -211,13 +214,15 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
                env: Mapping[str, Any] | None = None, *, host: str | None = None, supervisor: str | None = None,
                python: str | None = None, extra_args: Sequence[str] | None = None,
                sglang_version: str | None = None, table: Any = None, weight_cache: bool = False,
-               gated_launch: bool | None = None, engine_name: str = DEFAULT_ENGINE) -> Spec:
+               gated_launch: bool | None = None, engine_name: str = DEFAULT_ENGINE, secret_env: Sequence[str] = ()) -> Spec:
     """Validate the desired server completely (no host needed) and have the engine make its
     launch, once; raise SpecError naming the problem. What is no engine's business (port, model
     path, host, supervisor, interpreter, env, extra_args as text) is checked here; the flags, the
     GPU set, the weight cache and the gated launch by the engine (gpugate.engine.Engine.launch).
     ``table``: the engine's flag table of the release that will run (None: its default).
     ``extra_args``: argv elements passed verbatim after the flags, unchecked (a warning says so).
+    ``secret_env``: env names whose values are secrets besides those the pattern list names
+    (gpugate.rules.redact.names_a_secret).
 
     >>> build_spec("/m", 30000, {"tp": 2}).argv[-2:]
     ('--tp-size', '2')
@@ -248,6 +253,9 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
             raise SpecError(f"env {name}: the value must be a string, got {type(value).__name__} (quote it)")
         _one_line(f"env {name}", value)
         clean_env[name] = value
+    for name in secret_env or ():
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            raise SpecError(f"secret_env: {name!r} is not a valid variable name")
     extras = tuple(extra_args or ())
     for item in extras:
         if not isinstance(item, str) or not item:
@@ -257,7 +265,8 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
         raise SpecError(f"sglang_version must be a version string, got {sglang_version!r}")
     inputs = ServerInputs(engine=engine_name, model_path=model_path, port=port, flags=dict(flags or {}), env=clean_env,
                           host=host, supervisor=supervisor, python=python, extra_args=extras, version=sglang_version,
-                          weight_cache=bool(weight_cache), gated_launch=gated_launch)
+                          weight_cache=bool(weight_cache), gated_launch=gated_launch,
+                          secret_env=tuple(secret_env or ()))
     try:
         serving = engine(engine_name)
     except KeyError as error:  # EngineError too: a broken plug-in refuses its own servers only
@@ -360,6 +369,10 @@ class Desired:
     rollback_to: int = 1
     gated_launch: bool | None = None  # as written (None: where it can be); decided per container's SGLang
     siblings: tuple[int, ...] = ()   # the ports of the container's other desired servers
+    # this run's servers of the container, in the order the deploy runs them: (port, the GPUs it
+    # takes: () none (present: false), None when not told (refused, GPUs of UUIDs)); gpugate.plan
+    # reads what each holds when a server's turn comes (issue 32 item 7)
+    run_order: tuple[tuple[int, tuple[int, ...] | None], ...] = ()
     routing: Routing | None = None   # behind a router: leave, drain, restart, rejoin
 
     @property
@@ -386,6 +399,8 @@ class Desired:
                         gpus=list(self.spec.gpus) if self.spec.gpus is not None else None, host=self.spec.host)
             if self.spec.secret_flags():
                 args["secret_flags"] = self.spec.secret_flags()
+            if self.spec.secret_env:
+                args["secret_env"] = list(self.spec.secret_env)
         return args
 
 
@@ -438,7 +453,23 @@ def _desired_states(values: Mapping[str, Any]) -> tuple[Desired, ...]:
         desired = [dataclasses.replace(_desired({**values, **server}), siblings=tuple(p for p in ports if p != port))
                    for server, port in zip(servers, ports)]
     only = values["only_port"]  # --data only_port=30001: one server of a container that has several
-    return tuple(d for d in desired if only is None or d.port == int(only))
+    chosen = tuple(d for d in desired if only is None or d.port == int(only))
+    if len(chosen) < 2:
+        return chosen
+    order = tuple((d.port, gpus_taken(d)) for d in chosen)
+    return tuple(dataclasses.replace(d, run_order=order) for d in chosen)
+
+
+def gpus_taken(desired: Desired) -> tuple[int, ...] | None:
+    """The GPUs a desired server holds once its turn in a run is over, as ``Desired.run_order``
+    says it: () for none (``present: false``), None when not told (refused, GPUs of UUIDs).
+
+    >>> gpus_taken(desired_state({"sglang_model_path": "/m", "sglang_flags": {"tp": 2}})), gpus_taken(desired_state({"sglang_present": False}))
+    ((0, 1), ())
+    """
+    if not desired.present:
+        return ()
+    return None if desired.spec is None or desired.spec.gpus is None else tuple(desired.spec.gpus)
 
 
 def _desired(values: Mapping[str, Any]) -> Desired:
@@ -457,7 +488,8 @@ def _desired(values: Mapping[str, Any]) -> Desired:
                               host=values["sglang_host"], supervisor=values["sglang_supervisor"],
                               python=values["sglang_python"], extra_args=values["sglang_extra_args"],
                               sglang_version=values["sglang_version"], weight_cache=bool(values["sglang_weight_cache"]),
-                              gated_launch=values["sglang_gated_launch"], engine_name=values["engine"])
+                              gated_launch=values["sglang_gated_launch"], engine_name=values["engine"],
+                              secret_env=values["sglang_secret_env"])
         except SpecError as error:
             problem = str(error)
     return Desired(port=port, present=present, python=values["sglang_python"], spec=spec, engine=values["engine"],

@@ -50,8 +50,8 @@ class Context(object):
     """One run's shared state (see the module's docstring); ``budget(name)`` is a number the start
     document gave or DEFAULT_BUDGETS holds."""
 
-    __slots__ = ("doc", "run", "by", "journal", "budgets", "desired", "replaces", "recovered", "redactor", "port",
-                 "children", "exit_codes", "pumps", "touched", "warnings", "rollback", "gated")
+    __slots__ = ("doc", "run", "by", "journal", "budgets", "desired", "replaces", "recovered", "secret_env", "redactor",
+                 "port", "children", "exit_codes", "pumps", "touched", "warnings", "rollback", "gated")
 
     def __init__(self, doc: Doc, journal: Journal, recovered: Doc | None = None) -> None:
         self.doc = doc
@@ -62,8 +62,14 @@ class Context(object):
         self.desired: Optional[Doc] = doc.get("desired")
         self.replaces: Optional[Doc] = doc.get("replaces")
         self.recovered = recovered
-        self.redactor = redact.Redactor(redact.spec_secrets(self.desired) + redact.spec_secrets(self.replaces)
-                                 + (redact.spec_secrets(doc.get("rollback_to")) if isinstance(doc.get("rollback_to"), dict) else []))
+        rollback_to: Optional[Doc] = doc.get("rollback_to") if isinstance(doc.get("rollback_to"), dict) else None
+        # the operator's secret env names (SpecDoc secret_env) of every spec of the run: a spec captured
+        # from the running server carries none of its own, and its values are masked by them too
+        self.secret_env: List[str] = sorted(set(name for spec in (self.desired, self.replaces, rollback_to) if spec
+                                                for name in spec.get("secret_env") or []))
+        self.redactor = redact.Redactor(redact.spec_secrets(self.desired, self.secret_env)
+                                        + redact.spec_secrets(self.replaces, self.secret_env)
+                                        + redact.spec_secrets(rollback_to, self.secret_env))
         self.port: int = (self.desired or {}).get("port") or int(doc.get("port") or engine.DEFAULT_PORT)
         self.children: Dict[int, subprocess.Popen[bytes]] = {}  # pid -> Popen of what we started (reaped by us while we live)
         self.exit_codes: Dict[int, Optional[int]] = {}
@@ -114,7 +120,7 @@ class Context(object):
         if not os.path.isfile(program):
             return None
         read_fd, write_fd = os.pipe()
-        secrets = redact.spec_secrets(spec) + list(self.redactor.values)
+        secrets = redact.spec_secrets(spec, self.secret_env) + list(self.redactor.values)
         # Its arguments travel in the environment and the interpreter is named /proc/self/exe, so its
         # command line never names sglang (the log path, a venv's path): an operator's `pkill -f sglang`
         # ends the server, never the pump that still has to write the server's last lines.

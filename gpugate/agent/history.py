@@ -213,8 +213,9 @@ def save_history(port: int, doc: Doc) -> None:
 
 
 def make_record(spec: Doc, by: str | None = None, capacity: Doc | None = None, extra: Doc | None = None) -> Doc:
-    """A history record of a spec: nothing secret (flags and argv redacted, env as names and
-    hashes) plus what the controller's own record says (redacted again here)."""
+    """A history record of a spec: nothing secret (flags and argv redacted, env as names, hashes
+    and the values that are no secret: redact.shown_env) plus what the controller's own record
+    says (redacted again here)."""
     redactor = redact.Redactor(redact.spec_secrets(spec))
     flags = tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())
     record = redactor.deep(dict(spec.get("record") or {}))
@@ -222,6 +223,7 @@ def make_record(spec: Doc, by: str | None = None, capacity: Doc | None = None, e
     record.update({"argv": redactor.deep(redact.redact_argv(spec.get("argv") or [], flags)),
                    "argv_hash": redact.argv_hash(spec.get("argv") or []), "env_names": sorted(env),
                    "env_hashes": dict((name, redact.env_hash(value)) for name, value in sorted(env.items())),
+                   "env": redact.shown_env(dict(sorted(env.items())), spec.get("secret_env") or ()),
                    "port": spec.get("port"), "gpus": spec.get("gpus"), "supervisor": spec.get("supervisor") or "process",
                    "key": spec_key(spec), "at": state.now_iso(), "by": by})
     if spec.get("weight_cache"):

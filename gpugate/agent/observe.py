@@ -80,11 +80,15 @@ def observe(args: Doc) -> Doc:
     own = server.own_pids(table)
     past = history.load_history(port, repair=False)  # read-only: reports, moves nothing
     redactor = redact.Redactor()
+    # the operator's secret env names: asked now, and those of every good spec (names no more declared stay secret)
+    declared = list(args.get("secret_env") or [])
     for entry in past.get("good") or []:
-        redactor.add(redact.spec_secrets(entry.get("spec")))
+        declared += list((entry.get("spec") or {}).get("secret_env") or [])
+    for entry in past.get("good") or []:
+        redactor.add(redact.spec_secrets(entry.get("spec"), declared))
     env_file = read_file(files["env"])
     if env_file:
-        redactor.add(state.parse_env_file(env_file).values())
+        redactor.add(redact.spec_secrets({"env": state.parse_env_file(env_file)}, declared))
     secret_flags = tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(args.get("secret_flags") or ())
 
     main, tree = server.find_server(table, port, own)
@@ -92,7 +96,8 @@ def observe(args: Doc) -> Doc:
     environ = procfs.read_environ(main["pid"]) if main else None
     if main:
         redactor.add(redact.secret_flag_values(main["argv"], secret_flags))
-        redactor.add(list((environ or {}).get(name) for name in (args.get("env_names") or []) if environ))
+        redactor.add(list((environ or {}).get(name) for name in (args.get("env_names") or [])
+                          if environ and redact.names_a_secret(name, declared)))
     tree_set = set(tree)
     report: Doc = {"schema": state.SCHEMA, "port": port, "running": main is not None, "main": None,
               "tree": [server.summary(table[pid], redactor) for pid in tree if pid in table],

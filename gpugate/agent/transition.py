@@ -71,7 +71,7 @@ class Transition(object):
         capture = self._capture_running()
         ctx.rollback = self._resolve_rollback(capture)
         if ctx.rollback is not None:
-            ctx.redactor.add(redact.spec_secrets(ctx.rollback))
+            ctx.redactor.add(redact.spec_secrets(ctx.rollback, ctx.secret_env))
         ctx.event("plan", "end", rollback=history.make_record(ctx.rollback) if ctx.rollback else None)
         refusal = self._precheck()
         if refusal:
@@ -239,6 +239,8 @@ class Transition(object):
         supervisor = server.supervisor_of(main["pid"], port)
         spec = {"argv": engine.steady_argv(main["argv"]), "env": env, "port": port, "supervisor": supervisor,
                 "gpus": engine.server_gpus(main["argv"], environ), "record": {"source": source}}
+        if ctx.secret_env:  # the operator's secret names hold for the server that runs now too (its record, its log)
+            spec["secret_env"] = list(ctx.secret_env)
         if supervisor == "systemd":
             spec["unit_text"] = read_file(state.paths(port)["unit"]) or ""
         # A server that serves when we find it was good: keep it as such (it may be all there is to

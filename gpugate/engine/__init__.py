@@ -81,6 +81,7 @@ class ServerInputs:
     version: str | None = None          # the release pinned (``sglang_version``), if any
     weight_cache: bool = False          # the weights are held across engine restarts
     gated_launch: bool | None = None    # None: where the release and the supervisor allow it
+    secret_env: tuple[str, ...] = ()    # env names the operator declares secret (beyond the pattern list)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,10 +42,11 @@ DEFAULT_PYTHON = "/usr/bin/python3"
 
 def observe_args(port: int = 30000, env_names: Iterable[str] = (), model_path: str | None = None,
                  gpus: Sequence[int] | None = None, tail_lines: int = 0, generate: bool = False,
-                 secret_flags: Iterable[str] = (), host: str | None = None, engine: str | None = None
-                 ) -> dict[str, Any]:
+                 secret_flags: Iterable[str] = (), host: str | None = None, engine: str | None = None,
+                 secret_env: Iterable[str] = ()) -> dict[str, Any]:
     """The agent's ``observe`` arguments (``engine``: whose processes and endpoints it reads;
-    none: the default engine).
+    none: the default engine; ``secret_env``: the operator's secret env names, masked as the
+    pattern list's are).
 
     >>> observe_args(30001, ["HF_TOKEN"])["port"]
     30001
@@ -60,6 +61,8 @@ def observe_args(port: int = 30000, env_names: Iterable[str] = (), model_path: s
         args["gpus"] = [int(gpu) for gpu in gpus]
     if secret_flags:
         args["secret_flags"] = sorted(secret_flags)
+    if secret_env:
+        args["secret_env"] = sorted(secret_env)
     if host:
         args["host"] = host
     return args
@@ -105,9 +108,9 @@ class _Observe:
     def command(self, port: int = 30000, env_names: Iterable[str] = (), model_path: str | None = None,
                 gpus: Sequence[int] | None = None, tail_lines: int = 0, generate: bool = False,
                 python: str = DEFAULT_PYTHON, secret_flags: Iterable[str] = (), host: str | None = None,
-                engine: str | None = None) -> StringCommand:
+                engine: str | None = None, secret_env: Iterable[str] = ()) -> StringCommand:
         return StringCommand(self.program(python, observe_args(port, env_names, model_path, gpus, tail_lines, generate,
-                                                               secret_flags, host, engine)))
+                                                               secret_flags, host, engine, secret_env)))
 
 
 class SglangObservation(_Observe, FactBase):

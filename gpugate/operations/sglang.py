@@ -40,7 +40,7 @@ from gpugate.claims import (GpuClaim, ServerClaim, ServerRoute, hand_off_holding
                             routes_of_inventory, servers_of_inventory)
 from gpugate.connectors.pct import PctConnector, PctFailure, PctFailureKind
 from gpugate.settings import SETTINGS, SettingsError, resolved, server_keys, suggest
-from gpugate.spec import Desired, Routing, Spec, SpecError, desired_states, for_version
+from gpugate.spec import Desired, Routing, Spec, SpecError, desired_states, for_version, gpus_taken
 
 FOLLOW_WAIT_S = 3.0       # one follow command waits up to this long for new journal events
 FOLLOW_RETRIES = 3        # consecutive failed follow commands before the controller gives up watching
@@ -926,7 +926,7 @@ def _attach(host_obj: Any, job: Job, run: str, depth: int = 0) -> bool:
         _say(host_obj, job.port, f"{message}; observing again failed ({trouble}): this run's desired state was not "
                                  f"applied", error=True)
         return False
-    plan = make_plan(observation, job.desired, restoring=job.restoring)
+    plan = make_plan(observation, job.desired, restoring=job.restoring, executing=True)
     lines = plan_lines(plan, job.port)
     if plan.problems:
         book.refused.append(name)
@@ -1134,7 +1134,15 @@ def desired_of_call(data: Any, desired: Desired | None = None, settings: Mapping
     if not found:
         return None
     siblings = tuple(p for p in ports if p != found[0].port)
-    return dataclasses.replace(found[0], siblings=siblings) if siblings else found[0]
+    if not siblings:
+        return found[0]
+    # the list's run order (deploy.py's), this server's entry as the keywords make it (issue 32 item 7)
+    order = next((d.run_order for d in desired_states(values) if d.run_order), ())
+    if found[0].port in dict(order):
+        order = tuple((p, gpus_taken(found[0]) if p == found[0].port else takes) for p, takes in order)
+    else:  # a server the list does not have: its turn is not known, the others keep what they hold
+        order = ()
+    return dataclasses.replace(found[0], siblings=siblings, run_order=order)
 
 
 def _call_settings(kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -1210,7 +1218,9 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
     + port: the server's port (default 30000)
     + flags: the engine's flags as data, ``{"tp": 8, "kv-cache-dtype": "fp8_e4m3"}``; validated against
       the container's SGLang release before anything is touched
-    + env: the server's environment, ``{"NAME": "value"}`` (values are never printed)
+    + env: the server's environment, ``{"NAME": "value"}`` (the values of secret names are never printed,
+      the others are shown: docs/transition.md, "Secrets")
+    + secret_env: env names whose values are secrets besides those the pattern list names, ``["DB_URL"]``
     + present: ``False``: no server on this port (stopped, its GPUs swept)
     + host: ``--host``, the address the server listens on in the container (default 127.0.0.1)
     + supervisor: ``auto`` (systemd where the container's PID 1 is systemd), ``process`` or ``systemd``
@@ -1317,7 +1327,8 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
     restarted = desired.restarted
     end_other_gpu_holders = desired.end_other_gpu_holders
     planned = dataclasses.replace(desired, spec=spec)  # the server as this container's release makes it
-    plan = make_plan(observation, planned, restoring=restoring)
+    # executing: the container's servers before this one have run (else what they will hold is foretold)
+    plan = make_plan(observation, planned, restoring=restoring, executing=state.is_executing)
     lines = plan_lines(plan, port)
     desired_spec = for_container(desired.spec, observation) if restoring else None
     if restoring and plan.target is not None and not plan.problems:  # which spec, and the desired state

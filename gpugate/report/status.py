@@ -363,10 +363,11 @@ def own_gpus(desired: Desired, gpu_doc: Mapping[str, Any]) -> set[int]:
 def drift_items(match: Any, server: Mapping[str, Any], desired: Desired) -> list[str]:
     """What the status says a differing server differs in, from the same comparison the deploy
     plans by: its lines in the one diff format (``+ --disable-radix-cache``, ``- --model-path /a``,
-    extra args); else the environment, a secret flag value or the supervisor, which have no value to show."""
+    extra args); else the environment (each name with the value about to be applied, ``***`` for a
+    secret), a secret flag value or the supervisor, which have no value to show."""
     items = list(match.flag_items)
     if not items:
-        env = [line[2:].split("=")[0].split(" (")[0] for line in match.lines if " env " in f" {line}"]
+        env = [line[len("+ env "):] for line in match.lines if line[1:].startswith(" env ")]
         if env:
             items.append("environment differs: " + ", ".join(env))
         elif match.replaced:

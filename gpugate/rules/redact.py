@@ -25,9 +25,15 @@ _SECRET_NAME = re.compile(r"(^|-)(api-key|password|secret)$")
 ALWAYS_MASKED_FLAGS = ("api-key", "admin-api-key")
 ALWAYS_MASKED_OPTIONS = tuple("--" + name for name in ALWAYS_MASKED_FLAGS)
 
-# A key of a JSON-valued flag that names a secret (``{"hf_token": ...}`` in
-# --model-loader-extra-config): the whole value is then secret. "passw": password and passwd.
-SECRET_KEY_WORDS = ("token", "key", "secret", "passw", "credential", "auth")
+# What names a secret (an env variable's name, a key of a JSON-valued flag such as ``{"hf_token": ...}``
+# in --model-loader-extra-config, a key of a document): a part of the name, split at ``_ - .`` and at
+# case changes (HF_TOKEN, hfToken, x-api-key: its parts are hf/token, hf/token, x/api/key), that is or
+# ends with one of these words, plural or not, in any case (HFTOKEN, APIKEYS, OAUTH count;
+# TOKENIZERS_PARALLELISM does not). The operator names more with the setting ``secret_env``. The list
+# is documented in docs/transition.md ("Secrets"); tests/unit/test_secret_env.py holds its cases.
+SECRET_NAME_WORDS = ("token", "key", "secret", "password", "passwd", "pass", "passphrase", "credential", "cred",
+                     "auth", "authorization", "bearer", "cookie")
+_NAME_PART = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 # ``name=value`` shapes in free text (SGLang prints its ServerArgs) whose value is masked.
 SECRET_WORDS = ("api_key", "admin_api_key", "token", "password", "secret")
 MIN_SECRET_TEXT = 6  # shorter values are never masked as secrets: "root", "1", "true" would mangle every line
@@ -81,19 +87,59 @@ def is_secret_name(name: str) -> bool:
     return name in SECRET_FLAGS or bool(_SECRET_NAME.search(name))
 
 
-def names_a_secret(key: Any) -> bool:
-    """Whether a document's key names a secret (SECRET_KEY_WORDS, in any case).
+def names_a_secret(name: Any, declared: Iterable[str] = ()) -> bool:
+    """Whether ``name`` (an env variable's, a document's key) names a secret: a part of it is or ends
+    with one of SECRET_NAME_WORDS (plural or not, any case), or it is one of ``declared`` (the
+    operator's ``secret_env``, any case). The one rule of both sides: the controller's diffs and
+    messages, the agent's logs, journal and records.
 
-    >>> names_a_secret("hf_token"), names_a_secret("DB_Passwd"), names_a_secret("model_path")
-    (True, True, False)
+    >>> names_a_secret("HF_TOKEN"), names_a_secret("DB_Passwd"), names_a_secret("openaiApiKey")
+    (True, True, True)
+    >>> names_a_secret("TOKENIZERS_PARALLELISM"), names_a_secret("model_path"), names_a_secret("DB_URL", ["db_url"])
+    (False, False, True)
     """
-    text = str(key).lower()
-    return any(word in text for word in SECRET_KEY_WORDS)
+    text = str(name)
+    if any(text.lower() == str(other).lower() for other in declared):
+        return True
+    for part in _NAME_PART.findall(text):
+        part = part.lower()
+        if any(part.endswith(word) or part.endswith(word + "s") for word in SECRET_NAME_WORDS):
+            return True
+    return False
+
+
+def secret_env_names(env: Mapping[str, Any] | None, declared: Iterable[str] = ()) -> list[str]:
+    """The names of ``env`` whose values are secrets (:func:`names_a_secret`).
+
+    >>> secret_env_names({"HF_TOKEN": "hf_1", "SGLANG_LOAD_S": "0.5"})
+    ['HF_TOKEN']
+    """
+    declared = tuple(declared)
+    return sorted(name for name in (env or {}) if names_a_secret(name, declared))
+
+
+def shown_env_value(name: str, value: Any, declared: Iterable[str] = ()) -> Any:
+    """An env value as it may be shown anywhere: itself, or ``***`` when its name names a secret.
+
+    >>> shown_env_value("HF_TOKEN", "hf_1"), shown_env_value("SGLANG_LOAD_S", "0.5")
+    ('***', '0.5')
+    """
+    return MASK if names_a_secret(name, declared) else value
+
+
+def shown_env(env: Mapping[str, Any] | None, declared: Iterable[str] = ()) -> dict[str, Any]:
+    """``env`` as it may be shown anywhere (:func:`shown_env_value` of each).
+
+    >>> shown_env({"HF_TOKEN": "hf_1", "CUDA_VISIBLE_DEVICES": "0,1"})
+    {'HF_TOKEN': '***', 'CUDA_VISIBLE_DEVICES': '0,1'}
+    """
+    declared = tuple(declared)
+    return dict((name, shown_env_value(name, value, declared)) for name, value in (env or {}).items())
 
 
 def json_holds_secret(value: Any) -> bool:
     """Whether a JSON document (or its text) has a key, at any depth, naming a secret
-    (token, key, secret, password, credential, auth; any case, anywhere in the key).
+    (:func:`names_a_secret`: token, key, secret, password, credential, auth, ...).
 
     >>> json_holds_secret('{"hf_token": "hf_x"}'), json_holds_secret({"rope_theta": 1e6})
     (True, False)
@@ -265,13 +311,19 @@ def mask_values(text: Any, secrets: Iterable[Any]) -> Any:
     return text
 
 
-def spec_secrets(spec: dict | None) -> list[str]:
-    """The secret values of a SpecDoc: its env values and the values of its secret options.
+def spec_secrets(spec: dict | None, declared: Iterable[str] = ()) -> list[str]:
+    """The secret values of a SpecDoc: the values of its env names that name a secret (its own
+    ``secret_env`` and ``declared`` count: the operator's names) and the values of its secret options.
+    Its other env values are shown as they are (a crash's ``could not convert string to float: 'x'``).
 
-    >>> spec_secrets({"argv": ["x", "--api-key", "sk-1"], "env": {"HF_TOKEN": "hf-1"}})
+    >>> spec_secrets({"argv": ["x", "--api-key", "sk-1"], "env": {"HF_TOKEN": "hf-1", "SGLANG_LOAD_S": "0.5x"}})
     ['hf-1', 'sk-1']
+    >>> spec_secrets({"argv": ["x"], "env": {"DB_URL": "pg://u:p@h"}, "secret_env": ["DB_URL"]})
+    ['pg://u:p@h']
     """
     if not spec:
         return []
     flags = tuple(ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())
-    return list((spec.get("env") or {}).values()) + secret_flag_values(spec.get("argv") or [], flags)
+    env = spec.get("env") or {}
+    names = secret_env_names(env, tuple(spec.get("secret_env") or ()) + tuple(declared))
+    return [env[name] for name in names] + secret_flag_values(spec.get("argv") or [], flags)

@@ -82,10 +82,14 @@ def test_rerun_reports_no_changes(lab):
 
 def test_dry_run_shows_the_diff_and_touches_nothing(lab):
     before = running_argv(lab)
-    result, out = deploy(lab, flags=FP8, dry=True)
+    # an env value is shown as it will be applied, a secret one (HF_TOKEN: the pattern list) never (issue 32 item 10)
+    env = dict(FAST, SGLANG_STANDIN_LOAD_S="0.25", HF_TOKEN="hf_dry_s3cr3t_value")
+    result, out = deploy(lab, flags=FP8, env=env, dry=True)
     assert result.returncode == 0, out
     assert "+ --kv-cache-dtype fp8_e4m3" in out and "steps: hand off" in out
     assert out.count("+ --kv-cache-dtype fp8_e4m3") == 1  # printed once
+    assert "~ env SGLANG_STANDIN_LOAD_S=0.25 (value changed)" in out and "+ env HF_TOKEN=***" in out, out
+    assert "hf_dry_s3cr3t_value" not in out
     assert running_argv(lab) == before
 
 
@@ -136,6 +140,8 @@ def test_crash_on_start_rolls_back_to_the_previous_server(lab):
     assert result.returncode != 0
     assert "crashed (exit code" in out and "the previous server serves again" in out
     assert "ValueError" in out  # the failed start's log tail
+    # with the value it could not read: SGLANG_STANDIN_LOAD_S names no secret (issue 32 item 10)
+    assert "could not convert string to float: 'not-a-number'" in out, out
     assert running_argv(lab) == before
     assert in_ct(lab, "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:30000/health').status)\"").strip() == "200"
 

@@ -115,3 +115,17 @@ def test_one_server_of_two_is_restarted_or_rolled_back_alone(lab, tmp_path):
     assert {port: row["verdict"] for port, row in rows.items()} == {30000: "serving as desired",
                                                                      30001: "serving as desired"}
     assert rows[30001]["last_change"].startswith("verified") and "stray" not in rows[30000]["server"]
+
+    # the two swap their GPU halves in one deploy (issue 32 item 7): :30000's gate would wait on :30001's
+    # memory (and :30001's on :30000's); both are refused before anything stops, saying how to do it
+    swap = fleet(lab, tmp_path / "swap.yaml", [dict(LOW, flags={"tp": 4, "base-gpu-id": 4}), dict(HIGH, flags={"tp": 4})])
+    dry = pyinfra(lab, swap, "deploy.py", "--dry")
+    out = dry.stdout + dry.stderr
+    assert dry.returncode != 0, out
+    assert "sglang :30000 REFUSED, nothing touched: the server on :30001 holds GPU 4-7" in out, out
+    assert "sglang :30001 REFUSED, nothing touched: the server on :30000 holds GPU 0-3" in out, out
+    assert "in two deploys: (1) :30001 present: false" in out, out
+    run = pyinfra(lab, swap, "-y", "deploy.py")
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and "REFUSED, nothing touched: the server on :30001 holds GPU 4-7" in out, out
+    assert "SIGTERM" not in out and main_pids(lab) == after, out  # neither was touched (no drain began)
