@@ -325,7 +325,9 @@ def steps_for(action: str, spec: Spec | None, max_used_mib: int, budgets: Mappin
     weight cache (match.cache_verdict's mode)."""
     if action in ("noop", "attach"):
         return ()
-    stop = f"stop (SIGTERM drain <= {budgets.get('drain_timeout_s', 60):g} s, SIGKILL of the tree, sweep)"
+    # a request or stream still open past the drain is cut: said here, before anything stops (issue 32 item 3)
+    stop = (f"stop (SIGTERM drain <= {budgets.get('drain_timeout_s', 60):g} s, SIGKILL of the tree: it cuts a "
+            f"request or stream still open; sweep)")
     steps = ["hand off to the container's agent (one command)"]
     serving = engine(spec.engine if spec else DEFAULT_ENGINE)
     gated = bool(spec and spec.gated_launch and action != "stop")
@@ -749,7 +751,8 @@ class Narrator:
         self.timings.setdefault(f"{target}:drain", float(event.get("elapsed_s") or 0))
         if event.get("drained"):
             return f"drained and exited in {_seconds(event.get('elapsed_s'))}"
-        return f"drain deadline passed after {_seconds(event.get('elapsed_s'))}: SIGKILL of the tree"
+        return (f"drain deadline passed after {_seconds(event.get('elapsed_s'))}: SIGKILL of the tree, which cuts "
+                f"any request or stream it still served")
 
     def _on_kill(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
         if phase != "end":

@@ -76,7 +76,8 @@ class Preflight:
                if self.worker.get("status") == "draining" else f"leave it (DELETE /workers/{self.worker.get('id')}")
         return [f"{where}: {how}; {len(self.peers)} other healthy worker(s) of {model} keep serving)",
                 f"{where}: wait until its in-flight requests are 0 (/metrics num_running_reqs + num_queue_reqs, "
-                f"at most {drain_s:g} s)",
+                f"at most {drain_s:g} s); what is still open then (a stream longer than that) has the stop's "
+                f"drain, at most {drain_s:g} s more, then is CUT by its SIGKILL (said before the stop)",
                 f"{where}: after the verify (or a rollback): /ready, re-add it as it was (model {model}, "
                 f"priority {self.worker.get('priority', '-')}, {len(self.worker.get('labels') or {})} label(s)) "
                 f"and wait until it is listed healthy"]
@@ -241,7 +242,7 @@ def leave(routing: Routing, client: SmgClient, budget_s: float,
         # twice 0, a poll apart: a request smg picked just before the removal has arrived by then
         zeros = zeros + 1 if left == 0 else 0
         if zeros >= 2:
-            say(f"router {routing.router}: left it; 0 requests in flight after {now() - start:.1f} s")
+            say(left_line(routing.router, 0, budget_s, now() - start))
             return
         # twice unreadable (not running, or neither gauge nor load endpoint): waiting cannot tell more,
         # and SGLang's own SIGTERM drain waits for what a running server still holds
@@ -249,12 +250,26 @@ def leave(routing: Routing, client: SmgClient, budget_s: float,
         if unread >= 2:
             break
         sleep(POLL_S)
+    say(left_line(routing.router, left, budget_s, now() - start))
+
+
+def left_line(router: str, left: int | None, budget_s: float, elapsed_s: float) -> str:
+    """What the leave says as it ends its wait, right before the stop: how many requests (streams
+    counted with them) are still open, and what the stop does to them (issue 32 item 3: a stream
+    longer than the drain budget is cut by the stop, never silently).
+
+    >>> left_line("gw", 2, 60, 60.2)
+    "router gw: left it; 2 request(s) or stream(s) still open after 60 s: the stop's SIGTERM drain gives them at most 60 s more, then its SIGKILL CUTS what is still open"
+    >>> left_line("gw", 0, 60, 0.5)
+    'router gw: left it; 0 requests in flight after 0.5 s'
+    """
+    if left == 0:
+        return f"router {router}: left it; 0 requests in flight after {elapsed_s:.1f} s"
+    cut = (f"the stop's SIGTERM drain gives {'them' if left else 'what is open'} at most {budget_s:g} s more, then "
+           f"its SIGKILL CUTS what is still open")
     if left is None:
-        say(f"router {routing.router}: left it; its in-flight count cannot be read (/metrics, /get_load): "
-            f"the stop's drain takes what is left")
-    else:
-        say(f"router {routing.router}: left it; still {left} request(s) in flight after {budget_s:g} s: the "
-            f"stop's drain takes them")
+        return f"router {router}: left it; its in-flight count cannot be read (/metrics, /get_load): {cut}"
+    return f"router {router}: left it; {left} request(s) or stream(s) still open after {budget_s:g} s: {cut}"
 
 
 def rejoin(routing: Routing, client: SmgClient, worker: Mapping[str, Any] | None, timeout_s: float,

@@ -7,6 +7,8 @@ Everything installed is stdlib-only Python run by the container's /usr/bin/pytho
     usr/lib/python3/dist-packages/gpugate_gpusim.py      (lab/gpugate_lab/gpusim.py)
     usr/lib/python3/dist-packages/gpugate_nvidia_smi.py  (lab/gpugate_lab/nvidia_smi.py)
     usr/lib/python3/dist-packages/gpustat.py             (lab/gpugate_lab/standin/gpustat.py: a GPU monitor)
+    usr/lib/python3/dist-packages/gpugate_sse.py         (lab/gpugate_lab/standin/_sse.py: the stand-ins'
+                                                          streamed answers, server-sent events)
     usr/lib/python3/dist-packages/sglang/...             (lab/gpugate_lab/standin/sglang; bench_serving.py
                                                           is the benchmark client)
     .../sglang/srt/flag_table.json, sglang/_version.py   (the snapshot of ONE SGLang release's flags,
@@ -109,6 +111,7 @@ def install_container_extras(usr_upper: Path, sglang_version: str | None = None)
     _copy(LAB_DIR / "nvidia_smi.py", dist / "gpugate_nvidia_smi.py")
     _copy(LAB_DIR / "pynvml_sim" / "pynvml.py", dist / "pynvml.py")
     _copy(LAB_DIR / "standin" / "gpustat.py", dist / "gpustat.py")  # a GPU monitor: python3 -m gpustat -i 1
+    _copy(LAB_DIR / "standin" / "_sse.py", dist / "gpugate_sse.py")  # every stand-in's streamed answers
     sglang_dst = dist / "sglang"
     if sglang_dst.exists():
         shutil.rmtree(sglang_dst)

@@ -6,8 +6,12 @@ when the behaviour matters, so a fault applies to a server that is already runni
 
 - ``ignore-sigterm``: SIGTERM starts a drain that never ends (only SIGKILL stops the server).
 - ``orphan-worker``: scheduler workers survive a SIGKILL of their parent and keep their memory.
-- ``stuck-memory``: the container's allocations are never released, even after their holders die,
-  until the fault is cleared (clearing releases those whose holder is gone).
+- ``stuck-memory``: the memory of the processes holding GPU memory in the container when it is set
+  (the running server's schedulers) is never released, even after they die, until the fault is
+  cleared (clearing releases those whose holder is gone); what those processes allocate later sticks
+  too. It names them (faults.json: ``{"holders": [...], "set_at": ...}``): a process started later (a
+  gated engine started before the stop, the next server) allocates and frees as usual, as on real
+  hardware, where the memory a driver keeps is the memory of the processes it was stuck for.
 - ``foreign-holder``: a process in the lab host (outside the container) holds memory on every GPU;
   clearing kills it. Nothing inside the container can see or kill it.
 - ``crash-on-start``: the stand-in exits 1 with a traceback while loading.
@@ -232,14 +236,21 @@ def apply_fault(lab_dir: Path, host: str, vmid: int, name: str, clear: bool = Fa
             "stuck-memory is unavailable in a real-GPU lab (lab up --gpus real): it needs the lab's simulated "
             "driver, and the NVIDIA driver frees a dead process's memory; orphan-worker shows memory that "
             "outlives the server")
+    if key == "stuck-memory":
+        # the processes it applies to: those holding memory in the container now (issue 32 item 14)
+        held = [a for a in gpusim.list_allocations(gpu_dir) if a.get("ctl") == ctl] if ctl and gpu_dir.is_dir() else []
+        value = {"holders": sorted({gpusim.holder_key(a.get("pidns"), a.get("pid")) for a in held}),
+                 "set_at": time.time()}
     faults[key] = value
     _write_faults(lab_dir, host, vmid, faults)
     note = ""
     if key == "foreign-holder" and real:
         return f"{where}: fault foreign-holder set ({_start_real_foreign_holder(lab_dir, host, vmid, real)})"
     if key == "stuck-memory" and ctl and gpu_dir.is_dir():
-        n = len(gpusim.set_stuck(gpu_dir, True, ctl=ctl))
-        note = f" ({n} current allocation(s) now stuck)"
+        n, holders = len(gpusim.set_stuck(gpu_dir, True, ctl=ctl)), faults[key]["holders"]
+        note = (f" ({n} current allocation(s) now stuck, of {len(holders)} process(es): it applies to them only)"
+                if holders else " (no process holds GPU memory in the container: it names none; set it while "
+                                "the server runs)")
     if key == "foreign-holder":
         note = f" ({_start_foreign_holder(lab_dir, host, vmid, FOREIGN_HOLDER_MIB)}, outside the container)"
     shown = f"{key}={value:g}" if key == "slow-start" else key

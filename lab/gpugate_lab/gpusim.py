@@ -110,6 +110,31 @@ def read_faults(ctl_dir: Optional[Path] = None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def holder_key(pidns: str, pid: int) -> str:
+    """How a fault names a process: its PID namespace and its pid there (an allocation's own fields).
+
+    >>> holder_key("pid:[4026532290]", 17)
+    'pid:[4026532290]:17'
+    """
+    return f"{pidns}:{pid}"
+
+
+def named_by_fault(fault: str, started: float, faults: Optional[dict] = None) -> bool:
+    """Does ``fault`` (a fault that names its processes: ``{"holders": [holder_key...], "set_at":
+    epoch}``, e.g. stuck-memory) name this process? ``started``: when this process began
+    (``time.time()``): one that began after the fault was set is never named, a reused pid included.
+    As on real hardware, memory that a driver never gives back is the memory of the processes it was
+    stuck for, not of the next server's (issue 32 item 14).
+
+    >>> named_by_fault("stuck-memory", 0.0, {"stuck-memory": {"holders": [], "set_at": 1.0}})
+    False
+    """
+    value = (read_faults() if faults is None else faults).get(fault)
+    if not isinstance(value, dict) or started > float(value.get("set_at") or 0):
+        return False
+    return holder_key(own_pidns(), os.getpid()) in (value.get("holders") or ())
+
+
 def _ctl_id() -> Optional[str]:
     """dev:inode of this container's lab control dir; stable across container restarts, and the same
     seen from inside (bind mount) and from the lab (its real path): tags allocations with their container."""

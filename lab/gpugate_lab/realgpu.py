@@ -334,6 +334,9 @@ def install_real_extras(cdir: Path, binding: dict, standin_dir: Path) -> None:
         gpusim_src = Path(standin_dir).resolve().parent.parent / "gpusim.py"
         if gpusim_src.exists():
             shutil.copyfile(gpusim_src, target / "gpugate_gpusim.py")
+        sse_src = Path(standin_dir).resolve().parent / "_sse.py"  # the stand-ins' streamed answers
+        if sse_src.exists():
+            shutil.copyfile(sse_src, target / "gpugate_sse.py")
     labctl = cdir / "labctl"
     labctl.mkdir(exist_ok=True)
     (labctl / MARKER_FILE).write_text(json.dumps({"mode": "real", "device": binding.get("device", "cuda")}) + "\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -25,7 +26,9 @@ from tests.conftest import Lab, LabHost, lab_unavailable_reason, pyinfra_exe
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 VMIDS = (129, 130, 131)
-ENV = {"SGLANG_STANDIN_LOAD_S": "0.4", "SGLANG_STANDIN_DRAIN_TICK_S": "0.5", "SGLANG_STANDIN_SCHEDULER_EXIT_S": "0.3"}
+ENV = {"SGLANG_STANDIN_LOAD_S": "0.4", "SGLANG_STANDIN_DRAIN_TICK_S": "0.5", "SGLANG_STANDIN_SCHEDULER_EXIT_S": "0.3",
+       "SGLANG_STANDIN_TOKEN_S": "0.01"}  # 100 tokens a second per request: a stream of 300 lasts 3 s
+MODEL = "/opt/models/lab-model"  # the lab's servers' model (their served model name)
 
 
 @pytest.fixture(scope="module")
@@ -86,33 +89,70 @@ def server_info(router: dict, vmid: int) -> dict:
 
 
 class Client:
-    """Requests through smg, continuously, from 3 threads, bounded in count and in time."""
+    """Requests through smg, continuously, bounded in count and in time, as real clients send them:
+    2 threads of SGLang's /generate and 1 of the real OpenAI client's chat completions, whole answers;
+    ``streams`` threads of the OpenAI client streaming chat completions of ``stream_tokens`` tokens
+    each (issue 32 item 3: most real clients stream, and a stream is the request a drain can cut). A
+    stream counts as served only when it is whole: every token, the finish reason, then [DONE] (a
+    stream cut short is an error or, through a gateway, an early end: both fail it). Prompts differ,
+    so smg spreads them over its workers."""
 
-    def __init__(self, url: str, max_requests: int = 20000, max_s: float = 120.0):
-        self.url, self.max_requests, self.max_s = url, max_requests, max_s
+    def __init__(self, url: str, max_requests: int = 20000, max_s: float = 120.0, streams: int = 2,
+                 stream_tokens: int = 60):
+        import openai
+
+        self.url, self.max_requests, self.max_s, self.stream_tokens = url, max_requests, max_s, stream_tokens
         self.ok, self.failed, self.errors = 0, 0, []
+        self.streams_ok, self.stream_s = 0, []  # whole streams, and how long each lasted
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(3)]
+        self.openai = openai.OpenAI(base_url=url + "/v1", api_key="lab", max_retries=0, timeout=30)
+        self.threads = [threading.Thread(target=self._loop, args=(send,), daemon=True)
+                        for send in [self._generate] * 2 + [self._chat] + [self._stream] * streams]
+        self.sent = 0
 
-    def _loop(self) -> None:
+    def _generate(self, prompt: str) -> str | None:
+        body = json.dumps({"text": prompt, "sampling_params": {"max_new_tokens": 20}}).encode()
+        request = urllib.request.Request(self.url + "/generate", data=body, headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            response.read()
+            return None if response.status == 200 else f"status {response.status}"
+
+    def _chat(self, prompt: str) -> str | None:
+        answer = self.openai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                     max_tokens=20)
+        return None if answer.choices[0].message.content == " lab" * 20 else f"chat answer {answer.choices[0]!r}"
+
+    def _stream(self, prompt: str) -> str | None:
+        began, text, finish = time.monotonic(), [], None
+        for chunk in self.openai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                         max_tokens=self.stream_tokens, stream=True):
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+        if "".join(text) != " lab" * self.stream_tokens or finish != "length":
+            return f"stream cut: {len(''.join(text)) // 4} of {self.stream_tokens} tokens, finish {finish!r}"
+        with self.lock:
+            self.streams_ok += 1
+            self.stream_s.append(time.monotonic() - began)
+        return None
+
+    def _loop(self, send) -> None:
+        import openai
+
         began = time.monotonic()
-        body = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 20}}).encode()
         while not self.stop.is_set() and time.monotonic() - began < self.max_s:
             with self.lock:
                 if self.ok + self.failed >= self.max_requests:
                     return
-            request = urllib.request.Request(self.url + "/generate", data=body,
-                                             headers={"content-type": "application/json"})
+                self.sent += 1
+                prompt = f"{os.urandom(4).hex()} hello {self.sent}"  # no shared prefix: spread over workers
             try:
-                with urllib.request.urlopen(request, timeout=30) as response:
-                    response.read()
-                    good = response.status == 200
-                    error = None if good else f"status {response.status}"
-            except (urllib.error.URLError, OSError) as exc:
-                good, error = False, repr(exc)[:200]
+                error = send(prompt)
+            except (urllib.error.URLError, OSError, openai.APIError) as exc:
+                error = f"{send.__name__}: {exc!r} ({exc.__cause__!r})"[:300]
             with self.lock:
-                if good:
+                if error is None:
                     self.ok += 1
                 else:
                     self.failed += 1
@@ -163,15 +203,29 @@ def test_dry_shows_the_router_steps(routed):
     assert code == 0, out
     assert out.count("router lab: leave it (DELETE /workers/") == 3, out
     assert "wait until its in-flight requests are 0" in out and "re-add it" in out, out
+    # a stream longer than the drain budget is cut by the stop: said before anything stops (issue 32 item 3)
+    assert out.count("what is still open then (a stream longer than that) has the stop's drain, at most 60 s "
+                     "more, then is CUT by its SIGKILL") == 3, out
+    assert "SIGTERM drain <= 60 s, SIGKILL of the tree: it cuts a request or stream still open" in out, out
 
 
 def test_rolling_flag_change_behind_smg_fails_no_request(routed):
+    """Every request through smg is served, whole answers and streams (issue 32 item 3): streams of
+    3 s (300 tokens at the stand-ins' 100 a second) from the real OpenAI client are in flight as a
+    server leaves; the leave waits for them, within the drain budget (2 s here), and one still open
+    past it is said and left to the stop's drain (as long again), where it ends: all complete."""
     lab, router = routed
     write_fleet(lab, router, {"disable-radix-cache": True})
-    with Client(router["url"]) as client:
-        code, out = deploy(lab, "--data", "rolling=true")
+    with Client(router["url"], streams=3, stream_tokens=300) as client:
+        code, out = deploy(lab, "--data", "rolling=true", "--data", "drain_timeout_s=2")
     assert code == 0, out
     assert client.failed == 0 and client.ok > 50, (client.failed, client.ok, client.errors[:5], out)
+    assert client.streams_ok >= 6 and min(client.stream_s) >= 3.0, (client.streams_ok, client.stream_s)
+    # a leave waited for streams in flight (the whole answers take 0.2 s, a leave with none about 0.5 s)
+    waited = [float(s) for s in re.findall(r"router lab: left it; 0 requests in flight after ([0-9.]+) s", out)]
+    still = re.findall(r"router lab: left it; (\d+) request\(s\) or stream\(s\) still open after 2 s: the stop's "
+                       r"SIGTERM drain gives them at most 2 s more, then its SIGKILL CUTS what is still open", out)
+    assert still or max(waited, default=0) >= 1.0, out
     for vmid in VMIDS:
         assert server_info(router, vmid)["disable_radix_cache"] is True
     assert listed_healthy(router) == published(router), workers(router)

@@ -7,8 +7,8 @@ import os
 import signal
 
 import pytest
-from gpusim_helpers import (GPU_COUNT, HOST, TOTAL_MIB, VMID, http_status, installed, model_dir,  # noqa: F401
-                            pid_alive, sim, start_standin, wait_until)
+from gpusim_helpers import (GPU_COUNT, HOST, TOTAL_MIB, VMID, free_port, http_status, installed,  # noqa: F401
+                            model_dir, pid_alive, sim, start_standin, wait_until)
 
 from gpugate_lab import faults, gpusim
 
@@ -91,14 +91,37 @@ def test_stuck_memory_stays_after_the_holders_die_until_cleared(sim, start_stand
     wait_until(lambda: sim.used(0) == 0, what="memory released after clear")
 
 
-def test_stuck_memory_applies_to_a_server_started_later(sim, start_standin, model_dir):
-    apply(sim, "stuck-memory")
-    s = start_standin("--model-path", str(model_dir))
-    s.wait_healthy()
-    assert all(a["stuck"] for a in gpusim.list_allocations(sim.gpu_dir))
-    s.kill()
+def test_stuck_memory_sticks_to_the_server_it_was_set_for_never_to_a_gated_engine_started_later(
+        sim, start_standin, model_dir):
+    """Issue 32 item 14: the fault names the processes holding memory when it is set (the old server);
+    a gated engine started after it, before the stop, on the same GPU (it holds its CUDA context while
+    it waits at its gate) allocates and frees as usual, as on real hardware: it used to take the fault
+    up, and its context stayed on the GPU after it died."""
+    old = start_standin("--model-path", str(model_dir), "--mem-fraction-static", "0.5", env={"SGLANG_STANDIN_LOAD_S": "0"})
+    old.wait_healthy()
+    assert "3 current allocation(s) now stuck, of 1 process(es)" in apply(sim, "stuck-memory")
+    held = sim.used(0)
+    gated = start_standin("--model-path", str(model_dir), "--gated-launch-port", str(free_port()))
+    new = wait_until(lambda: [a for a in gpusim.list_allocations(sim.gpu_dir) if a["pid"] in gated.child_pids()],
+                     what="the gated engine's context on GPU 0")
+    assert [a["stuck"] for a in new] == [False] and sim.used(0) == held + new[0]["mib"]
+    assert all(a["stuck"] for a in gpusim.list_allocations(sim.gpu_dir) if a["pid"] not in gated.child_pids())
+    gated.kill()
+    wait_until(lambda: sim.used(0) == held, what="the gated engine's context released when it dies")
+    old.kill()
+    pending: dict = {}
+    gpusim.release_step(sim.gpu_dir, pending, now=0.0, delay_s=0.0)
+    assert gpusim.release_step(sim.gpu_dir, pending, now=1e6, delay_s=0.0) == [] and sim.used(0) == held
+    # a fault set while nothing holds memory names nothing: the next server's memory is its own
     apply(sim, "stuck-memory", clear=True)
     wait_until(lambda: sim.used(0) == 0, what="memory released after clear")
+    assert "it names none" in apply(sim, "stuck-memory")
+    later = start_standin("--model-path", str(model_dir), env={"SGLANG_STANDIN_LOAD_S": "0"})
+    later.wait_healthy()
+    assert not any(a["stuck"] for a in gpusim.list_allocations(sim.gpu_dir))
+    later.kill()
+    wait_until(lambda: sim.used(0) == 0, what="the later server's memory released")
+    apply(sim, "stuck-memory", clear=True)
 
 
 def test_foreign_holder_holds_memory_outside_and_blocks_a_start(sim, start_standin, model_dir, monkeypatch):

@@ -8,6 +8,9 @@ import re
 import signal
 import threading
 import time
+import urllib.request
+
+import pytest
 
 from gpusim_helpers import (GPU_COUNT, TOTAL_MIB, cmdline, hold, http_json, http_status,  # noqa: F401
                             installed, model_dir, pid_alive, sim, start_standin, wait_until)
@@ -170,3 +173,77 @@ def test_slow_start_is_read_while_loading_so_clearing_it_ends_the_load(sim, star
     assert http_status(s.port) == "refused"  # still loading: the port stays closed
     sim.set_faults({})
     wait_until(lambda: http_status(s.port) == 200, what="/health 200 once slow-start is cleared")
+
+
+def _sse_events(port: int, path: str, body: dict) -> tuple[dict, list[str]]:
+    """The raw answer to a streamed request: its headers and its ``data:`` lines, in order."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        headers = {k.lower(): v for k, v in response.getheaders()}
+        lines = [line.decode().rstrip("\n") for line in response]
+    assert all(line.startswith("data: ") or line == "" for line in lines), lines[:6]
+    return headers, [line[len("data: "):] for line in lines if line]
+
+
+def test_streams_as_sglang_does_token_by_token_and_a_kill_mid_stream_is_an_error(sim, start_standin, model_dir):
+    """issue 32 item 3: ``stream: true`` answers with server-sent events, one per decoded token at the
+    decode rate, then [DONE] (the real OpenAI client reads them); a stream in flight holds the drain;
+    a server killed mid-stream leaves the client an error, never a short answer that looks whole."""
+    import openai
+
+    token_s = 0.01
+    s = start_standin("--model-path", str(model_dir), env={"SGLANG_STANDIN_LOAD_S": "0",
+                                                           "SGLANG_STANDIN_TOKEN_S": str(token_s)})
+    s.wait_healthy()
+    # /generate: an event per token with the text so far, finish_reason on the last, then [DONE]
+    headers, events = _sse_events(s.port, "/generate", {"text": "hi", "stream": True,
+                                                         "sampling_params": {"max_new_tokens": 5}})
+    assert headers["content-type"].startswith("text/event-stream") and headers["transfer-encoding"] == "chunked"
+    assert events[-1] == "[DONE]" and len(events) == 6
+    outs = [json.loads(e) for e in events[:-1]]
+    assert [o["text"] for o in outs] == [" lab" * k for k in range(1, 6)]
+    assert [o["meta_info"]["finish_reason"] for o in outs][-2:] == [None, {"type": "length", "length": 5}]
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none", max_retries=0)
+    arrived, chunks = [], []
+    for chunk in client.chat.completions.create(model="lab-model", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=30, stream=True, stream_options={"include_usage": True}):
+        arrived.append(time.monotonic())
+        chunks.append(chunk)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert content == [" lab"] * 30  # one chunk per decoded token
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 30 and not chunks[-1].choices
+    assert arrived[-1] - arrived[1] >= 20 * token_s  # at the decode rate (29 tokens apart), not all at the end
+    text = "".join(c.choices[0].text for c in client.completions.create(model="lab-model", prompt="hi",
+                                                                         max_tokens=7, stream=True))
+    assert text == " lab" * 7
+
+    # SIGTERM while a stream runs: the drain waits for it, it ends with its [DONE], then exit 0
+    second = start_standin("--model-path", str(model_dir), "--base-gpu-id", "1",
+                           env={"SGLANG_STANDIN_LOAD_S": "0", "SGLANG_STANDIN_TOKEN_S": str(token_s)})
+    second.wait_healthy()
+    got = []
+    stream = openai.OpenAI(base_url=f"http://127.0.0.1:{second.port}/v1", api_key="none",
+                           max_retries=0).chat.completions.create(
+        model="lab-model", messages=[{"role": "user", "content": "hi"}], max_tokens=60, stream=True)
+    for chunk in stream:
+        got.append(chunk.choices[0].delta.content or "")
+        if len(got) == 2:
+            second.proc.send_signal(signal.SIGTERM)
+    assert "".join(got) == " lab" * 60
+    assert second.proc.wait(timeout=30) == 0
+
+    # SIGKILL mid-stream: the chunked body never ends, and the client says so
+    stream = client.chat.completions.create(model="lab-model", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=3000, stream=True)
+    got = []
+    with pytest.raises(openai.APIConnectionError) as cut:
+        for chunk in stream:
+            got.append(chunk)
+            if len(got) == 3:
+                s.proc.kill()
+    assert 3 <= len(got) < 3000
+    assert "incomplete chunked read" in repr(cut.value.__cause__), repr(cut.value.__cause__)

@@ -135,6 +135,21 @@ def test_leave_does_not_wait_out_the_budget_for_a_count_it_cannot_read(monkeypat
     assert len(reads) == 2 and "cannot be read" in said[0]
 
 
+def test_a_stream_longer_than_the_drain_budget_is_said_before_the_stop(monkeypatch):
+    """Issue 32 item 3: the drain budget runs out with requests still open (a long stream): the leave
+    says, right before the stop, how many are open and that what outlasts the stop's drain is cut by
+    its SIGKILL, never silently; --dry named the same budget for them before anything stopped."""
+    monkeypatch.setattr(router, "in_flight", lambda url: 2)
+    clock = iter(range(1000))
+    said = []
+    router.leave(ROUTING, FakeClient([A, B]), 5, said.append, now=lambda: next(clock), sleep=lambda s: None)
+    assert said[-1] == ("router gw: left it; 2 request(s) or stream(s) still open after 5 s: the stop's SIGTERM "
+                        "drain gives them at most 5 s more, then its SIGKILL CUTS what is still open")
+    dry = router.preflight(ROUTING, FakeClient([A, B])).lines(ROUTING, 5)[1]
+    assert "at most 5 s); what is still open then (a stream longer than that) has the stop's drain, at most 5 s " \
+           "more, then is CUT by its SIGKILL" in dry, dry
+
+
 def test_rejoin_waits_out_the_draining_entry_then_adds_it_back_as_it_was(monkeypatch):
     monkeypatch.setattr(router, "server_ready", lambda url, paths: True)
     client = FakeClient([dict(A, status="draining"), B])

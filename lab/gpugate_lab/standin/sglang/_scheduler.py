@@ -20,6 +20,7 @@ CONTEXT_MIB = 518  # a CUDA context on an H200, measured (shared/reference/nvml-
 
 
 _title = ""
+_STARTED = time.time()  # this process's start, as a fault that names processes compares it
 
 
 def _set_comm(title: str) -> None:
@@ -91,7 +92,11 @@ def _run_sim_scheduler(job, holdings):
     from sglang.srt.distributed import gated_launch  # noqa: PLC0415
 
     gpu, prefix = int(job["gpu"]), job["log_prefix"]
-    stuck = bool(gpusim.read_faults().get("stuck-memory"))
+    def stuck():
+        # fault stuck-memory applies to the schedulers it names (those holding memory when it was set),
+        # read at each allocation; never to one started since, a gated engine started before the stop
+        # included (issue 32 item 14)
+        return gpusim.named_by_fault("stuck-memory", _STARTED)
 
     def log(message, bare=False):
         if bare:
@@ -105,7 +110,7 @@ def _run_sim_scheduler(job, holdings):
 
     config = gpusim.load_config()
     physical = _platform.physical_gpu(gpu, config)
-    holdings.append(gpusim.allocate(physical, CONTEXT_MIB, stuck=stuck, require_free=True))
+    holdings.append(gpusim.allocate(physical, CONTEXT_MIB, stuck=stuck(), require_free=True))
     _timing.spend("DIST_INIT")
     gate_s = gated_launch.maybe_wait_for_gated_launch(job.get("gate"), int(job.get("rank") or 0), log)
 
@@ -118,7 +123,7 @@ def _run_sim_scheduler(job, holdings):
 
     def disk_load():
         try:
-            holdings.append(gpusim.allocate(physical, weight_mib, stuck=stuck, require_free=True))
+            holdings.append(gpusim.allocate(physical, weight_mib, stuck=stuck(), require_free=True))
         except gpusim.NotEnoughMemory:
             raise RuntimeError("CUDA out of memory. Tried to allocate %.2f GiB." % (weight_mib / gib))
         _timing.spend("WEIGHT_LOAD")
@@ -145,7 +150,7 @@ def _run_sim_scheduler(job, holdings):
         if kv_mib <= 0:
             raise RuntimeError("Not enough memory. Please try to increase --mem-fraction-static.")
     try:
-        holdings.append(gpusim.allocate(physical, kv_mib, stuck=stuck, require_free=True))
+        holdings.append(gpusim.allocate(physical, kv_mib, stuck=stuck(), require_free=True))
     except gpusim.NotEnoughMemory:
         raise RuntimeError("Not enough memory. Please try to increase --mem-fraction-static.")
     _timing.spend("KV_ALLOC")

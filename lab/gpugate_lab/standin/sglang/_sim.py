@@ -1,9 +1,14 @@
-"""Where the stand-in finds the simulated driver: the stdlib copy installed beside it in a lab
-container (gpugate_gpusim), else the gpugate package (development)."""
+"""Where the stand-in finds the lab's shared parts: the simulated driver and the streamed answers'
+writer, the stdlib copies installed beside it in a lab container (gpugate_gpusim, gpugate_sse), else
+the lab package (development)."""
 
 try:
     import gpugate_gpusim as gpusim
 except ImportError:
     from gpugate_lab import gpusim  # type: ignore[no-redef]
+try:
+    import gpugate_sse as sse
+except ImportError:
+    from gpugate_lab.standin import _sse as sse  # type: ignore[no-redef]
 
-__all__ = ["gpusim"]
+__all__ = ["gpusim", "sse"]

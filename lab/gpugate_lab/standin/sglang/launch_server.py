@@ -58,9 +58,17 @@ a traceback during load), never-healthy (/health stays 503), slow-start=S, orpha
 stuck-memory (in the workers).
 
 Generation takes ``max_new_tokens x $SGLANG_STANDIN_TOKEN_S`` (default 0.002 s), so tests can keep a
-request in flight across a SIGTERM.
+request in flight across a SIGTERM. ``"stream": true`` (http_server.py ``generate_request``,
+openai/serving_chat.py, serving_completions.py) answers with server-sent events (the lab's shared
+writer, standin/_sse.py), one per decoded token at that rate: on /generate ``data: {"text": <the text
+so far>, "meta_info": {...}}``, on the OpenAI endpoints their ``chat.completion.chunk`` (``delta``) and
+``text_completion`` chunks, the usage chunk with ``stream_options.include_usage``; then ``data:
+[DONE]``. A stream is in flight (the drain waits for it) until its last byte is sent; a server killed
+mid-stream leaves its chunked body unfinished, which a client reads as an error; a client gone
+mid-stream aborts its request.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -75,7 +83,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import sglang
 from sglang import _capacity, _real, _timing, _weights
-from sglang._sim import gpusim
+from sglang._sim import gpusim, sse
 
 DEFAULT_MEM_FRACTION_STATIC = 0.88
 # what a scheduler needs of the server args for the weight cache's key (weight_cache/protocol.py)
@@ -371,32 +379,67 @@ class State:
             return False
         return not gpusim.read_faults().get("never-healthy")
 
-    def generate(self, text: str, max_new_tokens: int) -> dict:
+    @contextlib.contextmanager
+    def admitted(self):
+        """One request in flight (tokenizer_manager's ``rid_to_state``), its rid: what /get_load,
+        /metrics and the drain count. Held until the answer's last byte is written, so the drain never
+        takes the server down under a request it already answered but has not finished sending (SGLang's
+        5 s drain tick leaves that moment no chance; the stand-in's short one would)."""
         with self.lock:
             self.inflight += 1
             self.rid += 1
             rid = "%032x" % self.rid
             self.rids.add(rid)
         try:
-            if self.real is not None:
-                out = self.real.generate(text, max_new_tokens)
-                return {"text": out["text"],
-                        "meta_info": {"id": rid, "prompt_tokens": len(_real.encode(text)),
-                                      "completion_tokens": len(out["ids"]), "cached_tokens": 0,
-                                      "finish_reason": {"type": "length", "length": len(out["ids"])},
-                                      "e2e_latency": out["e2e_latency"], "forward_s": out["forward_s"],
-                                      "device": out["device"]}}
-            time.sleep(max(0, max_new_tokens) * self.token_s)
-            words = ["lab"] * max(0, min(max_new_tokens, 64))
-            return {"text": " " + " ".join(words) if words else "",
-                    "meta_info": {"id": rid, "prompt_tokens": len(text.split()),
-                                  "completion_tokens": max_new_tokens, "cached_tokens": 0,
-                                  "finish_reason": {"type": "length", "length": max_new_tokens},
-                                  "e2e_latency": max_new_tokens * self.token_s}}
+            yield rid
         finally:
             with self.lock:
                 self.inflight -= 1
                 self.rids.discard(rid)
+
+    def _output(self, rid: str, text: str, produced: int, max_new_tokens: int, began: float,
+                real=None) -> dict:
+        """What the tokenizer manager yields after ``produced`` tokens (the text so far, as SGLang's
+        /generate stream sends it: not the increment); ``finish_reason`` only on the last."""
+        done = produced >= max_new_tokens
+        meta = {"id": rid, "finish_reason": {"type": "length", "length": produced} if done else None,
+                "prompt_tokens": len(_real.encode(text)) if real else len(text.split()),
+                "completion_tokens": produced, "cached_tokens": 0,
+                "e2e_latency": round(time.monotonic() - began, 6)}
+        if real:
+            meta.update({"forward_s": real["forward_s"], "device": real["device"]})
+            return {"text": _real.decode(real["ids"][:produced]), "meta_info": meta}
+        return {"text": " lab" * produced, "meta_info": meta}
+
+    def generate(self, rid: str, text: str, max_new_tokens: int) -> dict:
+        """The whole answer at once (a request without ``stream``): ``max_new_tokens`` x the decode
+        time per token ($SGLANG_STANDIN_TOKEN_S)."""
+        began = time.monotonic()
+        n = max(0, max_new_tokens)
+        if self.real is not None:
+            out = self.real.generate(text, n)
+            return self._output(rid, text, len(out["ids"]), len(out["ids"]), began, out)
+        time.sleep(n * self.token_s)
+        return self._output(rid, text, n, n, began)
+
+    def decode(self, rid: str, text: str, max_new_tokens: int):
+        """The answer token by token (a request with ``stream``): one output per decoded token at the
+        decode rate (SGLang's default ``stream_interval`` 1), the last one with its finish reason; one
+        output when nothing is to be decoded. In real mode the real generation runs first and its
+        tokens follow at once."""
+        began = time.monotonic()
+        n = max(0, max_new_tokens)
+        real = self.real.generate(text, n) if self.real is not None else None
+        if real is not None:
+            n = len(real["ids"])
+        if n == 0:
+            yield self._output(rid, text, 0, 0, began, real)
+            return
+        for produced in range(1, n + 1):
+            if real is None:
+                # to the token's due time, not a sleep per token: the rate holds whatever a write costs
+                time.sleep(max(0.0, began + produced * self.token_s - time.monotonic()))
+            yield self._output(rid, text, produced, n, began, real)
 
 
 _CAPACITY = {}
@@ -412,6 +455,74 @@ def _server_capacity(server_args: dict) -> dict:
         _CAPACITY["figures"] = _capacity.figures(server_args, _capacity.model_config(server_args["model_path"]),
                                                  int(config.get("total_mib") or 0), int(config.get("reserved_mib") or 0))
     return _CAPACITY["figures"]
+
+
+def usage_of(meta: dict) -> dict:
+    """OpenAI's usage from an output's meta_info."""
+    return {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"],
+            "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]}
+
+
+def openai_response(path: str, model: str, out: dict) -> dict:
+    """The OpenAI answer to a request without ``stream`` (serving_chat / serving_completions)."""
+    meta = out["meta_info"]
+    finish = (meta.get("finish_reason") or {}).get("type")
+    if path == "/v1/completions":
+        choice = {"index": 0, "text": out["text"], "finish_reason": finish, "logprobs": None}
+        kind = "text_completion"
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]}, "finish_reason": finish}
+        kind = "chat.completion"
+    return {"id": meta["id"], "object": kind, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage_of(meta)}
+
+
+def openai_events(path: str, model: str, outputs, include_usage: bool):
+    """SGLang's OpenAI stream from the tokenizer manager's outputs (each the text so far): the chat
+    (serving_chat ``_generate_chat_stream``): a first chunk with ``delta`` role ``assistant`` and
+    content "", a chunk per output with the text's increment in ``delta.content``, a chunk with an
+    empty delta and the finish reason; the completions (serving_completions): a chunk per output with
+    the increment in ``text`` and the finish reason on the last. Then, with ``stream_options``
+    ``include_usage``, a chunk with no choices and the usage. ``[DONE]`` is the writer's.
+
+    >>> outs = [{"text": " a", "meta_info": {"id": "r", "finish_reason": None, "prompt_tokens": 1, "completion_tokens": 1}},
+    ...         {"text": " a b", "meta_info": {"id": "r", "finish_reason": {"type": "length"}, "prompt_tokens": 1,
+    ...                                        "completion_tokens": 2}}]
+    >>> [c["choices"][0]["delta"] for c in openai_events("/v1/chat/completions", "m", outs, False)]
+    [{'role': 'assistant', 'content': ''}, {'content': ' a'}, {'content': ' b'}, {}]
+    >>> [(c["choices"] or [{}])[0].get("text") for c in openai_events("/v1/completions", "m", outs, True)]
+    [' a', ' b', None]
+    """
+    chat = path == "/v1/chat/completions"
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    created, offset, meta = int(time.time()), 0, None
+
+    def chunk(choices, usage=None):
+        doc = {"id": meta["id"], "object": kind, "created": created, "model": model, "choices": choices}
+        if usage is not None:
+            doc["usage"] = usage
+        return doc
+
+    for out in outputs:
+        first, meta = meta is None, out["meta_info"]
+        finish = (meta.get("finish_reason") or {}).get("type")
+        delta, offset = out["text"][offset:], len(out["text"])
+        if not chat:
+            yield chunk([{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish, "matched_stop": None}])
+            continue
+        if first:
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None, "matched_stop": None}])
+        if delta:
+            yield chunk([{"index": 0, "delta": {"content": delta}, "logprobs": None, "finish_reason": None,
+                          "matched_stop": None}])
+    if meta is None:
+        return
+    if chat:
+        yield chunk([{"index": 0, "delta": {}, "logprobs": None,
+                      "finish_reason": (meta.get("finish_reason") or {}).get("type"), "matched_stop": None}])
+    if include_usage:
+        yield chunk([], usage_of(meta))
 
 
 def make_handler(state: State):
@@ -450,7 +561,8 @@ def make_handler(state: State):
                 if not state.healthy():
                     return self._send(503, b"", "text/plain")
                 if path == "/health_generate":
-                    state.generate("health", 1)
+                    with state.admitted() as rid:
+                        state.generate(rid, "health", 1)
                 return self._send(200, b"", "text/plain")
             if path in ("/get_server_info", "/server_info"):
                 info = dict(sa)
@@ -495,23 +607,37 @@ def make_handler(state: State):
             # no check of state.draining here: SGLang's generate_request admits while it drains
             if path == "/generate":
                 params = body.get("sampling_params") or {}
-                return self._send(200, state.generate(str(body.get("text", "")),
-                                                      int(params.get("max_new_tokens", 128))))
-            n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
-            prompt = body.get("prompt") or " ".join(str(m.get("content", "")) for m in body.get("messages", []))
-            out = state.generate(str(prompt), n)
-            usage = {"prompt_tokens": out["meta_info"]["prompt_tokens"], "completion_tokens": n,
-                     "total_tokens": out["meta_info"]["prompt_tokens"] + n}
-            if path == "/v1/completions":
-                choice = {"index": 0, "text": out["text"], "finish_reason": "length", "logprobs": None}
-                kind = "text_completion"
+                text, n = str(body.get("text", "")), int(params.get("max_new_tokens", 128))
             else:
-                choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]},
-                          "finish_reason": "length"}
-                kind = "chat.completion"
-            return self._send(200, {"id": out["meta_info"]["id"], "object": kind, "created": int(time.time()),
-                                    "model": state.server_args["served_model_name"], "choices": [choice],
-                                    "usage": usage})
+                n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+                text = str(body.get("prompt") or " ".join(str(m.get("content", "")) for m in body.get("messages", [])))
+            with state.admitted() as rid:
+                if body.get("stream"):
+                    return self._stream(path, body, rid, text, n)
+                out = state.generate(rid, text, n)
+                if path == "/generate":
+                    return self._send(200, out)
+                return self._send(200, openai_response(path, state.server_args["served_model_name"], out))
+
+        def _stream(self, path: str, body: dict, rid: str, text: str, n: int) -> None:
+            """``"stream": true``: SGLang's StreamingResponse (sglang/_sim.sse), an event per decoded
+            token, then ``data: [DONE]``. The client gone: the request is aborted, as SGLang's
+            ``create_abort_task`` does on the disconnect."""
+            stream = sse.EventStream(self)
+            stream.start()
+            uvicorn_log('%s:%s - "%s %s HTTP/1.1" %d' % (
+                self.client_address[0], self.client_address[1], self.command, self.path, 200))
+            outputs = state.decode(rid, text, n)
+            if path != "/generate":
+                usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                outputs = openai_events(path, body.get("model") or state.server_args["served_model_name"],
+                                        outputs, usage)
+            try:
+                for item in outputs:
+                    stream.data(item)
+                stream.done()
+            except sse.ClientGone:
+                log("Abort request %s: the client disconnected mid-stream." % rid)
 
     return Handler
 
