@@ -77,6 +77,7 @@ from gpugate.settings import (MAY_HOLD_SECRETS, REMOVED, SETTINGS, SSH_SETTINGS,
                               env_name, env_value, server_keys, suggest as _suggest)
 from gpugate.router.smg import worker_url_key
 from gpugate.engine import DEFAULT_ENGINE, Engine, FlagError, get as engine
+from gpugate.engine import names as engine_names
 
 __all__ = [
     "FleetError",
@@ -462,15 +463,21 @@ def _check_worker_url(check: _Checker, sglang: dict[str, Any], routers: Mapping[
     seen[key] = (entry, name)
 
 
-def _check_sglang(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
-    """The sglang: section as settings (host-data key -> checked value), each key by its row of
-    gpugate.settings.SETTINGS; the flags validated here too, so a typo names its entry."""
+def _check_sglang(check: _Checker, raw: Any, entry: str, section_engine: str = DEFAULT_ENGINE) -> dict[str, Any]:
+    """A server section as settings (host-data key -> checked value), each key by its row of
+    gpugate.settings.SETTINGS; the flags validated here too (by ``section_engine``, the engine the
+    section is named for), so a typo names its entry."""
     rows = server_keys()
     for key in raw if isinstance(raw, dict) else ():
         if key in REMOVED:
             raise check.fail(f"{entry}.{key}", f"no longer a setting: {REMOVED[key]}")
     section = check.mapping(raw, entry, tuple(rows))
     out: dict[str, Any] = {}
+    if section_engine != DEFAULT_ENGINE:  # a section named for its engine (vllm:) is that engine's
+        if section.get("engine") not in (None, section_engine):
+            raise check.fail(f"{entry}.engine", f"{section['engine']!r} in a {section_engine}: section: move the "
+                                                f"server to a {section['engine']}: section, or leave engine: out")
+        section = {**section, "engine": section_engine}
     if section.get("engine") is not None:  # first: the flags are validated by the server's engine
         try:
             out["engine"] = rows["engine"].convert(section["engine"])
@@ -514,22 +521,31 @@ def _check_sglang(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
     return out
 
 
-def _check_servers(check: _Checker, raw: Any, entry: str) -> dict[str, Any]:
-    """The sglang: section: one server (a mapping), or several (a list of mappings, each on its own
-    port, each its own desired state, history and GPU claim) as ``sglang_servers``."""
-    if not isinstance(raw, list):
-        return _check_sglang(check, raw, entry)
-    if not raw:
-        raise check.fail(entry, "an empty list: write the container's servers, or leave sglang: out")
-    servers = [_check_sglang(check, item, f"{entry}[{index}]") for index, item in enumerate(raw)]
+def _check_servers(check: _Checker, sections: Mapping[str, Any], entry: str) -> dict[str, Any]:
+    """A container's server sections, each named for its engine (``sglang:``, ``vllm:``): one
+    server (a mapping), or several (a list of mappings), all of them each on its own port, each its
+    own desired state, history and GPU claim; several servers as ``sglang_servers``."""
+    servers: list[dict[str, Any]] = []
+    where: list[str] = []
+    for section_engine, raw in sections.items():
+        at = f"{entry}.{section_engine}"
+        if not isinstance(raw, list):
+            servers.append(_check_sglang(check, raw, at, section_engine))
+            where.append(at)
+            continue
+        if not raw:
+            raise check.fail(at, f"an empty list: write the container's servers, or leave {section_engine}: out")
+        for index, item in enumerate(raw):
+            servers.append(_check_sglang(check, item, f"{at}[{index}]", section_engine))
+            where.append(f"{at}[{index}]")
     if len(servers) == 1:
         return servers[0]
     seen: dict[int, int] = {}
     for index, server in enumerate(servers):
         port = int(server.get("sglang_port", SETTINGS["sglang_port"].default))
         if port in seen:
-            raise check.fail(f"{entry}[{index}].port", f"{port} is also the port of {entry}[{seen[port]}]: "
-                                                       f"each server of a container needs its own port")
+            raise check.fail(f"{where[index]}.port", f"{port} is also the port of {where[seen[port]]}: "
+                                                     f"each server of a container needs its own port")
         seen[port] = index
     return {"sglang_servers": servers}
 
@@ -599,7 +615,8 @@ def parse_fleet(document: Any, path: str | os.PathLike[str] = "fleet.yaml") -> F
         for raw_vmid, raw_container in containers.items():
             where = f"{entry}.containers.{raw_vmid}"
             vmid = _vmid(check, raw_vmid, where)
-            container_body = check.mapping(raw_container, where, ("sglang", "groups", "data"))
+            sections = (DEFAULT_ENGINE, *(name for name in engine_names() if name != DEFAULT_ENGINE))
+            container_body = check.mapping(raw_container, where, (*sections, "groups", "data"))
             groups = container_body.get("groups") or []
             if not isinstance(groups, list):
                 raise check.fail(f"{where}.groups", f"expected a list of group names, got {_describe(groups)}")
@@ -612,12 +629,14 @@ def parse_fleet(document: Any, path: str | os.PathLike[str] = "fleet.yaml") -> F
                 vmid=vmid,
                 groups=list(dict.fromkeys(groups)),
                 data=check.data(container_body.get("data"), f"{where}.data"),
-                sglang=(_check_servers(check, container_body["sglang"], f"{where}.sglang")
-                        if container_body.get("sglang") is not None else None),
+                sglang=(_check_servers(check, {name: container_body[name] for name in sections
+                                                if container_body.get(name) is not None}, where)
+                        if any(container_body.get(name) is not None for name in sections) else None),
             )
             servers = (container.sglang or {}).get("sglang_servers")
             for index, server in enumerate(servers or ([container.sglang] if container.sglang else [])):
-                at = f"{where}.sglang" + (f"[{index}]" if servers else "")
+                section = server.get("engine") or DEFAULT_ENGINE
+                at = f"{where}.{section}" + (f"[{index}]" if servers else "")
                 _check_routed(check, server, fleet.routers, at)
                 _check_worker_url(check, server, fleet.routers, at, worker_urls)
             name = host.inventory_name(vmid)

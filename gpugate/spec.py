@@ -214,7 +214,8 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
                env: Mapping[str, Any] | None = None, *, host: str | None = None, supervisor: str | None = None,
                python: str | None = None, extra_args: Sequence[str] | None = None,
                sglang_version: str | None = None, table: Any = None, weight_cache: bool = False,
-               gated_launch: bool | None = None, engine_name: str = DEFAULT_ENGINE, secret_env: Sequence[str] = ()) -> Spec:
+               gated_launch: bool | None = None, engine_name: str = DEFAULT_ENGINE, secret_env: Sequence[str] = (),
+               drain_timeout_s: float | None = None) -> Spec:
     """Validate the desired server completely (no host needed) and have the engine make its
     launch, once; raise SpecError naming the problem. What is no engine's business (port, model
     path, host, supervisor, interpreter, env, extra_args as text) is checked here; the flags, the
@@ -266,7 +267,9 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
     inputs = ServerInputs(engine=engine_name, model_path=model_path, port=port, flags=dict(flags or {}), env=clean_env,
                           host=host, supervisor=supervisor, python=python, extra_args=extras, version=sglang_version,
                           weight_cache=bool(weight_cache), gated_launch=gated_launch,
-                          secret_env=tuple(secret_env or ()))
+                          secret_env=tuple(secret_env or ()),
+                          drain_timeout_s=float(SETTINGS["drain_timeout_s"].default if drain_timeout_s is None
+                                                else drain_timeout_s))
     try:
         serving = engine(engine_name)
     except KeyError as error:  # EngineError too: a broken plug-in refuses its own servers only
@@ -489,7 +492,7 @@ def _desired(values: Mapping[str, Any]) -> Desired:
                               python=values["sglang_python"], extra_args=values["sglang_extra_args"],
                               sglang_version=values["sglang_version"], weight_cache=bool(values["sglang_weight_cache"]),
                               gated_launch=values["sglang_gated_launch"], engine_name=values["engine"],
-                              secret_env=values["sglang_secret_env"])
+                              secret_env=values["sglang_secret_env"], drain_timeout_s=values["drain_timeout_s"])
         except SpecError as error:
             problem = str(error)
     return Desired(port=port, present=present, python=values["sglang_python"], spec=spec, engine=values["engine"],

@@ -143,7 +143,8 @@ def observe(args: Doc) -> Doc:
         report["workers"] = server.workers_of(table, tree, engine.expected_workers(gpus))
     if inodes:
         main_argv = main["argv"] if main else []
-        report["health"] = server.health(host, port, generate=bool(args.get("generate")), token=engine.argv_token(main_argv))
+        report["health"] = server.health(host, port, generate=bool(args.get("generate")), token=engine.argv_token(main_argv),
+                                         argv=main_argv)
         if report["health"]["health"] == 200:
             info = server.server_info(host, port, keys=args.get("info_keys") or engine.INFO_KEYS, token=engine.argv_token(main_argv, True))
             report["server_info"] = redactor.deep(info)

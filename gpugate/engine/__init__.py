@@ -81,6 +81,7 @@ class ServerInputs:
     version: str | None = None          # the release pinned (``sglang_version``), if any
     weight_cache: bool = False          # the weights are held across engine restarts
     gated_launch: bool | None = None    # None: where the release and the supervisor allow it
+    drain_timeout_s: float = 60.0       # the stop's drain budget (an engine whose drain is a flag sets it)
     secret_env: tuple[str, ...] = ()    # env names the operator declares secret (beyond the pattern list)
 
 
@@ -242,7 +243,7 @@ def get(name: str) -> Engine:
     >>> get("tgi")
     Traceback (most recent call last):
     ...
-    KeyError: "no engine 'tgi'; engines: sglang"
+    KeyError: "no engine 'tgi'; engines: sglang, vllm"
     """
     entry = _entry_points().get(name)
     if entry is None:
