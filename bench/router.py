@@ -155,7 +155,7 @@ def main() -> int:
     try:
         state = core.up(lab_dir, hosts=1, gpus=8, vmids=VMIDS, router=True)
         router = state["router"]
-        code, out = pyinfra(lab_dir, write_fleet(lab_dir, router, {}, True), "--data", "router_register=true")
+        code, out = pyinfra(lab_dir, write_fleet(lab_dir, router, {}, True))  # starts them, adds them to smg
         assert code == 0, out
 
         def routed(flip: bool) -> int:

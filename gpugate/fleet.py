@@ -31,6 +31,7 @@ The file (every key but ``hosts`` is optional)::
               extra_args: ["--some-new-flag", "1"]   # argv items passed through as written
               router: gw          # leaves gw, drains, restarts, rejoins (docs/transition.md "Routed")
               router_url: "http://10.0.0.5:30000"    # how the router reaches this server
+              router_cordon: false  # true: kept out of gw (maintenance); false: added once verified
           130:
             sglang:               # several servers in one container: a list, each on its own port
               - {model_path: /opt/models/m, port: 30000, flags: {tp: 4}}
@@ -433,8 +434,9 @@ def _check_routed(check: _Checker, sglang: dict[str, Any], routers: Mapping[str,
     """A server that names a router names one of the routers: section, and says how it reaches it."""
     name = sglang.get("sglang_router")
     if name is None:
-        if sglang.get("sglang_router_url"):
-            raise check.fail(f"{entry}.router_url", "given without router: name the router (routers: section)")
+        for key, fleet_key in (("sglang_router_url", "router_url"), ("sglang_router_cordon", "router_cordon")):
+            if sglang.get(key):
+                raise check.fail(f"{entry}.{fleet_key}", "given without router: name the router (routers: section)")
         return
     if name not in routers:
         raise check.fail(f"{entry}.router", f"no router {name!r} in the routers: section"

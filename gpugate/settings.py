@@ -407,6 +407,9 @@ SETTINGS: dict[str, Setting] = _rows(
             "the router (fleet.yaml routers:) that sends this server its requests", "server", "router"),
     Setting("sglang_router_url", to_http_url, None,
             "the URL the router reaches this server at (its worker URL there)", "server", "router_url"),
+    Setting("sglang_router_cordon", to_bool, False,
+            "true: keep this server out of its router (maintenance): the deploy takes it out (leave, drain) and "
+            "keeps it out; false: it is added once it serves and is verified", "server", "router_cordon"),
     Setting("router_endpoint", to_http_url, None, "the router's own URL (from fleet.yaml routers:)", "fleet"),
     Setting("router_kind", to_text, "smg", "the router's kind (from fleet.yaml routers:; smg only)", "fleet"),
     Setting("router_api_key_env", to_env_name, None,
@@ -415,8 +418,6 @@ SETTINGS: dict[str, Setting] = _rows(
             "a routed server leaves its router only when this many other healthy workers of its model stay"),
     Setting("router_join_timeout_s", to_number, 120.0,
             "after the verify: until the server is /ready and its router lists it healthy again"),
-    Setting("router_register", to_bool, False,
-            "true: a routed server its router does not list is added to it (else refused)", "run"),
     # --- the GPU gate (this server's GPUs only) ---
     Setting("gpu_max_used_mib", to_count, 64, "a GPU counts as free at or under this many MiB used (NVML v2)"),
     Setting("gpu_gate_timeout_s", to_number, 120.0, "how long the gate waits for the server's GPUs after the stop"),
@@ -462,13 +463,17 @@ SETTINGS: dict[str, Setting] = _rows(
     Setting("pve_host", to_text, None, "the Proxmox host's name in fleet.yaml", "fleet"),
 )
 
-# Settings that were accepted and never read: refused with why, so a fleet that sets one learns it
-# did nothing (and what to do instead) rather than meeting "unknown setting".
+# Settings that are no more (accepted and never read, or made needless by what gpugate now does
+# itself): refused with why, so a fleet or a command line that sets one learns it does nothing (and
+# what to do instead) rather than meeting "unknown setting".
 REMOVED = {
     "health_poll_s": "it was accepted but never read (the container's agent polls the server every 50 ms); "
                      "remove it",
     "lock_wait_s": "it was accepted but never read (a deploy that finds a transition running follows it); "
                    "remove it",
+    "router_register": "a server declared behind a router is added to it once it serves and is verified, "
+                       "without being asked (issue 32 item 8); to keep one out, declare router_cordon: true "
+                       "(--data sglang_router_cordon=true); remove it",
 }
 
 # Keys that are no setting of gpugate's but are fine in host data: the @pct connector's (set from

@@ -308,13 +308,14 @@ class Routing:
     """How a routed server meets its router (fleet.yaml ``routers:`` and the server's ``router:``,
     ``router_url:``): the transition leaves the router, drains, restarts and rejoins
     (gpugate.router). ``api_key_env`` names the control machine's variable that holds the key;
-    the key itself is read when a request is sent, never kept here nor printed.
+    the key itself is read when a request is sent, never kept here nor printed. ``cordon``
+    (``router_cordon: true``): declared OUT of the router; else a member, added once it serves.
 
     >>> r = routing_of({"sglang_router": "gw", "router_endpoint": "http://127.0.0.1:30080",
     ...                 "sglang_router_url": "http://127.0.0.1:31129", "router_kind": "smg",
-    ...                 "router_api_key_env": None, "min_serving": 1, "router_register": False})
-    >>> r.router, r.worker_url, r.min_serving
-    ('gw', 'http://127.0.0.1:31129', 1)
+    ...                 "router_api_key_env": None, "min_serving": 1, "sglang_router_cordon": False})
+    >>> r.router, r.worker_url, r.min_serving, r.cordon
+    ('gw', 'http://127.0.0.1:31129', 1, False)
     """
 
     router: str
@@ -323,7 +324,7 @@ class Routing:
     kind: str = "smg"
     api_key_env: str | None = None
     min_serving: int = 1
-    register: bool = False
+    cordon: bool = False
     join_timeout_s: float = 120.0
     # the engine's (Engine.ready_paths): derived from the server's engine, not part of what the routing is
     ready_paths: tuple[str, ...] = dataclasses.field(default=("/health",), compare=False)
@@ -342,7 +343,7 @@ def routing_of(values: Mapping[str, Any]) -> Routing | None:
         raise SpecError(f"router {name!r}: router_url is missing (the URL the router reaches this server at)")
     return Routing(router=name, endpoint=values["router_endpoint"], worker_url=values["sglang_router_url"],
                    kind=values.get("router_kind") or "smg", api_key_env=values.get("router_api_key_env"),
-                   min_serving=int(values.get("min_serving", 1)), register=bool(values.get("router_register")),
+                   min_serving=int(values.get("min_serving", 1)), cordon=bool(values.get("sglang_router_cordon")),
                    join_timeout_s=float(values.get("router_join_timeout_s") or 120.0),
                    ready_paths=tuple(engine(values.get("engine") or DEFAULT_ENGINE).ready_paths))
 

@@ -90,6 +90,17 @@ def _staleness(watch: Watch, now: float) -> str:
     return f"; its journal last read {age:.0f} s ago: it may be further on" if age >= 1.0 else ""
 
 
+@dataclasses.dataclass(frozen=True)
+class Left:
+    """A container this run took out of its router (recorded before the DELETE, so an interrupt
+    during it counts): which router, and whether an interrupt before its hand-off puts it back
+    (a member: yes; a cordoned server leaves because it is declared out: no)."""
+
+    label: str          # "[@pct/pve1:129] sglang :30000"
+    router: str
+    put_back: bool = True
+
+
 _SIGNAL_WORDS: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "interrupted (SIGTERM)",
                  signal.SIGHUP: "interrupted (SIGHUP)"}
 
@@ -115,6 +126,9 @@ class Run(BaseStateCallback):
         self.watching: dict[str, Watch] = {}
         self.unavailable: set[str] = set()  # containers said to be stopped or missing (a connect error's line)
         self.servers: dict[tuple[str, int], str] = {}  # (container, port) -> its server's engine, for the lines
+        self.left: dict[str, Left] = {}  # containers this run took out of their router, until back in
+        self.interrupted: int | None = None  # the signal, while the containers it caught leaving are put back
+        self.put_back_lines: list[str] = []  # what each put-back did, said when the last one ends
         self.printed = False
         self._claims: list[ServerClaim] | None = None
         self._routes: list[ServerRoute] | None = None
@@ -190,28 +204,79 @@ class Run(BaseStateCallback):
 
     def on_interrupt(self, signum: int, frame: Any) -> None:
         """Say what each container is still doing, and exit non-zero (128 + the signal). The
-        transition itself runs on in the container (the agent ignores the SSH session)."""
+        transition itself runs on in the container (the agent ignores the SSH session).
+
+        A container caught after it left its router but before its hand-off still serves, untouched
+        but out of the router (issue 32 item 5): the run does not exit yet; the container's own
+        operation sees :attr:`interrupted`, puts it back (:func:`_put_back`) and the last one to end
+        exits (:meth:`put_back_done`). The handler itself only writes and sets the flag: it may run
+        inside gevent's hub, where no request can wait. A second interrupt exits at once, saying
+        what is left out."""
         word = _SIGNAL_WORDS.get(signum, f"interrupted (signal {signum})")
+        if self.interrupted is not None:
+            self._exit(signum, self.put_back_lines + [
+                f"{left.label} {word} again while being put back into router {left.router}: it may be out of it "
+                f"(the server was not stopped); the next deploy adds it once it answers as this server"
+                for left in self.putting_back()] + self._interrupt_lines(word))
+        putting_back = self.putting_back()
+        if putting_back:
+            self.interrupted = signum
+            self._write([f"{left.label} {word} after it left router {left.router}, before its hand-off (the server "
+                         f"was not stopped): putting it back into router {left.router}; interrupt again to exit at "
+                         f"once, leaving it out" for left in putting_back])
+            return
+        self._exit(signum, self._interrupt_lines(word))
+
+    def putting_back(self) -> list[Left]:
+        """The containers an interrupt puts back: out of their router by this run, no hand-off begun."""
+        return [left for name, left in self.left.items() if left.put_back and name not in self.watching]
+
+    def put_back_done(self, name: str, line: str) -> None:
+        """One put-back ended (``line``: what it did); the last one exits, saying everything."""
+        self.left.pop(name, None)
+        self.put_back_lines.append(line)
+        if self.interrupted is not None and not self.putting_back():
+            word = _SIGNAL_WORDS.get(self.interrupted, f"interrupted (signal {self.interrupted})")
+            self._exit(self.interrupted, self.put_back_lines + self._interrupt_lines(word))
+
+    def _interrupt_lines(self, word: str) -> list[str]:
+        """What an interrupt leaves, per container this run touched (besides the put-backs)."""
         lines = []
-        handed = False
         now = time.time()
         for watch in list(self.watching.values()):
+            left = self.left.get(watch.host)
+            out = (f"; it is out of router {left.router} meanwhile (left before the hand-off): the next deploy adds it "
+                   f"once it serves" if left is not None and left.put_back else "")
             if watch.handed_off:
-                handed = True
                 lines.append(f"[{watch.host}] {self.servers.get((watch.host, watch.port), DEFAULT_ENGINE)} :{watch.port} {word}: the transition continues in the container: "
                              f"{watch.narrator.doing(now)} (run {watch.run}{_staleness(watch, now)}); follow with "
-                             f"runbooks/status.py, or re-run to attach to it")
+                             f"runbooks/status.py, or re-run to attach to it{out}")
             else:
                 lines.append(f"[{watch.host}] {self.servers.get((watch.host, watch.port), DEFAULT_ENGINE)} :{watch.port} {word} during the hand-off of run {watch.run}: "
-                             f"the transition may have begun in the container; see runbooks/status.py")
-        if not lines:
+                             f"the transition may have begun in the container; see runbooks/status.py{out}")
+        for name, left in self.left.items():
+            if not left.put_back and name not in self.watching:
+                lines.append(f"{left.label} {word} while leaving router {left.router} (cordoned, as declared): it is "
+                             f"out of it or leaving (the server was not stopped; its requests in flight end on their "
+                             f"own); the next deploy finishes the leave")
+        if not lines and not self.put_back_lines:
             lines.append(f"{word} before any hand-off: nothing was touched")
-        # The handler interrupts whatever the main thread was doing, perhaps inside a buffered
-        # write: only unbuffered writes here, and the exit whatever else fails.
+        return lines
+
+    def _write(self, lines: list[str]) -> None:
+        # A signal handler interrupts whatever the main thread was doing, perhaps inside a buffered
+        # write: only unbuffered writes.
         try:
             os.write(2, "".join(line + "\n" for line in lines).encode())
-            emit("interrupted", phase="end", handed_off=handed, signal=int(signum),
-                 runs=[w.run for w in self.watching.values()])
+        except BaseException:
+            pass
+
+    def _exit(self, signum: int, lines: list[str]) -> None:
+        """Say ``lines`` and exit 128 + the signal, whatever else fails."""
+        try:
+            self._write(lines)
+            emit("interrupted", phase="end", handed_off=any(w.handed_off for w in self.watching.values()),
+                 signal=int(signum), runs=[w.run for w in self.watching.values()], put_back=self.put_back_lines)
             sys.stdout.flush()
         except BaseException:
             pass
@@ -537,7 +602,16 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     if plan.action == "attach":
         if not job.observation.get("agent_installed", True):
             _install_agent(host_obj, job.python)  # follow needs this controller's agent in the container
-        return _attach(host_obj, job, str(plan.attach_run))
+        ok = _attach(host_obj, job, str(plan.attach_run))
+        if ok and job.routing is not None and not job.routing.cordon and book.outcomes.get(name) == "verified":
+            # the run it followed may be one whose controller was interrupted after the leave: a member
+            # that serves as desired is in its router (added where it is not listed)
+            from gpugate import router  # noqa: PLC0415
+            listing = router.preflight(job.routing)
+            if listing.kind is None and listing.worker is None:
+                ok = _rejoin_router(host_obj, job, str(plan.attach_run), "the run it followed ended verified, "
+                                    "not listed", add=True)
+        return ok
     run = _run_id(host_obj)
     _audit(job, host_obj, "plan", "begin", run=run, **job.story)
     if job.routing is not None and not _leave_router(host_obj, job, run):
@@ -563,7 +637,11 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     if job.end_pids:
         doc["end_gpu_holders"] = job.end_pids
     watch = Watch(name, job.port, run, _narrator(job))
-    book.watching[name] = watch
+    if book.interrupted is None:
+        book.watching[name] = watch
+    if book.interrupted is not None:  # interrupted since it left (or in between): no hand-off, put it back
+        book.watching.pop(name, None)
+        return _put_back(host_obj, job, run)
     stdin = agentcmd.start_stdin(doc, include_source=not job.observation.get("agent_installed", True))
     if connector is not None:  # the holder sets claim_until to its claim's window
         try:
@@ -588,15 +666,15 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         book.ended(name, "hand-off failed")
         _say(host_obj, job.port, f"the hand-off got no answer: {trouble}; the container may have begun run {run}: "
                                  f"see runbooks/status.py", error=True)
-        _left_out(host_obj, job, "the hand-off got no answer; once it serves, re-run with --data router_register=true")
+        _left_out(host_obj, job, "the hand-off got no answer; the next deploy adds it once it serves as desired")
         return False
     if answer.get("busy"):
         busy = answer["busy"] or {}
         book.watching.pop(name, None)
         _say(host_obj, job.port, f"another transition holds the container's lock (run {busy.get('run')}"
                                  f"{' by ' + busy['by'] if busy.get('by') else ''}): following it instead")
-        _left_out(host_obj, job, "another run holds the container; once it serves, re-run with "
-                                 "--data router_register=true")
+        _left_out(host_obj, job, "another run holds the container; the next deploy adds it once it serves as "
+                                 "desired")
         return _attach(host_obj, job, str(busy.get("run")))
     if not answer.get("ok"):
         book.ended(name, "refused by the agent (nothing touched)", refused=True)
@@ -642,31 +720,75 @@ def _claim_refused(host_obj: Any, job: Job, run: str, claim: GpuClaim) -> bool |
 def _leave_router(host_obj: Any, job: Job, run: str) -> bool:
     """Before the hand-off: the router's preflight again (now: in a rolling change the previous
     container has only just rejoined), then out of the router and drained. False: refused,
-    nothing touched."""
+    nothing touched; or interrupted (then put back: :func:`_put_back`)."""
     from gpugate import router  # noqa: PLC0415
 
     book = Run.of(state)
     routing = job.routing
     assert routing is not None
+    if book.interrupted is not None:  # the run is being interrupted: this container is not touched
+        return _put_back(host_obj, job, run)
     client = router.client_for(routing)
     preflight = router.preflight(routing, client, **_identity_of(job.observation, job.desired))
     problem = preflight.problem
     if problem is None and preflight.worker is not None:
+        job.router_worker = preflight.worker  # what it rejoins (or is put back) with
+        # recorded before the DELETE: an interrupt during it must not say "nothing was touched"
+        book.left[host_obj.name] = Left(f"[{host_obj.name}] {_label(host_obj, job.port)}", routing.router,
+                                        put_back=not routing.cordon)
         try:
             router.leave(routing, client, job.budgets["drain_timeout_s"],
-                         lambda line: _say(host_obj, job.port, line))
+                         lambda line: _say(host_obj, job.port, line), stop=lambda: book.interrupted is not None)
         except router.RouterError as error:
             problem = f"router {routing.router} refused to take it out: {error}"
+        if book.interrupted is not None:
+            return _put_back(host_obj, job, run)
+        if problem is not None:
+            book.left.pop(host_obj.name, None)
     if problem is not None:
         book.refused.append(host_obj.name)
         book.outcomes[host_obj.name] = "refused (router; nothing touched)"
         _say(host_obj, job.port, f"REFUSED, nothing touched: {problem}", error=True)
         _audit(job, host_obj, "outcome", "end", run=run, outcome="refused", message=problem)
         return False
-    job.router_worker = preflight.worker
     _audit(job, host_obj, "router", "end", run=run, router=routing.router, action="left" if preflight.worker else "absent",
            worker_id=(preflight.worker or {}).get("id"))
     return True
+
+
+def _put_back(host_obj: Any, job: Job, run: str) -> bool:
+    """An interrupted run (:meth:`Run.on_interrupt`) at a container before its hand-off: nothing
+    stopped there. One it took out of its router is put back (its worker URL must still answer as
+    this server: gpugate.router.put_back), or left out saying exactly so and what the next deploy
+    does; the last put-back exits the run. False: this container's change was not made."""
+    from gpugate import router  # noqa: PLC0415
+
+    book = Run.of(state)
+    name = host_obj.name
+    book.ended(name, "interrupted before its hand-off (the server was not stopped)")
+    left = book.left.get(name)
+    routing = job.routing
+    if left is None or routing is None or not left.put_back:
+        return False
+    word = _SIGNAL_WORDS.get(book.interrupted or signal.SIGINT, "interrupted")
+    _say(host_obj, job.port, f"router {routing.router}: {word} before the hand-off: putting it back (checking "
+                             f"first that {routing.worker_url} still answers as this server)")
+    ok, message = router.put_back(routing, router.client_for(routing), job.router_worker,
+                                  **_identity_of(job.observation, job.desired), timeout_s=routing.join_timeout_s,
+                                  say=lambda line: _say(host_obj, job.port, line))
+    _audit(job, host_obj, "router", "end", run=run, router=routing.router,
+           action="put back" if ok else "put back failed", message=message)
+    if ok:
+        line = (f"{left.label} {word} before its hand-off: {message}; the server was not stopped and nothing else "
+                f"was touched (a re-run applies the change)")
+    else:
+        line = (f"{left.label} {word} before its hand-off: NOT put back: {message}. It is left like this: the "
+                f"server still serves (it was not stopped), out of router {routing.router}, which sends it "
+                f"nothing. The next deploy (no flag needed) has nothing to leave: it applies the desired state and "
+                f"adds it to router {routing.router} once it serves and is verified")
+    book.outcomes[name] = "interrupted; " + ("put back into the router" if ok else "left out of the router")
+    book.put_back_done(name, line)  # the last one exits the run
+    return False
 
 
 def _identity_of(observation: Mapping[str, Any] | None, desired: Desired | None) -> dict[str, Any]:
@@ -679,23 +801,34 @@ def _identity_of(observation: Mapping[str, Any] | None, desired: Desired | None)
     return {"observed": (observation or {}).get("sglang") or {}, "info_path": info_path}
 
 
-def _rejoin_router(host_obj: Any, job: Job, run: str, why: str) -> bool:
-    """Put the server back into its router (it left before the hand-off, or was never listed and
-    ``router_register`` is on). False (and a failure of this container) when it cannot."""
+def _rejoin_router(host_obj: Any, job: Job, run: str, why: str, add: bool = False) -> bool:
+    """Put the server back into its router: one that left before the hand-off, or (``add``: it
+    serves as desired, verified) one its router does not list. A cordoned server stays out. False
+    (and a failure of this container) when it cannot."""
     from gpugate import router  # noqa: PLC0415
 
     routing = job.routing
-    if routing is None or (job.router_worker is None and not routing.register):
+    book = Run.of(state)
+    if routing is None:
         return True
-    _say(host_obj, job.port, f"router {routing.router}: {why}: re-adding it")
+    if routing.cordon:
+        if job.router_worker is not None:
+            _say(host_obj, job.port, f"router {routing.router}: {why}; cordoned (router_cordon: true): it stays "
+                                     f"out of the router, as declared")
+        book.left.pop(host_obj.name, None)
+        return True
+    if job.router_worker is None and not add:
+        return True
+    _say(host_obj, job.port, f"router {routing.router}: {why}: {'re-adding' if job.router_worker else 'adding'} it")
     ok, message = router.rejoin(routing, router.client_for(routing), job.router_worker, routing.join_timeout_s,
                                 lambda line: _say(host_obj, job.port, line))
     _say(host_obj, job.port, f"router {routing.router}: {message}" if not message.startswith("back") else message,
          error=not ok)
     _audit(job, host_obj, "router", "end", run=run, router=routing.router, action="rejoined" if ok else "rejoin failed",
            message=message)
-    if not ok:
-        book = Run.of(state)
+    if ok:
+        book.left.pop(host_obj.name, None)
+    else:
         if host_obj.name not in book.failed:
             book.failed.append(host_obj.name)
         book.outcomes[host_obj.name] = f"{book.outcomes.get(host_obj.name, '?')}; {message}"
@@ -703,14 +836,28 @@ def _rejoin_router(host_obj: Any, job: Job, run: str, why: str) -> bool:
 
 
 def _register_only(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra passes them by these names
-    """A server that serves as desired, missing from its router, with ``router_register=true``:
-    added to the router, nothing restarted."""
-    return _rejoin_router(host, job, _run_id(host), "serves as desired, not listed")
+    """A server that serves as desired, declared behind a router that does not list it: added to the
+    router (its worker URL answered as this server at plan time), nothing restarted."""
+    return _rejoin_router(host, job, _run_id(host), "serves as desired, not listed", add=True)
+
+
+def _cordon_only(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra passes them by these names
+    """A server that serves as desired, declared out of its router (``router_cordon: true``) and still
+    listed: taken out and drained (:func:`_leave_router`), nothing stopped; it stays out."""
+    run = _run_id(host)
+    routing = job.routing
+    assert routing is not None
+    if not _leave_router(host, job, run):
+        return False
+    Run.of(state).left.pop(host.name, None)
+    _say(host, job.port, f"router {routing.router}: cordoned (router_cordon: true): out of the router, as declared; "
+                         f"the server keeps running (router_cordon: false puts it back)")
+    return True
 
 
 def _left_out(host_obj: Any, job: Job, why: str) -> None:
     routing = job.routing
-    if routing is not None and job.router_worker is not None:
+    if routing is not None and job.router_worker is not None and not routing.cordon:
         _say(host_obj, job.port, f"router {routing.router}: left out of the router ({routing.worker_url}): {why}",
              error=True)
 
@@ -720,7 +867,7 @@ def _after_transition(host_obj: Any, job: Job, run: str, outcome: str | None) ->
     rejoins; NOTHING SERVES, or an outcome this run did not see, leaves it out and says so."""
     serves_here = job.spec is not None or job.plan.target is not None
     if outcome == "verified" and serves_here:
-        return _rejoin_router(host_obj, job, run, "verified")
+        return _rejoin_router(host_obj, job, run, "verified", add=True)
     if outcome == "rolled_back":
         return _rejoin_router(host_obj, job, run, "rolled back: the previous server serves again")
     if outcome == "refused":
@@ -729,10 +876,11 @@ def _after_transition(host_obj: Any, job: Job, run: str, outcome: str | None) ->
         _left_out(host_obj, job, "no server is desired here any more")
         return True
     if outcome == "nothing_serves":
-        _left_out(host_obj, job, "NOTHING SERVES on this port; fix the cause, re-run with --data router_register=true")
+        _left_out(host_obj, job, "NOTHING SERVES on this port; fix the cause: the next deploy adds it once it "
+                                 "serves and is verified")
     else:
-        _left_out(host_obj, job, f"the run ended {outcome or 'unseen'}; once it serves, re-run with "
-                                 f"--data router_register=true")
+        _left_out(host_obj, job, f"the run ended {outcome or 'unseen'}; the next deploy adds it once it serves "
+                                 f"as desired")
     return False
 
 
@@ -1233,6 +1381,8 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
       the release has it and the supervisor is process)
     + router: the router (fleet.yaml ``routers:``) in front of this server: leave, drain, restart, rejoin
     + router_url: the URL the router reaches this server at
+    + router_cordon: ``True``: keep it out of its router (maintenance): taken out (leave, drain) and kept
+      out; ``False`` (default): added to its router once it serves and is verified
     + drain_timeout_s: how long the server may drain after SIGTERM before SIGKILL (default 60)
     + desired: instead of the keywords, the container's built desired state
       (``gpugate.spec.desired_states(host.data)``: one per server, as deploy.py iterates them)
@@ -1349,31 +1499,43 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
         return
     if plan.action == "noop" and desired.routing is not None and spec is not None:
         # as desired in the container, but the status also asks the router (gpugate.report.status):
-        # a server its router does not list is not as desired there, so not here either
+        # membership is declared (a member is listed, a cordoned server is not): until the router
+        # agrees, not as desired here either (issue 32 item 8)
         from gpugate import router  # noqa: PLC0415
-        preflight = router.preflight(dataclasses.replace(desired.routing, register=False))
-        if preflight.kind == "no-answer":  # membership unknown is not as desired: it pages (issue 32 item 9)
-            yield from _refuse(f"{label} REFUSED: it serves as desired, but {preflight.problem}", port)
+        routed = desired.routing
+        listing = router.preflight(routed)  # the router's list only: a server that stays as it is
+        if listing.kind == "no-answer":  # membership unknown is not as desired: it pages (issue 32 item 9)
+            yield from _refuse(f"{label} REFUSED: it serves as desired, but {listing.problem}", port)
             return
-        if preflight.kind == "not-listed":
-            if not desired.routing.register:
-                yield from _refuse(f"{label} REFUSED: it serves as desired, but {preflight.problem}", port)
+        out = listing.worker is None or listing.worker.get("status") == "draining"
+        if routed.cordon != out:
+            # out of it when declared in (added, its URL answering as this server), or in it when
+            # declared out (taken out and drained, as a leave before a restart is, nothing stopped)
+            check = router.preflight(routed, **_identity_of(observation, desired), adding_as_it_runs=not routed.cordon)
+            if check.problem:
+                yield from _refuse(f"{label} REFUSED, nothing touched: it serves as desired, but {check.problem}", port)
                 return
             if show:
-                host.log(f"{label} serves as desired; router {desired.routing.router}: add it (POST /workers "
-                         f"url {desired.routing.worker_url}) and wait until it is listed healthy")
+                if routed.cordon:
+                    for line in check.lines(routed, budget["drain_timeout_s"], restart=False):
+                        host.log(f"{label} serves as desired; {line}")
+                else:
+                    host.log(f"{label} serves as desired; router {routed.router} does not list it: add it "
+                             f"(POST /workers url {routed.worker_url}) and wait until it is listed healthy")
             job = Job(plan, spec, port, python, dict(desired.budgets), observation, desired.audit_log, desired.rolling,
-                      desired.max_failures, False, [], {}, routing=desired.routing)
-            yield FunctionCommand(_register_only, (job,), {})
+                      desired.max_failures, False, [], {}, desired=planned, routing=routed)
+            yield FunctionCommand(_cordon_only if routed.cordon else _register_only, (job,), {})
             return
+        if routed.cordon and show:  # said: an operator reading "No changes" sees why it is out of the router
+            host.log(f"{label} router {routed.router}: cordoned (router_cordon: true), out of it as declared")
     if plan.action == "noop":
         if plan.last and show:
             host.log(plan.last)
         host.noop(plan.reasons[0])
         return
-    routing = desired.routing if plan.action != "attach" else None
+    routing = desired.routing  # an attach leaves nothing: after the run it follows, a member is added where missing
     router_lines: list[str] = []
-    if routing is not None:
+    if routing is not None and plan.action != "attach":
         from gpugate import router  # noqa: PLC0415 -- only routed servers talk to a router
         preflight = router.preflight(routing, **_identity_of(observation, desired))
         if preflight.problem:

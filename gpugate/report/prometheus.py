@@ -31,6 +31,8 @@ def status_prometheus(rows: Sequence[Mapping[str, Any]]) -> str:
         "gpugate_gpu_used_mib": ("GPU memory in use (NVML v2), per GPU seen from the container", []),
         "gpugate_sglang_router_listed": ("1 when the server's router lists it (routed servers; label router)", []),
         "gpugate_sglang_router_healthy": ("1 when its router lists it healthy and ready (label router)", []),
+        "gpugate_sglang_router_cordoned": ("1 when it is declared out of its router (router_cordon: true; "
+                                           "label router): listed 0 is then as desired", []),
         "gpugate_weight_cache_ready": ("1 when the server's weight-cache daemons serve on every GPU (label key)", []),
         "gpugate_weight_cache_used_mib": ("GPU memory a weight-cache daemon holds (labels gpu, pid)", []),
     }
@@ -54,6 +56,7 @@ def status_prometheus(rows: Sequence[Mapping[str, Any]]) -> str:
             routed = f'{labels},router="{_label(view.get("router"))}"'
             metrics["gpugate_sglang_router_listed"][1].append(f"{{{routed}}} {int(bool(view.get('listed')))}")
             metrics["gpugate_sglang_router_healthy"][1].append(f"{{{routed}}} {int(bool(view.get('healthy')))}")
+            metrics["gpugate_sglang_router_cordoned"][1].append(f"{{{routed}}} {int(bool(view.get('cordoned')))}")
         cache = row.get("weight_cache") or {}
         if cache:
             key = _label(str((cache.get("key") or {}).get("id") or ""))

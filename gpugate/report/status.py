@@ -38,7 +38,8 @@ class StatusRow(TypedDict, total=False):
     vmid: Any
     port: int
     kind: str          # serving | drifted | down | stopped | transition_running | transition_failed | gpu_held
-                       # | unreachable | unknown (see VERDICT_KINDS)
+                       # | unreachable | unknown | unrouted | router_unknown | cordoned | cordon_pending
+                       # (see VERDICT_KINDS)
     ok: bool           # as desired: nothing to page about
     verdict: str       # the kind in words, with why: "drifted: - --kv-cache-dtype auto, + --kv-cache-dtype fp8_e4m3"
     desired: bool      # a server should run here (sglang_present)
@@ -69,8 +70,10 @@ VERDICT_KINDS = {
     "unreachable": "unreachable", "unknown": "unknown", "invalid": "desired state invalid",
     "unrouted": "serving, but its router does not list it",
     "router_unknown": "serving, but its router does not answer (membership unknown)",
+    "cordoned": "serving as desired, cordoned: out of its router",
+    "cordon_pending": "serving, but cordoned and still in its router",
 }
-OK_KINDS = ("serving", "stopped")
+OK_KINDS = ("serving", "stopped", "cordoned")
 FAILED_OUTCOMES = ("rolled_back", "nothing_serves", "interrupted")
 
 STATUS_COLUMNS = [
@@ -431,9 +434,11 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
       verdict), before down but desired / stopped as desired.
 
     - serving as desired, but routed and its router does not list it (``router``: router_view's
-      membership): ``serving, but its router does not list it`` (the deploy refuses it, or adds it
-      with ``router_register=true``); a router that does not answer: ``serving, but its router does not
-      answer`` (not ok: membership unknown is not as desired).
+      membership): ``serving, but its router does not list it`` (the deploy adds it); a router that
+      does not answer: ``serving, but its router does not answer`` (not ok: membership unknown is not
+      as desired); declared out (``router_cordon: true``): out of its router (missing, or draining)
+      is ``serving as desired, cordoned`` (ok), still listed ``serving, but cordoned and still in its
+      router`` (the deploy takes it out).
 
     ``ok`` is true for serving as desired and stopped as desired only: exactly when the deploy
     would change nothing.
@@ -504,10 +509,15 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
     elif match.verdict == "not_serving":
         kind, why = "down", state.split(" pid")[0] + (f", {health}" if health not in ("-", "") else "")
     elif match.verdict == "as_desired" and router is not None and router.get("state") == "missing":
-        kind, why = "unrouted", f"router {router.get('router')} has no worker at {router.get('url')}"
+        kind, why = "unrouted", f"router {router.get('router')} has no worker at {router.get('url')} (the deploy adds it)"
     elif match.verdict == "as_desired" and router is not None and router.get("state") == "unknown":
         # a replica that dropped out because its router died must page: unknown is not as desired
         kind, why = "router_unknown", f"router {router.get('router')}: {str(router.get('error') or '?')[:120]}"
+    elif match.verdict == "as_desired" and router is not None and router.get("state") == "cordoned":
+        kind, why = "cordoned", f"router_cordon: true, router {router.get('router')} sends it nothing"
+    elif match.verdict == "as_desired" and router is not None and router.get("cordoned"):
+        kind, why = "cordon_pending", (f"router {router.get('router')} lists it {router.get('worker_id')} "
+                                       f"(the deploy takes it out)")
     elif match.verdict == "as_desired":
         kind, why = "serving", ""
     elif held:

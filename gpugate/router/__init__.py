@@ -1,17 +1,25 @@
 """A routed server's side of the transition, run by the controller around the agent's hand-off
 (docs/transition.md, "Routed servers"):
 
-    preflight   GET /workers: the router answers, lists this server, and enough other healthy workers
-                of its model stay (``min_serving``); the worker URL answers as THIS server (its info
-                endpoint through the URL says what the container's observe read of it: the engine's
-                info keys, SGLang's per-process ``random_seed`` among them): else REFUSED, nothing touched
+    preflight   GET /workers: the router answers, and where it lists this server, enough other healthy
+                workers of its model stay (``min_serving``); the worker URL answers as THIS server (its
+                info endpoint through the URL says what the container's observe read of it: the engine's
+                info keys, SGLang's per-process ``random_seed`` among them) before it leaves, and before
+                a server that serves as desired is added: else REFUSED, nothing touched
     leave       DELETE /workers/{id} (not again while a removal is under way: smg ends one by URL, so a
                 second would take the re-added entry out); wait until smg no longer lists it ready,
                 then until the server's own in-flight count (SGLang's /metrics gauges) is 0, both
                 within the drain budget
     (the agent: stop, gate, start, healthy + a generation, verify; or its rollback)
-    rejoin      /ready; POST /workers with what it had (model id, labels, priority, cost); wait until
-                smg lists it healthy and ready: only then the next container of a rolling change
+    rejoin      /ready; POST /workers with what it had (model id, labels, priority, cost), or as new
+                where it was not listed; wait until smg lists it healthy and ready: only then the next
+                container of a rolling change
+    put_back    an interrupted run whose server left but was not handed off (so still serves): its URL
+                must still answer as this server, then rejoin (issue 32 item 5)
+
+Membership is declared (issue 32 item 8): a routed server is a member, added once it serves and is
+verified (no flag), unless ``router_cordon: true`` declares it out: then it leaves (and drains) and
+stays out.
 
 smg's own removal drains on a timer and its health checks need minutes to notice a dead worker
 (shared/reference/gateway-and-fast-restart.md section 1a); this waits on what the server and the
@@ -39,7 +47,8 @@ from gpugate.router.smg import (NO_REDIRECTS, RouterError, SmgClient, healthy_pe
 from gpugate.rules import redact
 from gpugate.spec import Routing
 
-__all__ = ["Preflight", "RouterError", "client_for", "preflight", "identity_problem", "leave", "rejoin", "membership"]
+__all__ = ["Preflight", "RouterError", "client_for", "preflight", "identity_problem", "leave", "rejoin", "put_back",
+           "membership"]
 
 POLL_S = 0.25
 IDENTITY_TIMEOUT_S = 10.0  # an info endpoint that asks the scheduler answers slowly under load
@@ -50,7 +59,7 @@ def client_for(routing: Routing) -> SmgClient:
     return SmgClient(routing.endpoint, routing.api_key_env)
 
 
-PreflightKind = Literal["no-answer", "not-listed", "min-serving", "not-this-server"]
+PreflightKind = Literal["no-answer", "min-serving", "not-this-server"]
 
 
 @dataclasses.dataclass
@@ -64,31 +73,50 @@ class Preflight:
     problem: str | None
     kind: PreflightKind | None = None
 
-    def lines(self, routing: Routing, drain_s: float) -> list[str]:
-        """The router steps, as ``--dry`` and the plan print them."""
+    def lines(self, routing: Routing, drain_s: float, restart: bool = True) -> list[str]:
+        """The router steps, as ``--dry`` and the plan print them (``restart``: around a restart;
+        else a cordoned server that only leaves).
+
+        >>> Preflight(None, [], None).lines(Routing("gw", "http://g:1", "http://a:1"), 60)[1]
+        'router gw: add it after the verify (POST /workers url http://a:1) and wait until it is listed healthy'
+        """
         where = f"router {routing.router}"
         if self.worker is None:
+            if routing.cordon:
+                return [f"{where}: cordoned (router_cordon: true) and not listed there: it stays out"]
             return [f"{where}: not listed there: the restart goes on without leaving it",
-                    f"{where}: add it after the verify (POST /workers url {routing.worker_url}; "
-                    f"--data router_register=true) and wait until it is listed healthy"]
+                    f"{where}: add it after the verify (POST /workers url {routing.worker_url}) "
+                    f"and wait until it is listed healthy"]
         model = self.worker.get("model_id") or "its model"
         how = ("already leaving it (listed draining: a removal under way, no second DELETE"
                if self.worker.get("status") == "draining" else f"leave it (DELETE /workers/{self.worker.get('id')}")
-        return [f"{where}: {how}; {len(self.peers)} other healthy worker(s) of {model} keep serving)",
+        if routing.cordon:
+            how = "cordoned (router_cordon: true): " + how
+        steps = [f"{where}: {how}; {len(self.peers)} other healthy worker(s) of {model} keep serving)",
                 f"{where}: wait until its in-flight requests are 0 (/metrics num_running_reqs + num_queue_reqs, "
                 f"at most {drain_s:g} s); what is still open then (a stream longer than that) has the stop's "
                 f"drain, at most {drain_s:g} s more, then is CUT by its SIGKILL (said before the stop)",
                 f"{where}: after the verify (or a rollback): /ready, re-add it as it was (model {model}, "
                 f"priority {self.worker.get('priority', '-')}, {len(self.worker.get('labels') or {})} label(s)) "
                 f"and wait until it is listed healthy"]
+        if not routing.cordon:
+            return steps
+        if restart:
+            return steps[:2] + [f"{where}: it stays out after the verify (router_cordon: false puts it back)"]
+        return [steps[0], f"{where}: wait until its in-flight requests are 0 (at most {drain_s:g} s); the server "
+                          f"is not stopped (what is still open then ends on its own)",
+                f"{where}: it stays out (router_cordon: false puts it back)"]
 
 
 def preflight(routing: Routing, client: SmgClient | None = None, observed: Mapping[str, Any] | None = None,
-              info_path: str | None = None) -> Preflight:
-    """Read-only: may this server leave its router now? A refusal names the router and the reason
-    (never its key). ``observed``: the container's observe document of this server (its
-    ``server_info``, ``health``): given, a listed worker URL must answer as this server
-    (:func:`identity_problem`; ``info_path`` the engine's ``info_endpoint``) before it may leave."""
+              info_path: str | None = None, adding_as_it_runs: bool = False) -> Preflight:
+    """Read-only: may this server leave its router now, or be added to it? A refusal names the
+    router and the reason (never its key). ``observed``: the container's observe document of this
+    server (its ``server_info``, ``health``): given, the worker URL must answer as this server
+    (:func:`identity_problem`; ``info_path`` the engine's ``info_endpoint``) before it may leave; and
+    with ``adding_as_it_runs`` (a member that serves as desired, not listed: added without a
+    restart) before it is added. Before a restart, an unlisted URL is not asked: the restart may be
+    what makes it answer (a new ``host``), and the rejoin waits until it is ready through it."""
     client = client or client_for(routing)
     where = f"router {routing.router} ({routing.endpoint})"
     try:
@@ -98,10 +126,13 @@ def preflight(routing: Routing, client: SmgClient | None = None, observed: Mappi
                                    f"router can take it out and put it back", "no-answer")
     worker = next((w for w in workers if same_url(w.get("url"), routing.worker_url)), None)
     if worker is None:
-        if routing.register:
-            return Preflight(None, [], None)
-        return Preflight(None, [], f"{where} does not list this server (no worker at {routing.worker_url}); "
-                                   f"`--data router_register=true` adds it after the restart", "not-listed")
+        wrong = (identity_problem(routing.worker_url, observed, info_path)
+                 if adding_as_it_runs and observed is not None and not routing.cordon else None)
+        if wrong is not None:  # adding it would send this server's share of the requests elsewhere
+            return Preflight(None, [], f"{where} does not list this server, and it cannot be added at "
+                                       f"{routing.worker_url}: {wrong}; fix this server's router_url (the URL "
+                                       f"the router reaches THIS server at)", "not-this-server")
+        return Preflight(None, [], None)
     if observed is not None:
         # the leave takes out whatever serves at this URL: it must be this server (a URL another server
         # registered, a copy-paste slip in fleet.yaml), else the leave takes the OTHER out and this one
@@ -214,11 +245,12 @@ def identity_problem(url: str, observed: Mapping[str, Any], info_path: str | Non
 
 def leave(routing: Routing, client: SmgClient, budget_s: float,
           say: Callable[[str], None], now: Callable[[], float] = time.monotonic,
-          sleep: Callable[[float], None] = time.sleep) -> None:
+          sleep: Callable[[float], None] = time.sleep, stop: Callable[[], bool] = lambda: False) -> None:
     """Take the server out (its entry as smg lists it now, not as the preflight saw it) and wait for
     its work to end, within ``budget_s`` (the drain budget): past it the stop goes on (the agent's
     SIGTERM drains what is left, bounded by the same budget). RouterError when smg does not answer or
-    refuses the removal (nothing stopped yet)."""
+    refuses the removal (nothing stopped yet). ``stop()`` true (the run was interrupted): return at
+    the next look, whatever is still in flight (the caller puts it back)."""
     start = now()
     # a router that does not answer now cannot take it out: RouterError, as a refused DELETE (nothing stopped)
     current = client.find(routing.worker_url)
@@ -226,9 +258,11 @@ def leave(routing: Routing, client: SmgClient, budget_s: float,
     # second DELETE while one is under way would end after the re-add and take the new entry out again
     if current is not None and current.get("status") != "draining":
         client.remove(str(current.get("id")))
+        say(f"router {routing.router}: taken out (DELETE /workers/{current.get('id')}); waiting until its "
+            f"in-flight requests are 0 (at most {budget_s:g} s)")
     # smg excludes a draining worker from selection at once and drops it after its settle time
     # (drain_workers.rs): draining (or gone) is enough, waiting for gone would cost that time
-    while now() - start < budget_s:
+    while now() - start < budget_s and not stop():
         try:
             found = client.find(routing.worker_url)
         except RouterError:
@@ -238,6 +272,8 @@ def leave(routing: Routing, client: SmgClient, budget_s: float,
         sleep(POLL_S)
     left, zeros, unread = None, 0, 0
     while now() - start < budget_s:
+        if stop():
+            return
         left = in_flight(routing.worker_url)
         # twice 0, a poll apart: a request smg picked just before the removal has arrived by then
         zeros = zeros + 1 if left == 0 else 0
@@ -309,21 +345,40 @@ def rejoin(routing: Routing, client: SmgClient, worker: Mapping[str, Any] | None
         return False, f"could not re-add it to router {routing.router}: {error}"
 
 
+def put_back(routing: Routing, client: SmgClient, worker: Mapping[str, Any] | None, observed: Mapping[str, Any],
+             info_path: str | None, timeout_s: float, say: Callable[[str], None],
+             now: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+             ) -> tuple[bool, str]:
+    """An interrupted run's server that left its router but was never handed off (so never
+    stopped): back in, as it was, once its URL still answers as THIS server (the container's observe
+    of it: :func:`identity_problem`). (ok, what happened) — never raises; not ok leaves it out."""
+    wrong = identity_problem(routing.worker_url, observed, info_path)
+    if wrong is not None:
+        return False, f"not put back into router {routing.router}: {wrong}"
+    return rejoin(routing, client, worker, timeout_s, say, now=now, sleep=sleep)
+
+
 def membership(routing: Routing, workers: list[dict[str, Any]] | None, error: str | None = None) -> dict[str, Any]:
-    """The status's view of one routed server: listed or not, healthy or not, as the router says.
+    """The status's view of one routed server: listed or not, healthy or not, as the router says,
+    and whether it is declared out (``cordoned``: then out of selection, missing or draining, is
+    ``cordoned``, and listed ready is ``cordoned, still listed``).
 
     >>> r = Routing("gw", "http://g:1", "http://a:1")
     >>> membership(r, [{"url": "http://a:1", "id": "w", "is_healthy": True, "status": "ready"}])["state"]
     'healthy'
     >>> membership(r, [])["state"], membership(r, None, "refused")["state"]
     ('missing', 'unknown')
+    >>> membership(Routing("gw", "http://g:1", "http://a:1", cordon=True), [])["state"]
+    'cordoned'
     """
-    view: dict[str, Any] = {"router": routing.router, "url": routing.worker_url}
+    view: dict[str, Any] = {"router": routing.router, "url": routing.worker_url, "cordoned": routing.cordon}
     if workers is None:
         return {**view, "state": "unknown", "listed": None, "healthy": None, "error": error}
     worker = next((w for w in workers if same_url(w.get("url"), routing.worker_url)), None)
     if worker is None:
-        return {**view, "state": "missing", "listed": False, "healthy": False}
+        return {**view, "state": "cordoned" if routing.cordon else "missing", "listed": False, "healthy": False}
     healthy = bool(worker.get("is_healthy")) and worker.get("status", "ready") == "ready"
-    return {**view, "state": "healthy" if healthy else str(worker.get("status") or "unhealthy"), "listed": True,
-            "healthy": healthy, "worker_id": worker.get("id")}
+    state = "healthy" if healthy else str(worker.get("status") or "unhealthy")
+    if routing.cordon:  # smg sends a draining worker nothing: out, as declared
+        state = "cordoned" if worker.get("status") == "draining" else "cordoned, still listed"
+    return {**view, "state": state, "listed": True, "healthy": healthy, "worker_id": worker.get("id")}

@@ -227,6 +227,7 @@ def render_fleet_yaml(doc: dict) -> str:
             python += ", present: false" if sg.get("present") is False else ""
             if sg.get("router"):
                 python += f", router: {sg['router']}, router_url: {json.dumps(sg['router_url'])}"
+                python += ", router_cordon: true" if sg.get("router_cordon") else ""
             lines.append(f"        sglang: {{model_path: {sg['model_path']}, port: {sg['port']}, flags: {{{flags}}}{python}}}")
     return "\n".join(lines) + "\n"
 

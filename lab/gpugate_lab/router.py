@@ -11,7 +11,7 @@ front of every lab container's server, as a gateway in front of NAT'd Proxmox co
   tests should not wait minutes for smg to notice a worker).
 - fleet.yaml gets ``routers: {lab: {url: http://127.0.0.1:<smg port>, kind: smg}}`` and each server
   ``router: lab, router_url: http://127.0.0.1:<its published port>``. Workers are not registered at
-  ``up``: the servers do not run yet; the first deploy adds them (``--data router_register=true``).
+  ``up``: the servers do not run yet; the first deploy adds each once it is verified.
 
 State in ``<lab>/router/``: ``state.json`` (ports, pids), ``smg.log``, ``forward.log``. ``gpugate lab
 down`` ends both processes (by their recorded pids, checked against their command lines).

@@ -49,9 +49,11 @@ def routed(tmp_path_factory):
 
 
 def write_fleet(lab: Lab, router: dict, extra_flags: dict | None = None, router_url: str | None = None,
-                worker_urls: dict[int, str] | None = None, vmids: tuple[int, ...] = VMIDS) -> None:
+                worker_urls: dict[int, str] | None = None, vmids: tuple[int, ...] = VMIDS,
+                cordoned: tuple[int, ...] = ()) -> None:
     """The lab's fleet with ``extra_flags`` on every server (a fleet-wide flag change); ``worker_urls``:
-    a container's ``router_url`` other than its own published port; ``vmids``: the containers it lists."""
+    a container's ``router_url`` other than its own published port; ``vmids``: the containers it lists;
+    ``cordoned``: the containers declared out of the router (``router_cordon: true``)."""
     from gpugate_lab import core
 
     doc = core.fleet_document(lab.dir, [(h.name, h.port) for h in lab.hosts], {"pve1": list(VMIDS)},
@@ -60,6 +62,8 @@ def write_fleet(lab: Lab, router: dict, extra_flags: dict | None = None, router_
         doc["routers"]["lab"]["url"] = router_url
     for vmid, url in (worker_urls or {}).items():
         doc["hosts"]["pve1"]["containers"][vmid]["sglang"]["router_url"] = url
+    for vmid in cordoned:
+        doc["hosts"]["pve1"]["containers"][vmid]["sglang"]["router_cordon"] = True
     for vmid in set(VMIDS) - set(vmids):
         del doc["hosts"]["pve1"]["containers"][vmid]
     for container in doc["hosts"]["pve1"]["containers"].values():
@@ -185,14 +189,19 @@ def wait_listed(router: dict, timeout_s: float = 10.0) -> set[str]:
     return listed_healthy(router)
 
 
-def test_first_deploy_refuses_unregistered_servers_then_registers_them(routed):
+def test_first_deploy_adds_the_declared_servers_to_the_router(routed):
+    """Issue 32 item 8: membership is declared, no flag: a first deploy of servers declared behind a
+    router starts them and adds each once it is verified (before: REFUSED, "`--data
+    router_register=true` adds it")."""
     lab, router = routed
     write_fleet(lab, router)
     code, out = deploy(lab, "--dry")
-    assert code != 0, out
-    assert "does not list this server" in out and "router_register=true" in out, out
-    code, out = deploy(lab, "--data", "router_register=true")
     assert code == 0, out
+    assert out.count("router lab: add it after the verify (POST /workers url http://127.0.0.1:") == 3, out
+    assert "router_register" not in out and "REFUSED" not in out, out
+    code, out = deploy(lab)
+    assert code == 0, out
+    assert out.count("router lab: verified: adding it") == 3, out
     assert wait_listed(router) == published(router), workers(router)
 
 
@@ -207,6 +216,69 @@ def test_dry_shows_the_router_steps(routed):
     assert out.count("what is still open then (a stream longer than that) has the stop's drain, at most 60 s "
                      "more, then is CUT by its SIGKILL") == 3, out
     assert "SIGTERM drain <= 60 s, SIGKILL of the tree: it cuts a request or stream still open" in out, out
+
+
+def test_ctrl_c_while_a_left_server_drains_puts_it_back_and_the_next_deploy_is_not_refused(routed):
+    """Issue 32 item 5: a real Ctrl-C (SIGINT to the real CLI's process group) while the controller
+    waits for 129's in-flight requests after smg's DELETE. 129 was not stopped: it is put back into
+    smg (its URL answering as 129 first) and the run exits 130 saying so (before: "interrupted before
+    any hand-off: nothing was touched", 129 out of smg, the next deploy refused). A request in flight
+    at 129 completes, no request through smg fails, and the next deploy is planned as any other (the
+    next test's rolling deploy, no flag, is that re-run: it converges)."""
+    import subprocess
+
+    lab, router = routed
+    write_fleet(lab, router, {"disable-radix-cache": True})
+    before = server_info(router, 129)
+    tokens = int(8.0 / float(ENV.get("SGLANG_STANDIN_TOKEN_S", "0.002")))  # a request 8 s long
+    long_answer: dict = {}
+
+    def long_request() -> None:  # smg had sent it to 129 before the DELETE
+        body = json.dumps({"text": "long", "sampling_params": {"max_new_tokens": tokens}}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{router['ports']['pve1:129']}/generate", data=body,
+                                         headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                long_answer["status"] = response.status
+        except OSError as error:
+            long_answer["error"] = repr(error)
+
+    in_flight = threading.Thread(target=long_request, daemon=True)
+    lines: list[str] = []
+    with Client(router["url"]) as client:
+        in_flight.start()
+        proc = subprocess.Popen([pyinfra_exe(), "-y", "inventory.py", "deploy.py", "--data", f"sglang_env={json.dumps(ENV)}",
+                                 "--data", "router_join_timeout_s=20", "--limit", "@pct/pve1:129"],
+                                cwd=Path(__file__).resolve().parents[2], env=lab.env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+        interrupted_while_in_flight = None
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                if "router lab: taken out (DELETE /workers/" in line and interrupted_while_in_flight is None:
+                    interrupted_while_in_flight = in_flight.is_alive()
+                    os.killpg(proc.pid, signal.SIGINT)  # what the terminal's Ctrl-C sends
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        in_flight.join(timeout=30)
+    out = "".join(lines)
+    with open(lab.dir / "deploys.log", "a") as log:
+        log.write(f"=== {time.strftime('%H:%M:%S')} deploy, Ctrl-C after the leave\n{out}")
+    assert interrupted_while_in_flight, out
+    assert proc.returncode == 130, out
+    assert "nothing was touched" not in out, out
+    assert "sglang :30000 interrupted after it left router lab, before its hand-off (the server was not " \
+           "stopped): putting it back into router lab" in out, out
+    assert "[@pct/pve1:129] sglang :30000 interrupted before its hand-off: back in router lab, listed healthy" in out, out
+    assert "stopping" not in out, out
+    assert long_answer == {"status": 200}, long_answer
+    assert client.failed == 0 and client.ok > 0, (client.failed, client.errors[:5], out)
+    assert server_info(router, 129)["random_seed"] == before["random_seed"]  # the same process, never stopped
+    assert listed_healthy(router) == published(router), workers(router)
+    code, out = deploy(lab, "--dry", "--limit", "@pct/pve1:129")
+    assert code == 0 and "router lab: leave it (DELETE /workers/" in out, out
 
 
 def test_rolling_flag_change_behind_smg_fails_no_request(routed):
@@ -309,10 +381,11 @@ def test_crash_mid_rolling_change_stops_there_leaves_it_out_and_says_so(routed):
 
 
 def test_after_the_fix_a_rerun_registers_the_left_out_server_and_finishes(routed):
+    """The re-run needs no flag: 130, left out after NOTHING SERVES, is added once verified."""
     lab, router = routed
     write_fleet(lab, router, {"disable-radix-cache": False})
     with Client(router["url"]) as client:
-        code, out = deploy(lab, "--data", "rolling=true", "--data", "router_register=true")
+        code, out = deploy(lab, "--data", "rolling=true")
     assert code == 0, out
     assert client.failed == 0, (client.failed, client.errors[:5], out)
     for vmid in VMIDS:
@@ -326,31 +399,58 @@ def status(lab: Lab, *extra: str) -> tuple[int, dict]:
     return result.returncode, json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_status_shows_membership_and_a_server_missing_from_its_router_is_not_as_desired(routed, tmp_path):
+def test_status_shows_membership_a_cordon_takes_a_server_out_and_keeps_it_out(routed, tmp_path):
+    """Issue 32 item 8: membership is declared. A server declared out (router_cordon: true) is not as
+    desired while smg still lists it; the deploy takes it out (leave + drain, nothing stopped, no
+    client sees it), the status then calls it cordoned (as desired, not a failure), and a re-run keeps
+    it out. Declared a member again, it is missing from smg (not as desired, "the deploy adds it") and
+    the deploy adds it, without a restart and without a flag."""
     lab, router = routed
+    url = f"http://127.0.0.1:{router['ports']['pve1:131']}"
     write_fleet(lab, router, {"disable-radix-cache": False})
     code, doc = status(lab)
     assert code == 0 and doc["ok"], doc
     assert {s["router_text"] for s in doc["servers"]} == {"lab: healthy"}, doc
-    url = f"http://127.0.0.1:{router['ports']['pve1:131']}"
-    worker = next(w for w in workers(router) if w["url"] == url)
-    urllib.request.urlopen(urllib.request.Request(router["url"] + "/workers/" + worker["id"], method="DELETE"),
-                           timeout=5).read()
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(w["url"] == url for w in workers(router)):
-        time.sleep(0.2)
+    before = server_info(router, 131)
+
+    write_fleet(lab, router, {"disable-radix-cache": False}, cordoned=(131,))
+    code, doc = status(lab)
+    row = next(s for s in doc["servers"] if s["vmid"] == 131)
+    assert code != 0 and row["kind"] == "cordon_pending" and row["router_text"] == "lab: cordoned, still listed", row
+    with Client(router["url"]) as client:
+        code, out = deploy(lab, "--limit", "@pct/pve1:131")
+    assert code == 0, out
+    assert "serves as desired; router lab: cordoned (router_cordon: true): leave it (DELETE /workers/" in out, out
+    assert "router lab: cordoned (router_cordon: true): out of the router, as declared" in out, out
+    assert "stopping" not in out, out
+    assert client.failed == 0 and client.ok > 0, (client.failed, client.errors[:5], out)
+    assert url not in listed_healthy(router), workers(router)
     prom = tmp_path / "gpugate.prom"
     code, doc = status(lab, "--data", f"prom={prom}")
     row = next(s for s in doc["servers"] if s["vmid"] == 131)
-    assert code != 0 and not doc["ok"] and row["kind"] == "unrouted" and row["router_text"] == "lab: missing", row
-    assert 'gpugate_sglang_router_listed{host="pve1",vmid="131",port="30000",router="lab"} 0' in prom.read_text()
-    # the deploy agrees: it refuses what the status calls not as desired, and adds it when asked
+    assert code == 0 and doc["ok"] and row["kind"] == "cordoned" and row["router_text"] == "lab: cordoned", row
+    assert row["verdict"].startswith("serving as desired, cordoned: out of its router"), row
+    assert 'gpugate_sglang_router_cordoned{host="pve1",vmid="131",port="30000",router="lab"} 1' in prom.read_text()
     code, out = deploy(lab, "--limit", "@pct/pve1:131")
-    assert code != 0 and "it serves as desired, but router lab" in out, out
-    code, out = deploy(lab, "--limit", "@pct/pve1:131", "--data", "router_register=true")
-    assert code == 0 and "back in router lab" in out and "stopping" not in out, out
+    assert code == 0 and "router lab: cordoned (router_cordon: true), out of it as declared" in out and "DELETE" not in out, out
+    assert url not in listed_healthy(router), workers(router)
+    assert server_info(router, 131)["random_seed"] == before["random_seed"]  # never stopped
+
+    write_fleet(lab, router, {"disable-radix-cache": False})  # declared a member again
+    deadline = time.monotonic() + 15  # smg drops the draining entry after its settle time
+    while time.monotonic() < deadline and any(w["url"] == url for w in workers(router)):
+        time.sleep(0.2)
+    code, doc = status(lab, "--data", f"prom={prom}")
+    row = next(s for s in doc["servers"] if s["vmid"] == 131)
+    assert code != 0 and not doc["ok"] and row["kind"] == "unrouted" and row["router_text"] == "lab: missing", row
+    assert row["verdict"].endswith("(the deploy adds it)"), row
+    assert 'gpugate_sglang_router_listed{host="pve1",vmid="131",port="30000",router="lab"} 0' in prom.read_text()
+    code, out = deploy(lab, "--limit", "@pct/pve1:131")
+    assert code == 0 and "router lab: serves as desired, not listed: adding it" in out, out
+    assert "back in router lab" in out and "stopping" not in out, out
     code, doc = status(lab)
     assert code == 0 and doc["ok"], doc
+    assert server_info(router, 131)["random_seed"] == before["random_seed"]
 
 
 def test_router_that_goes_away_mid_run_stops_the_rolling_change(routed):

@@ -44,6 +44,27 @@ def test_the_fleet_refuses_what_cannot_route(sglang, routers, where):
     assert "sk-1" not in str(error.value)
 
 
+def test_router_register_is_refused_saying_what_the_deploy_does_now_and_the_cordon_needs_a_router():
+    """Issue 32 item 8: the flag is no more (a declared member is added unasked); a command line or
+    fleet that sets it learns why and what to write instead, before anything is touched."""
+    from gpugate.settings import SettingsError, validated_settings
+
+    with pytest.raises(SettingsError) as error:
+        validated_settings({"router_register": "true"})
+    assert str(error.value).startswith("setting router_register='true': no longer a setting: a server declared "
+                                       "behind a router is added to it once it serves and is verified"), error.value
+    assert "router_cordon: true" in str(error.value)
+    with pytest.raises(FleetError) as error:
+        parse_fleet(fleet({"router": "gw", "router_url": "http://127.0.0.1:1", "router_register": True}))
+    assert "sglang.router_register: no longer a setting" in str(error.value)
+    with pytest.raises(FleetError) as error:
+        parse_fleet(fleet({"router_cordon": True}))
+    assert "sglang.router_cordon: given without router" in str(error.value)
+    groups = fleet_to_inventory(parse_fleet(fleet({"router": "gw", "router_url": "http://127.0.0.1:1",
+                                                   "router_cordon": True})))
+    assert desired_state(groups["pve_pve1"][0][0][1]).routing.cordon is True
+
+
 def test_a_router_named_by_data_alone_is_the_containers_problem():
     desired = desired_state({"sglang_model_path": "/m", "sglang_router": "gw"})
     assert desired.problem and "its URL is not known" in desired.problem
@@ -80,19 +101,51 @@ A = {"id": "wa", "url": "http://a:1", "model_id": "m", "is_healthy": True, "stat
 B = {"id": "wb", "url": "http://b:1", "model_id": "m", "is_healthy": True, "status": "ready"}
 
 
-def test_preflight_refuses_an_unreachable_router_an_unlisted_server_and_too_few_peers():
+def test_preflight_refuses_an_unreachable_router_and_too_few_peers():
     assert "did not answer" in router.preflight(ROUTING, FakeClient(error="refused")).problem
-    assert "router_register=true" in router.preflight(ROUTING, FakeClient([B])).problem
-    assert router.preflight(Routing("gw", "http://g:1", "http://a:1", register=True), FakeClient([B])).problem is None
     assert "would leave 0 healthy worker(s) of m (min_serving 1)" in router.preflight(ROUTING, FakeClient([A])).problem
     ok = router.preflight(ROUTING, FakeClient([A, B]))
     assert ok.problem is None and ok.worker["id"] == "wa" and ok.peers == ["http://b:1"]
 
 
+def test_a_declared_member_the_router_does_not_list_is_no_refusal_it_is_added_after_the_verify():
+    """Issue 32 item 8: membership is declared; before, a first deploy was refused ('does not list
+    this server; `--data router_register=true` adds it')."""
+    pre = router.preflight(ROUTING, FakeClient([B]))
+    assert pre.problem is None and pre.worker is None, pre
+    assert pre.lines(ROUTING, 60) == [
+        "router gw: not listed there: the restart goes on without leaving it",
+        "router gw: add it after the verify (POST /workers url http://a:1) and wait until it is listed healthy"]
+    assert "router_register" not in " ".join(pre.lines(ROUTING, 60))
+
+
+def test_a_cordoned_server_leaves_and_its_steps_say_it_stays_out():
+    cordoned = Routing("gw", "http://g:1", "http://a:1", cordon=True)
+    listed = router.preflight(cordoned, FakeClient([A, B]))
+    assert listed.problem is None
+    lines = listed.lines(cordoned, 60, restart=False)
+    assert lines[0].startswith("router gw: cordoned (router_cordon: true): leave it (DELETE /workers/wa;"), lines
+    assert "wait until its in-flight requests are 0" in lines[1] and "re-add" not in " ".join(lines), lines
+    assert "the server is not stopped" in lines[1] and "SIGKILL" not in lines[1], lines
+    assert lines[2] == "router gw: it stays out (router_cordon: false puts it back)"
+    assert listed.lines(cordoned, 60)[2] == "router gw: it stays out after the verify (router_cordon: false puts it back)"
+    out = router.preflight(cordoned, FakeClient([B]))
+    assert out.lines(cordoned, 60) == ["router gw: cordoned (router_cordon: true) and not listed there: it stays out"]
+    # the min_serving guard holds for a cordon too: it never takes out the last healthy worker
+    assert "min_serving 1" in router.preflight(cordoned, FakeClient([A])).problem
+
+
+def test_membership_shows_a_cordoned_server_as_such():
+    cordoned = Routing("gw", "http://g:1", "http://a:1", cordon=True)
+    assert router.membership(cordoned, [B])["state"] == "cordoned"
+    assert router.membership(cordoned, [dict(A, status="draining")])["state"] == "cordoned"
+    assert router.membership(cordoned, [A])["state"] == "cordoned, still listed"
+    assert router.membership(ROUTING, [B])["state"] == "missing"
+
+
 def test_the_preflights_refusal_carries_its_kind_for_code_to_decide_on():
-    """The operation tells an unlisted server from the other refusals by ``kind``, never by words."""
+    """The operation tells the refusals apart by ``kind``, never by words."""
     assert router.preflight(ROUTING, FakeClient(error="refused")).kind == "no-answer"
-    assert router.preflight(ROUTING, FakeClient([B])).kind == "not-listed"
     assert router.preflight(ROUTING, FakeClient([A])).kind == "min-serving"
     assert router.preflight(ROUTING, FakeClient([A, B])).kind is None
 
@@ -103,7 +156,9 @@ def test_leave_removes_then_waits_for_zero_in_flight(monkeypatch):
     client, said = FakeClient([A, B]), []
     router.leave(ROUTING, client, 60, said.append, sleep=lambda s: None)
     assert client.calls == [("DELETE", "wa")]
-    assert said and "0 requests in flight" in said[0]
+    assert said[0] == ("router gw: taken out (DELETE /workers/wa); waiting until its in-flight requests are 0 "
+                       "(at most 60 s)")
+    assert "0 requests in flight" in said[-1]
 
 
 def test_leave_never_deletes_a_worker_whose_removal_is_under_way(monkeypatch):
@@ -132,7 +187,7 @@ def test_leave_does_not_wait_out_the_budget_for_a_count_it_cannot_read(monkeypat
     clock = iter(range(1000))
     said = []
     router.leave(ROUTING, FakeClient([A, B]), 60, said.append, now=lambda: next(clock), sleep=lambda s: None)
-    assert len(reads) == 2 and "cannot be read" in said[0]
+    assert len(reads) == 2 and "cannot be read" in said[-1]
 
 
 def test_a_stream_longer_than_the_drain_budget_is_said_before_the_stop(monkeypatch):
@@ -148,6 +203,36 @@ def test_a_stream_longer_than_the_drain_budget_is_said_before_the_stop(monkeypat
     dry = router.preflight(ROUTING, FakeClient([A, B])).lines(ROUTING, 5)[1]
     assert "at most 5 s); what is still open then (a stream longer than that) has the stop's drain, at most 5 s " \
            "more, then is CUT by its SIGKILL" in dry, dry
+
+
+def test_an_interrupted_leave_stops_waiting_at_its_next_look(monkeypatch):
+    """Issue 32 item 5: the run was interrupted while the server's requests were still in flight:
+    the leave returns (the caller puts it back) instead of waiting out the drain budget."""
+    reads = []
+    monkeypatch.setattr(router, "in_flight", lambda url: reads.append(url) or 3)
+    interrupted = iter([False, False, False, True])
+    client, said = FakeClient([A, B]), []
+    router.leave(ROUTING, client, 60, said.append, sleep=lambda s: None, stop=lambda: next(interrupted))
+    assert client.calls == [("DELETE", "wa")] and len(reads) == 2
+    assert len(said) == 1 and "taken out" in said[0]  # no "left it; 0 requests in flight"
+
+
+def test_put_back_adds_it_as_it_was_only_when_its_url_still_answers_as_this_server(monkeypatch):
+    monkeypatch.setattr(router, "server_ready", lambda url, paths: True)
+    seen = {"server_info": {"path": "/get_server_info", "args": {"port": 30000, "random_seed": 811}}}
+    monkeypatch.setattr(router, "identity_problem", lambda url, observed, info_path: None)
+    client = FakeClient([B])  # smg dropped the draining entry already
+    ok, message = router.put_back(ROUTING, client, A, seen, "/get_server_info", 30, lambda line: None,
+                                  sleep=lambda s: None)
+    assert ok and "back in router gw, listed healthy" in message, message
+    assert client.calls == [("POST", rejoin_body(A, "http://a:1"))]
+    # another server answers there now (the container was changed by hand meanwhile): not added
+    monkeypatch.setattr(router, "identity_problem", lambda url, observed, info_path: "http://a:1 answers as another")
+    client = FakeClient([B])
+    ok, message = router.put_back(ROUTING, client, A, seen, "/get_server_info", 30, lambda line: None,
+                                  sleep=lambda s: None)
+    assert not ok and message == "not put back into router gw: http://a:1 answers as another", message
+    assert client.calls == []
 
 
 def test_rejoin_waits_out_the_draining_entry_then_adds_it_back_as_it_was(monkeypatch):
