@@ -63,7 +63,7 @@ def snapshot_file(version: str | None = None) -> Path:
         version = snapshot_versions(folder)[-1]
     if version not in found:
         raise LookupError(f"no snapshot of SGLang {version}; the lab's stand-in can be "
-                          f"{', '.join(sorted(found))} (scripts/sglang_flags_snapshot.py makes more)")
+                          f"{', '.join(sorted(found))} (scripts/flags_snapshot.py sglang makes more)")
     return found[version]
 
 
