@@ -5,7 +5,6 @@ a generation, the info document: the engine's paths) over a raw socket (no urlli
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time

@@ -35,6 +35,8 @@ Example::
     Traceback (most recent call last):
     ...
     gpugate.engine.FlagError: --kv-cache-dtype: 'fp9' is not one of auto, fp8 in Demo 1.0; did you mean fp8?
+    >>> demo.redact_flags({"api-key": "sk-1", "tensor-parallel-size": 2})
+    {'api-key': '***', 'tensor-parallel-size': 2}
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import gpugate.engine as engine_seam
+from gpugate.engine import Engine
 from gpugate.rules import redact
 from gpugate.rules.redact import SECRET_MASK
 
@@ -930,6 +933,12 @@ class ArgparseFlags:
         return sorted(set(out))
 
 
+    def redact_flags(self, flags: Mapping[str, Any]) -> dict[str, Any]:
+        """Flags with the values of secret flags (``--api-key``...) replaced by ``***``, and the whole
+        value of a JSON-valued flag whose document has a key naming a secret (``{"hf_token": ...}``)."""
+        return {name: SECRET_MASK if value not in (None, False) and self.is_secret_value(name, value) else value
+                for name, value in flags.items()}
+
     def _flag_display(self, name: str, value: Any, redact: bool, t: FlagTable | None = None) -> str:
         if value is True:
             return f"--{name}"
@@ -1210,3 +1219,44 @@ class LazySpecs(Mapping[str, FlagSpec]):
 
     def __len__(self) -> int:
         return len(self._flags.specs)
+
+
+class ArgparseEngine(Engine):
+    """An engine whose flags are its argparse parser's (:class:`ArgparseFlags`, ``flags``): what the
+    seam asks of its flags, answered once for every such engine. An engine adds its launch, how a
+    running command reads back and its capacity figures."""
+
+    flags: ArgparseFlags
+
+    def choose_table(self, container: Mapping[str, Any] | None, pinned: str | None) -> tuple[Any, str]:
+        return self.flags.choose_table(container, pinned)
+
+    def fetch_table(self, run: Callable[[str], Mapping[str, Any]], python: str,
+                    observation: Mapping[str, Any] | None, say: Callable[[str], Any] | None = None
+                    ) -> Mapping[str, Any] | None:
+        return self.flags.fetch_table(run, python, observation, say)
+
+    def table_command(self, python: str, known: Sequence[str] = (), build: bool = True) -> str | None:
+        return self.flags.table_command(python, known, build)
+
+    def flag_warnings(self, flags: Mapping[str, Any], table: Any = None) -> list[str]:
+        return self.flags.flag_warnings(flags, table)
+
+    def validate_flags(self, flags: Mapping[str, object] | None, table: Any = None) -> dict[str, Any]:
+        return self.flags.validate_flags(flags, table)
+
+    def canonical_name(self, name: str, table: Any = None) -> str:
+        return self.flags.canonical_name(name, table)
+
+    def flag_lines(self, running: Mapping[str, Any], desired: Mapping[str, Any], table: Any = None) -> list[str]:
+        return self.flags.diff_flags(self.redact_flags(running), self.redact_flags(desired), table).lines(redact=True)
+
+    def redact_argv(self, argv: Sequence[str], table: Any = None) -> list[str]:
+        return self.flags.redact_argv(argv, table)
+
+    def redact_flags(self, flags: Mapping[str, Any], table: Any = None) -> dict[str, Any]:
+        return self.flags.redact_flags(flags)
+
+    def check_report(self, flags: Mapping[str, Any], pinned: str | None, extra_args: Sequence[str] | None
+                     ) -> tuple[bool, list[str]]:
+        return self.flags.check_report(flags, pinned, extra_args)

@@ -40,6 +40,35 @@ _KINDS = {
 }
 
 
+def installed_version(package):
+    """The installed ``package``'s version from its metadata (never imports it), or None."""
+    try:
+        from importlib import metadata
+        return metadata.version(package)
+    except Exception:  # PackageNotFoundError, a broken dist-info
+        return None
+
+
+def source_file(package, name):
+    """The path of ``name`` (``sglang/srt/server_args.py``) in the installed ``package``, found
+    without importing it, or None."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    roots = list(spec.submodule_search_locations or [])
+    if not roots and spec.origin:
+        roots = [os.path.dirname(spec.origin)]
+    for root in roots:
+        path = os.path.join(root, *name.split("/")[1:])
+        if os.path.isfile(path):
+            return path
+    return None
+
+
 def sha256_file(path):
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

@@ -23,13 +23,13 @@ def test_each_flag_is_validated_once(monkeypatch):
     calls = []
     from gpugate.engine.sglang import flags as sglang_flags  # where SGLang's launch validates
 
-    real = sglang_flags.validate_flags
+    real = sglang_flags.FLAGS.validate_flags  # every validation of SGLang's flags goes through it
 
     def counting(flags, *args, **kwargs):
         calls.append(dict(flags))
         return real(flags, *args, **kwargs)
 
-    monkeypatch.setattr(sglang_flags, "validate_flags", counting)
+    monkeypatch.setattr(sglang_flags.FLAGS, "validate_flags", counting)
     build_spec("/m", 30000, {"tp": 8, "disable-radix-cache": True})
     # once for the flags; gpu_set re-reads the normalised ones (cheap, no new input)
     assert calls[0] == {"tp": 8, "disable-radix-cache": True}

@@ -26,14 +26,14 @@ hosts:
 @pytest.fixture
 def counted(monkeypatch):
     calls: list[dict] = []
-    real = sglang_flags.validate_flags
+    real = sglang_flags.FLAGS.validate_flags  # every validation of SGLang's flags goes through it
 
     def counting(flags, *args, **kwargs):
         if flags:  # the header alone (model, host, port) renders through it with no flag
             calls.append(dict(flags))
         return real(flags, *args, **kwargs)
 
-    monkeypatch.setattr(sglang_flags, "validate_flags", counting)
+    monkeypatch.setattr(sglang_flags.FLAGS, "validate_flags", counting)
     spec._DESIRED.clear()
     spec._FOR_VERSION.clear()
     return calls

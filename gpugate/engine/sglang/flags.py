@@ -32,6 +32,8 @@ Example::
     FlagError: --cuda-graph-max-bs: not a flag of SGLang 0.5.23 (did you mean --cuda-graph-max-bs-decode?)
     >>> flag_warnings({"disable-cuda-graph": True}, table=t)[0][:60]
     "--disable-cuda-graph is deprecated in SGLang 0.5.23: '--disa"
+    >>> FLAGS.redact_flags({"tp-size": 8, "api-key": "sk-1", "model-loader-extra-config": '{"hf_token":"hf_1"}'})
+    {'tp-size': 8, 'api-key': '***', 'model-loader-extra-config': '***'}
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from gpugate.engine import FlagError, Launch, ServerInputs
 from gpugate.engine.sglang import flags as sglang_flags
 from gpugate.engine import gpus as sglang_gpus
 from gpugate.engine.sglang import weight_cache
-from gpugate.rules.redact import SECRET_MASK
 
 # the flags the GPU set is made of (gpu_set)
 GPU_SET_FLAGS = ("tp-size", "pp-size", "dp-size", "enable-dp-attention", "nnodes", "base-gpu-id", "gpu-id-step")
@@ -144,7 +143,7 @@ def build(inputs: ServerInputs, table: Any = None) -> Launch:
     one): the flags validated ONCE and rendered from the values validated; FlagError naming what
     SGLang (or gpugate for it) refuses."""
     table = sglang_flags.resolve_table(table)
-    normal = sglang_flags.validate_flags(inputs.flags or {}, table)
+    normal = sglang_flags.FLAGS.validate_flags(inputs.flags or {}, table)
     parsed_extras = _parsed_extras(inputs.extra_args, table)
     for name, setting in GPUGATE_SETS.items():  # in flags or extra_args: the agent's own would clash with it
         if name in normal or (parsed_extras is not None and name in parsed_extras.flags):
@@ -187,12 +186,4 @@ def build(inputs: ServerInputs, table: Any = None) -> Launch:
                   expect_info=expect, warnings=tuple(warnings), daemon_argv=daemon, gated=gated)
 
 
-def redact_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
-    """Flags with the values of secret flags (``--api-key``...) replaced by ``***``, and the whole
-    value of a JSON-valued flag whose document has a key naming a secret (``{"hf_token": ...}``).
-
-    >>> redact_flags({"tp-size": 8, "api-key": "sk-1", "model-loader-extra-config": '{"hf_token":"hf_1"}'})
-    {'tp-size': 8, 'api-key': '***', 'model-loader-extra-config': '***'}
-    """
-    return {name: SECRET_MASK if value not in (None, False) and sglang_flags.is_secret_value(name, value) else value
-            for name, value in flags.items()}
+redact_flags = sglang_flags.FLAGS.redact_flags

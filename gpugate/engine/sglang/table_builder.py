@@ -52,33 +52,12 @@ cache_key = core.cache_key
 
 def installed_version():
     """The installed SGLang's version from package metadata (never imports sglang), or None."""
-    try:
-        from importlib import metadata
-    except ImportError:  # Python < 3.8
-        return None
-    try:
-        return metadata.version("sglang")
-    except Exception:  # PackageNotFoundError, a broken dist-info
-        return None
+    return core.installed_version(PACKAGE)
 
 
 def source_file():
-    """The path of ``sglang/srt/server_args.py`` (found without importing sglang), or None."""
-    import importlib.util
-    try:
-        spec = importlib.util.find_spec("sglang")
-    except (ImportError, ValueError):
-        return None
-    if spec is None:
-        return None
-    roots = list(spec.submodule_search_locations or [])
-    if not roots and spec.origin:
-        roots = [os.path.dirname(spec.origin)]
-    for root in roots:
-        path = os.path.join(root, "srt", "server_args.py")
-        if os.path.isfile(path):
-            return path
-    return None
+    """The path of ``SOURCE_NAME`` (found without importing sglang), or None."""
+    return core.source_file(PACKAGE, SOURCE_NAME)
 
 
 def build(include_help=False, source="container"):

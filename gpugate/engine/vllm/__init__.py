@@ -13,15 +13,16 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpugate.engine import Engine, Launch, Running, ServerInputs
+from gpugate.engine import Launch, Running, ServerInputs
+from gpugate.engine.argflags import ArgparseEngine
 from gpugate.engine.vllm import container as vllm_container
 from gpugate.engine.vllm import flags, launch
 
 
-class VLLM(Engine):
+class VLLM(ArgparseEngine):
     """The vLLM engine (https://github.com/vllm-project/vllm)."""
 
     name = "vllm"
@@ -35,44 +36,16 @@ class VLLM(Engine):
     drain_words = "vLLM's drain (--shutdown-timeout)"
     has_weight_cache = False
     container_module = "gpugate.engine.vllm.container"
-
-    def choose_table(self, container: Mapping[str, Any] | None, pinned: str | None) -> tuple[Any, str]:
-        return flags.choose_table(container, pinned)
-
-    def fetch_table(self, run: Callable[[str], Mapping[str, Any]], python: str,
-                    observation: Mapping[str, Any] | None, say: Callable[[str], Any] | None = None
-                    ) -> Mapping[str, Any] | None:
-        return flags.fetch_table(run, python, observation, say)
-
-    def table_command(self, python: str, known: Sequence[str] = (), build: bool = True) -> str | None:
-        return flags.table_command(python, known, build)
-
-    def flag_warnings(self, flags_: Mapping[str, Any], table: Any = None) -> list[str]:
-        return flags.flag_warnings(flags_, table)
-
-    def validate_flags(self, flags_: Mapping[str, object] | None, table: Any = None) -> dict[str, Any]:
-        return flags.validate_flags(flags_, table)
-
-    def canonical_name(self, name: str, table: Any = None) -> str:
-        return flags.canonical_name(name, table)
+    flags = flags.FLAGS
 
     def launch(self, inputs: ServerInputs, table: Any = None) -> Launch:
         return launch.build(inputs, table)
 
     def read_running(self, argv: Sequence[str], table: Any = None) -> Running:
-        parsed = flags.parse_argv(argv, table)
+        parsed = self.flags.parse_argv(argv, table)
         model = parsed.model_path or (parsed.positionals[0] if parsed.positionals else None)
         return Running(model_path=model, host=parsed.host, port=parsed.port, flags=parsed.flags,
-                       unknown=list(parsed.unknown), args_start=flags.server_args_start(argv))
-
-    def flag_lines(self, running: Mapping[str, Any], desired: Mapping[str, Any], table: Any = None) -> list[str]:
-        return flags.diff_flags(launch.redact_flags(running), launch.redact_flags(desired), table).lines(redact=True)
-
-    def redact_argv(self, argv: Sequence[str], table: Any = None) -> list[str]:
-        return flags.redact_argv(argv, table)
-
-    def redact_flags(self, flags_: Mapping[str, Any], table: Any = None) -> dict[str, Any]:
-        return launch.redact_flags(flags_)
+                       unknown=list(parsed.unknown), args_start=self.flags.server_args_start(argv))
 
     def capacity(self, info: Mapping[str, Any] | None) -> dict[str, Any]:
         return {key: (info or {})[key] for key in vllm_container.CAPACITY_KEYS if key in (info or {})}
@@ -87,10 +60,6 @@ class VLLM(Engine):
         if old is None and new is None:
             return None
         return f"KV cache {old if old is not None else '?'} -> {new if new is not None else '?'} tokens"
-
-    def check_report(self, flags_: Mapping[str, Any], pinned: str | None, extra_args: Sequence[str] | None
-                     ) -> tuple[bool, list[str]]:
-        return flags.check_report(flags_, pinned, extra_args)
 
 
 ENGINE = VLLM()

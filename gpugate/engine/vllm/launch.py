@@ -30,7 +30,6 @@ from typing import Any
 from gpugate.engine import FlagError, Launch, ServerInputs
 from gpugate.engine import gpus as rules_gpus
 from gpugate.engine.vllm import flags as vllm_flags
-from gpugate.rules.redact import SECRET_MASK
 
 # What gpugate sets itself, never the operator (the setting that says it instead)
 GPUGATE_SETS = {"shutdown-timeout": "drain_timeout_s (the stop's drain budget sets it)"}
@@ -52,21 +51,14 @@ def gpu_set(normal: Mapping[str, Any], env: Mapping[str, Any] | None = None) -> 
                                     dp=dp, visible=(env or {}).get("CUDA_VISIBLE_DEVICES")))
 
 
-def redact_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
-    """Flags with every secret value ``***`` (``--api-key``, a JSON flag holding a token).
-
-    >>> redact_flags({"api-key": "sk-1", "tensor-parallel-size": 2})
-    {'api-key': '***', 'tensor-parallel-size': 2}
-    """
-    return {name: SECRET_MASK if value not in (None, False) and vllm_flags.is_secret_value(name, value) else value
-            for name, value in flags.items()}
+redact_flags = vllm_flags.FLAGS.redact_flags
 
 
 def build(inputs: ServerInputs, table: Any = None) -> Launch:
     """The Launch of ``inputs`` against ``table`` (a per-release flag table; None: the union of the
     snapshots): the flags validated once; FlagError naming what vLLM (or gpugate for it) refuses."""
     table = vllm_flags.resolve_table(table)
-    normal = vllm_flags.validate_flags(inputs.flags or {}, table)
+    normal = vllm_flags.FLAGS.validate_flags(inputs.flags or {}, table)
     extras = vllm_flags.parse_argv(["vllm", "serve", *inputs.extra_args], table) if inputs.extra_args else None
     for name, setting in GPUGATE_SETS.items():
         if name in normal or (extras is not None and name in extras.flags):

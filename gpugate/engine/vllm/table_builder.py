@@ -36,27 +36,12 @@ cache_key = core.cache_key
 
 def installed_version():
     """The installed vLLM's version from package metadata (never imports vllm), or None."""
-    try:
-        from importlib import metadata
-        return metadata.version("vllm")
-    except Exception:  # PackageNotFoundError, a broken dist-info
-        return None
+    return core.installed_version(PACKAGE)
 
 
 def source_file():
-    """The path of ``vllm/engine/arg_utils.py`` (found without importing vllm), or None."""
-    import importlib.util
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return None
-    if spec is None:
-        return None
-    for root in list(spec.submodule_search_locations or []):
-        path = os.path.join(root, "engine", "arg_utils.py")
-        if os.path.isfile(path):
-            return path
-    return None
+    """The path of ``SOURCE_NAME`` (found without importing vllm), or None."""
+    return core.source_file(PACKAGE, SOURCE_NAME)
 
 
 # where releases keep the serve parser's maker, newest first (0.33: entrypoints.common; 0.32:
