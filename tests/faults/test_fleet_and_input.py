@@ -162,7 +162,7 @@ def test_injection_in_flag_env_and_model_path_is_passed_literally(lab, fleet_ser
                                 f"{shlex.quote(model)}/ && echo made")
     assert made.stdout.strip() == "made", made.stderr
     flags = dict(TP2, **{"served-model-name": injection("flag")})
-    env = dict(FAST_ENV, GPUGATE_INJECT=injection("env"))
+    env = dict(FAST_ENV, GPUGATE_INJECT_TOKEN=injection("env"))  # a secret by its name: never printed
     run = deploy(lab, flags, env, data={"sglang_model_path": model}, limit="pve_pve2")
     assert run.returncode == 0, run.output
     no_canary(lab, "pve2")
@@ -170,8 +170,8 @@ def test_injection_in_flag_env_and_model_path_is_passed_literally(lab, fleet_ser
     assert flag_value(argv, "--served-model-name") == injection("flag")
     assert flag_value(argv, "--model-path") == model
     environ = sh(lab, "pve2", 129, f"tr '\\0' '\\n' < /proc/{main_pid(lab, 'pve2')}/environ").stdout
-    assert f"GPUGATE_INJECT={injection('env')}" in environ.splitlines()
-    assert injection("env") not in run.output  # env values are never printed
+    assert f"GPUGATE_INJECT_TOKEN={injection('env')}" in environ.splitlines()
+    assert injection("env") not in run.output  # a secret env value is never printed
     assert observed(lab, "pve2")["history"]["good"][0]["model_path"] == model
 
 
