@@ -498,7 +498,6 @@ class ArgparseFlags:
                         deprecated=row.get("deprecated") or None, text_json=text_json,
                         negative=negative)
 
-
     @functools.lru_cache(maxsize=None)  # noqa: B019 -- one instance per engine, for the process
     def _newest_names(self) -> frozenset[str]:
         """The canonical names of the newest snapshot (how older tables name the same flags)."""
@@ -507,7 +506,6 @@ class ArgparseFlags:
             return frozenset()
         doc = json.loads((self.snapshot_dir / f"{self.package}-{versions[-1]}.json").read_text())
         return frozenset(self.table_from_doc(doc, prefer=frozenset()).specs)
-
 
     def table_from_doc(self, doc: Mapping[str, Any], source: str = "snapshot",
                        prefer: frozenset[str] | None = None) -> FlagTable:
@@ -527,13 +525,11 @@ class ArgparseFlags:
                          server_args_sha256=sha, option_count=int(doc.get("option_count") or 0),
                          short_names=self.short_names, engine_label=self.label)
 
-
     def snapshot_versions(self, directory: Path | None = None) -> list[str]:
         """The releases gpugate ships a snapshot of, oldest first."""
         folder = Path(directory) if directory else self.snapshot_dir
         found = [p.name[len(self.package) + 1:-len(".json")] for p in folder.glob(f"{self.package}-*.json")]
         return sorted(found, key=_version_key)
-
 
     @functools.lru_cache(maxsize=32)  # noqa: B019
     def load_snapshot(self, version: str) -> FlagTable:
@@ -543,10 +539,8 @@ class ArgparseFlags:
             raise KeyError(f"gpugate has no snapshot of {self.label} {version} (it has {', '.join(self.snapshot_versions())})")
         return self.table_from_doc(json.loads(path.read_text()), source="snapshot")
 
-
     def newest_snapshot(self) -> FlagTable:
         return self.load_snapshot(self.snapshot_versions()[-1])
-
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 -- one instance per engine, for the process
     def union_table(self) -> FlagTable:
@@ -567,7 +561,6 @@ class ArgparseFlags:
         return FlagTable(version=None, label=label, source="union", specs=specs, short_names=self.short_names,
                          engine_label=self.label)
 
-
     def resolve_table(self, table: FlagTable | str | None) -> FlagTable:
         """``table`` itself, the snapshot of a version string, or the union for None."""
         if table is None:
@@ -576,12 +569,10 @@ class ArgparseFlags:
             return self.load_snapshot(table)
         return table
 
-
     def _cache_dir(self) -> Path:
         base = os.environ.get("GPUGATE_CACHE_DIR") or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "gpugate")
         return Path(base) / f"{self.package}-flags"
-
 
     def remember_table(self, doc: Mapping[str, Any]) -> None:
         """Keep a container's table on the controller (``~/.cache/gpugate/<engine>-flags/<key>.json``), so
@@ -600,7 +591,6 @@ class ArgparseFlags:
         except OSError:
             pass
 
-
     def cached_table_doc(self, key: str) -> dict[str, Any] | None:
         """A table this controller received before (``remember_table``), by key, or None."""
         path = self._cache_dir() / f"{key}.json"
@@ -608,7 +598,6 @@ class ArgparseFlags:
             return json.loads(path.read_text()) if "/" not in key and path.is_file() else None
         except (OSError, ValueError):
             return None
-
 
     def known_table_keys(self) -> list[str]:
         """The keys of the tables the controller has (shipped snapshots, its cache): a container whose
@@ -620,7 +609,6 @@ class ArgparseFlags:
             pass
         return sorted(set(keys))
 
-
     def _container_table(self, container: Mapping[str, Any]) -> FlagTable:
         key = container.get("key") or container["table"].get("key")
         table = self._container_tables.get(key) if isinstance(key, str) else None
@@ -630,16 +618,12 @@ class ArgparseFlags:
                 self._container_tables[key] = table
         return table
 
-
     def choose_table(self, container: Mapping[str, Any] | None = None, pinned: str | None = None) -> tuple[FlagTable, str]:
         """The table to validate a plan against, and a line saying which one it is.
 
         1. the container's own (``container``: the SglangFlagTable fact's document), when it answered;
         2. else the snapshot of the pinned release;
         3. else the newest snapshot.
-
-            self.choose_table(None, "0.5.23")[1]
-        "the snapshot of SGLang 0.5.23 (pinned; the container's own table is not known)"
         """
         why = "the container's own table is not known"
         if container:
@@ -666,7 +650,6 @@ class ArgparseFlags:
         pin = f"no snapshot of the pinned {pinned}; " if pinned else ""
         return self.load_snapshot(newest), f"the newest snapshot, {self.label} {newest} ({pin}{why})"
 
-
     def _suggestions(self, bare: str, table: FlagTable) -> list[str]:
         """Names to offer for an unknown ``bare``: flags that begin with it (what a removed flag was
         split into), then the closest spellings."""
@@ -677,19 +660,10 @@ class ArgparseFlags:
             return starts[:3]
         return [table.names[close[0]]] if close else []  # the nearest spelling only
 
-
     def canonical_name(self, name: str, table: FlagTable | str | None = None) -> str:
         """The canonical flag name for ``name`` (with or without dashes, snake or kebab case, alias).
 
         Raises FlagError for a name the table does not have, naming the version and the nearest names.
-
-        Example::
-
-                self.canonical_name("--tp"), self.canonical_name("tp_size"), self.canonical_name("tensor-parallel-size")
-            ('tp-size', 'tp-size', 'tp-size')
-                self.canonical_name("cuda-graph-max-bs", "0.5.23")  # doctest: +IGNORE_EXCEPTION_DETAIL
-            Traceback (most recent call last):
-            FlagError: --cuda-graph-max-bs: not a flag of SGLang 0.5.23 (did you mean --cuda-graph-max-bs-decode?)
         """
         t = self.resolve_table(table)
         if not isinstance(name, str):
@@ -703,7 +677,6 @@ class ArgparseFlags:
         hint = f" (did you mean {' or '.join('--' + h for h in hints)}?)" if hints else ""
         raise FlagError(bare or name, f"not a flag of {t.label}{hint}")
 
-
     def validate_flags(self, flags: Mapping[str, object] | None, table: FlagTable | str | None = None) -> dict[str, Any]:
         """Validate flags as written in fleet.yaml against ``table`` and return them normalised.
 
@@ -714,11 +687,6 @@ class ArgparseFlags:
         version and the nearest names), fields given as flags (model-path, port, host, config), wrong
         types, bad choices, values that cannot be one argv item, the same flag given twice under two
         spellings, and the engine's known conflicts. Deprecated flags pass: ``flag_warnings`` says so.
-
-        Example::
-
-                self.validate_flags({"tp": 8, "mem-fraction-static": 0.88, "disable-radix-cache": False})
-            {'mem-fraction-static': 0.88, 'tp-size': 8}
         """
         t = self.resolve_table(table)
         if flags is None:
@@ -749,12 +717,8 @@ class ArgparseFlags:
         self.check_conflicts(normalised)
         return dict(sorted(normalised.items()))
 
-
     def flag_warnings(self, flags: Mapping[str, Any], table: FlagTable | str | None = None) -> list[str]:
         """Warnings for normalised ``flags`` on ``table``: deprecated flags, with the engine's own words.
-
-            self.flag_warnings({"disable-cuda-graph": True}, "0.5.23")  # doctest: +ELLIPSIS
-        ["--disable-cuda-graph is deprecated in SGLang 0.5.23: '--disable-cuda-graph' is deprecated and will be removed in a future release. Use '--cuda-graph-backend-{decode,prefill}=disabled' instead."]
         """
         t = self.resolve_table(table)
         out = []
@@ -765,7 +729,6 @@ class ArgparseFlags:
             words = spec.deprecated.get("message") or spec.deprecated.get("error_message") or spec.help or ""
             out.append(f"--{name} is deprecated in {t.label}: {words}".rstrip(": "))
         return out
-
 
     def render_flag_args(self, flags: Mapping[str, Any], table: FlagTable | str | None = None) -> list[str]:
         """argv items for normalised flags, sorted by canonical name (stable, diff-friendly).
@@ -792,7 +755,6 @@ class ArgparseFlags:
                 argv.extend(_option(name, _value_text(value)))
         return argv
 
-
     def _resolve_option(self, bare: str, t: FlagTable) -> str | None:
         """argparse's rules for a token of a running command line: exact match, else a unique
         prefix of a declared option string (the server accepted it, so it meant that flag)."""
@@ -807,19 +769,11 @@ class ArgparseFlags:
             return matches.pop()
         return None
 
-
     def parse_argv(self, argv: Sequence[str], table: FlagTable | str | None = None) -> ParsedCommand:
         """Parse a server's command line (e.g. /proc/PID/cmdline split at NUL). Never raises.
 
         Accepts the full command (``python3 -m sglang.launch_server ...``, ``sglang serve ...``)
         or only the arguments, aliases and argparse abbreviations (``--tp 8``), and ``--flag=value``.
-
-        Example::
-
-                p = parse_argv(["python3", "-m", "sglang.launch_server", "--model-path", "/m",
-                                "--port=31000", "--tp", "8", "--disable-radix-cache", "--new-flag", "x"])
-                p.model_path, p.port, p.flags
-            ('/m', 31000, {'disable-radix-cache': True, 'new-flag': 'x', 'tp-size': 8})
         """
         t = self.resolve_table(table)
         tokens = list(argv)[self.server_args_start(argv):]
@@ -893,34 +847,23 @@ class ArgparseFlags:
         result.flags = dict(sorted(flags.items()))
         return result
 
-
     def _is_secret(self, name: str, t: FlagTable | None = None) -> bool:
         spec = (t.specs if t is not None else self.specs).get(name)
         return bool(spec and spec.secret) or redact.is_secret_name(name)
 
-
     def is_secret_value(self, name: str, value: Any, table: FlagTable | str | None = None) -> bool:
         """Whether the value of flag ``name`` must never be shown: a secret flag (--api-key...), or a
         JSON-valued flag whose document has a key naming a secret (:func:`json_holds_secret`).
-
-            self.is_secret_value("api-key", "sk-1"), self.is_secret_value("model-loader-extra-config", '{"hf_token": "x"}')
-        (True, True)
-            self.is_secret_value("json-model-override-args", '{"rope_theta": 1000000}')
-        False
         """
         t = table if isinstance(table, FlagTable) else self.resolve_table(table)
         spec = t.specs.get(name)
         return redact.is_secret_value(name, value, declared_secret=bool(spec and spec.secret),
                                       json_valued=bool((spec is not None and spec.kind == "json") or name in self.json_text_flags))
 
-
     def secret_flag_options(self, flags: Mapping[str, Any], table: FlagTable | str | None = None) -> list[str]:
         """The option strings (``--model-loader-extra-config``) of the normalised ``flags`` whose
         values are secret beyond the agent's own list (--api-key, --admin-api-key): the SpecDoc's and
         observe's ``secret_flags``, so the agent masks those values in argv, logs and tails.
-
-            self.secret_flag_options({"model-loader-extra-config": '{"hf_token":"x"}', "api-key": "k", "tp-size": 2})
-        ['--model-loader-extra-config']
         """
         t = self.resolve_table(table)
         out = []
@@ -931,7 +874,6 @@ class ArgparseFlags:
                 spec = t.specs.get(name)
                 out += spec.option_strings if spec is not None else [f"--{name}"]
         return sorted(set(out))
-
 
     def redact_flags(self, flags: Mapping[str, Any]) -> dict[str, Any]:
         """Flags with the values of secret flags (``--api-key``...) replaced by ``***``, and the whole
@@ -950,7 +892,6 @@ class ArgparseFlags:
         if isinstance(value, (list, tuple)):
             return f"--{name} " + " ".join(shlex.quote(_value_text(v)) for v in value)
         return f"--{name} {shlex.quote(_value_text(value))}"
-
 
     def _canonical_keys(self, flags: Mapping[str, Any], t: FlagTable) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -974,7 +915,6 @@ class ArgparseFlags:
             out[key] = list(value) if isinstance(value, tuple) else value
         return out
 
-
     def diff_flags(self, running: Mapping[str, Any], desired: Mapping[str, Any],
                    table: FlagTable | str | None = None) -> FlagDiff:
         """What changes from the running flags to the desired flags.
@@ -983,11 +923,6 @@ class ArgparseFlags:
         difference even when the value is the engine's default (``--kv-cache-dtype auto`` vs nothing),
         because an engine's defaults change between releases. Switches set to false and absent switches
         are the same (identical argv). Numbers compare by value (``8`` == ``8.0``).
-
-        Example::
-
-                self.diff_flags({"kv-cache-dtype": "auto"}, {"kv-cache-dtype": "fp8_e4m3"}).lines()
-            ['- --kv-cache-dtype auto', '+ --kv-cache-dtype fp8_e4m3']
         """
         t = self.resolve_table(table)
         before = self._canonical_keys(running, t)
@@ -1001,7 +936,6 @@ class ArgparseFlags:
             elif before[name] != after[name]:
                 diff.changed[name] = (before[name], after[name])
         return diff
-
 
     def redact_argv(self, argv: Sequence[str], table: FlagTable | str | None = None) -> list[str]:
         """argv with the values of secret flags replaced by ``***`` (for logs and messages).
@@ -1031,7 +965,6 @@ class ArgparseFlags:
             out.append(token)
         return out
 
-
     def build_parser(self, prog: str = "launch_server.py", table: FlagTable | str | None = None) -> argparse.ArgumentParser:
         """An argparse parser with a table's option strings, types, choices and switches (for tools
         and tests; the lab's stand-in builds its own from a snapshot, never from this module)."""
@@ -1057,14 +990,8 @@ class ArgparseFlags:
                 parser.add_argument(*options, dest=spec.dest, type=kind, default=spec.default)
         return parser
 
-
     def server_info_view(self, flags: Mapping[str, Any], table: FlagTable | str | None = None) -> dict[str, Any]:
         """The /get_server_info (``/server_info``) keys and values that these flags should produce.
-
-        Example::
-
-                self.server_info_view({"tp": 8, "kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True})
-            {'disable_radix_cache': True, 'kv_cache_dtype': 'fp8_e4m3', 'tp_size': 8}
         """
         t = self.resolve_table(table)
         view: dict[str, Any] = {}
@@ -1076,7 +1003,6 @@ class ArgparseFlags:
                 value = json.loads(value)  # argparse's type=json.loads: ServerArgs holds the document
             view[spec.dest] = value  # a JSON-text flag: the exact (canonical) text of the argv, as the engine keeps it
         return dict(sorted(view.items()))
-
 
     def server_info_mismatches(self, flags: Mapping[str, Any], server_info: Mapping[str, Any],
                                table: FlagTable | str | None = None) -> dict[str, tuple[Any, Any]]:
@@ -1103,14 +1029,10 @@ class ArgparseFlags:
                 mismatches[name] = (desired, reported)
         return mismatches
 
-
     def check_report(self, flags: Mapping[str, Any], pinned: str | None = None,
                      extra_args: Sequence[str] | None = None) -> tuple[bool, list[str]]:
         """Offline check of one server's flags (``gpugate check``): against the pinned version's
         snapshot, else the newest. -> (ok, lines): the verdict naming the table, then warnings.
-
-            self.check_report({"cuda-graph-max-bs": 256}, "0.5.23")[1][0]
-        'REFUSED by SGLang 0.5.23 (snapshot, pinned): --cuda-graph-max-bs: not a flag of SGLang 0.5.23 (did you mean --cuda-graph-max-bs-decode or --cuda-graph-max-bs-prefill?)'
         """
         versions = self.snapshot_versions()
         if pinned and pinned in versions:
@@ -1127,19 +1049,14 @@ class ArgparseFlags:
             lines.append("extra_args passed verbatim, unchecked: " + " ".join(self.redact_argv(list(extra_args), table)))
         return True, lines
 
-
     def supports(self, option: str, table: FlagTable | str | None = None) -> bool:
         """Whether this release has the flag (``gated-launch-port``: 0.5.23 and later).
-
-            self.supports("gated-launch-port", "0.5.23"), self.supports("gated-launch-port", "0.5.10")
-        (True, False)
         """
         try:
             self.canonical_name(option, table)
         except FlagError:
             return False
         return True
-
 
     # ------------------------------------------------------------------------------------------
     # The container's own table (table_builder.py sent inline; issue 13)
@@ -1162,7 +1079,6 @@ class ArgparseFlags:
                                  "gpugate_flag_table": Path(self.builder_file).read_text()}, body)
         return python_command(script, {"schema": 1, "version": None, "error": "python not found in the container"},
                               python)
-
 
     def fetch_table(self, run: Callable[[str], Mapping[str, Any]], python: str, observation: Mapping[str, Any] | None = None,
                     say: Callable[[str], Any] | None = None) -> dict[str, Any]:

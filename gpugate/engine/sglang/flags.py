@@ -34,6 +34,38 @@ Example::
     "--disable-cuda-graph is deprecated in SGLang 0.5.23: '--disa"
     >>> FLAGS.redact_flags({"tp-size": 8, "api-key": "sk-1", "model-loader-extra-config": '{"hf_token":"hf_1"}'})
     {'tp-size': 8, 'api-key': '***', 'model-loader-extra-config': '***'}
+
+More, on SGLang's tables (the functions bound to :data:`FLAGS`)::
+
+    >>> canonical_name("--tp"), canonical_name("tp_size"), canonical_name("tensor-parallel-size")
+    ('tp-size', 'tp-size', 'tp-size')
+    >>> canonical_name("cuda-graph-max-bs", "0.5.23")  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    FlagError: --cuda-graph-max-bs: not a flag of SGLang 0.5.23 (did you mean --cuda-graph-max-bs-decode?)
+    >>> check_report({"cuda-graph-max-bs": 256}, "0.5.23")[1][0]
+    'REFUSED by SGLang 0.5.23 (snapshot, pinned): --cuda-graph-max-bs: not a flag of SGLang 0.5.23 (did you mean --cuda-graph-max-bs-decode or --cuda-graph-max-bs-prefill?)'
+    >>> choose_table(None, "0.5.23")[1]
+    "the snapshot of SGLang 0.5.23 (pinned; the container's own table is not known)"
+    >>> diff_flags({"kv-cache-dtype": "auto"}, {"kv-cache-dtype": "fp8_e4m3"}).lines()
+    ['- --kv-cache-dtype auto', '+ --kv-cache-dtype fp8_e4m3']
+    >>> flag_warnings({"disable-cuda-graph": True}, "0.5.23")  # doctest: +ELLIPSIS
+    ["--disable-cuda-graph is deprecated in SGLang 0.5.23: '--disable-cuda-graph' is deprecated and will be removed in a future release. Use '--cuda-graph-backend-{decode,prefill}=disabled' instead."]
+    >>> is_secret_value("api-key", "sk-1"), is_secret_value("model-loader-extra-config", '{"hf_token": "x"}')
+    (True, True)
+    >>> is_secret_value("json-model-override-args", '{"rope_theta": 1000000}')
+    False
+    >>> p = parse_argv(["python3", "-m", "sglang.launch_server", "--model-path", "/m",
+    ...                 "--port=31000", "--tp", "8", "--disable-radix-cache", "--new-flag", "x"])
+    >>> p.model_path, p.port, p.flags
+    ('/m', 31000, {'disable-radix-cache': True, 'new-flag': 'x', 'tp-size': 8})
+    >>> secret_flag_options({"model-loader-extra-config": '{"hf_token":"x"}', "api-key": "k", "tp-size": 2})
+    ['--model-loader-extra-config']
+    >>> server_info_view({"tp": 8, "kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True})
+    {'disable_radix_cache': True, 'kv_cache_dtype': 'fp8_e4m3', 'tp_size': 8}
+    >>> supports("gated-launch-port", "0.5.23"), supports("gated-launch-port", "0.5.10")
+    (True, False)
+    >>> validate_flags({"tp": 8, "mem-fraction-static": 0.88, "disable-radix-cache": False})
+    {'mem-fraction-static': 0.88, 'tp-size': 8}
 """
 
 from __future__ import annotations

@@ -76,23 +76,14 @@ FLAGS = argflags.ArgparseFlags(argflags.Overlay(
     model_options=("model",), short_names=SHORT_NAMES, field_names=frozenset(GPU_SET_FLAGS),
     check_conflicts=_check_conflicts, args_start=server_args_start, default_host=DEFAULT_HOST,
     default_port=DEFAULT_PORT, builder_file=table_builder.__file__, cache_dir=table_builder.CACHE_DIR))
-canonical_name = FLAGS.canonical_name
 validate_flags = FLAGS.validate_flags
-flag_warnings = FLAGS.flag_warnings
 render_flag_args = FLAGS.render_flag_args
 parse_argv = FLAGS.parse_argv
-diff_flags = FLAGS.diff_flags
 redact_argv = FLAGS.redact_argv
-is_secret_value = FLAGS.is_secret_value
 secret_flag_options = FLAGS.secret_flag_options
 snapshot_versions = FLAGS.snapshot_versions
 load_snapshot = FLAGS.load_snapshot
 resolve_table = FLAGS.resolve_table
-choose_table = FLAGS.choose_table
-check_report = FLAGS.check_report
-supports = FLAGS.supports
-table_command = FLAGS.table_command
-fetch_table = FLAGS.fetch_table
 
 
 def render_argv(model_path: str, port: int, host: str = DEFAULT_HOST) -> list[str]:
