@@ -189,7 +189,7 @@ def http_get(host: str | None, port: int, path: str, timeout: float = 3.0, token
 def generation(host: str | None, port: int, timeout: float = 30.0, token: str | None = None,
                argv: Sequence[str] | None = None) -> Tuple[int | None, str]:
     """A real generation, the request the engine says proves one (``generation_request`` of the
-    server's ``argv``: SGLang's ``GET /health_generate``, vLLM's 1-token completion): (status,
+    server's ``argv``: a GET of the engine's generate path, or a 1-token completion): (status,
     error)."""
     method, path, body = engine.generation_request(argv)
     return http_get(host, port, path, timeout, token, method=method, body=body)
@@ -209,8 +209,8 @@ def health(host: str | None, port: int, generate: bool = False, timeout: float =
 
 def server_info(host: str | None, port: int, timeout: float = 3.0, keys: Iterable[str] | None = None,
                 token: str | None = None) -> Dict[str, Any]:
-    """The engine's info document (its ``read_info``: SGLang's first of ``INFO_PATHS`` that
-    answers, vLLM's models, version and metrics): the resolved args, or an error (``status``
+    """The engine's info document (its ``read_info``: by default the first of ``INFO_PATHS`` that
+    answers, or what the engine assembles from several): the resolved args, or an error (``status``
     401/403: the admin key is needed and we do not have it)."""
     info = engine.read_info(lambda path: http_get(host, port, path, timeout, token))
     if keys is not None and isinstance(info.get("args"), dict):
