@@ -4,8 +4,8 @@
 #      and pkill/pgrep/ps/fuser the same way where the machine lacks them
 #      (shared/reference/gpu-machine-recipe.md);
 #   2. pyinfra and the rest from the carried wheels into .gpu-site (a --target dir on PYTHONPATH, so
-#      the machine's torch env stays in view), and the `pct` connector's entry point registered for
-#      this checkout (a dist-info beside them: nothing is built there).
+#      the machine's torch env stays in view), and the checkout's entry points (the `pct` connector, the engines) registered for
+#      it (a dist-info beside them: nothing is built there).
 # Leaves PY (the interpreter) and PYTHONPATH set.
 # ---- 1. OpenSSH (and procps/psmisc) from the carried .debs, where the machine has none
 SSH_PREFIX=/opt/ssh
@@ -61,14 +61,19 @@ EOF
     fi
 fi
 export PYTHONPATH="$PWD:$PWD/lab:$SITE${PYTHONPATH:+:$PYTHONPATH}"   # the lab is its own package, lab/gpugate_lab
-# pyinfra finds @pct through the entry point group pyinfra.connectors: register it for this checkout
-if ! $PY -c 'from importlib.metadata import entry_points as e; import sys; sys.exit(0 if [x for x in e(group="pyinfra.connectors") if x.name == "pct"] else 1)' 2>/dev/null; then
-    say "registering the pct connector's entry point in $SITE"
-    mkdir -p "$SITE/gpugate_checkout-0.0.0.dist-info"
-    printf 'Metadata-Version: 2.1\nName: gpugate-checkout\nVersion: 0.0.0\n' > "$SITE/gpugate_checkout-0.0.0.dist-info/METADATA"
-    printf '[pyinfra.connectors]\npct = gpugate.connectors.pct:PctConnector\n\n[console_scripts]\ngpugate = gpugate.cli:main\n' \
-        > "$SITE/gpugate_checkout-0.0.0.dist-info/entry_points.txt"
-fi
-$PY -c 'import sys, pyinfra, yaml, jinja2, structlog, pynvml; print("python", sys.version.split()[0], "pyinfra ok")' >>"$SETUP_LOG" 2>&1 \
+# pyinfra finds @pct, and gpugate its engines, through entry points: register the checkout's own
+# (pyproject.toml's [project.scripts] and [project.entry-points.*], read there: one list, never a copy)
+say "registering the checkout's entry points in $SITE"
+mkdir -p "$SITE/gpugate_checkout-0.0.0.dist-info"
+printf 'Metadata-Version: 2.1\nName: gpugate-checkout\nVersion: 0.0.0\n' > "$SITE/gpugate_checkout-0.0.0.dist-info/METADATA"
+$PY - "$SITE/gpugate_checkout-0.0.0.dist-info/entry_points.txt" <<'EOF'
+import sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+groups = {"console_scripts": project.get("scripts", {}), **project.get("entry-points", {})}
+with open(sys.argv[1], "w") as out:
+    for group, points in groups.items():
+        out.write(f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in points.items()) + "\n")
+EOF
+$PY -c 'import sys, pyinfra, yaml, jinja2, structlog, pynvml, gpugate.engine as e; print("python", sys.version.split()[0], "pyinfra ok, engines", e.names()); assert e.names()' >>"$SETUP_LOG" 2>&1 \
     && say "python packages ok" || say "python packages MISSING (see $SETUP_LOG)"
 
