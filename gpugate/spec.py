@@ -326,8 +326,8 @@ class Routing:
     min_serving: int = 1
     cordon: bool = False
     join_timeout_s: float = 120.0
-    # the engine's (Engine.ready_paths): derived from the server's engine, not part of what the routing is
-    ready_paths: tuple[str, ...] = dataclasses.field(default=("/health",), compare=False)
+    # the server's engine (its readiness, in-flight gauges and smg runtime): not part of what the routing is
+    engine: str = dataclasses.field(default=DEFAULT_ENGINE, compare=False)
 
 
 def routing_of(values: Mapping[str, Any]) -> Routing | None:
@@ -345,7 +345,7 @@ def routing_of(values: Mapping[str, Any]) -> Routing | None:
                    kind=values.get("router_kind") or "smg", api_key_env=values.get("router_api_key_env"),
                    min_serving=int(values.get("min_serving", 1)), cordon=bool(values.get("sglang_router_cordon")),
                    join_timeout_s=float(values.get("router_join_timeout_s") or 120.0),
-                   ready_paths=tuple(engine(values.get("engine") or DEFAULT_ENGINE).ready_paths))
+                   engine=engine(values.get("engine") or DEFAULT_ENGINE).name)
 
 
 @dataclasses.dataclass(frozen=True)

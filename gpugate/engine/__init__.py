@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import re
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -129,6 +130,8 @@ class Engine(abc.ABC):
     info_endpoint: str = "/server_info"   # what the verify reads, named in the plan's steps
     drain_words: str = "the engine's drain"  # what SIGTERM starts, in the stop's line
     ready_paths: tuple[str, ...] = ("/health",)  # readiness before a router sends to it again (first that exists)
+    router_runtime: str = ""       # smg's ``runtime`` of this engine's workers ("": smg detects it)
+    in_flight_gauges: tuple[str, ...] = ()  # the Prometheus gauges whose sum is what a server still holds
     has_weight_cache: bool = False  # the weights can be held across engine restarts (docs/weight-cache.md)
     gated_option: str = ""         # a gated launch's option and how the gate opens (plan's steps); "": none
     gate_activate: str = ""
@@ -208,6 +211,13 @@ class Engine(abc.ABC):
         """The capacity before and after a change, in one line for the operator."""
         return None
 
+    def in_flight(self, get: Callable[[str], tuple[int, bytes]]) -> int | None:
+        """The requests a running server still holds (streams among them), read from the server
+        itself through ``get(path) -> (status, body)``: the sum of :attr:`in_flight_gauges` on its
+        ``/metrics``; None when it has none of them (metrics off, or not this engine)."""
+        status, body = get("/metrics")
+        return prometheus_sum(body.decode(errors="replace"), self.in_flight_gauges) if status == 200 else None
+
     def check_report(self, flags: Mapping[str, Any], pinned: str | None, extra_args: Sequence[str] | None
                      ) -> tuple[bool, list[str]]:
         """``gpugate check``: whether these flags are valid for the pinned release, and why not."""
@@ -216,6 +226,27 @@ class Engine(abc.ABC):
         except FlagError as error:
             return False, [f"REFUSED by {self.label}: {error}"]
         return True, [f"ok for {self.label}, {len(normal)} flag(s)"]
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*")
+
+
+def prometheus_sum(text: str, names: Sequence[str]) -> int | None:
+    """The sum of the samples of ``names`` in a Prometheus text page, over every label set (one per
+    rank); None when the page has none of them.
+
+    >>> prometheus_sum('a:x{rank="0"} 2.0\\na:x{rank="1"} 1.0\\nb 5\\n', ("a:x", "a:y"))
+    3
+    >>> prometheus_sum("# nothing here\\n", ("a:x",)) is None
+    True
+    """
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(1) in names and match.group(3) != "NaN":
+            total += float(match.group(3))
+            seen = True
+    return int(round(total)) if seen else None
 
 
 @functools.lru_cache(maxsize=None)

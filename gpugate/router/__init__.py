@@ -8,7 +8,7 @@
                 a server that serves as desired is added: else REFUSED, nothing touched
     leave       DELETE /workers/{id} (not again while a removal is under way: smg ends one by URL, so a
                 second would take the re-added entry out); wait until smg no longer lists it ready,
-                then until the server's own in-flight count (SGLang's /metrics gauges) is 0, both
+                then until the server's own in-flight count (its engine's gauges) is 0, both
                 within the drain budget
     (the agent: stop, gate, start, healthy + a generation, verify; or its rollback)
     rejoin      /ready; POST /workers with what it had (model id, labels, priority, cost), or as new
@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 from gpugate.router.smg import (NO_REDIRECTS, RouterError, SmgClient, healthy_peers, in_flight, rejoin_body, same_url,
                                 server_ready)
+from gpugate.engine import get as engine_named
 from gpugate.rules import redact
 from gpugate.spec import Routing
 
@@ -274,14 +275,14 @@ def leave(routing: Routing, client: SmgClient, budget_s: float,
     while now() - start < budget_s:
         if stop():
             return
-        left = in_flight(routing.worker_url)
+        left = in_flight(routing.worker_url, engine_named(routing.engine).in_flight)
         # twice 0, a poll apart: a request smg picked just before the removal has arrived by then
         zeros = zeros + 1 if left == 0 else 0
         if zeros >= 2:
             say(left_line(routing.router, 0, budget_s, now() - start))
             return
-        # twice unreadable (not running, or neither gauge nor load endpoint): waiting cannot tell more,
-        # and SGLang's own SIGTERM drain waits for what a running server still holds
+        # twice unreadable (not running, or its gauges not served): waiting cannot tell more, and the
+        # engine's own SIGTERM drain waits for what a running server still holds
         unread = unread + 1 if left is None else 0
         if unread >= 2:
             break
@@ -304,7 +305,7 @@ def left_line(router: str, left: int | None, budget_s: float, elapsed_s: float) 
     cut = (f"the stop's SIGTERM drain gives {'them' if left else 'what is open'} at most {budget_s:g} s more, then "
            f"its SIGKILL CUTS what is still open")
     if left is None:
-        return f"router {router}: left it; its in-flight count cannot be read (/metrics, /get_load): {cut}"
+        return f"router {router}: left it; its in-flight count cannot be read from the server: {cut}"
     return f"router {router}: left it; {left} request(s) or stream(s) still open after {budget_s:g} s: {cut}"
 
 
@@ -314,9 +315,10 @@ def rejoin(routing: Routing, client: SmgClient, worker: Mapping[str, Any] | None
     """Put the server back: /ready, ``POST /workers`` with what it had, then until smg lists it
     healthy and ready, within ``timeout_s``. (ok, what happened) — never raises."""
     start = now()
-    while not server_ready(routing.worker_url, routing.ready_paths):
+    worker_engine = engine_named(routing.engine)
+    while not server_ready(routing.worker_url, worker_engine.ready_paths):
         if now() - start >= timeout_s:
-            return False, (f"not ready at {routing.worker_url} after {timeout_s:g} s ({routing.ready_paths[0]}): "
+            return False, (f"not ready at {routing.worker_url} after {timeout_s:g} s ({worker_engine.ready_paths[0]}): "
                            f"not re-added")
         sleep(POLL_S)
     try:
@@ -325,7 +327,7 @@ def rejoin(routing: Routing, client: SmgClient, worker: Mapping[str, Any] | None
         while True:
             found = client.find(routing.worker_url)
             if found is None:
-                client.add(rejoin_body(worker, routing.worker_url))
+                client.add(rejoin_body(worker, routing.worker_url, worker_engine.router_runtime))
                 break
             if found.get("status") != "draining":
                 break  # listed again already (another operator, or never removed)

@@ -35,12 +35,12 @@ import re
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gpugate.rules import redact
 
-__all__ = ["RouterError", "SmgClient", "in_flight", "in_flight_from_metrics", "same_url", "worker_url_key",
+__all__ = ["RouterError", "SmgClient", "in_flight", "same_url", "worker_url_key",
            "healthy_peers", "rejoin_body", "NO_REDIRECTS"]
 
 REQUEST_TIMEOUT_S = 5.0
@@ -138,41 +138,20 @@ def healthy_peers(workers: Sequence[Mapping[str, Any]], model_id: str | None, ur
             and (model_id is None or w.get("model_id") == model_id)]
 
 
-def rejoin_body(worker: Mapping[str, Any] | None, url: str) -> dict[str, Any]:
+def rejoin_body(worker: Mapping[str, Any] | None, url: str, runtime: str = "") -> dict[str, Any]:
     """The ``POST /workers`` body that adds ``url`` back with what it had: its model id, labels,
-    priority and cost (smg's own labels, such as ``served_model_name``, go back as they were).
+    priority and cost (smg's own labels, such as ``served_model_name``, go back as they were), and
+    its engine's ``runtime`` (smg's ``RuntimeType``; "": left to smg's detection).
 
     >>> rejoin_body({"id": "w1", "model_id": "m", "labels": {"zone": "a"}, "priority": 7, "cost": 1.0,
-    ...              "is_healthy": True}, "http://a:1")
-    {'url': 'http://a:1', 'runtime': 'sglang', 'model_id': 'm', 'labels': {'zone': 'a'}, 'priority': 7, 'cost': 1.0}
+    ...              "is_healthy": True}, "http://a:1", "vllm")
+    {'url': 'http://a:1', 'runtime': 'vllm', 'model_id': 'm', 'labels': {'zone': 'a'}, 'priority': 7, 'cost': 1.0}
     """
-    body: dict[str, Any] = {"url": url, "runtime": "sglang"}
+    body: dict[str, Any] = {"url": url, **({"runtime": runtime} if runtime else {})}
     for key in ("model_id", "labels", "priority", "cost"):
         if worker and worker.get(key) is not None:
             body[key] = worker[key]
     return body
-
-
-_SAMPLE = re.compile(r"^(sglang:num_running_reqs|sglang:num_queue_reqs)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*")
-
-
-def in_flight_from_metrics(text: str) -> int | None:
-    """The requests a SGLang server still holds, from its Prometheus text: ``sglang:num_running_reqs``
-    plus ``sglang:num_queue_reqs``, summed over every label set (one per TP/DP rank); None when
-    the page has neither gauge (``--enable-metrics`` off).
-
-    >>> in_flight_from_metrics('sglang:num_running_reqs{tp_rank="0"} 2.0\\nsglang:num_queue_reqs{tp_rank="0"} 1.0\\n')
-    3
-    >>> in_flight_from_metrics("# nothing here\\n") is None
-    True
-    """
-    total, seen = 0.0, False
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and match.group(3) != "NaN":
-            total += float(match.group(3))
-            seen = True
-    return int(round(total)) if seen else None
 
 
 def _get(url: str, timeout: float) -> tuple[int, bytes]:
@@ -184,25 +163,15 @@ def _get(url: str, timeout: float) -> tuple[int, bytes]:
         return error.code, b""
 
 
-def in_flight(server_url: str, timeout: float = REQUEST_TIMEOUT_S) -> int | None:
-    """The server's in-flight requests, read from the server itself: ``/metrics`` (SGLang's gauges,
-    with ``--enable-metrics``), else ``/get_load`` (``num_reqs`` + ``num_waiting_reqs`` per DP rank).
-    None when neither answers (unreachable or both absent)."""
+def in_flight(server_url: str, read: Callable[[Callable[[str], tuple[int, bytes]]], int | None],
+              timeout: float = REQUEST_TIMEOUT_S) -> int | None:
+    """The server's in-flight requests, read from the server itself by ``read`` (its engine's
+    ``Engine.in_flight``, given a GET of the server's paths). None when it cannot tell (not running,
+    or the engine's gauges are not served)."""
     try:
-        status, body = _get(server_url.rstrip("/") + "/metrics", timeout)
-        if status == 200:
-            count = in_flight_from_metrics(body.decode(errors="replace"))
-            if count is not None:
-                return count
-        status, body = _get(server_url.rstrip("/") + "/get_load", timeout)
-        if status == 200:
-            loads = json.loads(body or b"[]")
-            loads = loads if isinstance(loads, list) else [loads]
-            return int(sum(int(item.get("num_reqs") or 0) + int(item.get("num_waiting_reqs") or 0)
-                           for item in loads if isinstance(item, Mapping)))
+        return read(lambda path: _get(server_url.rstrip("/") + path, timeout))
     except (OSError, ValueError):
         return None
-    return None
 
 
 def server_ready(server_url: str, paths: Sequence[str] = ("/health",), timeout: float = REQUEST_TIMEOUT_S) -> bool:

@@ -7,7 +7,8 @@ import pytest
 
 from gpugate import router
 from gpugate.fleet import FleetError, fleet_to_inventory, parse_fleet
-from gpugate.router.smg import RouterError, in_flight_from_metrics, rejoin_body
+from gpugate.engine import get as engine_named
+from gpugate.router.smg import RouterError, rejoin_body
 from gpugate.spec import Routing, desired_state
 
 GW = {"gw": {"url": "http://127.0.0.1:30080", "api_key_env": "GW_KEY"}}
@@ -152,7 +153,7 @@ def test_the_preflights_refusal_carries_its_kind_for_code_to_decide_on():
 
 def test_leave_removes_then_waits_for_zero_in_flight(monkeypatch):
     reads = iter([3, 1, 0, 0])
-    monkeypatch.setattr(router, "in_flight", lambda url: next(reads))
+    monkeypatch.setattr(router, "in_flight", lambda url, read: next(reads))
     client, said = FakeClient([A, B]), []
     router.leave(ROUTING, client, 60, said.append, sleep=lambda s: None)
     assert client.calls == [("DELETE", "wa")]
@@ -164,7 +165,7 @@ def test_leave_removes_then_waits_for_zero_in_flight(monkeypatch):
 def test_leave_never_deletes_a_worker_whose_removal_is_under_way(monkeypatch):
     # smg removes by URL when a removal ends: a second DELETE of an entry already draining (an earlier
     # run's, NOTHING SERVES) ended after the re-add and took the new entry out (CI, test_router_lab)
-    monkeypatch.setattr(router, "in_flight", lambda url: None)
+    monkeypatch.setattr(router, "in_flight", lambda url, read: None)
     draining = dict(A, status="draining")
     client, said = FakeClient([draining, B]), []
     router.leave(ROUTING, client, 60, said.append, sleep=lambda s: None)
@@ -183,7 +184,7 @@ def test_leave_does_not_wait_out_the_budget_for_a_count_it_cannot_read(monkeypat
     # a routed server that is not running (left out after NOTHING SERVES) answers nothing: the
     # leave waited out the whole 60 s drain budget on it before the start
     reads = []
-    monkeypatch.setattr(router, "in_flight", lambda url: reads.append(url))
+    monkeypatch.setattr(router, "in_flight", lambda url, read: reads.append(url))
     clock = iter(range(1000))
     said = []
     router.leave(ROUTING, FakeClient([A, B]), 60, said.append, now=lambda: next(clock), sleep=lambda s: None)
@@ -194,7 +195,7 @@ def test_a_stream_longer_than_the_drain_budget_is_said_before_the_stop(monkeypat
     """Issue 32 item 3: the drain budget runs out with requests still open (a long stream): the leave
     says, right before the stop, how many are open and that what outlasts the stop's drain is cut by
     its SIGKILL, never silently; --dry named the same budget for them before anything stopped."""
-    monkeypatch.setattr(router, "in_flight", lambda url: 2)
+    monkeypatch.setattr(router, "in_flight", lambda url, read: 2)
     clock = iter(range(1000))
     said = []
     router.leave(ROUTING, FakeClient([A, B]), 5, said.append, now=lambda: next(clock), sleep=lambda s: None)
@@ -209,7 +210,7 @@ def test_an_interrupted_leave_stops_waiting_at_its_next_look(monkeypatch):
     """Issue 32 item 5: the run was interrupted while the server's requests were still in flight:
     the leave returns (the caller puts it back) instead of waiting out the drain budget."""
     reads = []
-    monkeypatch.setattr(router, "in_flight", lambda url: reads.append(url) or 3)
+    monkeypatch.setattr(router, "in_flight", lambda url, read: reads.append(url) or 3)
     interrupted = iter([False, False, False, True])
     client, said = FakeClient([A, B]), []
     router.leave(ROUTING, client, 60, said.append, sleep=lambda s: None, stop=lambda: next(interrupted))
@@ -225,7 +226,7 @@ def test_put_back_adds_it_as_it_was_only_when_its_url_still_answers_as_this_serv
     ok, message = router.put_back(ROUTING, client, A, seen, "/get_server_info", 30, lambda line: None,
                                   sleep=lambda s: None)
     assert ok and "back in router gw, listed healthy" in message, message
-    assert client.calls == [("POST", rejoin_body(A, "http://a:1"))]
+    assert client.calls == [("POST", rejoin_body(A, "http://a:1", "sglang"))]
     # another server answers there now (the container was changed by hand meanwhile): not added
     monkeypatch.setattr(router, "identity_problem", lambda url, observed, info_path: "http://a:1 answers as another")
     client = FakeClient([B])
@@ -245,14 +246,32 @@ def test_rejoin_waits_out_the_draining_entry_then_adds_it_back_as_it_was(monkeyp
             client.list = [B]
     ok, message = router.rejoin(ROUTING, client, A, 30, lambda line: None, sleep=sleep)
     assert ok and "listed healthy" in message
-    assert client.calls == [("POST", rejoin_body(A, "http://a:1"))]
+    assert client.calls == [("POST", rejoin_body(A, "http://a:1", "sglang"))]
     assert client.calls[0][1]["priority"] == 7 and client.calls[0][1]["labels"] == {"zone": "x"}
 
 
-def test_the_in_flight_count_sums_every_rank():
-    text = ('sglang:num_running_reqs{tp_rank="0"} 2.0\nsglang:num_running_reqs{tp_rank="1"} 1.0\n'
-            'sglang:num_queue_reqs{tp_rank="0"} 4.0\nsglang:other 9\n')
-    assert in_flight_from_metrics(text) == 7
+# each engine's /metrics page as it serves it (its gauge names, a label set per rank or engine core)
+IN_FLIGHT_PAGES = {
+    "sglang": ('sglang:num_running_reqs{tp_rank="0"} 2.0\nsglang:num_running_reqs{tp_rank="1"} 1.0\n'
+               'sglang:num_queue_reqs{tp_rank="0"} 4.0\nsglang:other 9\n'),
+    "vllm": ('# TYPE vllm:num_requests_running gauge\n'
+             'vllm:num_requests_running{engine="0",model_name="m"} 5.0\n'
+             'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\nvllm:num_preemptions_total 3.0\n'),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IN_FLIGHT_PAGES))
+def test_the_in_flight_count_sums_the_engines_own_gauges_over_every_rank(name):
+    page = IN_FLIGHT_PAGES[name].encode()
+    assert engine_named(name).in_flight(lambda path: (200, page) if path == "/metrics" else (404, b"")) == 7
+    # the other engine's page is not this server's count: unknown, never 0
+    other = next(p for n, p in IN_FLIGHT_PAGES.items() if n != name).encode()
+    assert engine_named(name).in_flight(lambda path: (200, other) if path == "/metrics" else (404, b"")) is None
+
+
+def test_a_worker_goes_back_with_its_engines_runtime():
+    assert rejoin_body(None, "http://a:1", engine_named("vllm").router_runtime) == {"url": "http://a:1", "runtime": "vllm"}
+    assert rejoin_body(None, "http://a:1", engine_named("sglang").router_runtime)["runtime"] == "sglang"
 
 
 def test_the_api_key_is_never_in_a_message(monkeypatch):

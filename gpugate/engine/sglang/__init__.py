@@ -12,7 +12,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gpugate.engine import Launch, Running, ServerInputs
@@ -31,6 +32,9 @@ class SGLang(ArgparseEngine):
     # /ready (0.5.23: 200 iff not paused and healthy, no generation), else /health_generate (a real
     # one-token generation) on a release without it
     ready_paths = ("/ready", "/health_generate")
+    router_runtime = "sglang"
+    # with --enable-metrics; per TP/DP rank
+    in_flight_gauges = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
     drain_words = "SGLang's drain"
     has_weight_cache = True
     gated_option = "--gated-launch-port"
@@ -45,6 +49,24 @@ class SGLang(ArgparseEngine):
         parsed = self.flags.parse_argv(argv, table)
         return Running(model_path=parsed.model_path, host=parsed.host, port=parsed.port, flags=parsed.flags,
                        unknown=list(parsed.unknown), args_start=self.flags.server_args_start(argv))
+
+    def in_flight(self, get: Callable[[str], tuple[int, bytes]]) -> int | None:
+        """The gauges on /metrics, else ``/get_load`` (``num_reqs`` + ``num_waiting_reqs`` per DP
+        rank), which SGLang serves without ``--enable-metrics``.
+
+        >>> ENGINE.in_flight(lambda path: (404, b"") if path == "/metrics" else (200, b'[{"num_reqs": 2, "num_waiting_reqs": 1}]'))
+        3
+        """
+        count = super().in_flight(get)
+        if count is not None:
+            return count
+        status, body = get("/get_load")
+        if status != 200:
+            return None
+        loads = json.loads(body or b"[]")
+        loads = loads if isinstance(loads, list) else [loads]
+        return int(sum(int(item.get("num_reqs") or 0) + int(item.get("num_waiting_reqs") or 0)
+                       for item in loads if isinstance(item, Mapping)))
 
     def preflight(self, observation: Mapping[str, Any], planned: Launch) -> list[str]:
         # host memory for the hierarchical cache (--hicache-size is GB per TP rank)

@@ -33,6 +33,9 @@ class VLLM(ArgparseEngine):
     # vLLM has no readiness endpoint on its API server (/ready is the DP supervisor's only): /health
     # is 200 while the engine lives; the rejoin's own verify proves a generation
     ready_paths = ("/health",)
+    router_runtime = "vllm"
+    # vllm/v1/metrics/loggers.py: per engine (label engine="0"...), always on
+    in_flight_gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
     drain_words = "vLLM's drain (--shutdown-timeout)"
     has_weight_cache = False
     container_module = "gpugate.engine.vllm.container"
