@@ -211,6 +211,19 @@ class Engine(abc.ABC):
         """The capacity before and after a change, in one line for the operator."""
         return None
 
+    def read_info(self, get: Callable[[str], tuple[int | None, str]]) -> dict[str, Any]:
+        """The server's info document as the container's agent reads it (the container module's
+        ``read_info``, else its ``INFO_PATHS``' first answer), through ``get(path) -> (status,
+        body)``: the router's identity check reads a worker URL with the same rule.
+        -> ``{"path", "error", "status", "args"}``."""
+        module = self.container
+        reader = getattr(module, "read_info", None)
+        if reader is not None:
+            return dict(reader(get))
+        from gpugate.engine.container import default_read_info  # noqa: PLC0415 -- the container's defaults
+
+        return default_read_info(module, get)
+
     def in_flight(self, get: Callable[[str], tuple[int, bytes]]) -> int | None:
         """The requests a running server still holds (streams among them), read from the server
         itself through ``get(path) -> (status, body)``: the sum of :attr:`in_flight_gauges` on its

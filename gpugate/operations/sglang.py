@@ -729,7 +729,7 @@ def _leave_router(host_obj: Any, job: Job, run: str) -> bool:
     if book.interrupted is not None:  # the run is being interrupted: this container is not touched
         return _put_back(host_obj, job, run)
     client = router.client_for(routing)
-    preflight = router.preflight(routing, client, **_identity_of(job.observation, job.desired))
+    preflight = router.preflight(routing, client, **_identity_of(job.observation))
     problem = preflight.problem
     if problem is None and preflight.worker is not None:
         job.router_worker = preflight.worker  # what it rejoins (or is put back) with
@@ -774,7 +774,7 @@ def _put_back(host_obj: Any, job: Job, run: str) -> bool:
     _say(host_obj, job.port, f"router {routing.router}: {word} before the hand-off: putting it back (checking "
                              f"first that {routing.worker_url} still answers as this server)")
     ok, message = router.put_back(routing, router.client_for(routing), job.router_worker,
-                                  **_identity_of(job.observation, job.desired), timeout_s=routing.join_timeout_s,
+                                  **_identity_of(job.observation), timeout_s=routing.join_timeout_s,
                                   say=lambda line: _say(host_obj, job.port, line))
     _audit(job, host_obj, "router", "end", run=run, router=routing.router,
            action="put back" if ok else "put back failed", message=message)
@@ -791,14 +791,11 @@ def _put_back(host_obj: Any, job: Job, run: str) -> bool:
     return False
 
 
-def _identity_of(observation: Mapping[str, Any] | None, desired: Desired | None) -> dict[str, Any]:
+def _identity_of(observation: Mapping[str, Any] | None) -> dict[str, Any]:
     """What the router's preflight checks the worker URL against (gpugate.router.identity_problem):
-    this server as the container's observe saw it, and its engine's info endpoint."""
-    try:
-        info_path = engine(desired.engine if desired is not None else DEFAULT_ENGINE).info_endpoint
-    except KeyError:
-        info_path = None
-    return {"observed": (observation or {}).get("sglang") or {}, "info_path": info_path}
+    this server as the container's observe saw it (read there by its engine's rule, as the router
+    reads the URL: Routing.engine)."""
+    return {"observed": (observation or {}).get("sglang") or {}}
 
 
 def _rejoin_router(host_obj: Any, job: Job, run: str, why: str, add: bool = False) -> bool:
@@ -1511,7 +1508,7 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
         if routed.cordon != out:
             # out of it when declared in (added, its URL answering as this server), or in it when
             # declared out (taken out and drained, as a leave before a restart is, nothing stopped)
-            check = router.preflight(routed, **_identity_of(observation, desired), adding_as_it_runs=not routed.cordon)
+            check = router.preflight(routed, **_identity_of(observation), adding_as_it_runs=not routed.cordon)
             if check.problem:
                 yield from _refuse(f"{label} REFUSED, nothing touched: it serves as desired, but {check.problem}", port)
                 return
@@ -1537,7 +1534,7 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
     router_lines: list[str] = []
     if routing is not None and plan.action != "attach":
         from gpugate import router  # noqa: PLC0415 -- only routed servers talk to a router
-        preflight = router.preflight(routing, **_identity_of(observation, desired))
+        preflight = router.preflight(routing, **_identity_of(observation))
         if preflight.problem:
             yield from _refuse(f"{label} REFUSED, nothing touched: {preflight.problem}", port)
             return

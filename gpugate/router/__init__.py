@@ -110,11 +110,11 @@ class Preflight:
 
 
 def preflight(routing: Routing, client: SmgClient | None = None, observed: Mapping[str, Any] | None = None,
-              info_path: str | None = None, adding_as_it_runs: bool = False) -> Preflight:
+              adding_as_it_runs: bool = False) -> Preflight:
     """Read-only: may this server leave its router now, or be added to it? A refusal names the
     router and the reason (never its key). ``observed``: the container's observe document of this
     server (its ``server_info``, ``health``): given, the worker URL must answer as this server
-    (:func:`identity_problem`; ``info_path`` the engine's ``info_endpoint``) before it may leave; and
+    (:func:`identity_problem`, read by the engine's rule) before it may leave; and
     with ``adding_as_it_runs`` (a member that serves as desired, not listed: added without a
     restart) before it is added. Before a restart, an unlisted URL is not asked: the restart may be
     what makes it answer (a new ``host``), and the rejoin waits until it is ready through it."""
@@ -127,7 +127,7 @@ def preflight(routing: Routing, client: SmgClient | None = None, observed: Mappi
                                    f"router can take it out and put it back", "no-answer")
     worker = next((w for w in workers if same_url(w.get("url"), routing.worker_url)), None)
     if worker is None:
-        wrong = (identity_problem(routing.worker_url, observed, info_path)
+        wrong = (identity_problem(routing.worker_url, observed, engine_named(routing.engine).read_info)
                  if adding_as_it_runs and observed is not None and not routing.cordon else None)
         if wrong is not None:  # adding it would send this server's share of the requests elsewhere
             return Preflight(None, [], f"{where} does not list this server, and it cannot be added at "
@@ -138,7 +138,7 @@ def preflight(routing: Routing, client: SmgClient | None = None, observed: Mappi
         # the leave takes out whatever serves at this URL: it must be this server (a URL another server
         # registered, a copy-paste slip in fleet.yaml), else the leave takes the OTHER out and this one
         # is stopped while the router still sends it requests
-        wrong = identity_problem(routing.worker_url, observed, info_path)
+        wrong = identity_problem(routing.worker_url, observed, engine_named(routing.engine).read_info)
         if wrong is not None:
             return Preflight(worker, [], f"{where} lists worker {worker.get('id')} at {routing.worker_url}, but {wrong}; "
                                          f"fix this server's router_url (the URL the router reaches THIS server at)",
@@ -155,11 +155,18 @@ def preflight(routing: Routing, client: SmgClient | None = None, observed: Mappi
 _ABSENT = object()
 
 
-def _read_info(url: str, paths: list[str], timeout: float) -> tuple[str, Any]:
-    """What the info endpoint at ``url`` answers: ``("info", (path, document))``, ``("locked",
-    status)`` (it asks for a key), ``("status", (path, status))``, ``("no-answer", reason)`` or
-    ``("none", None)`` (every path 404)."""
-    for path in paths:
+class _NoAnswer(Exception):
+    pass
+
+
+def _read_info(url: str, read_info: Callable[..., Mapping[str, Any]], timeout: float) -> tuple[str, Any]:
+    """What the server at ``url`` answers as its info, read by its engine's rule (``read_info``,
+    the one the container's agent uses): ``("info", (path, document))``, ``("locked", status)``
+    (it asks for a key), ``("status", (path, status))``, ``("no-answer", reason)`` or ``("none",
+    None)`` (every path 404)."""
+    answered: list[tuple[str, int]] = []
+
+    def get(path: str) -> tuple[int, str]:
         request = urllib.request.Request(url.rstrip("/") + path, method="GET", headers={"accept": "application/json"})
         try:
             # what answers at the worker URL itself, never where a redirect points
@@ -168,20 +175,22 @@ def _read_info(url: str, paths: list[str], timeout: float) -> tuple[str, Any]:
         except urllib.error.HTTPError as error:
             status, body = error.code, b""
         except (OSError, ValueError) as error:
-            return "no-answer", str(getattr(error, "reason", None) or error)[:200]
-        if status == 404:
-            continue
+            raise _NoAnswer(str(getattr(error, "reason", None) or error)[:200]) from None
+        answered.append((path, status))
+        return status, body.decode(errors="replace")
+
+    try:
+        document = read_info(get)
+    except _NoAnswer as error:
+        return "no-answer", str(error)
+    if isinstance(document.get("args"), Mapping):
+        return "info", (document.get("path"), document["args"])
+    for path, status in answered:
         if status in (401, 403):
             return "locked", status
-        if status != 200:
-            return "status", (path, status)
-        try:
-            document = json.loads(body)
-        except ValueError:
-            document = None
-        if not isinstance(document, dict):
-            return "status", (path, "200 without a JSON object")
-        return "info", (path, document)
+    for path, status in answered:
+        if status != 404:
+            return "status", (path, status if status != 200 else "200 without a JSON object")
     return "none", None
 
 
@@ -197,23 +206,19 @@ def _what(document: Mapping[str, Any]) -> str:
     return f"a server of {', '.join(said)}" if said else "a server"
 
 
-def identity_problem(url: str, observed: Mapping[str, Any], info_path: str | None = None,
+def identity_problem(url: str, observed: Mapping[str, Any], read_info: Callable[..., Mapping[str, Any]],
                      timeout: float = IDENTITY_TIMEOUT_S) -> str | None:
     """None when ``url`` answers as the server the container's observe saw (``observed``: its
-    observe document), else what answers there instead. Engine-neutral: the info endpoint is the
-    one that answered in the container (``server_info.path``), else ``info_path`` (the engine's
-    ``info_endpoint``); every plain value the observe read of it (the engine's info keys: port, model
-    path, its parallelism, SGLang's ``random_seed``, drawn per process unless pinned) must be what
-    the URL answers. A server that asks for a key neither side has cannot be told: not refused.
+    observe document), else what answers there instead. Engine-neutral: the URL is read by the
+    engine's own rule (``read_info``: its ``Engine.read_info``, as the container's agent read it);
+    every plain value the observe read (the engine's info keys: port, model path, its parallelism,
+    SGLang's ``random_seed``, drawn per process unless pinned) must be what the URL answers. A server that asks for a key neither side has cannot be told: not refused.
 
     - this server answers in the container: the URL must answer, and with its values;
     - it does not (not serving, no info): the URL must not answer with a server's info either."""
     info = observed.get("server_info") or {}
     mine = info.get("args") if isinstance(info.get("args"), Mapping) else None
-    paths = list(dict.fromkeys(path for path in (info.get("path"), info_path) if path))
-    if not paths:
-        return None  # an engine without an info endpoint: nothing to compare
-    kind, answer = _read_info(url, paths, timeout)
+    kind, answer = _read_info(url, read_info, timeout)
     if kind == "locked" or (mine is None and str(info.get("error") or "").startswith("unauthorized")):
         return None
     if mine is None:
@@ -229,7 +234,7 @@ def identity_problem(url: str, observed: Mapping[str, Any], info_path: str | Non
         path, status = answer
         return f"{url}{path} answers {status} while this server answers its info: another server answers there?"
     if kind == "none":
-        return f"{url} has no info endpoint ({', '.join(paths)}: 404) while this server answers {paths[0]}"
+        return f"{url} has no info endpoint (404) while this server answers {info.get('path') or 'its info'}"
     path, document = answer
     differ = []
     for key, value in mine.items():
@@ -348,13 +353,13 @@ def rejoin(routing: Routing, client: SmgClient, worker: Mapping[str, Any] | None
 
 
 def put_back(routing: Routing, client: SmgClient, worker: Mapping[str, Any] | None, observed: Mapping[str, Any],
-             info_path: str | None, timeout_s: float, say: Callable[[str], None],
+             timeout_s: float, say: Callable[[str], None],
              now: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
              ) -> tuple[bool, str]:
     """An interrupted run's server that left its router but was never handed off (so never
     stopped): back in, as it was, once its URL still answers as THIS server (the container's observe
     of it: :func:`identity_problem`). (ok, what happened) — never raises; not ok leaves it out."""
-    wrong = identity_problem(routing.worker_url, observed, info_path)
+    wrong = identity_problem(routing.worker_url, observed, engine_named(routing.engine).read_info)
     if wrong is not None:
         return False, f"not put back into router {routing.router}: {wrong}"
     return rejoin(routing, client, worker, timeout_s, say, now=now, sleep=sleep)

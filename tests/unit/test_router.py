@@ -221,16 +221,16 @@ def test_an_interrupted_leave_stops_waiting_at_its_next_look(monkeypatch):
 def test_put_back_adds_it_as_it_was_only_when_its_url_still_answers_as_this_server(monkeypatch):
     monkeypatch.setattr(router, "server_ready", lambda url, paths: True)
     seen = {"server_info": {"path": "/get_server_info", "args": {"port": 30000, "random_seed": 811}}}
-    monkeypatch.setattr(router, "identity_problem", lambda url, observed, info_path: None)
+    monkeypatch.setattr(router, "identity_problem", lambda url, observed, read_info: None)
     client = FakeClient([B])  # smg dropped the draining entry already
-    ok, message = router.put_back(ROUTING, client, A, seen, "/get_server_info", 30, lambda line: None,
+    ok, message = router.put_back(ROUTING, client, A, seen, 30, lambda line: None,
                                   sleep=lambda s: None)
     assert ok and "back in router gw, listed healthy" in message, message
     assert client.calls == [("POST", rejoin_body(A, "http://a:1", "sglang"))]
     # another server answers there now (the container was changed by hand meanwhile): not added
-    monkeypatch.setattr(router, "identity_problem", lambda url, observed, info_path: "http://a:1 answers as another")
+    monkeypatch.setattr(router, "identity_problem", lambda url, observed, read_info: "http://a:1 answers as another")
     client = FakeClient([B])
-    ok, message = router.put_back(ROUTING, client, A, seen, "/get_server_info", 30, lambda line: None,
+    ok, message = router.put_back(ROUTING, client, A, seen, 30, lambda line: None,
                                   sleep=lambda s: None)
     assert not ok and message == "not put back into router gw: http://a:1 answers as another", message
     assert client.calls == []

@@ -108,20 +108,22 @@ def test_worker_url_key_normalises_how_a_url_is_written_not_where_it_points():
 
 
 class FakeInfo:
-    """An info endpoint at a real port: ``/get_server_info`` answers ``doc`` (404 when None)."""
+    """An info endpoint at a real port: ``/get_server_info`` answers ``doc`` (404 when None), or
+    ``pages`` (path -> text) answer as a server of another engine would."""
 
-    def __init__(self, doc=None, status=200):
+    def __init__(self, doc=None, status=200, pages=None):
         self.doc, self.status, self.paths = doc, status, []
+        self.pages = pages if pages is not None else ({"/get_server_info": json.dumps(doc)} if doc is not None else {})
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
                 fake.paths.append(self.path)
-                if self.path != "/get_server_info" or fake.doc is None:
+                if self.path not in fake.pages:
                     self.send_response(404)
                     self.end_headers()
                     return
-                body = json.dumps(fake.doc).encode()
+                body = fake.pages[self.path].encode()
                 self.send_response(fake.status)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(body)))
@@ -144,8 +146,8 @@ class FakeInfo:
 def fake():
     servers = []
 
-    def make(doc=None, status=200):
-        servers.append(FakeInfo(doc, status))
+    def make(doc=None, status=200, pages=None):
+        servers.append(FakeInfo(doc, status, pages))
         return servers[-1]
     yield make
     for server in servers:
@@ -169,7 +171,7 @@ class Workers:
 
 def check(url, observed):
     routing = Routing("gw", "http://gw:1", url)
-    return router.preflight(routing, Workers(url), observed=observed, info_path="/get_server_info")
+    return router.preflight(routing, Workers(url), observed=observed)
 
 
 def test_the_worker_url_that_answers_as_this_server_may_leave(fake):
@@ -221,3 +223,22 @@ def test_a_server_that_asks_for_a_key_cannot_be_told_and_is_not_refused(fake):
 def test_without_an_observed_server_the_preflight_is_as_before(fake):
     url = fake({**THIS, "random_seed": 5}).url
     assert router.preflight(Routing("gw", "http://gw:1", url), Workers(url)).problem is None
+
+
+def vllm_pages(root: str) -> dict:
+    """What a vLLM server answers where its engine reads its info (/v1/models, /version, /metrics)."""
+    return {"/v1/models": json.dumps({"object": "list", "data": [{"id": "m", "root": root, "max_model_len": 4096}]}),
+            "/version": json.dumps({"version": "0.33.0"}),
+            "/metrics": 'vllm:cache_config_info{block_size="16",num_gpu_blocks="512"} 1.0\n'}
+
+
+def test_a_vllm_worker_url_is_told_by_vllms_own_info_pages(fake):
+    from gpugate.engine import get as engine_named
+    pages = vllm_pages("/opt/models/m")
+    observed = {"server_info": engine_named("vllm").read_info(lambda path: (200, pages[path]))}
+    assert observed["server_info"]["args"]["kv_cache_tokens"] == 8192, observed
+    routing = Routing("gw", "http://gw:1", fake(pages=pages).url, engine="vllm")
+    assert router.preflight(routing, Workers(routing.worker_url), observed=observed).problem is None
+    other = Routing("gw", "http://gw:1", fake(pages=vllm_pages("/opt/models/other")).url, engine="vllm")
+    problem = router.preflight(other, Workers(other.worker_url), observed=observed).problem
+    assert 'model_path "/opt/models/other" (this server: "/opt/models/m")' in problem, problem
