@@ -112,6 +112,7 @@ def install_container_extras(usr_upper: Path, sglang_version: str | None = None)
     _copy(LAB_DIR / "pynvml_sim" / "pynvml.py", dist / "pynvml.py")
     _copy(LAB_DIR / "standin" / "gpustat.py", dist / "gpustat.py")  # a GPU monitor: python3 -m gpustat -i 1
     _copy(LAB_DIR / "standin" / "_sse.py", dist / "gpugate_sse.py")  # every stand-in's streamed answers
+    _copy(LAB_DIR / "standin" / "_common.py", dist / "gpugate_standin.py")  # what the stand-ins share
     sglang_dst = dist / "sglang"
     if sglang_dst.exists():
         shutil.rmtree(sglang_dst)

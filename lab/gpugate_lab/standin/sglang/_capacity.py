@@ -25,49 +25,16 @@ Example:
     2
 """
 
-import json
-import os
+from sglang._sim import common
 
 GIB = 1 << 30
 KV_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1, "fp4_e2m1": 0.5, "bf16": 2, "bfloat16": 2, "fp16": 2,
                   "float16": 2, "fp32": 4, "float32": 4}
-MODEL_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
-def model_config(model_path):
-    """config.json of the model directory, {} when it has none (an HF id, say)."""
-    try:
-        with open(os.path.join(model_path, "config.json")) as handle:
-            return json.load(handle)
-    except (OSError, ValueError, TypeError):
-        return {}
-
-
-def _shape(config):
-    heads = int(config.get("num_attention_heads") or 32)
-    hidden = int(config.get("hidden_size") or 4096)
-    return {
-        "layers": int(config.get("num_hidden_layers") or 32),
-        "heads": heads,
-        "kv_heads": int(config.get("num_key_value_heads") or heads),
-        "head_dim": int(config.get("head_dim") or hidden // heads),
-        "hidden": hidden,
-        "intermediate": int(config.get("intermediate_size") or 4 * hidden),
-        "vocab": int(config.get("vocab_size") or 32000),
-        "tied": bool(config.get("tie_word_embeddings")),
-        "context": int(config.get("max_position_embeddings") or 4096),
-        "dtype_bytes": MODEL_DTYPE_BYTES.get(str(config.get("torch_dtype") or "bfloat16"), 2),
-    }
-
-
-def parameter_count(shape):
-    """Decoder-only transformer parameters: embeddings (and the LM head unless tied) + per layer
-    attention (q, k, v, o) and a gated MLP (gate, up, down) and two norms."""
-    h, d = shape["hidden"], shape["head_dim"]
-    attention = h * shape["heads"] * d * 2 + h * shape["kv_heads"] * d * 2
-    mlp = 3 * h * shape["intermediate"]
-    embeddings = shape["vocab"] * h * (1 if shape["tied"] else 2)
-    return embeddings + shape["layers"] * (attention + mlp + 2 * h)
+model_config = common.model_config
+_shape = common.model_shape
+parameter_count = common.parameter_count
 
 
 def figures(server_args, config, total_mib, reserved_mib=0):

@@ -19,7 +19,7 @@ the torch SGLang 0.5.23 pins (``Requires-Dist: torch==2.14.1``) as its CUDA 13 w
 import os
 
 from sglang import _real
-from sglang._sim import gpusim
+from sglang._sim import common, gpusim
 
 TORCH_VERSION = "2.14.1+cu130"
 
@@ -30,49 +30,9 @@ def compute_capability(config):
     return os.environ.get("SGLANG_STANDIN_DEVICE_CAPABILITY") or gpusim.compute_capability(config)
 
 
-def _config():
-    try:
-        return gpusim.load_config()
-    except gpusim.DriverUnavailable:
-        raise RuntimeError("No CUDA GPUs are available")
-
-
-def visible_devices():
-    """The entries of ``$CUDA_VISIBLE_DEVICES`` (None when unset: every device, in index order)."""
-    text = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if text is None:
-        return None
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def physical_gpu(index, config=None):
-    """The simulated GPU that device ``index`` of this process is, through ``CUDA_VISIBLE_DEVICES``
-    as CUDA maps it (an integer entry is an index, else a UUID or a UUID's prefix); raises
-    RuntimeError("CUDA error: invalid device ordinal") when there is no such device.
-
-    >>> physical_gpu(1, {"count": 4, "uuids": ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]}) in (1, 3)
-    True
-    """
-    config = config if config is not None else _config()
-    count = int(config["count"])
-    uuids = list(config.get("uuids") or [])
-    visible = visible_devices()
-    if visible is None:
-        physical = int(index)
-    else:
-        if not 0 <= int(index) < len(visible):
-            raise RuntimeError("CUDA error: invalid device ordinal")
-        entry = visible[int(index)]
-        if entry.lstrip("-").isdigit():
-            physical = int(entry)
-        else:
-            matches = [i for i, u in enumerate(uuids) if u == entry or u.startswith(entry)]
-            if len(matches) != 1:
-                raise RuntimeError("CUDA error: invalid device ordinal")
-            physical = matches[0]
-    if not 0 <= physical < count:
-        raise RuntimeError("CUDA error: invalid device ordinal")
-    return physical
+_config = common.load_gpu_config
+visible_devices = common.visible_devices
+physical_gpu = common.physical_gpu
 
 
 def _torch():

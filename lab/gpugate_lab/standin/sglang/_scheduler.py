@@ -6,29 +6,15 @@ killed. Like SGLang's ``kill_itself_when_parent_died`` it asks for a signal when
 (PR_SET_PDEATHSIG); unless fault ``orphan-worker`` is set at that moment, it then SIGKILLs itself.
 """
 
-import ctypes
 import json
 import os
 import signal
 import sys
 import time
 
-from sglang._sim import gpusim
+from sglang._sim import common, gpusim
 
-PR_SET_PDEATHSIG = 1
-CONTEXT_MIB = 518  # a CUDA context on an H200, measured (shared/reference/nvml-and-containers.md)
-
-
-_title = ""
-_STARTED = time.time()  # this process's start, as a fault that names processes compares it
-
-
-def _set_comm(title: str) -> None:
-    try:
-        with open("/proc/self/comm", "w") as f:
-            f.write(title[:15])
-    except OSError:
-        pass
+CONTEXT_MIB = common.CONTEXT_MIB
 
 
 def _log(prefix: str, message: str) -> None:
@@ -42,39 +28,7 @@ def _log(prefix: str, message: str) -> None:
         pass
 
 
-def _say(line: str) -> None:
-    """One line to the parent (READY, ERROR ..., or a generation's answer in real mode)."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-_orphaned = []
-
-
-def _on_parent_death(signum, frame) -> None:
-    # The signal can come twice (the parent's threads exit one by one), the second inside the first
-    # one's write: said once, and unbuffered (a buffered stderr write re-entered raises RuntimeError,
-    # and the worker died of it, so 2 of 8 orphans were gone, in CI).
-    if _orphaned:
-        return
-    _orphaned.append(True)
-    if gpusim.read_faults().get("orphan-worker"):
-        # fault: survive the parent, keep the memory
-        try:
-            os.write(2, ("[%s %s] parent process died; staying alive (lab fault orphan-worker)\n"
-                         % (time.strftime("%Y-%m-%d %H:%M:%S"), _title)).encode())
-        except OSError:
-            pass
-        return
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    signal.signal(signal.SIGUSR2, _on_parent_death)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGUSR2, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        _on_parent_death(signal.SIGUSR2, None)
+_say = common.say
 
 
 def _run_sim_scheduler(job, holdings):
@@ -92,11 +46,7 @@ def _run_sim_scheduler(job, holdings):
     from sglang.srt.distributed import gated_launch  # noqa: PLC0415
 
     gpu, prefix = int(job["gpu"]), job["log_prefix"]
-    def stuck():
-        # fault stuck-memory applies to the schedulers it names (those holding memory when it was set),
-        # read at each allocation; never to one started since, a gated engine started before the stop
-        # included (issue 32 item 14)
-        return gpusim.named_by_fault("stuck-memory", _STARTED)
+    stuck = common.stuck  # never to a gated engine started before the stop (issue 32 item 14)
 
     def log(message, bare=False):
         if bare:
@@ -164,11 +114,9 @@ def _run_sim_scheduler(job, holdings):
 
 
 def main() -> int:
-    global _title
     job = json.loads(os.environ.pop("SGLANG_STANDIN_WORKER"))
-    _title = job["title"]
-    _set_comm(job["title"])
-    _die_with_parent(int(job["parent_pid"]))
+    common.set_comm(job["title"])
+    common.die_with_parent(int(job["parent_pid"]), job["title"])
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and kills the tree
     holdings = []

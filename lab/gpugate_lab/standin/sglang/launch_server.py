@@ -79,11 +79,10 @@ import sys
 import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import sglang
 from sglang import _capacity, _real, _timing, _weights
-from sglang._sim import gpusim, sse
+from sglang._sim import common, gpusim, sse
 
 DEFAULT_MEM_FRACTION_STATIC = 0.88
 # what a scheduler needs of the server args for the weight cache's key (weight_cache/protocol.py)
@@ -93,14 +92,7 @@ CACHE_ARG_KEYS = ("model_path", "tp_size", "pp_size", "dp_size", "ep_size", "moe
 HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def _emit(line: str) -> None:
-    # SGLang and uvicorn log through `logging`, whose handlers swallow an OSError (Handler.handleError):
-    # with the log pipe's reader gone (EPIPE; Python ignores SIGPIPE) the server keeps running, silent.
-    try:
-        sys.stderr.write(line)
-        sys.stderr.flush()
-    except OSError:
-        pass
+_emit = common.emit  # SGLang and uvicorn log through `logging`, which swallows an OSError
 
 
 def log(message: str, prefix: str = "") -> None:
@@ -216,15 +208,15 @@ def worker_plan(server_args: dict, total_mib: int) -> list:
     return plan
 
 
-class Workers:
+class Workers(common.Children):
     """The child processes; killed with SIGKILL as SGLang's kill_process_tree does."""
 
+    died = "scheduler died during initialization"
+
     def __init__(self):
-        self.procs = []
+        common.Children.__init__(self)
         self.names = []
-        self.reports = []
         self.daemons = []  # --weight-cache-mode daemon: the engine's own weight-cache daemons
-        self.stopping = False
 
     def watch(self, interval: float = 1.0) -> None:
         """SGLang's SubprocessWatchdog (srt/utils/watchdog.py): a daemon thread polls every child
@@ -249,86 +241,26 @@ class Workers:
         for job in plan:
             # the names SGLang's engine gives its children in the watchdog: scheduler_<rank>, detokenizer
             self.names.append("scheduler_%d" % len(self.names) if job["kind"] == "scheduler" else job["kind"])
-            env = dict(os.environ)
-            env["SGLANG_STANDIN_WORKER"] = json.dumps(dict(job, parent_pid=os.getpid()))
-            if job.get("real"):
-                # argv[0] is the process title, so a venv interpreter cannot find its pyvenv.cfg from it
-                # and would start without the venv's packages (torch): hand the worker our sys.path.
-                env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-            self.procs.append(subprocess.Popen(
-                [job["title"], "-m", "sglang._scheduler"], executable=sys.executable, env=env,
-                pass_fds=tuple(job.get("pass_fds") or ()),
-                # real mode: generation requests go to the scheduler on its stdin (sglang/_real.py)
-                stdin=subprocess.PIPE if job.get("real") else subprocess.DEVNULL, stdout=subprocess.PIPE))
+            self.start(job["title"], "sglang._scheduler", dict(job, parent_pid=os.getpid()), "SGLANG_STANDIN_WORKER",
+                       pass_fds=tuple(job.get("pass_fds") or ()),
+                       # real mode: generation requests go to the scheduler on its stdin (sglang/_real.py)
+                       stdin=subprocess.PIPE if job.get("real") else subprocess.DEVNULL)
         for job in plan:  # the gate's pipe ends now live in the schedulers
             for fd in job.get("pass_fds") or ():
                 os.close(fd)
 
-    def wait_ready(self) -> str:
-        """'' when all reported READY, else the first error (whichever child fails first, as SGLang's
-        _wait_for_scheduler_ready notices any dead scheduler). Each READY may carry a JSON report
-        (``self.reports``: gate_s, weights)."""
-        import selectors
-
-        self.reports = []
-        pending = {proc.stdout.fileno(): proc for proc in self.procs}
-        lines = {}
-        with selectors.DefaultSelector() as sel:
-            for fd in pending:
-                sel.register(fd, selectors.EVENT_READ)
-            while pending:
-                for key, _ in sel.select():
-                    proc = pending.pop(key.fd)
-                    sel.unregister(key.fd)
-                    line = proc.stdout.readline().decode(errors="replace").strip()
-                    if line != "READY" and not line.startswith("READY "):
-                        return line[len("ERROR "):] if line.startswith("ERROR ") else "scheduler died during initialization"
-                    lines[proc.pid] = line
-        for proc in self.procs:
-            extra = lines[proc.pid][len("READY"):].strip()
-            try:
-                self.reports.append(json.loads(extra) if extra else {})
-            except ValueError:
-                self.reports.append({})
-        return ""
-
     def kill(self) -> None:
         self.stopping = True  # our own SIGKILLs are no crash for the watchdog
-        for proc in self.procs:
-            try:
-                proc.kill()
-            except OSError:
-                pass
+        self.signal_all()
         for daemon in self.daemons:  # kill_process_tree reaches the engine's own daemons too (no cleanup)
             try:
                 daemon.kill()
             except (OSError, ValueError, AttributeError):
                 pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        self.reap()
 
 
-def descendants(pid: int) -> list:
-    """Every descendant of ``pid`` (children first), read from /proc as psutil's children(recursive=True)."""
-    children: dict = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % entry) as f:
-                ppid = int(f.read().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, queue = [], [pid]
-    while queue:
-        for child in children.get(queue.pop(0), []):
-            found.append(child)
-            queue.append(child)
-    return found
+descendants = common.descendants
 
 
 def kill_process_tree(parent_pid: int, include_parent: bool = True) -> None:
@@ -526,34 +458,7 @@ def openai_events(path: str, model: str, outputs, include_usage: bool):
 
 
 def make_handler(state: State):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "uvicorn"
-        sys_version = ""
-
-        def log_message(self, fmt, *args):  # uvicorn's access log shape
-            pass
-
-        def _send(self, code: int, body, content_type="application/json") -> None:
-            data = body if isinstance(body, bytes) else (
-                json.dumps(body).encode() if content_type == "application/json" else str(body).encode())
-            self.send_response(code)
-            self.send_header("content-type", content_type)
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-            uvicorn_log('%s:%s - "%s %s HTTP/1.1" %d' % (
-                self.client_address[0], self.client_address[1], self.command, self.path, code))
-
-        def _body(self) -> dict:
-            length = int(self.headers.get("content-length") or 0)
-            if not length:
-                return {}
-            try:
-                return json.loads(self.rfile.read(length) or b"{}")
-            except ValueError:
-                return {}
-
+    class Handler(common.Handler):
         def do_GET(self):
             path = self.path.split("?")[0]
             sa = state.server_args
@@ -625,8 +530,7 @@ def make_handler(state: State):
             ``create_abort_task`` does on the disconnect."""
             stream = sse.EventStream(self)
             stream.start()
-            uvicorn_log('%s:%s - "%s %s HTTP/1.1" %d' % (
-                self.client_address[0], self.client_address[1], self.command, self.path, 200))
+            self.access_log(200)
             outputs = state.decode(rid, text, n)
             if path != "/generate":
                 usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -642,9 +546,7 @@ def make_handler(state: State):
     return Handler
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+Server = common.Server
 
 
 def _warmup(state: State, host: str, port: int) -> None:
@@ -700,20 +602,8 @@ def _drain_and_exit(state: State, workers: Workers, started: float) -> None:
 
 
 def _load(started: float, load_s: float, slow_start: bool) -> None:
-    """Load until ``load_s`` after ``started``. Under the fault slow-start the length is read again while
-    loading, as every fault applies to a server that already runs: clearing the fault (or setting
-    another length) ends the load at $SGLANG_STANDIN_LOAD_S instead, so a test can hold a server in
-    its load for exactly as long as it needs (issue 19: no fixed load outlasting a busy machine)."""
-    if not slow_start:
-        time.sleep(max(0.0, load_s - (time.monotonic() - started)))
-        return
-    while True:
-        current = gpusim.read_faults().get("slow-start")
-        length = float(current) if current else float(os.environ.get("SGLANG_STANDIN_LOAD_S", "1.0"))
-        left = length - (time.monotonic() - started)
-        if left <= 0:
-            return
-        time.sleep(min(left, 0.05))
+    """Load until ``load_s`` after ``started`` (fault slow-start read again while loading)."""
+    common.wait_load(started, load_s, slow_start, "SGLANG_STANDIN_LOAD_S")
 
 
 def gate_pipes(plan: list, server_args: dict) -> None:
