@@ -56,6 +56,13 @@ def _vmids(text: str) -> tuple[int, ...]:
     return vmids
 
 
+def _engines(text: str) -> tuple[str, ...]:
+    engines = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not engines:
+        raise argparse.ArgumentTypeError(f"{text!r} names no engine")
+    return engines
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -147,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--router", action="store_true",
                     help="also start a real smg on 127.0.0.1 in front of every container's server (a published "
                          "port per container); fleet.yaml gets routers: and each server's router:")
+    up.add_argument("--engine", type=_engines, default=None, metavar="ENGINE[,ENGINE]",
+                    help="the engine the lab's fleet serves: %s; comma-separated, one per container in turn "
+                         "(%s with --containers 129,130); default what the lab had, else the first"
+                         % (" or ".join(core.LAB_SERVERS), ",".join(core.LAB_SERVERS)))
     up.add_argument("--sglang-version", default=None, metavar="VERSION",
                     help="the SGLang release the stand-in is: it takes exactly that release's flags (a "
                          "snapshot in gpugate/engine/sglang/flagtables; default the newest); applies to existing containers too")
@@ -226,7 +237,7 @@ def _lab(args: argparse.Namespace) -> int:
             except LookupError as exc:
                 raise core.LabError(f"--sglang-version: {exc.args[0]}") from None
         state = core.up(lab_dir, hosts=args.hosts, gpus=gpus, gpu_mib=args.gpu_mib, vmids=args.containers,
-                        gpu_binding=binding, init=args.init, router=args.router)
+                        gpu_binding=binding, init=args.init, router=args.router, engines=args.engine)
         sys.stdout.write(core.format_status(state))
         for note in state.get("notes") or []:
             print(note)

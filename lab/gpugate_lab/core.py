@@ -30,6 +30,14 @@ DEFAULT_LAB_DIR = "/tmp/gpugate-lab"
 DEFAULT_GPUS = 8
 DEFAULT_GPU_MIB = 97887
 DEFAULT_VMIDS = (129,)
+LAB_MODEL = "/opt/models/lab-model"
+# The server the lab's fleet gives a container, per engine: its own default port and its own name for
+# the tensor-parallel size; how a share of the host's GPUs is written (see _server_on)
+LAB_SERVERS = {
+    "sglang": {"model_path": LAB_MODEL, "port": 30000, "flags": {"tp": DEFAULT_GPUS}},
+    "vllm": {"model_path": LAB_MODEL, "port": 8000, "flags": {"tensor-parallel-size": DEFAULT_GPUS}},
+}
+TP_FLAGS = {"sglang": ("tp", "tp-size"), "vllm": ("tensor-parallel-size", "tp")}
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)  # the directory that holds gpugate_lab
 FORBIDDEN_PREFIXES = ("/etc", "/root", "/var", "/usr")
 BOOT_CODE = "import sys; sys.path.insert(0, {root!r}); from gpugate_lab.{module} import main; {call}"
@@ -127,9 +135,12 @@ def sshd_config_text(hdir: Path, port: int, authorized_keys: Path) -> str:
 
 
 def fleet_document(lab_dir: Path, hosts: list[tuple[str, int]], vmids: dict[str, list[int]],
-                   server: dict | None = None, router: dict | None = None) -> dict:
-    """The fleet.yaml content for the lab (the shape inventory.py reads). ``server`` replaces the
-    default sglang section (a real-GPU lab: tp over the real GPUs, the torch env's python).
+                   server: dict | None = None, router: dict | None = None,
+                   engines: tuple[str, ...] = ("sglang",)) -> dict:
+    """The fleet.yaml content for the lab (the shape inventory.py reads). ``engines``: the engine of
+    each container, in turn in vmid order (``gpugate lab up --engine sglang,vllm``: one of each);
+    its section is named for it, with ``LAB_SERVERS``' server. ``server`` overrides what that server
+    is (a real-GPU lab: the torch env's python; ``tp`` is written in the engine's own flag name).
     ``router``: gpugate_lab.router's state (``url``, ``ports``): a ``routers:`` section and each
     server's ``router:``/``router_url:`` (its published port)."""
     doc: dict = {"hosts": {}}
@@ -137,8 +148,8 @@ def fleet_document(lab_dir: Path, hosts: list[tuple[str, int]], vmids: dict[str,
         from gpugate_lab.router import ROUTER_NAME  # noqa: PLC0415
 
         doc["routers"] = {ROUTER_NAME: {"url": router["url"], "kind": "smg"}}
-    server = server or {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 8}}
     for name, port in hosts:
+        engine_of = engines_of(vmids.get(name, []), engines)
         doc["hosts"][name] = {
             "ssh": {
                 "hostname": "127.0.0.1",
@@ -148,17 +159,44 @@ def fleet_document(lab_dir: Path, hosts: list[tuple[str, int]], vmids: dict[str,
                 "known_hosts_file": str(Path(lab_dir) / "known_hosts"),
             },
             "containers": {
-                vmid: {"sglang": _server_on(server, share)}
-                for vmid, share in split_gpus(vmids.get(name, []), _host_gpu_count(lab_dir, name, server)).items()
+                vmid: {engine_of[vmid]: _server_on(engine_of[vmid], lab_server(engine_of[vmid], server), share)}
+                for vmid, share in split_gpus(vmids.get(name, []), _host_gpu_count(lab_dir, name)).items()
             },
         }
         if router:
             for vmid, container in doc["hosts"][name]["containers"].items():
                 published = (router.get("ports") or {}).get(f"{name}:{vmid}")
                 if published:
-                    container["sglang"]["router"] = "lab"
-                    container["sglang"]["router_url"] = f"http://127.0.0.1:{published}"
+                    container[engine_of[vmid]]["router"] = "lab"
+                    container[engine_of[vmid]]["router_url"] = f"http://127.0.0.1:{published}"
     return doc
+
+
+def engines_of(vmids: list[int], engines: tuple[str, ...]) -> dict[int, str]:
+    """Each container's engine: ``engines`` in turn, in vmid order.
+
+    >>> engines_of([130, 129, 131], ("sglang", "vllm"))
+    {129: 'sglang', 130: 'vllm', 131: 'sglang'}
+    """
+    return {vmid: engines[i % len(engines)] for i, vmid in enumerate(sorted(vmids))}
+
+
+def lab_server(engine: str, server: dict | None = None) -> dict:
+    """The server ``engine`` gets in the lab's fleet: ``LAB_SERVERS``' own, with what ``server``
+    overrides (its ``tp`` written as this engine's tensor-parallel flag).
+
+    >>> lab_server("vllm", {"flags": {"tp": 1}, "python": "/v/bin/python3"})
+    {'model_path': '/opt/models/lab-model', 'port': 8000, 'flags': {'tensor-parallel-size': 1}, 'python': '/v/bin/python3'}
+    """
+    spec = json.loads(json.dumps(LAB_SERVERS[engine]))
+    for key, value in (server or {}).items():
+        if key == "flags":
+            flags = dict(value)
+            tp = next((flags.pop(k) for k in ("tp", "tp-size", "tensor-parallel-size") if k in flags), None)
+            spec["flags"] = {**({TP_FLAGS[engine][0]: tp} if tp is not None else spec["flags"]), **flags}
+        else:
+            spec[key] = value
+    return spec
 
 
 def split_gpus(vmids: list[int], gpu_count: int) -> dict[int, tuple[int, int] | None]:
@@ -181,23 +219,33 @@ def split_gpus(vmids: list[int], gpu_count: int) -> dict[int, tuple[int, int] | 
     return {vmid: (tp, i * tp) for i, vmid in enumerate(sorted(vmids))}
 
 
-def _host_gpu_count(lab_dir: Path, host: str, server: dict) -> int:
-    """The lab host's GPU count (its simulated driver's config), else the server's TP size."""
+def _host_gpu_count(lab_dir: Path, host: str) -> int:
+    """The lab host's GPU count (its simulated driver's config), else the lab's default."""
     try:
         return int(json.loads((host_dir(lab_dir, host) / "gpu" / "config.json").read_text())["count"])
     except (OSError, ValueError, KeyError, TypeError):
-        flags = server.get("flags") or {}
-        return int(flags.get("tp") or flags.get("tp-size") or DEFAULT_GPUS)
+        return DEFAULT_GPUS
 
 
-def _server_on(server: dict, share: tuple[int, int] | None) -> dict:
-    """The server for one container with its share of the GPUs (see split_gpus)."""
+def _server_on(engine: str, server: dict, share: tuple[int, int] | None) -> dict:
+    """The server for one container with its share of the GPUs (see split_gpus), written as its
+    engine places a server on GPUs: SGLang by ``tp`` and ``base-gpu-id``; vLLM (no base GPU id) by
+    its tensor-parallel size over the GPUs ``CUDA_VISIBLE_DEVICES`` shows it.
+
+    >>> _server_on("vllm", lab_server("vllm"), (4, 4))["env"]
+    {'CUDA_VISIBLE_DEVICES': '4,5,6,7'}
+    """
     spec = json.loads(json.dumps(server))
     if share is None:
         spec["present"] = False  # no GPU left for a server here
     elif share != (0, 0):
-        flags = {k: v for k, v in spec.get("flags", {}).items() if k not in ("tp", "tp-size", "base-gpu-id")}
-        spec["flags"] = {"tp": share[0], **({"base-gpu-id": share[1]} if share[1] else {}), **flags}
+        tp, base = share
+        flags = {k: v for k, v in spec.get("flags", {}).items() if k not in (*TP_FLAGS[engine], "base-gpu-id")}
+        if engine == "sglang":
+            spec["flags"] = {"tp": tp, **({"base-gpu-id": base} if base else {}), **flags}
+        else:
+            spec["flags"] = {TP_FLAGS[engine][0]: tp, **flags}
+            spec["env"] = {**spec.get("env", {}), "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(base, base + tp)))}
     return spec
 
 
@@ -220,15 +268,17 @@ def render_fleet_yaml(doc: dict) -> str:
             continue
         lines.append("    containers:")
         for vmid, spec in host["containers"].items():
-            sg = spec["sglang"]
+            (engine, sg), = spec.items()
             flags = ", ".join(f"{k}: {json.dumps(v)}" for k, v in sg["flags"].items())
             lines.append(f"      {vmid}:")
             python = f", python: {json.dumps(sg['python'])}" if sg.get("python") else ""
             python += ", present: false" if sg.get("present") is False else ""
+            if sg.get("env"):
+                python += ", env: {" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in sg["env"].items()) + "}"
             if sg.get("router"):
                 python += f", router: {sg['router']}, router_url: {json.dumps(sg['router_url'])}"
                 python += ", router_cordon: true" if sg.get("router_cordon") else ""
-            lines.append(f"        sglang: {{model_path: {sg['model_path']}, port: {sg['port']}, flags: {{{flags}}}{python}}}")
+            lines.append(f"        {engine}: {{model_path: {sg['model_path']}, port: {sg['port']}, flags: {{{flags}}}{python}}}")
     return "\n".join(lines) + "\n"
 
 
@@ -335,14 +385,13 @@ def _install_extras(cdir: Path) -> None:
 
 
 def real_gpu_server(binding: dict) -> dict:
-    """The lab fleet's sglang section in a real-GPU lab: tp over every real GPU (1 on one H200), run
-    by the interpreter of the torch environment (the stand-in is installed there).
+    """What a real-GPU lab changes of the lab's server (lab_server): tp over every real GPU (1 on
+    one H200), run by the interpreter of the torch environment (the stand-ins are installed there).
 
     >>> real_gpu_server({"gpus": [{"index": 0}, {"index": 1}], "torch_env": {"python": "/v/bin/python3"}})
-    {'model_path': '/opt/models/lab-model', 'port': 30000, 'flags': {'tp': 2}, 'python': '/v/bin/python3'}
+    {'flags': {'tp': 2}, 'python': '/v/bin/python3'}
     """
-    return {"model_path": "/opt/models/lab-model", "port": 30000,
-            "flags": {"tp": max(1, len(binding.get("gpus") or []))},
+    return {"flags": {"tp": max(1, len(binding.get("gpus") or []))},
             "python": (binding.get("torch_env") or {}).get("python") or "/usr/bin/python3"}
 
 
@@ -495,12 +544,14 @@ def write_fleet_file(lab_dir: Path, text: str) -> str | None:
 
 def up(lab_dir: Path, hosts: int | None = None, gpus: int = DEFAULT_GPUS, gpu_mib: int = DEFAULT_GPU_MIB,
        vmids: tuple[int, ...] = DEFAULT_VMIDS, gpu_binding: dict | None = None, init: str | None = None,
-       router: bool = False) -> dict:
+       router: bool = False, engines: tuple[str, ...] | None = None) -> dict:
     """Bring the lab up with ``hosts`` hosts (None: the hosts it has; see planned_hosts). Hosts that
     run are left exactly as they are, stopped ones are started, new ones made. Returns the status,
     with ``notes`` (what the operator must know: the fleet file kept, ...). ``init``: the PID 1 of
     the containers of the hosts it starts (``lab`` or ``systemd``; None: as they were). ``router``:
-    a real smg on loopback in front of every container's server (gpugate_lab.router)."""
+    a real smg on loopback in front of every container's server (gpugate_lab.router). ``engines``:
+    each container's engine in turn (``LAB_SERVERS``); None: as the lab had it (``$LAB/engines``),
+    else SGLang."""
     if os.geteuid() != 0:
         raise LabError("the lab needs root (namespaces, mounts, sshd)")
     lab_dir = Path(lab_dir).resolve()
@@ -524,22 +575,40 @@ def up(lab_dir: Path, hosts: int | None = None, gpus: int = DEFAULT_GPUS, gpu_mi
         with ThreadPoolExecutor(max_workers=min(16, len(to_start))) as pool:
             for future in [pool.submit(_launch_host, lab_dir, n) for n in to_start]:
                 future.result()
+    engines = lab_engines(lab_dir, engines)
     state = status(lab_dir)
     vmid_map = {h["name"]: [c["vmid"] for c in h["containers"]] for h in state["hosts"]}
     router_state = None
     if router:
         from gpugate_lab import router as lab_router  # noqa: PLC0415 -- only --router needs smg
 
-        server = real_gpu_server(gpu_binding) if gpu_binding else {"port": 30000}
-        router_state = lab_router.start(lab_dir, [(name, vmid, int(server.get("port", 30000)))
-                                                  for name, ids in vmid_map.items() for vmid in ids], pick_port)
+        router_state = lab_router.start(lab_dir, [(name, vmid, int(LAB_SERVERS[engine]["port"]))
+                                                  for name, ids in vmid_map.items()
+                                                  for vmid, engine in engines_of(ids, engines).items()], pick_port)
         state["router"] = {"url": router_state["url"], "ports": router_state["ports"]}
     doc = fleet_document(lab_dir, [(h["name"], h["port"]) for h in state["hosts"]], vmid_map,
-                         real_gpu_server(gpu_binding) if gpu_binding else None, router_state)
+                         real_gpu_server(gpu_binding) if gpu_binding else None, router_state, engines)
     note = write_fleet_file(lab_dir, render_fleet_yaml(doc))
     (lab_dir / "lab.json").write_text(json.dumps(state, indent=2) + "\n")
     state["notes"] = [note] if note else []
     return state
+
+
+def lab_engines(lab_dir: Path, engines: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The lab's engines: ``engines`` (then kept in ``$LAB/engines`` for the next ``lab up``), else
+    what was kept, else SGLang. An engine the lab has no server for is a LabError naming the ones it has."""
+    marker = Path(lab_dir) / "engines"
+    if engines is None:
+        try:
+            engines = tuple(marker.read_text().split())
+        except OSError:
+            engines = ("sglang",)
+    unknown = [name for name in engines if name not in LAB_SERVERS]
+    if unknown or not engines:
+        raise LabError(f"--engine {','.join(engines)}: the lab has servers of {', '.join(LAB_SERVERS)} "
+                       f"(comma-separated, one per container in turn)")
+    marker.write_text(" ".join(engines) + "\n")
+    return engines
 
 
 def _rmdir_cgroup_tree(path: str, timeout_s: float = 5.0) -> None:

@@ -33,6 +33,34 @@ def test_fleet_yaml_has_the_shape_inventory_reads(tmp_path):
     }}}
 
 
+def test_a_lab_of_both_engines_gives_each_container_its_engines_server_on_its_own_gpus(tmp_path):
+    from gpugate.fleet import fleet_to_inventory, load_fleet
+    from gpugate.spec import desired_states
+
+    doc = core.fleet_document(tmp_path, [("pve1", 40123)], {"pve1": [130, 129]}, engines=("sglang", "vllm"))
+    path = tmp_path / "fleet.yaml"
+    path.write_text(core.render_fleet_yaml(doc))
+    containers = yaml.safe_load(path.read_text())["hosts"]["pve1"]["containers"]
+    assert containers[129] == {"sglang": {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 4}}}
+    assert containers[130] == {"vllm": {"model_path": "/opt/models/lab-model", "port": 8000,
+                                        "flags": {"tensor-parallel-size": 4}, "env": {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}}}
+    # what gpugate makes of it: one server per engine, on disjoint GPUs (no claim refused)
+    hosts, _data = fleet_to_inventory(load_fleet(path))["pve_pve1"]
+    gpus = {}
+    for _name, data in hosts:
+        for desired in desired_states(data):
+            assert desired.problem is None, desired.problem
+            gpus[desired.spec.engine] = desired.spec.launch.gpus
+    assert gpus == {"sglang": (0, 1, 2, 3), "vllm": (4, 5, 6, 7)}, gpus
+
+
+def test_an_engine_the_lab_has_no_server_for_is_refused_naming_the_ones_it_has(tmp_path):
+    with pytest.raises(core.LabError, match="the lab has servers of sglang, vllm"):
+        core.lab_engines(tmp_path, ("sglang", "tgi"))
+    assert core.lab_engines(tmp_path, ("vllm",)) == ("vllm",)
+    assert core.lab_engines(tmp_path, None) == ("vllm",)  # kept for the next `lab up`
+
+
 def test_two_lab_dirs_get_different_cgroups(tmp_path):
     assert core.cgroup_name(tmp_path / "a") != core.cgroup_name(tmp_path / "b")
 
