@@ -156,10 +156,11 @@ class Lab:
             self.fault(host, vmid, "slow-start", clear=True)
 
 
-def start_lab(lab_dir: Path, hosts: int = LAB_HOSTS, gpus: int = LAB_GPUS, vmids: tuple[int, ...] = (129,)) -> Lab:
+def start_lab(lab_dir: Path, hosts: int = LAB_HOSTS, gpus: int = LAB_GPUS, vmids: tuple[int, ...] = (129,),
+              engines: tuple[str, ...] | None = None, router: bool = False) -> Lab:
     from gpugate_lab import core
 
-    state = core.up(lab_dir, hosts=hosts, gpus=gpus, vmids=vmids)
+    state = core.up(lab_dir, hosts=hosts, gpus=gpus, vmids=vmids, engines=engines, router=router)
     return Lab(
         dir=Path(state["dir"]),
         hosts=[LabHost(h["name"], h["port"], h["key"], h["known_hosts"]) for h in state["hosts"]],
@@ -168,7 +169,8 @@ def start_lab(lab_dir: Path, hosts: int = LAB_HOSTS, gpus: int = LAB_GPUS, vmids
 
 
 def module_lab(tmp_path_factory: pytest.TempPathFactory, name: str, hosts: int = LAB_HOSTS,
-               gpus: int = LAB_GPUS, vmids: tuple[int, ...] = (129,)):
+               gpus: int = LAB_GPUS, vmids: tuple[int, ...] = (129,), engines: tuple[str, ...] | None = None,
+               router: bool = False):
     """A lab in its own directory (own ports, own cgroups) for a fixture of any scope: yields it and
     takes it down. Skipped where this machine cannot have a lab (lab_unavailable_reason); a lab that
     fails to start on a machine that can have one is an error, not a skip.
@@ -180,7 +182,9 @@ def module_lab(tmp_path_factory: pytest.TempPathFactory, name: str, hosts: int =
             yield from module_lab(tmp_path_factory, "lab-server", hosts=1, gpus=8)
 
     ``vmids``: the containers of every host (``(129, 130)``: two containers, and a fleet file that
-    gives them disjoint GPUs). Processes a test starts in a container: tests/e2e/lab_processes.py.
+    gives them disjoint GPUs). ``engines``: the engine of each container in turn (``gpugate lab up
+    --engine``). ``router``: a real smg in front of every server (``--router``). Processes a test
+    starts in a container: tests/e2e/lab_processes.py.
     """
     reason = lab_unavailable_reason()
     if reason:
@@ -189,7 +193,7 @@ def module_lab(tmp_path_factory: pytest.TempPathFactory, name: str, hosts: int =
 
     lab_dir = tmp_path_factory.mktemp(name)
     try:
-        yield start_lab(lab_dir, hosts=hosts, gpus=gpus, vmids=vmids)
+        yield start_lab(lab_dir, hosts=hosts, gpus=gpus, vmids=vmids, engines=engines, router=router)
     finally:
         core.down(lab_dir)
 
