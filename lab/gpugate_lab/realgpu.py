@@ -299,8 +299,9 @@ def env_upper(cdir: Path) -> Path:
 
 
 def install_real_extras(cdir: Path, binding: dict, standin_dir: Path) -> None:
-    """Per container, outside it: the real pynvml and nvidia-smi in its /usr overlay, the stand-in in
-    its torch env overlay, and the marker that puts the stand-in in real mode. Idempotent."""
+    """Per container, outside it: the real pynvml and nvidia-smi in its /usr overlay, the stand-ins in
+    its torch env overlay, and the marker that puts the stand-ins in real mode. Idempotent.
+    (``standin_dir``: the SGLang stand-in's folder, kept for callers; every stand-in comes from the lab.)"""
     cdir = Path(cdir)
     usr = cdir / "usr-upper"
     dist = usr / "lib" / "python3" / "dist-packages"
@@ -323,20 +324,11 @@ def install_real_extras(cdir: Path, binding: dict, standin_dir: Path) -> None:
         target = env_upper(cdir) / env["site_packages"]
         target.mkdir(parents=True, exist_ok=True)
         (cdir / "torchenv-work").mkdir(exist_ok=True)
-        sglang_dst = target / "sglang"
-        if sglang_dst.exists():
-            shutil.rmtree(sglang_dst)
-        shutil.copytree(standin_dir, sglang_dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        # the stand-in's parser: a snapshot of one SGLang release's flags (never gpugate's sglang_args)
+        # the engine stand-ins, their parsers' snapshots (never gpugate's own flags) and what they share
+        # (the driver shim, the streamed answers, gpugate_standin and its real-GPU mode): a venv sees
+        # none of the container's dist-packages
         from gpugate_lab import container_files  # noqa: PLC0415
-        container_files.install_flag_table(sglang_dst, target, container_files.lab_sglang_version(cdir))
-        # the stand-in's driver shim falls back to the lab package's gpusim: make it importable too
-        gpusim_src = Path(standin_dir).resolve().parent.parent / "gpusim.py"
-        if gpusim_src.exists():
-            shutil.copyfile(gpusim_src, target / "gpugate_gpusim.py")
-        sse_src = Path(standin_dir).resolve().parent / "_sse.py"  # the stand-ins' streamed answers
-        if sse_src.exists():
-            shutil.copyfile(sse_src, target / "gpugate_sse.py")
+        container_files.install_standins(target, lab_path=cdir)
     labctl = cdir / "labctl"
     labctl.mkdir(exist_ok=True)
     (labctl / MARKER_FILE).write_text(json.dumps({"mode": "real", "device": binding.get("device", "cuda")}) + "\n")

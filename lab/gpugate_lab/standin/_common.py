@@ -15,7 +15,12 @@
 - the HTTP plumbing: a threading server that can bind before it listens, a handler with uvicorn's
   access log line and JSON answers (:class:`Server`, :class:`Handler`);
 - a model's shape from its ``config.json`` (:func:`model_config`, :func:`model_shape`,
-  :func:`parameter_count`), which sizes the weights and the KV cache.
+  :func:`parameter_count`), which sizes the weights and the KV cache;
+- an engine's parser rebuilt from the snapshot of its flag table (gpugate/engine/<engine>/flagtables,
+  made by gpugate/engine/argparse_table.py from the real release): :func:`add_table_action` declares
+  one row as the engine declared it, its converters and action classes carrying the engine's module
+  and name, so that table builder reads back the table it was built from. Never gpugate's own
+  validation: the stand-in and gpugate read the same snapshot through different code.
 
 Example (a stand-in's worker)::
 
@@ -28,8 +33,10 @@ Example (a stand-in's worker)::
 True
 """
 
+import argparse
 import ctypes
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -77,7 +84,9 @@ def spawn(title, module, job, env_var, pass_fds=(), stdin=subprocess.DEVNULL, st
     env[env_var] = json.dumps(job)
     if job.get("real"):
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    return subprocess.Popen([title, "-m", module], executable=sys.executable, env=env, pass_fds=tuple(pass_fds),
+    # a titled process has no sys.executable (argv[0] is no path): its own children use /proc/self/exe
+    python = sys.executable or os.readlink("/proc/self/exe")
+    return subprocess.Popen([title, "-m", module], executable=python, env=env, pass_fds=tuple(pass_fds),
                             stdin=stdin, stdout=stdout)
 
 
@@ -392,3 +401,150 @@ def thread(target, *args, name=None):
     worker = threading.Thread(target=target, args=args, daemon=True, name=name)
     worker.start()
     return worker
+
+
+# ---------------------------------------------------------------- an engine's parser from its flag table
+_made = {}
+
+
+def table_converter(name, bodies=None):
+    """The callable for a table's type name (``int``, ``json``, ``<module>.<qualname>``), carrying the
+    engine's module and qualified name; ``bodies`` maps a converter's last name to what it does (the
+    engine's own converters), any other one takes the text as it is."""
+    if name in (None, "str"):
+        return None if name is None else str
+    if name == "int":
+        return int
+    if name == "float":
+        return float
+    if name == "json":
+        return json.loads
+    if name not in _made:
+        module, _, qualname = name.rpartition(".")
+        body = (bodies or {}).get(qualname.rsplit(".", 1)[-1], lambda text: text)
+
+        def convert(text, _body=body):
+            return _body(text)
+
+        convert.__module__, convert.__qualname__, convert.__name__ = module, qualname, qualname.rsplit(".", 1)[-1]
+        _made[name] = convert
+    return _made[name]
+
+
+def _log_warning(message):
+    # before logging is configured: Python's last-resort handler writes the bare message to stderr
+    logging.getLogger("engine.argparse_actions").warning(message)
+
+
+class DeprecatedAction(argparse.Action):
+    """A deprecated flag: the engine's words (recorded in the table), then what it stores."""
+
+    row = {}
+    warn = staticmethod(_log_warning)
+
+    def __init__(self, option_strings, dest, **kwargs):
+        kwargs.setdefault("nargs", self.row.get("nargs"))
+        argparse.Action.__init__(self, option_strings, dest, **kwargs)
+        info = self.row.get("deprecated") or {}
+        self.new_flag = info.get("new_flag")
+        self.error_message = info.get("error_message")
+        self.const_value = info.get("const_value")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        info = self.row.get("deprecated") or {}
+        if info.get("stops"):
+            parser.error(self.error_message or info.get("message") or "%s was removed" % option_string)
+        self.warn(info.get("message") or "%s is deprecated" % option_string)
+        if self.nargs == 0:
+            value = True if self.row.get("kind") == "store_true" else self.const_value
+        else:
+            value = self.const_value if self.const_value is not None else values
+        setattr(namespace, self.dest, value)
+
+
+class StoredAction(argparse.Action):
+    """The engine's other custom actions (LoRA parsers...): store the values as parsed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+
+
+def _action_class(row, warn):
+    module, _, name = row["action_class"].rpartition(".")
+    base = DeprecatedAction if row.get("deprecated") else StoredAction
+    attrs = {"__module__": module, "row": row}
+    if warn is not None:
+        attrs["warn"] = staticmethod(warn)
+    return type(name, (base,), attrs)
+
+
+class ReprDefault:
+    """A default JSON could not carry (a config object), as the table recorded it: its repr."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def __repr__(self):
+        return self.text
+
+    def __eq__(self, other):
+        return isinstance(other, ReprDefault) and other.text == self.text
+
+    def __hash__(self):
+        return hash(self.text)
+
+
+def add_table_action(parser, row, bodies=None, classes=None, warn=None, repr_defaults=False):
+    """Declare one table row on ``parser`` as the engine declared it. ``bodies``: the engine's
+    converters by name (:func:`table_converter`); ``classes``: the engine's own action classes by the
+    table's ``action_class`` (a switch class such as vLLM's EnableDisableAction, or a deprecated flag's
+    own class); ``warn``: how a deprecated flag of the engine warns; ``repr_defaults``: a default the
+    table kept as its repr becomes a :class:`ReprDefault` (else no default: None)."""
+    options = list(row["options"])
+    kind = row.get("kind")
+    kwargs = {"dest": row["dest"], "help": row.get("help")}
+    if row.get("required"):
+        kwargs["required"] = True
+    default = row.get("default")
+    if default == argparse.SUPPRESS:
+        kwargs["default"] = argparse.SUPPRESS  # argparse tests it by identity: not set, never converted
+    elif not (isinstance(default, dict) and set(default) == {"repr"}):
+        kwargs["default"] = default
+    elif repr_defaults:
+        kwargs["default"] = ReprDefault(default["repr"])
+    own = (classes or {}).get(row["action_class"])
+    if kind == "boolean_optional":
+        if "negatives" in row:  # the options that store False are the switch's own (--no-x, --disable-x)
+            positive = [o for o in options if o not in row["negatives"]]
+        else:
+            positive = [o for o in options if not (o.startswith("--no-") and "--" + o[5:] in options)]
+        return parser.add_argument(*positive, action=own or argparse.BooleanOptionalAction, **kwargs)
+    custom = bool(row.get("deprecated")) or kind == "custom" or not row["action_class"].startswith("argparse.")
+    if "const" in row and (custom or kind not in ("store_true", "store_false", "store_const")):
+        kwargs["const"] = row["const"]
+    if custom:
+        kwargs["action"] = own or _action_class(row, warn)
+        if row.get("nargs") not in (None, 0):
+            kwargs["nargs"] = row["nargs"]
+        if row.get("choices") is not None:
+            kwargs["choices"] = row["choices"]
+        converter = table_converter(row.get("type"), bodies)
+        if converter is not None:
+            kwargs["type"] = converter
+        return parser.add_argument(*options, **kwargs)
+    if kind == "store_true":
+        return parser.add_argument(*options, action="store_true", **kwargs)
+    if kind == "store_false":
+        return parser.add_argument(*options, action="store_false", **kwargs)
+    if kind == "store_const":
+        return parser.add_argument(*options, action="store_const", const=row.get("const"), **kwargs)
+    if kind == "append":
+        kwargs["action"] = "append"
+    if row.get("nargs") is not None:
+        kwargs["nargs"] = row["nargs"]
+    if row.get("choices") is not None:
+        kwargs["choices"] = row["choices"]
+    converter = table_converter(row.get("type"), bodies)
+    if converter is not None:
+        kwargs["type"] = converter
+    return parser.add_argument(*options, **kwargs)

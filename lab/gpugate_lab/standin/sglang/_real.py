@@ -38,16 +38,15 @@ Example (in the main process)::
 import json
 import os
 import sys
-import threading
 import time
 
-MARKER = "gpu.json"
-VOCAB = 32000
-MAX_CONTEXT = 512
-MAX_NEW_TOKENS = 256
-MODEL = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2}
+from sglang._sim import real as _shared
+
+MARKER, VOCAB, MAX_CONTEXT, MAX_NEW_TOKENS, MODEL = (_shared.MARKER, _shared.VOCAB, _shared.MAX_CONTEXT,
+                                                     _shared.MAX_NEW_TOKENS, _shared.MODEL)
 NOT_ENOUGH = "Not enough memory. Please try to increase --mem-fraction-static."
+encode, decode, RealWorkers = _shared.encode, _shared.decode, _shared.RealWorkers
+_import_torch, build_model, greedy = _shared._import_torch, _shared.build_model, _shared.greedy
 
 
 # ---------------------------------------------------------------- main process side
@@ -58,22 +57,7 @@ def lab_mode(ctl_dir=None):
 
     ``$SGLANG_STANDIN_GPU``: ``real`` (cuda), ``cpu``, ``sim``; else the lab's marker file.
     """
-    forced = os.environ.get("SGLANG_STANDIN_GPU", "").strip().lower()
-    if forced in ("sim", "simulated"):
-        return None
-    if forced in ("real", "cuda"):
-        return {"device": "cuda"}
-    if forced == "cpu":
-        return {"device": "cpu"}
-    base = ctl_dir or os.environ.get("GPUGATE_LAB_CTL") or "/run/gpugate-lab"
-    try:
-        with open(os.path.join(base, MARKER)) as handle:
-            doc = json.load(handle)
-    except (OSError, ValueError):
-        return None
-    if isinstance(doc, dict) and doc.get("mode") == "real":
-        return {"device": doc.get("device") or "cuda"}
-    return None
+    return _shared.lab_mode(os.environ.get("SGLANG_STANDIN_GPU", ""), ctl_dir)
 
 
 def real_job(mode, server_args):
@@ -81,59 +65,6 @@ def real_job(mode, server_args):
     return {"device": mode["device"], "mem_fraction_static": float(server_args["mem_fraction_static"]),
             "seed": int(server_args.get("random_seed") or 0) % (1 << 31),
             "dtype": "bfloat16" if mode["device"] == "cuda" else "float32"}
-
-
-def encode(text):
-    """Bytes as token ids (3 + byte), the last MAX_CONTEXT of them; at least one token.
-
-    >>> encode("ab")
-    [100, 101]
-    """
-    ids = [3 + b for b in text.encode("utf-8", "replace")][-MAX_CONTEXT:]
-    return ids or [1]
-
-
-def decode(ids):
-    """Token ids as text: bytes where they are printable ASCII, else ``<id>``.
-
-    >>> decode([3 + 104, 3 + 105, 5000])
-    'hi<5000>'
-    """
-    out = []
-    for token in ids:
-        byte = token - 3
-        out.append(chr(byte) if 32 <= byte < 127 else "<%d>" % token)
-    return "".join(out)
-
-
-class RealWorkers:
-    """Talks to the schedulers' request loops. Every rank decodes the same request (a TP group works
-    on every request together); rank 0's tokens are the answer. One request at a time."""
-
-    def __init__(self, procs):
-        self.procs = procs
-        self.lock = threading.Lock()
-
-    def generate(self, text, max_new_tokens):
-        request = json.dumps({"op": "generate", "ids": encode(text),
-                              "max_new_tokens": max(0, min(int(max_new_tokens), MAX_NEW_TOKENS))}) + "\n"
-        with self.lock:
-            started = time.monotonic()
-            for proc in self.procs:
-                proc.stdin.write(request.encode())
-                proc.stdin.flush()
-            replies = []
-            for proc in self.procs:
-                line = proc.stdout.readline().decode(errors="replace")
-                if not line:
-                    raise RuntimeError("a scheduler died (no answer to a generation request)")
-                replies.append(json.loads(line))
-        first = replies[0]
-        if not first.get("ok"):
-            raise RuntimeError(first.get("error") or "generation failed")
-        ids = first["ids"]
-        return {"text": decode(ids), "ids": ids, "forward_s": first.get("forward_s"),
-                "device": first.get("device"), "e2e_latency": time.monotonic() - started}
 
 
 # ---------------------------------------------------------------- scheduler side (imports torch)
@@ -151,65 +82,6 @@ def kv_pool_bytes(free_after_load, pre_model_load_memory, mem_fraction_static):
     return round(free_after_load - pre_model_load_memory * (1 - mem_fraction_static), 6)
 
 
-def _import_torch():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a config; nothing is fetched
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch  # noqa: PLC0415 -- only the real mode needs it
-
-    return torch
-
-
-def build_model(torch, device, dtype, seed):
-    """(model, description): transformers' Llama from a small config, else a few torch.nn layers."""
-    torch.manual_seed(seed)
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
-
-        config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=MAX_CONTEXT + MAX_NEW_TOKENS, **MODEL)
-        model = LlamaForCausalLM(config)
-        kind = "LlamaForCausalLM (transformers, random init)"
-
-        def logits_of(ids):
-            return model(input_ids=ids).logits[:, -1, :]
-    except ImportError:
-        nn = torch.nn
-        hidden = MODEL["hidden_size"]
-
-        class TinyLM(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.embed = nn.Embedding(VOCAB, hidden)
-                layer = nn.TransformerEncoderLayer(hidden, MODEL["num_attention_heads"], MODEL["intermediate_size"],
-                                                   batch_first=True)
-                self.layers = nn.TransformerEncoder(layer, MODEL["num_hidden_layers"])
-                self.head = nn.Linear(hidden, VOCAB, bias=False)
-
-            def forward(self, ids):
-                return self.head(self.layers(self.embed(ids)))
-
-        model = TinyLM()
-        kind = "TinyLM (torch.nn, random init; transformers not installed)"
-
-        def logits_of(ids):
-            return model(ids)[:, -1, :]
-    model = model.to(device=device, dtype=dtype).eval()
-    return model, logits_of, kind
-
-
-def greedy(torch, logits_of, ids, max_new_tokens, device):
-    """Greedy decoding: ``max_new_tokens`` forward passes; the new token ids."""
-    tokens = torch.tensor([ids], dtype=torch.long, device=device)
-    out = []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            nxt = logits_of(tokens[:, -MAX_CONTEXT:]).argmax(dim=-1, keepdim=True)
-            tokens = torch.cat([tokens, nxt], dim=1)
-            out.append(int(nxt[0, 0]))
-    return out
-
-
 def run_scheduler(job, log, say):
     """The scheduler's life in real mode: load, size and hold the pool, warm up, READY, serve.
 
@@ -217,33 +89,12 @@ def run_scheduler(job, log, say):
     Raises on a failed start (the caller reports ERROR).
     """
     real, gpu, prefix = job["real"], int(job["gpu"]), job["log_prefix"]
-    # The pipe to the parent carries only our lines: whatever torch or transformers print goes to the log.
-    sys.stdout.flush()
-    sys.stdout = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    _shared.own_pipe_stdout()  # the pipe to the parent carries only our lines
     torch = _import_torch()
     dtype = getattr(torch, real.get("dtype") or "float32")
     gib = float(1 << 30)
-    if real["device"] == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("No CUDA GPUs are available")
-        if not 0 <= gpu < torch.cuda.device_count():
-            raise RuntimeError("CUDA error: invalid device ordinal")
-        torch.cuda.set_device(gpu)
-        device = torch.device("cuda", gpu)
-        torch.zeros(1, device=device)  # the CUDA context
-        pre_free, total = torch.cuda.mem_get_info(device)
-
-        def free_now():
-            return torch.cuda.mem_get_info(device)[0]
-    else:
-        device = torch.device("cpu")
-        total = int(float(os.environ.get("SGLANG_STANDIN_CPU_TOTAL_MIB", "512")) * (1 << 20))
-        pre_free = total
-        held = []
-
-        def free_now():
-            return total - sum(t.numel() * t.element_size() for t in held)
+    device, pre_free, total, free_now, held = _shared.open_device(torch, real["device"], gpu,
+                                                                  "SGLANG_STANDIN_CPU_TOTAL_MIB")
     from sglang import _timing  # noqa: PLC0415
     from sglang.srt.distributed import gated_launch  # noqa: PLC0415
 
@@ -295,17 +146,7 @@ def run_scheduler(job, log, say):
         free_now() / gib, len(warm), time.monotonic() - began))
     weight_report["gate_s"] = round(gate_s, 3)
     say("READY " + json.dumps(weight_report))
-    for line in sys.stdin:
-        try:
-            request = json.loads(line)
-            started = time.monotonic()
-            ids = greedy(torch, logits_of, list(request["ids"]), int(request["max_new_tokens"]), device)
-            if real["device"] == "cuda":
-                torch.cuda.synchronize(device)
-            say(json.dumps({"ok": True, "ids": ids, "forward_s": round(time.monotonic() - started, 6),
-                            "device": str(device)}))
-        except Exception as exc:  # noqa: BLE001 -- answer, keep serving
-            say(json.dumps({"ok": False, "error": "%s: %s" % (type(exc).__name__, exc)}))
+    _shared.serve_requests(torch, logits_of, device, say, sys.stdin)
     # stdin closed: the parent is gone. Its death signal decides (orphan-worker keeps the memory).
     return pool, weight_set
 

@@ -17,4 +17,9 @@ try:
 except ImportError:
     from gpugate_lab.standin import _common as common  # type: ignore[no-redef]
 
-__all__ = ["common", "gpusim", "sse"]
+try:
+    import gpugate_standin_real as real
+except ImportError:
+    from gpugate_lab.standin import _realgpu as real  # type: ignore[no-redef]
+
+__all__ = ["common", "gpusim", "real", "sse"]

@@ -24,6 +24,8 @@ import logging
 import os
 import re
 
+from sglang._sim import common
+
 TABLE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flag_table.json")
 
 
@@ -77,116 +79,18 @@ def _cuda_graph_config(raw):
 _CONVERTERS = {"human_readable_int": _human_readable_int, "nullable_str": _nullable_str,
                "json_list_type": _json_list_type, "parse_cuda_graph_backend_arg": _cuda_graph_backend,
                "parse_cuda_graph_config_arg": _cuda_graph_config}
-_made = {}
 
 
-def _converter(name):
-    """The callable for a table's type name, carrying SGLang's module and qualified name."""
-    if name in (None, "str"):
-        return None if name is None else str
-    if name == "int":
-        return int
-    if name == "float":
-        return float
-    if name == "json":
-        return json.loads
-    if name not in _made:
-        module, _, qualname = name.rpartition(".")
-        body = _CONVERTERS.get(qualname.rsplit(".", 1)[-1], lambda text: text)
-
-        def convert(text, _body=body):
-            return _body(text)
-
-        convert.__module__, convert.__qualname__, convert.__name__ = module, qualname, qualname.rsplit(".", 1)[-1]
-        _made[name] = convert
-    return _made[name]
-
-
-# ---------------------------------------------------------------- SGLang's own action classes
 def _warn(message):
     # SGLang's print_deprecated_warning: logger.warning(...), before logging is configured, so
     # Python's last-resort handler writes the bare message to stderr
     logging.getLogger("sglang.srt.arg_groups.argparse_actions").warning(message)
 
 
-class _Deprecated(argparse.Action):
-    """A deprecated SGLang flag: SGLang's words (recorded in the table), then what it stores."""
-
-    row = {}
-
-    def __init__(self, option_strings, dest, **kwargs):
-        kwargs.setdefault("nargs", self.row.get("nargs"))
-        argparse.Action.__init__(self, option_strings, dest, **kwargs)
-        info = self.row.get("deprecated") or {}
-        self.new_flag = info.get("new_flag")
-        self.error_message = info.get("error_message")
-        self.const_value = info.get("const_value")
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        info = self.row.get("deprecated") or {}
-        if info.get("stops"):
-            parser.error(self.error_message or info.get("message") or "%s was removed" % option_string)
-        _warn(info.get("message") or "%s is deprecated" % option_string)
-        if self.nargs == 0:
-            value = True if self.row.get("kind") == "store_true" else self.const_value
-        else:
-            value = self.const_value if self.const_value is not None else values
-        setattr(namespace, self.dest, value)
-
-
-class _Stored(argparse.Action):
-    """SGLang's other custom actions (LoRAPathAction...): store the values as parsed."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-
-
-def _action_class(row):
-    module, _, name = row["action_class"].rpartition(".")
-    base = _Deprecated if row.get("deprecated") else _Stored
-    return type(name, (base,), {"__module__": module, "row": row})
-
-
 def add_action(parser, row):
-    """Declare one table row on ``parser`` as SGLang declared it."""
-    options = list(row["options"])
-    kind = row.get("kind")
-    kwargs = {"dest": row["dest"], "help": row.get("help")}
-    if row.get("required"):
-        kwargs["required"] = True
-    default = row.get("default")
-    if not (isinstance(default, dict) and set(default) == {"repr"}):
-        kwargs["default"] = default
-    custom = bool(row.get("deprecated")) or kind == "custom" or not row["action_class"].startswith("argparse.")
-    if "const" in row and (custom or kind not in ("store_true", "store_false", "store_const", "boolean_optional")):
-        kwargs["const"] = row["const"]
-    if custom:
-        kwargs["action"] = _action_class(row)
-        if row.get("nargs") not in (None, 0):
-            kwargs["nargs"] = row["nargs"]
-        if row.get("choices") is not None:
-            kwargs["choices"] = row["choices"]
-        converter = _converter(row.get("type"))
-        if converter is not None:
-            kwargs["type"] = converter
-        return parser.add_argument(*options, **kwargs)
-    if kind == "store_true":
-        return parser.add_argument(*options, action="store_true", **kwargs)
-    if kind == "store_false":
-        return parser.add_argument(*options, action="store_false", **kwargs)
-    if kind == "store_const":
-        return parser.add_argument(*options, action="store_const", const=row.get("const"), **kwargs)
-    if kind == "boolean_optional":
-        positive = [o for o in options if not (o.startswith("--no-") and "--" + o[5:] in options)]
-        return parser.add_argument(*positive, action=argparse.BooleanOptionalAction, **kwargs)
-    if row.get("nargs") is not None:
-        kwargs["nargs"] = row["nargs"]
-    if row.get("choices") is not None:
-        kwargs["choices"] = row["choices"]
-    converter = _converter(row.get("type"))
-    if converter is not None:
-        kwargs["type"] = converter
-    return parser.add_argument(*options, **kwargs)
+    """Declare one table row on ``parser`` as SGLang declared it (the lab's shared rebuild,
+    standin/_common.py ``add_table_action``, with SGLang's converters and its deprecation warning)."""
+    return common.add_table_action(parser, row, _CONVERTERS, warn=_warn)
 
 
 class ServerArgs:

@@ -1,0 +1,53 @@
+"""``vllm`` / ``python3 -m vllm.entrypoints.cli.main``: the CLI of the lab's vLLM stand-in, as
+vllm/entrypoints/cli/main.py builds it: a FlexibleArgumentParser "vLLM CLI" with ``-v/--version``
+and subcommands; the stand-in has ``serve`` only (vllm/entrypoints/cli/serve.py: usage ``vllm serve
+[model_tag] [options]``; a positional model tag wins over ``--model``). A bad flag exits 2 with
+argparse's message; no subcommand prints the help."""
+
+import sys
+
+DESCRIPTION = """Launch a local OpenAI-compatible API server to serve LLM
+completions via HTTP. Defaults to Qwen/Qwen3-0.6B if no model is specified.
+
+Search by using: `--help=<ConfigGroup>` to explore options by section (e.g.,
+--help=ModelConfig, --help=Frontend)
+  Use `--help=all` to show all available flags at once.
+"""
+EPILOG = ("For full list:            vllm {subcmd} --help=all\n"
+          "For a section:            vllm {subcmd} --help=ModelConfig    (case-insensitive)\n"
+          "For a flag:               vllm {subcmd} --help=max-model-len  (_ or - accepted)\n"
+          "Documentation:            https://docs.vllm.ai\n")
+
+
+def build_parser():
+    import vllm
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(description="vLLM CLI", epilog=EPILOG.format(subcmd="[subcommand]"))
+    parser.add_argument("-v", "--version", action="version", version=vllm.__version__)
+    subparsers = parser.add_subparsers(required=False, dest="subparser")
+    serve = subparsers.add_parser("serve", help="Launch a local OpenAI-compatible API server to serve LLM "
+                                  "completions via HTTP.", description=DESCRIPTION,
+                                  usage="vllm serve [model_tag] [options]")
+    make_arg_parser(serve)
+    serve.epilog = EPILOG.format(subcmd="serve")
+    return parser
+
+
+def main():
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.subparser != "serve":
+        parser.print_help()
+        return 0
+    # If model is specified in CLI (as positional arg), it takes precedence
+    if getattr(args, "model_tag", None) is not None:
+        args.model = args.model_tag
+    from vllm import _api_server
+
+    return _api_server.run_server(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The vLLM stand-in as an operator sees it (vLLM 0.33.0's behaviour, lab/gpugate_lab/standin/vllm/):
+its parser, the port bound before the engine loads, ``VLLM::EngineCore`` and ``VLLM::Worker_TP<r>`` holding
+the GPUs, an EngineCore that outlives a SIGKILLed API server, SIGTERM's abort and drain, streaming,
+metrics, and the /dev/shm region a crash leaves. Run directly against a simulated driver, no SSH lab."""
+
+from __future__ import annotations
+
+import errno
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpusim_helpers import (GPU_COUNT, SYSTEM_PYTHON, cmdline, free_port, http_json, http_status,  # noqa: F401
+                            installed, pid_alive, sim, wait_until)
+from gpugate_lab import container_files
+
+UTIL = "0.8"  # a 10000 MiB lab GPU with 615 MiB reserved cannot give vLLM its default 0.92 of the total
+HELD_MIB = 8000  # what a rank holds: gpu_memory_utilization x total, its CUDA context included
+
+
+@dataclass
+class Vllm:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout_s: float = 15.0) -> None:
+        wait_until(lambda: self.proc.poll() is None and http_status(self.port) == 200, timeout_s, "/health 200")
+
+    def children(self, pid: int | None = None) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(pid or self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    d = tmp_path / "models" / "tiny-llama"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "num_hidden_layers": 4,
+        "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8, "torch_dtype": "bfloat16"}))
+    return d
+
+
+@pytest.fixture
+def start_vllm(sim, installed, tmp_path, model):
+    """start_vllm(*flags, env={...}) -> a ``python3 -m vllm.entrypoints.cli.main serve`` as gpugate launches it."""
+    started: list[Vllm] = []
+    shm = tmp_path / "shm"
+    shm.mkdir()
+
+    def start(*flags: str, env: dict | None = None) -> Vllm:
+        port = free_port()
+        log_path = tmp_path / f"vllm-{len(started)}.log"
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "SGLANG", "VLLM", "CUDA"))}
+        environ.update({"PYTHONPATH": str(container_files.dist_packages(installed)), "GPUGATE_SIM_DIR": str(sim.gpu_dir),
+                        "GPUGATE_LAB_CTL": str(sim.ctl_dir), "VLLM_STANDIN_LOAD_S": "0.1",
+                        "VLLM_STANDIN_SHM_DIR": str(shm), **(env or {})})
+        argv = [SYSTEM_PYTHON, "-m", "vllm.entrypoints.cli.main", "serve", "--model", str(model), "--host",
+                "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", UTIL, *flags]
+        with open(log_path, "wb") as log:
+            # its own session: EngineCore and the workers stay in its process group when orphaned
+            proc = subprocess.Popen(argv, cwd=tmp_path, env=environ, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        started.append(Vllm(proc, port, log_path))
+        return started[-1]
+
+    start.shm = shm
+    yield start
+    for s in started:
+        try:
+            os.killpg(s.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        s.proc.wait(timeout=10)
+
+
+def post(port: int, path: str, body: dict, timeout: float = 30.0) -> dict:
+    return http_json(port, path, body, timeout=timeout)
+
+
+def stream_events(port: int, path: str, body: dict) -> list[str]:
+    """The ``data:`` payloads of a streamed answer, in order (``[DONE]`` included)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", path, json.dumps(dict(body, stream=True)), {"content-type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+    events = [line[len(b"data: "):].decode() for line in resp.read().split(b"\n") if line.startswith(b"data: ")]
+    conn.close()
+    return events
+
+
+def running(port: int) -> float:
+    text = urlopen_text(port, "/metrics")
+    return float(re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
+def urlopen_text(port: int, path: str) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", path)
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return text
+
+
+def test_a_bad_flag_exits_2_with_argparse_message_and_an_unknown_kv_cache_dtype_fails_the_start(start_vllm, sim):
+    s = start_vllm("--kv-cach-dtype", "fp8")
+    assert s.proc.wait(timeout=30) == 2
+    assert "main.py: error: unrecognized arguments: --kv-cach-dtype fp8" in s.log()
+    s = start_vllm("-tp", "two")
+    assert s.proc.wait(timeout=30) == 2
+    assert "main.py serve: error: argument --tensor-parallel-size/-tp: invalid int value: 'two'" in s.log()
+    # vLLM's parser takes any --kv-cache-dtype; its CacheConfig refuses it once the port is bound
+    s = start_vllm("--kv-cache-dtype", "fp9")
+    assert s.proc.wait(timeout=30) == 1
+    assert "ValueError: Invalid kv_cache_dtype: 'fp9'. Valid values are: ['auto'," in s.log()
+    assert sim.all_used() == [0] * GPU_COUNT
+
+
+def test_one_gpu_binds_the_port_first_loads_in_engine_core_then_serves_and_streams(sim, start_vllm, model):
+    sim.set_faults({"slow-start": 60})  # held in its load until the fault is cleared
+    s = start_vllm("--kv-cache-dtype", "fp8")
+    wait_until(lambda: sim.all_used() == [HELD_MIB, 0, 0, 0], what="EngineCore holding GPU 0")
+    # the port is vLLM's from before the load (setup_server binds, uvicorn listens later): taken, yet refused
+    assert http_status(s.port) == "refused"
+    with socket.socket() as probe, pytest.raises(OSError) as taken:
+        probe.bind(("127.0.0.1", s.port))
+    assert taken.value.errno == errno.EADDRINUSE
+    [core] = s.children()
+    assert cmdline(core)[0] == "VLLM::EngineCore" and s.children(core) == []  # one GPU: the uniprocess executor
+    assert Path(f"/proc/{core}/comm").read_text().strip() == "VLLM::EngineCor"
+    assert "vllm.entrypoints.cli.main" in cmdline(s.proc.pid)
+    sim.set_faults({})
+    s.wait_healthy()
+    tokens = int(re.search(r"GPU KV cache size: ([\d,]+) tokens", s.log()).group(1).replace(",", ""))
+    metrics = urlopen_text(s.port, "/metrics")
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:request_success_total", "vllm:cache_config_info"):
+        assert f"\n{name}{{" in metrics, name
+    info = re.search(r'^vllm:cache_config_info\{(.*)\} 1\.0$', metrics, re.M).group(1)
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info))
+    assert int(labels["num_gpu_blocks"]) * int(labels["block_size"]) == tokens and labels["cache_dtype"] == "fp8"
+    assert http_json(s.port, "/v1/models")["data"][0] | {"created": 0, "permission": []} == {
+        "id": str(model), "object": "model", "created": 0, "owned_by": "vllm", "root": str(model), "parent": None,
+        "max_model_len": 4096, "permission": []}
+    assert http_json(s.port, "/version") == {"version": "0.33.0"}
+    # a streamed completion: a chunk per token, the last with its finish reason, the usage, then [DONE]
+    events = stream_events(s.port, "/v1/completions", {"model": str(model), "prompt": "hi", "max_tokens": 5,
+                                                       "stream_options": {"include_usage": True}})
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and [c["choices"][0]["text"] for c in chunks[:-1]] == [" lab"] * 5
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * 4 + ["length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    chat = post(s.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat["choices"][0]["message"]["content"] == " lab lab"
+    assert re.search(r'^vllm:request_success_total\{[^}]*finished_reason="length"\} 2\.0$',
+                     urlopen_text(s.port, "/metrics"), re.M)
+
+
+def test_two_gpus_a_sigkilled_api_server_leaves_engine_core_and_workers_holding_them(sim, start_vllm):
+    tiering = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 30}}
+    env = {"CUDA_VISIBLE_DEVICES": "2,3", "VLLM_STANDIN_SHM_MIB": "1536"}  # room for one region, not two
+    s = start_vllm("-tp", "2", "--kv-transfer-config", json.dumps(tiering), env=env)
+    s.wait_healthy()
+    [core] = s.children()
+    workers = s.children(core)
+    assert cmdline(core)[0] == "VLLM::EngineCore"
+    assert sorted(cmdline(w)[0] for w in workers) == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"]
+    assert sim.all_used() == [0, 0, HELD_MIB, HELD_MIB]
+    [region] = list(start_vllm.shm.glob("vllm_offload_*.mmap"))
+    os.kill(s.proc.pid, signal.SIGKILL)
+    s.proc.wait()
+    # no parent-death watch in EngineCore (vllm#55510): the port is free, the GPUs are not
+    assert http_status(s.port) == "refused"
+    with socket.socket() as probe:  # as the next server binds it (its closed connections linger in TIME_WAIT)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("127.0.0.1", s.port))
+        probe.listen()
+    assert all(pid_alive(p) for p in [core, *workers]) and sim.all_used() == [0, 0, HELD_MIB, HELD_MIB]
+    # the workers watch EngineCore (their death pipe): they go with it
+    os.kill(core, signal.SIGKILL)
+    wait_until(lambda: not any(pid_alive(w) for w in workers), what="workers gone with EngineCore")
+    wait_until(lambda: sim.all_used() == [0] * GPU_COUNT, what="memory released")
+    # the tiering spec's region outlives the crash (vllm#57303) and leaves no room for the next one (#54002)
+    assert region.exists()
+    again = start_vllm("-tp", "2", "--kv-transfer-config", json.dumps(tiering), env=env)
+    assert again.proc.wait(timeout=30) == 1
+    assert "Insufficient space in" in again.log() and "1024 MiB required, 512 MiB free" in again.log()
+    assert "Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}" in again.log()
+    wait_until(lambda: sim.all_used() == [0] * GPU_COUNT, what="the failed start's memory released")
+
+
+def test_sigterm_with_shutdown_timeout_0_aborts_the_request_in_flight(sim, start_vllm, model):
+    s = start_vllm(env={"VLLM_STANDIN_TOKEN_S": "0.01"})
+    s.wait_healthy()
+    result: dict = {}
+    req = threading.Thread(target=lambda: result.update(post(s.port, "/v1/completions", {
+        "model": str(model), "prompt": "long", "max_tokens": 3000})))
+    req.start()
+    wait_until(lambda: running(s.port) == 1.0, what="the request in flight")
+    s.proc.send_signal(signal.SIGTERM)
+    req.join(timeout=15)
+    assert result["choices"][0]["finish_reason"] == "abort" and result["usage"]["completion_tokens"] < 3000
+    assert s.proc.wait(timeout=15) == 0
+    assert "[shutdown] EngineCore: aborting in-flight requests count=1" in s.log()
+    wait_until(lambda: sim.all_used() == [0] * GPU_COUNT, what="memory released")
+
+
+def test_sigterm_with_a_shutdown_timeout_drains_while_health_stays_200(sim, start_vllm, model):
+    s = start_vllm("--shutdown-timeout", "30", env={"VLLM_STANDIN_TOKEN_S": "0.01"})
+    s.wait_healthy()
+    events: list[str] = []
+    req = threading.Thread(target=lambda: events.extend(stream_events(s.port, "/v1/chat/completions", {
+        "model": str(model), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 150})))
+    req.start()
+    wait_until(lambda: running(s.port) == 1.0, what="the request in flight")
+    s.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: "draining in-flight requests count=1 timeout=30s" in s.log(), what="the drain")
+    assert http_status(s.port) == 200  # /health has no shutdown check
+    late = post(s.port, "/v1/completions", {"model": str(model), "prompt": "late", "max_tokens": 5})
+    assert (late["choices"][0]["finish_reason"], late["choices"][0]["text"]) == ("abort", "")
+    req.join(timeout=15)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and len(chunks) == 151  # the role's chunk, then one per token
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert s.proc.wait(timeout=15) == 0
+    wait_until(lambda: sim.all_used() == [0] * GPU_COUNT, what="memory released")
