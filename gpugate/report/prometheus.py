@@ -19,7 +19,9 @@ def _label(value: Any) -> str:
 
 def status_prometheus(rows: Sequence[Mapping[str, Any]]) -> str:
     """The node_exporter textfile collector's format: per server up, desired, drifted, as desired,
-    reachable, the last transition's outcome and duration; per GPU used MiB."""
+    reachable, the last transition's outcome and duration; per GPU used MiB. Every server's series
+    carry its ``engine`` label (the families keep their ``gpugate_sglang_`` names, which dashboards
+    already query, whatever the engine)."""
     metrics: dict[str, tuple[str, list[str]]] = {
         "gpugate_sglang_up": ("1 when the server serves (main alive, /health 200, every scheduler alive)", []),
         "gpugate_sglang_desired": ("1 when a server should run here (sglang_present)", []),
@@ -37,7 +39,8 @@ def status_prometheus(rows: Sequence[Mapping[str, Any]]) -> str:
         "gpugate_weight_cache_used_mib": ("GPU memory a weight-cache daemon holds (labels gpu, pid)", []),
     }
     for row in rows:
-        labels = f'host="{_label(row.get("host"))}",vmid="{_label(row.get("vmid"))}",port="{_label(row.get("port"))}"'
+        labels = (f'host="{_label(row.get("host"))}",vmid="{_label(row.get("vmid"))}",port="{_label(row.get("port"))}",'
+                  f'engine="{_label(row.get("engine") or "")}"')
         reachable = row.get("kind") != "unreachable"
         metrics["gpugate_sglang_up"][1].append(f"{{{labels}}} {int(bool(row.get('up')))}")
         metrics["gpugate_sglang_desired"][1].append(f"{{{labels}}} {int(bool(row.get('desired')))}")

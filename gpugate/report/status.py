@@ -37,6 +37,7 @@ class StatusRow(TypedDict, total=False):
     host: str          # the Proxmox host (fleet.yaml name)
     vmid: Any
     port: int
+    engine: str        # the server's engine (gpugate.engine): the desired one
     kind: str          # serving | drifted | down | stopped | transition_running | transition_failed | gpu_held
                        # | unreachable | unknown | unrouted | router_unknown | cordoned | cordon_pending
                        # (see VERDICT_KINDS)
@@ -77,10 +78,12 @@ OK_KINDS = ("serving", "stopped", "cordoned")
 FAILED_OUTCOMES = ("rolled_back", "nothing_serves", "interrupted")
 
 STATUS_COLUMNS = [
-    ("host", "HOST"), ("vmid", "VMID"), ("port", "PORT"), ("verdict", "VERDICT"), ("server", "SERVER"),
+    ("host", "HOST"), ("vmid", "VMID"), ("port", "PORT"), ("engine", "ENGINE"), ("verdict", "VERDICT"),
+    ("server", "SERVER"),
     ("model", "MODEL"), ("router_text", "ROUTER"), ("gpu_mib", "GPU MiB"), ("holders", "GPU HOLDERS"),
     ("weight_cache_text", "WEIGHT CACHE"), ("last_change", "LAST CHANGE"),
-]  # ROUTER, WEIGHT CACHE: shown only when a row is routed, or has a weight cache (render_status)
+]  # ENGINE, ROUTER, WEIGHT CACHE: shown only when a row runs another engine than the default, is
+#   routed, or has a weight cache (render_status)
 
 
 def weight_cache_text(view: Mapping[str, Any] | None) -> str:
@@ -110,7 +113,7 @@ def server_state(server: Mapping[str, Any]) -> tuple[str, str]:
     if not server.get("running"):
         # another server's parts (a container may hold several) are that server's, never strays here
         strays = [s for s in server.get("strays") or [] if s.get("port") in (None, server.get("port"))]
-        state = f"stopped, {len(strays)} stray sglang process(es)" if strays else "stopped"
+        state = f"stopped, {len(strays)} stray server part(s)" if strays else "stopped"
         return state, "-"
     main = server.get("main") or {}
     age = age_text(main.get("age_s"))
@@ -535,7 +538,7 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
         if transition.get("by"):
             last_change += f" by {transition['by']}"
     return StatusRow(
-        host=host, vmid=vmid, port=int(server.get("port") or port), kind=kind, ok=kind in OK_KINDS,
+        host=host, vmid=vmid, port=int(server.get("port") or port), engine=desired.engine, kind=kind, ok=kind in OK_KINDS,
         verdict=_verdict(kind, why), desired=bool(present), up=running and serving,
         drifted=kind == "drifted", server=state, health=health,
         model=os.path.basename(model.rstrip("/")) if model and model.startswith("/") else model or "-",
@@ -550,7 +553,7 @@ def unreachable_row(host: str, vmid: Any, reason: str, desired: Desired) -> Stat
     """The row of a container whose Proxmox host could not be reached: no figures, only why."""
     model = (desired.spec.model_path if desired.spec is not None else None) or "-"
     present, port = desired.present, desired.port
-    return StatusRow(host=host, vmid=vmid, port=port, kind="unreachable", ok=False,
+    return StatusRow(host=host, vmid=vmid, port=port, engine=desired.engine, kind="unreachable", ok=False,
                      verdict=_verdict("unreachable", reason), desired=bool(present), up=False, drifted=False,
                      server="-", health="-", model=os.path.basename(model.rstrip("/")) if model.startswith("/") else model,
                      flags="-", gpu_mib="-", gpu_used=[], holders="-", transition={}, last_change="",
@@ -561,9 +564,10 @@ def unreachable_row(host: str, vmid: Any, reason: str, desired: Desired) -> Stat
 def render_status(rows: Sequence[StatusRow]) -> str:
     """The status table, a summary line, the newest history entries per container, then one
     line per problem (GPU probe errors)."""
-    # the ROUTER column only in a fleet with routed servers: the table others parse stays as it was
+    # the ENGINE and ROUTER columns only in a fleet that has them: the table others parse stays as it was
     columns = [c for c in STATUS_COLUMNS if (c[0] != "router_text" or any(row.get("router") for row in rows))
-               and (c[0] != "weight_cache_text" or any(row.get("weight_cache") for row in rows))]
+               and (c[0] != "weight_cache_text" or any(row.get("weight_cache") for row in rows))
+               and (c[0] != "engine" or any(row.get("engine", DEFAULT_ENGINE) != DEFAULT_ENGINE for row in rows))]
     text = format_table(columns, rows)
     bad = [row for row in rows if not row.get("ok")]
     counts: dict[str, int] = {}

@@ -61,8 +61,8 @@ def test_json_is_one_document_and_the_prometheus_file_is_written(lab, tmp_path):
     assert doc["ok"] is False and [s["host"] for s in doc["servers"]] == ["pve1", "pve2"]
     assert [s["kind"] for s in doc["servers"]] == ["serving", "down"]
     text = prom.read_text()
-    assert 'gpugate_sglang_up{host="pve1",vmid="129",port="30000"} 1' in text
-    assert 'gpugate_sglang_up{host="pve2",vmid="129",port="30000"} 0' in text
+    assert 'gpugate_sglang_up{host="pve1",vmid="129",port="30000",engine="sglang"} 1' in text
+    assert 'gpugate_sglang_up{host="pve2",vmid="129",port="30000",engine="sglang"} 0' in text
     assert 'gpugate_gpu_used_mib{host="pve1",vmid="129",port="30000",gpu="0"}' in text
     assert 'gpugate_sglang_last_transition{host="pve1",vmid="129",port="30000",outcome="verified"} 1' in text
 

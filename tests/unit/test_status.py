@@ -183,13 +183,13 @@ def test_prometheus_textfile_is_written_atomically_with_every_series(tmp_path):
     rows = [row_for(observation(transition=failed)), rb.unreachable_row("pve2", 129, 'say "why"', desired_state({}))]
     rb.publish_status(rows, prom_path=str(path), out=lambda text: None)
     text = path.read_text()
-    labels = 'host="pve1",vmid="129",port="30000"'
+    labels = 'host="pve1",vmid="129",port="30000",engine="sglang"'
     for line in (f"gpugate_sglang_up{{{labels}}} 1", f"gpugate_sglang_desired{{{labels}}} 1",
                  f"gpugate_sglang_drifted{{{labels}}} 0", f"gpugate_sglang_as_desired{{{labels}}} 0",
                  f'gpugate_sglang_last_transition{{{labels},outcome="rolled_back"}} 1',
                  f"gpugate_sglang_last_transition_duration_seconds{{{labels}}} 42.5",
                  f'gpugate_gpu_used_mib{{{labels},gpu="7"}} 86000',
-                 'gpugate_sglang_reachable{host="pve2",vmid="129",port="30000"} 0'):
+                 'gpugate_sglang_reachable{host="pve2",vmid="129",port="30000",engine="sglang"} 0'):
         assert line in text.splitlines(), line
     assert "# TYPE gpugate_sglang_up gauge" in text
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
