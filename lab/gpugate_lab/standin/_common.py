@@ -45,10 +45,20 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+# the lab's other shared parts, for every stand-in: the stdlib copies installed beside this file in a lab
+# container, else the lab package (development)
 try:
     import gpugate_gpusim as gpusim
 except ImportError:
     from gpugate_lab import gpusim  # type: ignore[no-redef]
+try:
+    import gpugate_sse as sse
+except ImportError:
+    from gpugate_lab.standin import _sse as sse  # type: ignore[no-redef]  # noqa: F401 -- for the stand-ins
+try:
+    import gpugate_standin_real as real
+except ImportError:
+    from gpugate_lab.standin import _realgpu as real  # type: ignore[no-redef]  # noqa: F401 -- for the stand-ins
 
 PR_SET_PDEATHSIG = 1
 CONTEXT_MIB = 518  # a CUDA context on an H200, measured (shared/reference/nvml-and-containers.md)
@@ -524,14 +534,7 @@ def add_table_action(parser, row, bodies=None, classes=None, warn=None, repr_def
         kwargs["const"] = row["const"]
     if custom:
         kwargs["action"] = own or _action_class(row, warn)
-        if row.get("nargs") not in (None, 0):
-            kwargs["nargs"] = row["nargs"]
-        if row.get("choices") is not None:
-            kwargs["choices"] = row["choices"]
-        converter = table_converter(row.get("type"), bodies)
-        if converter is not None:
-            kwargs["type"] = converter
-        return parser.add_argument(*options, **kwargs)
+        return parser.add_argument(*options, **_values(row, kwargs, bodies))
     if kind == "store_true":
         return parser.add_argument(*options, action="store_true", **kwargs)
     if kind == "store_false":
@@ -540,11 +543,16 @@ def add_table_action(parser, row, bodies=None, classes=None, warn=None, repr_def
         return parser.add_argument(*options, action="store_const", const=row.get("const"), **kwargs)
     if kind == "append":
         kwargs["action"] = "append"
-    if row.get("nargs") is not None:
+    return parser.add_argument(*options, **_values(row, kwargs, bodies))
+
+
+def _values(row, kwargs, bodies):
+    """An action's nargs, choices and converter, as the row has them (a custom action's nargs 0 is its own)."""
+    if row.get("nargs") not in (None, 0) or (row.get("nargs") == 0 and "action" not in kwargs):
         kwargs["nargs"] = row["nargs"]
     if row.get("choices") is not None:
         kwargs["choices"] = row["choices"]
     converter = table_converter(row.get("type"), bodies)
     if converter is not None:
         kwargs["type"] = converter
-    return parser.add_argument(*options, **kwargs)
+    return kwargs

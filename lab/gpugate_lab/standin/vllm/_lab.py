@@ -11,21 +11,11 @@ import time
 import traceback
 
 try:
-    import gpugate_gpusim as gpusim
-except ImportError:
-    from gpugate_lab import gpusim  # type: ignore[no-redef]
-try:
-    import gpugate_sse as sse
-except ImportError:
-    from gpugate_lab.standin import _sse as sse  # type: ignore[no-redef]
-try:
     import gpugate_standin as common
 except ImportError:
     from gpugate_lab.standin import _common as common  # type: ignore[no-redef]
-try:
-    import gpugate_standin_real as real
-except ImportError:
-    from gpugate_lab.standin import _realgpu as real  # type: ignore[no-redef]
+
+gpusim, sse, real = common.gpusim, common.sse, common.real
 
 # vllm/utils/system_utils.py set_process_title: "{VLLM_PROCESS_NAME_PREFIX}::{name}"
 TITLE_PREFIX = os.environ.get("VLLM_PROCESS_NAME_PREFIX") or "VLLM"
