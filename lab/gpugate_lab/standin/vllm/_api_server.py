@@ -12,9 +12,12 @@ What it copies:
 - "vLLM server version V, serving model M" and "non-default args: {...}" (``api_key``, ``hf_token``
   and ``watermark_config`` as ``***``: vllm/entrypoints/common/startup.py);
 - the port is bound BEFORE the engine is built (``setup_server``: "make sure that we bind the port
-  before the engine is set up"), not listened on: from the first moment another bind fails
-  (EADDRINUSE) while a connect is refused; uvicorn listens once the engine is up, so ``/health``
-  answers nothing during the load and 200 from its first answer (vLLM has no 503 for loading);
+  before the engine is set up"), not listened on: from the first moment a plain bind fails
+  (EADDRINUSE) while a connect is refused and no LISTEN socket shows; uvicorn listens once the engine
+  is up, so ``/health`` answers nothing during the load and 200 from its first answer (vLLM has no 503
+  for loading). The socket has SO_REUSEADDR, so a second vLLM binds the same port during the first
+  one's load and fails only at its listen, after its own load ("ERROR:    [Errno 98] Address already
+  in use", exit 1);
 - the engine: ``VLLM::EngineCore`` (vllm/_engine_core.py; ``EngineCore_DP<n>`` is not served:
   ``--data-parallel-size`` must be 1), its failure to start: "RuntimeError: Engine core
   initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}", exit 1;
@@ -511,7 +514,15 @@ def run_server(args):
     httpd = common.Server((host, port), make_handler(state), bind_and_activate=False)
     httpd.socket.close()
     httpd.socket = sock
-    httpd.server_activate()  # uvicorn's listen: from now on /health answers
+    try:
+        httpd.server_activate()  # uvicorn's listen: from now on /health answers
+    except OSError as exc:
+        # another server listens there: vLLM's SO_REUSEADDR let both bind while neither listened, and
+        # uvicorn's startup fails only now, after the whole load (it logs the error and exits 1; leaving
+        # the engine client's context shuts the engine down)
+        common.emit("ERROR:    [Errno %d] %s\n" % (exc.errno or 98, exc.strerror or "Address already in use"))
+        engine.stop(max(int(args.shutdown_timeout), 0) or worker_shutdown_window())
+        return 1
     uvicorn_log("Started server process [%d]" % os.getpid())
     uvicorn_log("Waiting for application startup.")
     uvicorn_log("Application startup complete.")
