@@ -70,7 +70,15 @@ class DeprecatedLogConfigFileAction(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _PlainSwitch(argparse.BooleanOptionalAction):
+    """A release before EnableDisableAction (0.32: ``--x/--no-x``): argparse's own switch, which vLLM's
+    FlexibleArgumentParser would otherwise swap for EnableDisableAction (its registry)."""
+
+
+_PlainSwitch.__module__, _PlainSwitch.__name__, _PlainSwitch.__qualname__ = ("argparse", "BooleanOptionalAction",
+                                                                            "BooleanOptionalAction")
 CLASSES = {"vllm.utils.argparse_utils.EnableDisableAction": EnableDisableAction,
+           "argparse.BooleanOptionalAction": _PlainSwitch,
            "vllm.engine.arg_utils.DeprecatedLogConfigFileAction": DeprecatedLogConfigFileAction}
 
 
