@@ -13,6 +13,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,3 +239,18 @@ def test_sigterm_with_a_shutdown_timeout_drains_while_health_stays_200(sim, star
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert s.proc.wait(timeout=15) == 0
     wait_until(lambda: sim.all_used() == [0] * GPU_COUNT, what="memory released")
+
+
+def test_gpugate_reads_the_snapshot_back_from_the_stand_in_parser(installed, tmp_path):
+    """The flag table gpugate builds in a lab container (gpugate/engine/vllm/table_builder.py, as its
+    EngineFlagTable fact runs it) is the snapshot the stand-in was made from: same options, kinds, types,
+    defaults and switches, so gpugate refuses there exactly what that vLLM refuses."""
+    from gpugate.engine.vllm import table_builder
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VLLM"))}
+    env["PYTHONPATH"] = str(container_files.dist_packages(installed))
+    out = subprocess.run([sys.executable, table_builder.__file__, "--no-cache", "--help-text"], capture_output=True,
+                         text=True, env=env, cwd=tmp_path, check=True)
+    built = json.loads(out.stdout)
+    snapshot = json.loads(container_files.snapshot_file("0.33.0", "vllm").read_text())
+    assert built["vllm_version"] == "0.33.0" and built["actions"] == snapshot["actions"]
