@@ -1,0 +1,195 @@
+"""A vLLM server end to end (issue 33): the real pyinfra CLI, deploy.py and the runbooks, the @pct
+connector, against a lab host whose fleet serves vLLM (``gpugate lab up --engine vllm``: real sshd,
+namespaces and signals; simulated GPUs and the lab's vLLM stand-in, which follows vLLM 0.33.0's source).
+Tensor parallel over 2 GPUs, so the server has vLLM's whole tree: the API server, ``VLLM::EngineCore``
+and a ``VLLM::Worker_TP<r>`` per GPU.
+
+One lab for this module; the tests run in order, each from the state the previous one left, as an
+operator's successive runs would.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
+from tests.e2e.lab_processes import ct_sh, start_in_container, wait_for
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+PORT = 8000
+FLAGS = {"tensor-parallel-size": 2}
+FP8 = {"tensor-parallel-size": 2, "kv-cache-dtype": "fp8"}
+FAST = {"VLLM_STANDIN_LOAD_S": "0.3"}
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    yield from module_lab(tmp_path_factory, "lab-vllm", hosts=1, gpus=2, engines=("vllm",))
+
+
+def deploy(lab, *extra: str, flags=None, env=None, dry=False, playbook="deploy.py"):
+    args = ["inventory.py", playbook, "--data", f"sglang_flags={json.dumps(flags or FP8)}",
+            "--data", f"sglang_env={json.dumps(FAST if env is None else env)}", *extra]
+    if dry:  # as an operator previews: --dry without -y
+        result = subprocess.run([pyinfra_exe(), *args, "--dry"], cwd=REPO_ROOT, env=lab.env(), capture_output=True,
+                                text=True, timeout=300, stdin=subprocess.DEVNULL)
+    else:
+        result = lab.pyinfra(*args)
+    return result, result.stdout + result.stderr
+
+
+def in_ct(lab, script: str) -> str:
+    return ct_sh(lab, "pve1", 129, script).stdout
+
+
+def processes(lab) -> dict[int, str]:
+    """pid -> command line of every vLLM process in the container."""
+    out = in_ct(lab, "for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
+                     "case \"$c\" in *[V]LLM::*|*[v]llm.entrypoints*) echo \"${p#/proc/} $c\";; esac; done")
+    return {int(line.split(" ", 1)[0]): line.split(" ", 1)[1].strip() for line in out.splitlines() if line.strip()}
+
+
+def server_pid(lab) -> int | None:
+    """The API server's pid (vLLM's CLI; its children carry VLLM:: titles)."""
+    return next((pid for pid, cmd in processes(lab).items() if "vllm.entrypoints.cli.main serve" in cmd), None)
+
+
+def running_argv(lab) -> list[str]:
+    pid = server_pid(lab)
+    return [a for a in in_ct(lab, f"tr '\\0' '\\n' < /proc/{pid}/cmdline").splitlines() if a] if pid else []
+
+
+def gpu_used(lab) -> list[int]:
+    out = lab.host_exec("pve1", "nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits")
+    return [int(x) for x in out.stdout.split()]
+
+
+def status_row(lab, **desired) -> dict:
+    result, out = deploy(lab, "--data", "format=json", playbook="runbooks/status.py", **desired)
+    (row,) = json.loads(result.stdout[result.stdout.index("{"):])["servers"]
+    return row
+
+
+def running_requests(lab) -> int | None:
+    """What the server's own gauges say it holds (vllm:num_requests_running + _waiting)."""
+    from gpugate.engine import prometheus_sum
+
+    page = in_ct(lab, f"python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:{PORT}/metrics')"
+                      ".read().decode())\"")
+    return prometheus_sum(page, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+
+
+def health(lab) -> str:
+    return in_ct(lab, "python3 -c \"import urllib.request as u; "
+                      f"print(u.urlopen('http://127.0.0.1:{PORT}/health').status)\"").strip()
+
+
+def test_first_deploy_starts_vllms_whole_tree_and_a_rerun_changes_nothing(lab):
+    result, out = deploy(lab, flags=FLAGS)
+    assert result.returncode == 0, out
+    assert f"vllm :{PORT} will start" in out and "healthy and generating" in out, out
+    assert "verified: the running argv and /v1/models match the desired flags" in out
+    argv = running_argv(lab)
+    # vLLM's CLI, and the drain budget as --shutdown-timeout (vLLM's default 0 aborts every request)
+    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "--model"], argv
+    assert argv[argv.index("--shutdown-timeout") + 1] == "60", argv
+    titles = sorted(cmd.split()[0] for cmd in processes(lab).values() if cmd.startswith("VLLM::"))
+    assert titles == ["VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"], titles
+    assert all(used > 0 for used in gpu_used(lab))
+    result, out = deploy(lab, flags=FLAGS)
+    assert result.returncode == 0 and "No changes" in out, out
+
+
+def test_the_fp8_change_is_previewed_then_applied_with_the_kv_capacity_before_and_after(lab):
+    before = running_argv(lab)
+    result, out = deploy(lab, dry=True)
+    assert result.returncode == 0, out
+    assert out.count("+ --kv-cache-dtype fp8") == 1 and "steps: hand off" in out, out
+    assert "stop (SIGTERM drain <= 60 s" in out
+    assert running_argv(lab) == before
+    result, out = deploy(lab)
+    assert result.returncode == 0, out
+    assert "drained and exited" in out and "gate passed" in out and "verified" in out, out
+    kv = re.search(rf"vllm :{PORT} KV cache (\d+) -> (\d+) tokens", out)
+    assert kv and int(kv.group(2)) == 2 * int(kv.group(1)), out  # fp8 halves the bytes per token
+    assert "fp8" in running_argv(lab)
+    result, out = deploy(lab)
+    assert "No changes" in out, out
+    # the status agrees with the deploy, and names the engine
+    row = status_row(lab)
+    assert (row["kind"], row["engine"], row["ok"]) == ("serving", "vllm", True), row
+
+
+def test_a_flag_typo_is_refused_before_anything_stops(lab):
+    pid = server_pid(lab)
+    result, out = deploy(lab, flags={"tensor-parallel-size": 2, "kv-cache-dtyp": "fp8"})
+    assert result.returncode != 0
+    assert "REFUSED, nothing touched: --kv-cache-dtyp" in out and "did you mean --kv-cache-dtype?" in out, out
+    assert server_pid(lab) == pid
+
+
+def test_a_request_in_flight_at_the_stop_finishes_within_the_drain_budget(lab):
+    # a streamed completion of 1500 tokens at the stand-in's 2 ms each (3 s), under way at a restart:
+    # the stop's SIGTERM drains it (--shutdown-timeout), where vLLM's default would abort it
+    client = start_in_container(lab, "pve1", 129, (
+        "python3 -c \"import json, urllib.request as u; "
+        f"r = u.urlopen(u.Request('http://127.0.0.1:{PORT}/v1/completions', data=json.dumps({{'model': "
+        "'/opt/models/lab-model', 'prompt': 'hi', 'max_tokens': 1500, 'stream': True}).encode(), "
+        "headers={'content-type': 'application/json'})); "
+        "chunks = [line for line in r.read().decode().splitlines() if line.startswith('data: {')]; "
+        "print('finish', json.loads(chunks[-1][6:])['choices'][0]['finish_reason'], len(chunks))\""),
+        name="stream")
+    wait_for(lambda: running_requests(lab) == 1, what="the stream under way")
+    result, out = deploy(lab, env={**FAST, "VLLM_STANDIN_TOKEN_S": "0.01"})
+    assert result.returncode == 0, out
+    assert "drained and exited" in out, out
+    wait_for(lambda: not client.alive(), timeout_s=30, what="the client's end")
+    assert "finish length 1500" in client.log(), client.log()
+
+
+def test_a_sigkilled_api_server_leaves_enginecore_holding_the_gpus_and_the_deploy_sweeps_it(lab):
+    pid = server_pid(lab)
+    tree = processes(lab)
+    in_ct(lab, f"kill -9 {pid}")
+    wait_for(lambda: pid not in processes(lab), what="the API server's end")
+    left = processes(lab)
+    # vLLM 0.33.0's EngineCore watches no parent (vllm#55510): it and its workers go on, the port is free
+    assert sorted(cmd.split()[0] for cmd in left.values()) == ["VLLM::EngineCore", "VLLM::Worker_TP0",
+                                                               "VLLM::Worker_TP1"], left
+    assert set(left) < set(tree) and all(used > 0 for used in gpu_used(lab))
+    row = status_row(lab, env={**FAST, "VLLM_STANDIN_TOKEN_S": "0.01"})
+    assert row["kind"] == "down" and "stray server part(s)" in row["server"], row
+    result, out = deploy(lab, env={**FAST, "VLLM_STANDIN_TOKEN_S": "0.01"})
+    assert result.returncode == 0, out
+    assert "stray vllm server part(s) will be swept" in out and "swept" in out and "gate passed" in out, out
+    assert not set(left) & set(processes(lab)), "an orphan of the killed server survived the sweep"
+    assert health(lab) == "200"
+
+
+def test_a_start_that_crashes_is_rolled_back_to_the_last_good_server(lab):
+    before = running_argv(lab)
+    # 0.33.0's parser declares no choices for --kv-cache-dtype: vLLM refuses the value while it
+    # starts, after the old server stopped, so the transition rolls back
+    result, out = deploy(lab, flags={"tensor-parallel-size": 2, "kv-cache-dtype": "fp9"},
+                         env={**FAST, "VLLM_STANDIN_TOKEN_S": "0.01"})
+    assert result.returncode != 0
+    assert "the server crashed (exit code 1)" in out and "ValueError: Invalid kv_cache_dtype: 'fp9'" in out, out
+    assert "ROLLED BACK" in out and "rollback: verified" in out, out
+    assert running_argv(lab) == before and health(lab) == "200"
+
+
+def test_the_rollback_runbook_returns_to_the_previous_server(lab):
+    result, out = deploy(lab, flags=FLAGS, env={**FAST, "VLLM_STANDIN_TOKEN_S": "0.01"})
+    assert result.returncode == 0 and "fp8" not in running_argv(lab), out
+    result, out = deploy(lab, flags=FLAGS, env={**FAST, "VLLM_STANDIN_TOKEN_S": "0.01"}, playbook="runbooks/rollback.py")
+    assert result.returncode == 0, out
+    assert "gate passed" in out and "verified: the running argv and /v1/models match the restored spec" in out, out
+    assert "fp8" in running_argv(lab)
+    row = status_row(lab, flags=FLAGS, env={**FAST, "VLLM_STANDIN_TOKEN_S": "0.01"})
+    # what the next deploy would change: the fp8 the runbook restored goes
+    assert row["kind"] == "drifted" and "- --kv-cache-dtype fp8" in row["verdict"], row
