@@ -819,8 +819,11 @@ class Narrator:
 
     def _on_gated(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
         if phase == "begin":
-            return (f"started the new engine gated (pid {event.get('pid')}, gate :{event.get('gate_port')}) while the old "
-                    f"one serves")
+            started = f"started the new engine gated (pid {event.get('pid')}, gate :{event.get('gate_port')})"
+            # "old": the servers it overlaps, as the agent found them (an older agent does not say: one runs)
+            if event.get("old", True):
+                return f"{started} while the old one serves"
+            return f"{started}; no server runs on :{event.get('port')} (a first start, or after NOTHING SERVES)"
         if phase != "end":
             return None
         if event.get("reached"):

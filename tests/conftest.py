@@ -214,6 +214,7 @@ LONGEST_MODULES = (  # measured: docs/testing.md (python3 -m pytest -q -n 5 --du
     "tests/e2e/test_runbooks_lab.py",
     "tests/faults/test_start_and_operators.py",
     "tests/faults/test_weight_cache_faults.py",
+    "tests/e2e/test_router_gated_lab.py",
     "tests/lab/test_agent_lab.py",
     "tests/e2e/test_gate_lab.py",
     "tests/e2e/test_weight_cache_edges_lab.py",

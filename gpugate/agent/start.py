@@ -276,6 +276,10 @@ class Start(object):
         the start is then an ordinary one."""
         ctx = self.ctx
         host = engine.argv_host(spec["argv"])
+        # the server it overlaps (None on a first start, or after NOTHING SERVES): said with its launch
+        table = procfs.table()
+        old = [main["pid"] for main in (server.find_server(table, port)[0] for port in sorted(set(
+            [spec["port"]] + ([ctx.replaces["port"]] if ctx.replaces else [])))) if main is not None]
         try:
             gate_port = free_port(host)
             pid, offset, record = self._start_process(dict(spec, argv=engine.gated_argv(spec["argv"], gate_port)),
@@ -286,7 +290,7 @@ class Start(object):
         ctx.gated = {"pid": pid, "start_ticks": record["start_ticks"], "gate_port": gate_port, "host": host,
                       "target": target, "offset": offset, "record": record, "began": time.time(), "activated": False,
                       "reached": False}
-        ctx.event("gated", "begin", target=target, port=spec["port"], pid=pid, gate_port=gate_port)
+        ctx.event("gated", "begin", target=target, port=spec["port"], pid=pid, gate_port=gate_port, old=old)
 
     def wait_for_gate(self, spec: Doc, target: str) -> str:
         """Until the gated engine serves its gate's /health (it has imported and initialised its
@@ -296,16 +300,19 @@ class Start(object):
         ctx = self.ctx
         gated = ctx.gated
         assert gated is not None  # launched, and not ended
-        if gated.get("reached"):
-            return "reached"
         pid, port = gated["pid"], spec["port"]
         deadline = gated["began"] + float(ctx.budget("start_timeout_s"))
         while True:
             ctx.reap()
             if not procfs.alive(pid, gated["start_ticks"]):
-                # to the operator it is the start's crash, as for an engine started after the gate
-                raise self._crashed(spec, pid, target, gated["offset"], gated["began"], "before its gated launch",
+                # to the operator it is the start's crash, as for an engine started after the gate; one
+                # that reached its gate may die there while the old server drains (looked at again
+                # before its activation: else the activation's refused connection is all that is said)
+                raise self._crashed(spec, pid, target, gated["offset"], gated["began"], "at its gate (not yet "
+                                    "activated)" if gated.get("reached") else "before its gated launch",
                                     gated=True)
+            if gated.get("reached"):
+                return "reached"
             owners = set(server.socket_owners(server.listeners(gated["gate_port"]) or []))
             if owners and not owners & set(ctx.gated_tree(procfs.table())):
                 # the port was taken since free_port chose it: what this cost is the overlap
@@ -343,7 +350,8 @@ class Start(object):
                   argv=redact.redact_argv(spec["argv"], tuple(redact.ALWAYS_MASKED_OPTIONS) + tuple(spec.get("secret_flags") or ())))
         status, body = server.http_get(gated["host"], gated["gate_port"], "/gate/activate", 5.0, method="POST")
         if status != 200:
-            raise state.Failure("POST /gate/activate on :%d: %s" % (gated["gate_port"], status or body))
+            raise state.Failure("the gated engine (pid %d) did not take its activation: POST /gate/activate on :%d: %s"
+                                % (pid, gated["gate_port"], status or body))
         gated["activated"] = True
         self._write_pid_file(port, gated["record"])
         ctx.event("start", "end", target=target, port=port, pid=pid, gated=True, gate_port=gated["gate_port"])
@@ -443,8 +451,11 @@ class Start(object):
         tail = self._tail(port, log_offset)
         ctx.event("load", "end", target=target, port=port, state="crashed", exit_code=code,
                   elapsed_s=round(time.time() - began, 2), log_tail=tail, **fields)
-        return state.Failure("the server exited %s%s%s" % (
-            when, " with code %s" % code if code is not None else "", ": " + logs.crash_line(tail, port) if tail else ""))
+        if code == -9:  # SIGKILLed, it wrote no last word; the log's last line may be another's (an old
+            why = ": killed by SIGKILL (signal 9)"  # server drains into the same log while a gated one waits)
+        else:
+            why = ": " + logs.crash_line(tail, port) if tail else ""
+        return state.Failure("the server exited %s%s%s" % (when, " with code %s" % code if code is not None else "", why))
 
     def _settle_log(self, port: int, timeout: float = 1.0) -> None:
         """Give the log pump up to ``timeout`` to write what a crashed server printed last (it ends

@@ -603,14 +603,21 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
         if not job.observation.get("agent_installed", True):
             _install_agent(host_obj, job.python)  # follow needs this controller's agent in the container
         ok = _attach(host_obj, job, str(plan.attach_run))
-        if ok and job.routing is not None and not job.routing.cordon and book.outcomes.get(name) == "verified":
+        ended = book.outcomes.get(name)
+        if job.routing is not None and not job.routing.cordon and ended in ("verified", "rolled_back"):
             # the run it followed may be one whose controller was interrupted after the leave: a member
-            # that serves as desired is in its router (added where it is not listed)
+            # that serves (as desired, or the previous server again) is in its router
             from gpugate import router  # noqa: PLC0415
             listing = router.preflight(job.routing)
-            if listing.kind is None and listing.worker is None:
-                ok = _rejoin_router(host_obj, job, str(plan.attach_run), "the run it followed ended verified, "
-                                    "not listed", add=True)
+            draining = listing.worker is not None and listing.worker.get("status") == "draining"
+            if listing.kind is None and (listing.worker is None or draining):
+                # listed draining: the leave of a controller that died (smg drops the entry once its
+                # settle time is over) is no membership; re-added as it was, once the entry is gone
+                job.router_worker = listing.worker
+                how = "verified" if ended == "verified" else "rolled back (the previous server serves again)"
+                ok = _rejoin_router(host_obj, job, str(plan.attach_run), f"the run it followed ended {how}, " + (
+                    "listed draining (taken out before the run, by a controller that is gone)" if draining
+                    else "not listed"), add=True) and ok
         return ok
     run = _run_id(host_obj)
     _audit(job, host_obj, "plan", "begin", run=run, **job.story)
@@ -865,8 +872,8 @@ def _after_transition(host_obj: Any, job: Job, run: str, outcome: str | None) ->
     serves_here = job.spec is not None or job.plan.target is not None
     if outcome == "verified" and serves_here:
         return _rejoin_router(host_obj, job, run, "verified", add=True)
-    if outcome == "rolled_back":
-        return _rejoin_router(host_obj, job, run, "rolled back: the previous server serves again")
+    if outcome == "rolled_back":  # a member again, listed or not before (a controller that died left it out)
+        return _rejoin_router(host_obj, job, run, "rolled back: the previous server serves again", add=True)
     if outcome == "refused":
         return _rejoin_router(host_obj, job, run, "the agent touched nothing: the old server still serves")
     if outcome == "verified":

@@ -250,6 +250,70 @@ def test_rejoin_waits_out_the_draining_entry_then_adds_it_back_as_it_was(monkeyp
     assert client.calls[0][1]["priority"] == 7 and client.calls[0][1]["labels"] == {"zone": "x"}
 
 
+def routed_controller(monkeypatch, listed: dict | None):
+    """The controller's side of one routed container, without pyinfra's run nor a router: its lines
+    (``said``), the worker entries it re-added or added (``rejoined``), smg listing ``listed``."""
+    from types import SimpleNamespace
+
+    from gpugate.operations import sglang as ops
+
+    book = ops.Run()  # this run's book, without its interrupt handlers
+    monkeypatch.setattr(ops, "state", SimpleNamespace(callback_handlers=[book]))
+    said: list[str] = []
+    host = SimpleNamespace(name="@pct/pve1:129", data={"pct_vmid": 129}, log=said.append,
+                           log_styled=lambda text, **_: said.append(text))
+    rejoined: list = []
+    monkeypatch.setattr(ops, "emit", lambda *args, **fields: None)
+    monkeypatch.setattr(router, "preflight", lambda routing, *args, **kw: router.Preflight(listed, [], None))
+    monkeypatch.setattr(router, "rejoin", lambda routing, client, worker, timeout_s, say, **kw: (
+        rejoined.append(worker), (True, "back in router gw, listed healthy after 5.2 s (worker wc)"))[1])
+    job = SimpleNamespace(rolling=False, plan=SimpleNamespace(action="attach", attach_run="R1", target=None),
+                          observation={}, routing=ROUTING, router_worker=None, port=30000, audit_log=None, spec=None)
+    return SimpleNamespace(ops=ops, book=book, host=host, job=job, said=said, rejoined=rejoined)
+
+
+def test_a_rerun_that_follows_a_dead_controllers_run_adds_the_server_it_left_draining(monkeypatch):
+    """Issue 32, not yet tried: the controller was SIGKILLed after smg's DELETE, while its run's gated
+    engine waited at its gate; the re-run follows that run to verified. smg still lists the server
+    as draining (the dead controller's removal, within smg's settle time, then dropped): no
+    membership, so the re-run re-adds it as it was (before: nothing said, exit 0, and the server out
+    of smg for good once the entry went; seen in tests/e2e/test_router_gated_lab.py)."""
+    run = routed_controller(monkeypatch, dict(A, status="draining"))
+
+    def follow(host_obj, job, attach_run, depth=0):  # the run it follows ends verified
+        run.book.outcomes[host_obj.name] = "verified"
+        return True
+
+    monkeypatch.setattr(run.ops, "_attach", follow)
+    assert run.ops._execute(run.ops.state, run.host, run.job) is True
+    assert run.rejoined == [dict(A, status="draining")]  # re-added as it was: its priority, its labels
+    assert ("sglang :30000 router gw: the run it followed ended verified, listed draining (taken out before the "
+            "run, by a controller that is gone): re-adding it") in run.said, run.said
+    assert "sglang :30000 back in router gw, listed healthy after 5.2 s (worker wc)" in run.said, run.said
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_a_rollback_of_a_server_its_router_does_not_list_adds_the_previous_server(monkeypatch, attached):
+    """A routed server out of smg (a controller that died after its leave; removed by hand) whose
+    run rolls back: the previous server serves again, verified, and is a member as before the run
+    (before: left out, nothing said, though the plan had said "add it after the verify"; every
+    later rollback too, until the desired server verifies)."""
+    run = routed_controller(monkeypatch, None)
+    if attached:  # a re-run that follows the run to its rollback
+        def follow(host_obj, job, attach_run, depth=0):
+            run.book.outcomes[host_obj.name] = "rolled_back"
+            return False
+
+        monkeypatch.setattr(run.ops, "_attach", follow)
+        assert run.ops._execute(run.ops.state, run.host, run.job) is False  # the change was not made
+        why = "the run it followed ended rolled back (the previous server serves again), not listed"
+    else:
+        assert run.ops._after_transition(run.host, run.job, "R1", "rolled_back") is True
+        why = "rolled back: the previous server serves again"
+    assert run.rejoined == [None], run.said  # added (no entry to re-add as it was)
+    assert f"sglang :30000 router gw: {why}: adding it" in run.said, run.said
+
+
 # each engine's /metrics page as it serves it (its gauge names, a label set per rank or engine core)
 IN_FLIGHT_PAGES = {
     "sglang": ('sglang:num_running_reqs{tp_rank="0"} 2.0\nsglang:num_running_reqs{tp_rank="1"} 1.0\n'
