@@ -1,0 +1,89 @@
+"""vLLM replicas behind a real smg (issue 33), through the real pyinfra CLI: two containers of a lab
+host serving vLLM (``gpugate lab up --engine vllm --router``), a client sending requests through smg
+for the whole run (the real ``openai`` package, whole answers and streams). A rolling flag change
+takes each replica out of smg, waits for its in-flight requests by vLLM's own gauges
+(``vllm:num_requests_running`` + ``_waiting``), restarts it and puts it back as a vLLM worker, one at
+a time: no request fails.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import pytest
+
+from tests.conftest import module_lab
+from tests.e2e.test_router_lab import Client, listed_healthy, published, workers
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+VMIDS = (129, 130)
+ENV = {"VLLM_STANDIN_LOAD_S": "0.4", "VLLM_STANDIN_TOKEN_S": "0.01"}  # 100 tokens a second: 300 last 3 s
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory):
+    lab_fixture = module_lab(tmp_path_factory, "lab-vllm-router", hosts=1, gpus=4, vmids=VMIDS,
+                             engines=("vllm",), router=True)
+    lab = next(lab_fixture)
+    router = json.loads((lab.dir / "lab.json").read_text())["router"]
+    yield lab, router
+    next(lab_fixture, None)
+
+
+class VllmClient(Client):
+    """The router lab's client with vLLM's endpoints: whole answers from /v1/completions (vLLM has
+    no /generate), chat completions and streams through the openai package as there."""
+
+    def _generate(self, prompt: str) -> str | None:
+        answer = self.openai.completions.create(model="/opt/models/lab-model", prompt=prompt, max_tokens=20)
+        return None if answer.choices[0].finish_reason == "length" else f"completion {answer.choices[0]!r}"
+
+
+def deploy(lab, router: dict, *extra: str, flags: dict | None = None) -> tuple[int, str]:
+    """The lab's fleet (each replica on its own GPUs through CUDA_VISIBLE_DEVICES) with ENV and
+    ``flags`` added to every server, applied."""
+    from gpugate_lab import core
+
+    doc = core.fleet_document(lab.dir, [(h.name, h.port) for h in lab.hosts], {"pve1": list(VMIDS)},
+                              router=router, engines=("vllm",))
+    for container in doc["hosts"]["pve1"]["containers"].values():
+        container["vllm"]["env"] = {**container["vllm"].get("env", {}), **ENV}
+        container["vllm"]["flags"].update(flags or {})
+    lab.fleet_path = lab.dir / "fleet.test.yaml"
+    lab.fleet_path.write_text(core.render_fleet_yaml(doc))
+    result = lab.pyinfra("inventory.py", "deploy.py", "--data", "router_join_timeout_s=20", *extra, timeout=240)
+    return result.returncode, result.stdout + result.stderr
+
+
+def model_len(router: dict, vmid: int) -> int:
+    url = f"http://127.0.0.1:{router['ports'][f'pve1:{vmid}']}/v1/models"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return int(json.load(response)["data"][0]["max_model_len"])
+
+
+def test_vllm_replicas_join_smg_as_vllm_workers(routed):
+    lab, router = routed
+    code, out = deploy(lab, router)
+    assert code == 0, out
+    assert out.count("back in router lab, listed healthy") + out.count("added to router lab") >= 2 \
+        or listed_healthy(router) == published(router), out
+    assert listed_healthy(router) == published(router), workers(router)
+    assert {w.get("runtime_type") or w.get("runtime") for w in workers(router)} == {"vllm"}, workers(router)
+
+
+def test_a_rolling_change_of_vllm_replicas_behind_smg_fails_no_request(routed):
+    lab, router = routed
+    with VllmClient(router["url"], streams=2, stream_tokens=300) as client:
+        code, out = deploy(lab, router, "--data", "rolling=true", "--data", "drain_timeout_s=4", flags={"max-model-len": 4096})
+    assert code == 0, out
+    assert client.failed == 0 and client.ok > 20, (client.failed, client.ok, client.errors[:5], out)
+    assert client.streams_ok >= 2 and min(client.stream_s) >= 3.0, (client.streams_ok, client.stream_s)
+    # each leave read vLLM's own gauges to 0 (or said what was still open), one replica at a time
+    assert re.search(r"router lab: left it; (0 requests in flight|\d+ request\(s\) or stream\(s\) still open)", out), out
+    order = [line for line in out.splitlines() if "router lab: left it" in line or "back in router lab" in line]
+    assert [("left" in line) for line in order] == [True, False] * 2, order
+    assert {model_len(router, vmid) for vmid in VMIDS} == {4096}
+    assert listed_healthy(router) == published(router), workers(router)
