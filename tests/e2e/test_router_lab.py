@@ -430,7 +430,7 @@ def test_status_shows_membership_a_cordon_takes_a_server_out_and_keeps_it_out(ro
     row = next(s for s in doc["servers"] if s["vmid"] == 131)
     assert code == 0 and doc["ok"] and row["kind"] == "cordoned" and row["router_text"] == "lab: cordoned", row
     assert row["verdict"].startswith("serving as desired, cordoned: out of its router"), row
-    assert 'gpugate_sglang_router_cordoned{host="pve1",vmid="131",port="30000",router="lab"} 1' in prom.read_text()
+    assert 'gpugate_sglang_router_cordoned{host="pve1",vmid="131",port="30000",engine="sglang",router="lab"} 1' in prom.read_text()
     code, out = deploy(lab, "--limit", "@pct/pve1:131")
     assert code == 0 and "router lab: cordoned (router_cordon: true), out of it as declared" in out and "DELETE" not in out, out
     assert url not in listed_healthy(router), workers(router)
@@ -444,7 +444,7 @@ def test_status_shows_membership_a_cordon_takes_a_server_out_and_keeps_it_out(ro
     row = next(s for s in doc["servers"] if s["vmid"] == 131)
     assert code != 0 and not doc["ok"] and row["kind"] == "unrouted" and row["router_text"] == "lab: missing", row
     assert row["verdict"].endswith("(the deploy adds it)"), row
-    assert 'gpugate_sglang_router_listed{host="pve1",vmid="131",port="30000",router="lab"} 0' in prom.read_text()
+    assert 'gpugate_sglang_router_listed{host="pve1",vmid="131",port="30000",engine="sglang",router="lab"} 0' in prom.read_text()
     code, out = deploy(lab, "--limit", "@pct/pve1:131")
     assert code == 0 and "router lab: serves as desired, not listed: adding it" in out, out
     assert "back in router lab" in out and "stopping" not in out, out

@@ -2,7 +2,7 @@
 
 Run by tests/gpu/run_e2e_on_gpu.sh (which installs the carried wheels and sshd first):
 
-    python3 tests/gpu/e2e_on_gpu.py --results DIR [--simulated] [--budget-s 480]
+    python3 tests/gpu/e2e_on_gpu.py --results DIR [--simulated] [--budget-s 480] [--engine vllm]
 
 It starts a lab (``gpugate lab up --gpus real``; ``--simulated``: the simulated GPUs, for rehearsing
 here), starts a side process that polls the GPUs' used memory (NVML v2; the simulated ledger) every
@@ -15,6 +15,10 @@ few ms and records every change, and then runs, each step recorded and none stop
 5. memory held in another container (fault foreign-holder) -> the deploy refuses before the stop;
 6. a start that crashes (the new environment hides the GPU) -> rollback;
 7. the rollback runbook;  8. the status runbook.
+With ``--engine vllm`` the lab serves vLLM (``gpugate lab up --engine vllm``) and step 4 is vLLM's own
+hazard instead of the kill chains: the API server SIGKILLed (vLLM 0.33.0's EngineCore outlives it holding
+the GPU, vllm#55510), then a deploy that sweeps it; step 6's crash is a ``--kv-cache-dtype`` that vLLM
+refuses while it starts (its parser declares no choices).
 
 Figures (from the journal's events, the audit log and the poller's samples, all on the machine's
 clock): the physical release time after the server's exit, the gate's overhead over the moment NVML v2
@@ -44,7 +48,19 @@ sys.path.insert(0, str(REPO))
 
 VMID = 129
 HOST = "pve1"
-PORT = 30000
+# What differs per engine (--engine): its port, how its processes are told, its fp8 KV value, its
+# tensor-parallel flag and memory share, another flag for step 5, the crash of step 6
+PROFILES = {
+    "sglang": {"port": 30000, "main": "sglang.launch_server", "names": ("sglang",), "fp8": "fp8_e4m3",
+               "tp": "tp", "base": {"mem-fraction-static": 0.88}, "other": {"disable-radix-cache": True},
+               "sim_env": {"SGLANG_STANDIN_LOAD_S": "0.5"}},
+    "vllm": {"port": 8000, "main": "vllm.entrypoints", "names": ("vllm", "VLLM::"), "fp8": "fp8",
+             "tp": "tensor-parallel-size", "base": {"gpu-memory-utilization": 0.88},
+             "other": {"enable-prefix-caching": False}, "sim_env": {"VLLM_STANDIN_LOAD_S": "0.5"}},
+}
+ENGINE = "sglang"
+P = PROFILES[ENGINE]
+PORT = P["port"]
 MAX_USED_MIB = 64
 LAB_DIR = Path(os.environ.get("GPUGATE_E2E_LAB_DIR", "/tmp/gpugate-e2e-lab"))  # no "sglang" in it: pkill -f
 SEEDS_CHAIN = "pkill -f sglang.launch_server; pkill -9 -f sglang; fuser -k /dev/nvidia*"
@@ -63,9 +79,9 @@ for pid in os.listdir("/proc"):
     except OSError:
         continue
     argv = [a.decode(errors="replace") for a in argv if a]
-    if argv and any("sglang" in a for a in argv[:3]) and int(pid) != os.getpid():
+    if argv and any(n in a for a in argv[:3] for n in @NAMES@) and int(pid) != os.getpid():
         procs.append({"pid": int(pid), "argv": argv})
-main = [p for p in procs if "sglang.launch_server" in " ".join(p["argv"][:3]) and "--port" in p["argv"]
+main = [p for p in procs if "@MAIN@" in " ".join(p["argv"][:3]) and "--port" in p["argv"]
         and p["argv"][p["argv"].index("--port") + 1] == "@PORT@"]
 try:
     health = urllib.request.urlopen("http://127.0.0.1:@PORT@/health", timeout=5).status
@@ -212,7 +228,8 @@ class Run:
 
     def ct_state(self) -> dict:
         res = self.sh(self.host_exec() + ["pct", "exec", str(VMID), "--", "/usr/bin/python3", "-c",
-                                          CT_PROBE.replace("@PORT@", str(PORT))], timeout=30)
+                                          CT_PROBE.replace("@PORT@", str(PORT)).replace("@MAIN@", P["main"])
+                                          .replace("@NAMES@", repr(P["names"]))], timeout=30)
         try:
             return json.loads(res["out"].strip().splitlines()[-1])
         except (ValueError, IndexError):
@@ -396,7 +413,7 @@ def step_lab_up(run: Run) -> dict:
     if LAB_DIR.exists():  # a fresh lab: no history of an earlier run in the containers
         core.down(LAB_DIR)
         shutil.rmtree(LAB_DIR)
-    argv = [sys.executable, "-m", "gpugate.cli", "lab", "--dir", str(LAB_DIR), "up", "--hosts", "1"]
+    argv = [sys.executable, "-m", "gpugate.cli", "lab", "--dir", str(LAB_DIR), "up", "--hosts", "1", "--engine", ENGINE]
     argv += ["--gpus", "1", "--gpu-mib", "143771"] if run.simulated else ["--gpus", "real"]
     if run.cpu_real:  # the real-mode stand-in (torch env, model, forward pass) on this CPU; GPUs simulated
         from gpugate_lab import realgpu
@@ -404,7 +421,7 @@ def step_lab_up(run: Run) -> dict:
         binding = {"mode": "real", "device": "cpu", "devices": [], "binds": [], "links": [], "ld_dirs": [],
                    "nvidia_smi": None, "gpus": [], "torch_env": realgpu.find_torch_env(run.cpu_real)}
         began = time.time()
-        core.up(LAB_DIR, hosts=1, gpus=1, gpu_mib=143771, gpu_binding=binding)
+        core.up(LAB_DIR, hosts=1, gpus=1, gpu_mib=143771, gpu_binding=binding, engines=(ENGINE,))
         res = {"rc": 0, "out": json.dumps(binding), "err": "", "wall_s": round(time.time() - began, 3)}
     else:
         res = run.sh(argv, timeout=120)
@@ -414,8 +431,8 @@ def step_lab_up(run: Run) -> dict:
     host = state["hosts"][0]
     gpus = len(host.get("gpus") or []) or 1
     fleet = (LAB_DIR / "fleet.yaml").read_text()
-    run.flags_base = {"tp": gpus, "mem-fraction-static": 0.88}
-    run.server_env = {"SGLANG_STANDIN_LOAD_S": "0.5"} if run.simulated and not run.cpu_real else {}
+    run.flags_base = {P["tp"]: gpus, **P["base"]}
+    run.server_env = dict(P["sim_env"]) if run.simulated and not run.cpu_real else {}
     nvidia = run.sh(run.host_exec() + ["pct", "exec", str(VMID), "--", "nvidia-smi"], timeout=60)
     return {"lab_up": summary_of(res, 2000), "gpu_mode": host.get("gpu_mode"), "gpus": host.get("gpus"),
             "fleet": fleet, "container_nvidia_smi": summary_of(nvidia, 3000)}
@@ -445,7 +462,7 @@ def step_deploy(run: Run) -> dict:
 
 
 def step_flag_change(run: Run) -> dict:
-    changed = dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"})
+    changed = dict(run.flags_base, **{"kv-cache-dtype": P["fp8"]})
     before = run.ct_state()
     dry = run.pyinfra("deploy.py", flags=changed, dry=True, timeout=90)
     after_dry = run.ct_state()
@@ -454,15 +471,17 @@ def step_flag_change(run: Run) -> dict:
     after = run.ct_state()
     argv = (after.get("main") or {}).get("argv") or []
     text = dry["out"] + dry["err"]
-    return {"dry": summary_of(dry), "dry_shows_the_diff": "--kv-cache-dtype" in text and "fp8_e4m3" in text,
+    return {"dry": summary_of(dry), "dry_shows_the_diff": "--kv-cache-dtype" in text and P["fp8"] in text,
             "dry_touched_nothing": (before.get("main") or {}).get("pid") == (after_dry.get("main") or {}).get("pid"),
             "applied": summary_of(applied), "figures": figures, "server": after,
-            "running_has_new_flag": "fp8_e4m3" in argv,
-            "outcome": "changed" if applied["rc"] == 0 and "fp8_e4m3" in argv and after.get("health") == 200 else "failed"}
+            "running_has_new_flag": P["fp8"] in argv,
+            "kv_capacity_line": next((line.strip() for line in (applied["out"] + applied["err"]).splitlines()
+                                      if "KV cache" in line and "->" in line), None),
+            "outcome": "changed" if applied["rc"] == 0 and P["fp8"] in argv and after.get("health") == 200 else "failed"}
 
 
 def step_converged(run: Run) -> dict:
-    changed = dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"})
+    changed = dict(run.flags_base, **{"kv-cache-dtype": P["fp8"]})
     before = run.ct_state()
     res = run.pyinfra("deploy.py", flags=changed)
     after = run.ct_state()
@@ -504,7 +523,7 @@ def kill_chain(run: Run, chain: str) -> dict:
 
 def step_kill_chain(run: Run, chain: str, label: str) -> dict:
     result = kill_chain(run, chain)
-    restore = run.pyinfra("deploy.py", flags=dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"}))
+    restore = run.pyinfra("deploy.py", flags=dict(run.flags_base, **{"kv-cache-dtype": P["fp8"]}))
     result["restore_deploy"] = summary_of(restore)
     result["restore_figures"] = run.transition(f"4_{label}_restore", restore)
     state = run.ct_state()
@@ -513,12 +532,36 @@ def step_kill_chain(run: Run, chain: str, label: str) -> dict:
     return result
 
 
+def step_sigkill_api_server(run: Run) -> dict:
+    """vLLM's own hazard: the API server SIGKILLed (an OOM kill, a `kill -9` by hand). 0.33.0's
+    EngineCore watches no parent: it and its workers keep the GPU while the port is free. Then a
+    deploy, which must sweep them (they are this server's own) and start it again."""
+    before = run.ct_state()
+    pid = (before.get("main") or {}).get("pid")
+    gpu_before = run.gpu_now()
+    kill = run.sh(run.host_exec() + ["pct", "exec", str(VMID), "--", "kill", "-9", str(pid)], timeout=30)
+    time.sleep(2.0)
+    left = run.ct_state()
+    gpu_left = run.gpu_now()
+    restore = run.pyinfra("deploy.py", flags=dict(run.flags_base, **{"kv-cache-dtype": P["fp8"]}))
+    figures = run.transition("4_sigkill_restore", restore)
+    after = run.ct_state()
+    text = restore["out"] + restore["err"]
+    orphans = [p for p in left.get("sglang_procs") or [] if p["argv"][0].startswith("VLLM::")]
+    return {"killed_pid": pid, "kill": summary_of(kill, 500), "gpu_used_mib_before": gpu_before,
+            "left_after_2s": left, "gpu_used_mib_2s_after": gpu_left, "orphans_holding": orphans,
+            "restore_deploy": summary_of(restore, 6000), "restore_figures": figures, "server_restored": after,
+            "swept_said": "swept" in text,
+            "outcome": "swept and restored" if restore["rc"] == 0 and after.get("health") == 200 and "swept" in text
+            else "not restored"}
+
+
 def step_foreign(run: Run) -> dict:
     fault = run.sh([sys.executable, "-m", "gpugate.cli", "lab", "--dir", str(LAB_DIR), "fault", "--host", HOST,
                     "--vmid", str(VMID), "foreign-holder"], timeout=200)
     held = run.gpu_now()
     before = run.ct_state()
-    desired = dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True})
+    desired = dict(run.flags_base, **{"kv-cache-dtype": P["fp8"]}, **P["other"])
     res = run.pyinfra("deploy.py", flags=desired, timeout=120)
     after = run.ct_state()
     same = (before.get("main") or {}).get("pid") is not None and \
@@ -541,8 +584,10 @@ def step_crash_rollback(run: Run) -> dict:
     # weights and took its KV pool, so the rollback's gate waits for real memory coming back. (A hidden
     # GPU, CUDA_VISIBLE_DEVICES=99, is refused by the plan before the stop; a memory fraction of 0.01
     # still fits the lab's tiny model on an H200, so it served: the first GPU run saw both.)
-    changed = dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"})
+    changed = dict(run.flags_base, **{"kv-cache-dtype": P["fp8"]})
     crash_env = dict(run.server_env, SGLANG_STANDIN_LOAD_S="not-a-number")
+    if ENGINE == "vllm":  # a value vLLM refuses while it starts: its parser declares no choices
+        changed, crash_env = dict(run.flags_base, **{"kv-cache-dtype": "fp9"}), dict(run.server_env)
     before = run.ct_state()
     res = run.pyinfra("deploy.py", flags=changed, env=crash_env)
     figures = run.transition("6_crash_rollback", res)
@@ -550,7 +595,7 @@ def step_crash_rollback(run: Run) -> dict:
     text = res["out"] + res["err"]
     # compared as the product compares what runs: without the launch-only --gated-launch-port (the old
     # server was started gated; its rollback is an ordinary start of the same spec)
-    from gpugate.engine.sglang.weight_cache import steady_argv  # noqa: PLC0415
+    from gpugate.engine.sglang.weight_cache import steady_argv  # noqa: PLC0415 -- vLLM's argv has no gate option
 
     argv_before = steady_argv((before.get("main") or {}).get("argv"))
     argv_after = steady_argv((after.get("main") or {}).get("argv"))
@@ -565,7 +610,7 @@ def step_crash_rollback(run: Run) -> dict:
 
 def step_rollback_runbook(run: Run) -> dict:
     before = run.ct_state()
-    res = run.pyinfra("runbooks/rollback.py", flags=dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"}),
+    res = run.pyinfra("runbooks/rollback.py", flags=dict(run.flags_base, **{"kv-cache-dtype": P["fp8"]}),
                       extra=("--limit", f"@pct/{HOST}:{VMID}"))
     figures = run.transition("7_rollback_runbook", res)
     after = run.ct_state()
@@ -576,7 +621,7 @@ def step_rollback_runbook(run: Run) -> dict:
 
 
 def step_status(run: Run) -> dict:
-    res = run.pyinfra("runbooks/status.py", flags=dict(run.flags_base, **{"kv-cache-dtype": "fp8_e4m3"}), timeout=90)
+    res = run.pyinfra("runbooks/status.py", flags=dict(run.flags_base, **{"kv-cache-dtype": P["fp8"]}), timeout=90)
     # exit status 1 means: some row is not as desired (here: the rollback runbook left the fleet's flags)
     return {"pyinfra": summary_of(res, 6000), "table": res["out"][-4000:],
             "outcome": "shown" if res["rc"] in (0, 1) and res["out"].strip() else "failed"}
@@ -621,7 +666,7 @@ def summarize(run: Run) -> None:
 
 def report(doc: dict) -> str:
     """A markdown summary of a results document (for docs/benchmarks.md and the issue's note)."""
-    lines = [f"Run: mode {doc.get('mode')}, {doc.get('started_at')} .. {doc.get('ended_at')}; "
+    lines = [f"Run: engine {doc.get('engine', 'sglang')}, mode {doc.get('mode')}, {doc.get('started_at')} .. {doc.get('ended_at')}; "
              f"machine: {(doc.get('machine') or {}).get('nvidia_smi', '?')}; torch {(doc.get('machine') or {}).get('torch', '?')}",
              "", "| step | outcome | s |", "|---|---|---|"]
     for name, step in doc.get("steps", {}).items():
@@ -657,11 +702,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--simulated", action="store_true", help="rehearse on the simulated lab (no GPU)")
     parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPUGATE_E2E_BUDGET_S", "480")))
     parser.add_argument("--no-meant-chain", action="store_true", help="skip the second kill chain")
+    parser.add_argument("--engine", choices=sorted(PROFILES), default="sglang", help="the engine the lab serves")
     parser.add_argument("--cpu-real", metavar="VENV", help="rehearse the stand-in's real mode on the CPU "
                                                           "(VENV has torch); the GPUs stay simulated")
     args = parser.parse_args(argv)
+    global ENGINE, P, PORT
+    ENGINE, P = args.engine, PROFILES[args.engine]
+    PORT = P["port"]
     args.results.mkdir(parents=True, exist_ok=True)
     run = Run(args.results, args.simulated or bool(args.cpu_real), args.budget_s, args.cpu_real)
+    run.doc["engine"] = ENGINE
     run.save()
     try:
         try:
@@ -675,8 +725,11 @@ def main(argv: list[str] | None = None) -> int:
         run.step("1_deploy", step_deploy, run)
         run.step("2_flag_change", step_flag_change, run)
         run.step("3_converged", step_converged, run)
-        run.step("4_seeds_kill_chain", step_kill_chain, run, SEEDS_CHAIN, "seeds", min_left_s=90)
-        if not args.no_meant_chain:
+        if ENGINE == "vllm":
+            run.step("4_sigkill_api_server", step_sigkill_api_server, run, min_left_s=90)
+        else:
+            run.step("4_seeds_kill_chain", step_kill_chain, run, SEEDS_CHAIN, "seeds", min_left_s=90)
+        if not args.no_meant_chain and ENGINE != "vllm":
             run.step("4b_meant_kill_chain", step_kill_chain, run, MEANT_CHAIN, "meant", min_left_s=150)
         run.step("5_foreign_memory", step_foreign, run, min_left_s=60)
         run.step("6_crash_rollback", step_crash_rollback, run, min_left_s=60)
