@@ -628,6 +628,19 @@ def _rmdir_cgroup_tree(path: str, timeout_s: float = 5.0) -> None:
                 time.sleep(0.01)
 
 
+def _ended(pid: int) -> bool:
+    """The host init ``pid`` is gone or a zombie. A PID namespace's init turns zombie only once the
+    kernel has ended and reaped every other process of its namespace: the host is down then. Its own
+    reaping is up to this machine's PID 1, which may take a second (a sandbox's PID 1 that reaps
+    once a second held every `lab down` that long, about a second of every lab module's teardown)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            state = handle.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in (b"Z", b"X")
+
+
 def down(lab_dir: Path) -> list[str]:
     """Kill every lab host (its PID namespace takes sshd, driver and containers along). Returns names stopped.
 
@@ -647,7 +660,7 @@ def down(lab_dir: Path) -> list[str]:
             pids[name] = pid
     deadline = time.monotonic() + 10
     for name, pid in pids.items():
-        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        while not _ended(pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         stopped.append(name)
     for name in existing_hosts(lab_dir):
