@@ -63,8 +63,8 @@ def test_json_is_one_document_and_the_prometheus_file_is_written(lab, tmp_path):
     text = prom.read_text()
     assert 'gpugate_sglang_up{host="pve1",vmid="129",port="30000",engine="sglang"} 1' in text
     assert 'gpugate_sglang_up{host="pve2",vmid="129",port="30000",engine="sglang"} 0' in text
-    assert 'gpugate_gpu_used_mib{host="pve1",vmid="129",port="30000",gpu="0"}' in text
-    assert 'gpugate_sglang_last_transition{host="pve1",vmid="129",port="30000",outcome="verified"} 1' in text
+    assert 'gpugate_gpu_used_mib{host="pve1",vmid="129",port="30000",engine="sglang",gpu="0"}' in text
+    assert 'gpugate_sglang_last_transition{host="pve1",vmid="129",port="30000",engine="sglang",outcome="verified"} 1' in text
 
 
 def _kill_host(lab, name: str) -> None:
