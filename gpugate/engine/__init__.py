@@ -131,6 +131,8 @@ class Engine(abc.ABC):
     drain_words: str = "the engine's drain"  # what SIGTERM starts, in the stop's line
     ready_paths: tuple[str, ...] = ("/health",)  # readiness before a router sends to it again (first that exists)
     router_runtime: str = ""       # smg's ``runtime`` of this engine's workers ("": smg detects it)
+    # systemd's Restart= for the server's unit, and why: how the engine exits when it dies
+    systemd_restart: tuple[str, str] = ("on-failure", "the engine exits non-zero when it dies")
     in_flight_gauges: tuple[str, ...] = ()  # the Prometheus gauges whose sum is what a server still holds
     has_weight_cache: bool = False  # the weights can be held across engine restarts (docs/weight-cache.md)
     gated_option: str = ""         # a gated launch's option and how the gate opens (plan's steps); "": none

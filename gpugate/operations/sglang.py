@@ -1135,10 +1135,12 @@ def render_unit(spec: Spec, stop_timeout_s: float, template: str = "sglang.servi
     from gpugate.resources import render_template
 
     argv = spec.daemon_argv if template == "sglang-weight-cache.service.j2" else spec.argv
+    serving = engine(spec.engine)
     return render_template(
         template, port=spec.port, exec_start=" ".join(_systemd_quote(a) for a in argv),
         env_file=f"/etc/gpugate/sglang-{spec.port}.env", stop_timeout_s=int(stop_timeout_s),
-        argv_comment=shlex.join(engine(spec.engine).redact_argv(list(argv))))
+        argv_comment=shlex.join(serving.redact_argv(list(argv))), label=serving.label,
+        restart=serving.systemd_restart[0], restart_why=serving.systemd_restart[1])
 
 
 def _story(observation: Mapping[str, Any], plan: Plan, spec: Spec | None) -> dict[str, Any]:

@@ -135,3 +135,15 @@ hosts:
     path.write_text(path.read_text().replace("kv-cache-dtyp: fp8}", "kv-cache-dtype: fp8}\n          engine: sglang"))
     with pytest.raises(FleetError, match=r"129\.vllm\.engine: 'sglang' in a vllm: section"):
         load_fleet(str(path))
+
+
+def test_a_vllm_unit_is_restarted_after_its_engine_dies_though_the_server_exits_0():
+    from gpugate.operations.sglang import render_unit
+    from gpugate.spec import desired_state
+
+    units = {}
+    for name, flags in (("vllm", {"tensor-parallel-size": 2}), ("sglang", {"tp": 2})):
+        spec = desired_state({"engine": name, "sglang_model_path": "/m", "sglang_port": 8000, "sglang_flags": flags}).spec
+        units[name] = render_unit(spec, 70)
+    assert "Restart=always" in units["vllm"] and "Description=vLLM server on port 8000" in units["vllm"]
+    assert "Restart=on-failure" in units["sglang"] and "Description=SGLang server on port 8000" in units["sglang"]

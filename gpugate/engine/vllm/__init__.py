@@ -34,6 +34,9 @@ class VLLM(ArgparseEngine):
     # is 200 while the engine lives; the rejoin's own verify proves a generation
     ready_paths = ("/health",)
     router_runtime = "vllm"
+    # a dead EngineCore ends the API server through its watchdog with exit 0 (vllm/entrypoints/
+    # launchers: "engine core exited unexpectedly", then the server's shutdown): on-failure would leave it down
+    systemd_restart = ("always", "vLLM's API server exits 0 when its EngineCore dies")
     # vllm/v1/metrics/loggers.py: per engine (label engine="0"...), always on
     in_flight_gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
     drain_words = "vLLM's drain (--shutdown-timeout)"
