@@ -52,19 +52,24 @@ def test_a_frozen_ssh_link_is_said_while_it_lasts_and_the_run_goes_on(lab):
     assert run.returncode == 0, run
     frozen = []
 
+    def thaw_pve1(_process=None):
+        lab.host_exec("pve1", "pkill", "-CONT", "-x", "sshd")
+
     def freeze_pve1(_process):
         # every sshd of pve1 stopped for real (its listener and the session the follow runs in)
         lab.host_exec("pve1", "pkill", "-STOP", "-x", "sshd")
-        frozen.append(threading.Timer(10.0, lambda: lab.host_exec("pve1", "pkill", "-CONT", "-x", "sshd")))
+        frozen.append(threading.Timer(30.0, thaw_pve1))  # only if the silence is never said
         frozen[0].start()
 
     try:
-        # a load long enough for the run to go on during the freeze (budgets and times as data)
+        # a load long enough for the run to go on during the freeze (budgets and times as data); the link
+        # thaws once the controller has said it is silent (after 3 + 5 s), not after a fixed freeze
         run = deploy(lab, TP2_FP8, env={"SGLANG_STANDIN_LOAD_S": "6"}, limit="pve_pve1",
-                     when=[("[@pct/pve1:129] sglang :30000 started pid", freeze_pve1)])
+                     when=[("[@pct/pve1:129] sglang :30000 started pid", freeze_pve1),
+                           ("the SSH link to pve1 is silent", thaw_pve1)])
     finally:
         for timer in frozen:
-            timer.join()
+            timer.cancel()
         lab.host_exec("pve1", "pkill", "-CONT", "-x", "sshd")
     assert run.returncode == 0, run
     said(run, "no answer from the container for", "the SSH link to pve1 is silent",
