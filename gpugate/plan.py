@@ -786,6 +786,19 @@ class Narrator:
             return f"gate passed in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}{own}, no holder{extra}"
         return f"gate did NOT pass in {_seconds(event.get('elapsed_s'))}: GPU MiB {used}; " + "; ".join(event.get("problems") or [])
 
+    def _on_prepare(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        """The engine's /dev/shm segments a dead server left and nobody alive holds, removed before
+        the start (a leftover can fail every later start: vLLM's KV offload region, vllm#54002).
+
+        >>> Narrator().lines({"step": "prepare", "phase": "end", "removed_shm": ["vllm_offload_1.mmap"]})
+        ['removed 1 stale /dev/shm segment(s) no live process holds: vllm_offload_1.mmap']
+        """
+        removed = [str(name) for name in event.get("removed_shm") or []] if phase == "end" else []
+        if not removed:
+            return None
+        return (f"removed {len(removed)} stale /dev/shm segment(s) no live process holds: {', '.join(removed[:4])}"
+                f"{f' and {len(removed) - 4} more' if len(removed) > 4 else ''}")
+
     def _on_start(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
         if phase != "end":
             return None

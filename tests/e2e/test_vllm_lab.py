@@ -193,3 +193,22 @@ def test_the_rollback_runbook_returns_to_the_previous_server(lab):
     row = status_row(lab, flags=FLAGS, env={**FAST, "VLLM_STANDIN_TOKEN_S": "0.01"})
     # what the next deploy would change: the fp8 the runbook restored goes
     assert row["kind"] == "drifted" and "- --kv-cache-dtype fp8" in row["verdict"], row
+
+
+def test_the_kv_offload_region_a_killed_server_left_in_dev_shm_is_removed_before_the_next_start(lab):
+    # the tiering spec keeps /dev/shm/vllm_offload_<id>.mmap while the engine runs and never removes it
+    # on an unclean exit (vllm#57303); with room for one region only, the next start would fail vLLM's
+    # free-space check, and every start after it (vllm#54002's crash loop)
+    transfer = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30, "spec_name": "TieringOffloadingSpec"}})
+    flags, env = {**FLAGS, "kv-transfer-config": transfer}, {**FAST, "VLLM_STANDIN_SHM_MIB": "1500"}
+    result, out = deploy(lab, flags=flags, env=env)
+    assert result.returncode == 0, out
+    in_ct(lab, "kill -9 " + " ".join(map(str, processes(lab))))
+    wait_for(lambda: not processes(lab), what="the whole tree's end")
+    left = in_ct(lab, "ls /dev/shm").split()
+    assert len(left) == 1 and left[0].startswith("vllm_offload_"), left
+    result, out = deploy(lab, flags=flags, env=env)
+    assert result.returncode == 0, out
+    assert f"removed 1 stale /dev/shm segment(s) no live process holds: {left[0]}" in out, out
+    assert left[0] not in in_ct(lab, "ls /dev/shm") and health(lab) == "200"
