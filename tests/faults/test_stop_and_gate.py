@@ -124,12 +124,17 @@ def test_memory_held_from_outside_before_the_stop_the_server_is_not_stopped(lab,
 
 
 def test_memory_held_from_outside_after_the_stop_gate_fails_nothing_killed(lab, serving):
-    lab.fault("pve1", 129, "ignore-sigterm")  # a drain long enough to act in the middle of it
+    lab.fault("pve1", 129, "ignore-sigterm")  # a drain that lasts until the test has acted in the middle of it
     # the foreign memory appears while the server drains, after the checks before the stop passed; the
     # controller prints "stopping" with the first batch of the journal's events (up to 3 s after the
-    # hand-off: one follow command per 3 s), so the drain outlasts that batch
-    inject = ("stopping :30000 pid", lambda _: lab.fault("pve1", 129, "foreign-holder"))
-    run = deploy(lab, FP8, data={"drain_timeout_s": 6, "gpu_gate_timeout_s": 1.5}, when=[inject])
+    # hand-off: one follow command per 3 s), so the drain outlasts that batch; once the holder is there
+    # the server stops ignoring SIGTERM and ends its drain at once (the drain budget is never waited out)
+    def inject(_process):
+        lab.fault("pve1", 129, "foreign-holder")
+        lab.fault("pve1", 129, "ignore-sigterm", clear=True)
+
+    run = deploy(lab, FP8, data={"drain_timeout_s": 6, "gpu_gate_timeout_s": 1.5},
+                 when=[("stopping :30000 pid", inject)])
     assert run.returncode != 0, run.output
     said(run, "gate did NOT pass", "GPU MiB 4096 x8", "NOTHING SERVES on :30000")
     assert lab.host_exec("pve1", "sh", "-c", "pgrep -f 'foreign-holder:pve1:129'").stdout.strip()
