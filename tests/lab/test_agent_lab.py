@@ -71,11 +71,13 @@ def start(lab, desired, rollback_to="auto", budgets=None, **extra) -> dict:
 
 
 def follow(lab, run: str, timeout: float = 60) -> tuple[dict, list[dict]]:
-    """Follow a run to its end: (the last follow answer, every event)."""
+    """Follow a run to its end: (the last follow answer, every event). As the controller follows (batch):
+    one command answers at the end or after its wait with every event since, not one command per event
+    (a run journals about 20: each a pct exec and a Python start in the container)."""
     offset, events = 0, []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        answer = run_agent(lab, agentcmd.follow_command(PY, run, offset, 3))
+        answer = run_agent(lab, agentcmd.follow_command(PY, run, offset, 10, batch=True))
         assert "error" not in answer, answer
         events += answer["events"]
         offset = answer["offset"]
