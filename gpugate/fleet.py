@@ -631,8 +631,9 @@ def parse_fleet(document: Any, path: str | os.PathLike[str] = "fleet.yaml") -> F
                 vmid=vmid,
                 groups=list(dict.fromkeys(groups)),
                 data=check.data(container_body.get("data"), f"{where}.data"),
-                sglang=(_check_servers(check, {name: container_body[name] for name in sections
-                                                if container_body.get(name) is not None}, where)
+                # in the order written: a container's servers run in that order (one moves off GPUs another takes)
+                sglang=(_check_servers(check, {name: body for name, body in container_body.items()
+                                                if name in sections and body is not None}, where)
                         if any(container_body.get(name) is not None for name in sections) else None),
             )
             servers = (container.sglang or {}).get("sglang_servers")

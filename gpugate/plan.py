@@ -496,7 +496,7 @@ def kept_gpu_problems(observation: Mapping[str, Any], desired: Desired, spec: Sp
         takes = later.get(other)
         if takes == ():
             how = (f":{other} stops (present: false) after :{desired.port} in this run: list it before :{desired.port} "
-                   f"in the container's sglang: list")
+                   f"in the container (its servers run in the order fleet.yaml lists them, engine sections included)")
         elif isinstance(takes, tuple) and set(takes) & mine_now:
             how = (f"the two swap GPUs (:{other} moves to {gpu_text(takes)}, which :{desired.port} holds), and neither "
                    f"can move while the other holds its GPUs: do it in two deploys: (1) :{other} present: false, "
@@ -505,7 +505,8 @@ def kept_gpu_problems(observation: Mapping[str, Any], desired: Desired, spec: Sp
                    f":{other} starts on {gpu_text(takes)})")
         elif isinstance(takes, tuple):
             how = (f":{other} moves to {gpu_text(takes)} after :{desired.port} in this run: list it before "
-                   f":{desired.port} in the container's sglang: list, so that it moves off first")
+                   f":{desired.port} in the container, so that it moves off first (its servers run in the order "
+                   f"fleet.yaml lists them, engine sections included)")
         elif other in later:  # its GPUs not told, or refused for its own reason
             how = (f":{other} runs after :{desired.port} in this run and keeps its GPUs until then: stop it first "
                    f"(present: false, in a deploy of its own), or give :{desired.port} other GPUs")

@@ -115,8 +115,8 @@ def test_the_fp8_change_is_previewed_then_applied_with_the_kv_capacity_before_an
     result, out = deploy(lab)
     assert result.returncode == 0, out
     assert "drained and exited" in out and "gate passed" in out and "verified" in out, out
-    kv = re.search(rf"vllm :{PORT} KV cache (\d+) -> (\d+) tokens", out)
-    assert kv and int(kv.group(2)) == 2 * int(kv.group(1)), out  # fp8 halves the bytes per token
+    kv = re.search(rf"vllm :{PORT} KV cache ([\d,]+) -> ([\d,]+) tokens \(x2.00\)", out)
+    assert kv and int(kv.group(2).replace(",", "")) == 2 * int(kv.group(1).replace(",", "")), out  # fp8 halves the bytes per token
     assert "fp8" in running_argv(lab)
     result, out = deploy(lab)
     assert "No changes" in out, out
@@ -212,3 +212,29 @@ def test_the_kv_offload_region_a_killed_server_left_in_dev_shm_is_removed_before
     assert result.returncode == 0, out
     assert f"removed 1 stale /dev/shm segment(s) no live process holds: {left[0]}" in out, out
     assert left[0] not in in_ct(lab, "ls /dev/shm") and health(lab) == "200"
+
+
+def test_a_vllm_and_an_sglang_server_share_the_container_on_disjoint_gpus(lab):
+    """Both engines in one container, written in the order they must run: vLLM first, moving off
+    GPU 1 (tp 2 -> 1 on GPU 0), then SGLang onto GPU 1. Each is its own desired state and history;
+    the status names each one's engine; a re-run changes nothing."""
+    import yaml
+
+    doc = yaml.safe_load(lab.fleet_path.read_text())
+    doc["hosts"]["pve1"]["containers"][129] = {
+        "vllm": {"model_path": "/opt/models/lab-model", "port": PORT, "flags": {"tensor-parallel-size": 1},
+                 "env": {**FAST, "CUDA_VISIBLE_DEVICES": "0"}},
+        "sglang": {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 1, "base-gpu-id": 1},
+                   "env": {"SGLANG_STANDIN_LOAD_S": "0.3"}}}
+    lab.fleet_path = lab.dir / "fleet.both.yaml"
+    lab.fleet_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    result = lab.pyinfra("inventory.py", "deploy.py")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert out.index(f"vllm :{PORT} verified") < out.index("sglang :30000 will start"), out  # vLLM moved off first
+    result = lab.pyinfra("inventory.py", "runbooks/status.py", "--data", "format=json")
+    rows = {row["port"]: row for row in json.loads(result.stdout[result.stdout.index("{"):])["servers"]}
+    assert {port: (row["engine"], row["kind"]) for port, row in rows.items()} == {
+        PORT: ("vllm", "serving"), 30000: ("sglang", "serving")}, rows
+    result = lab.pyinfra("inventory.py", "deploy.py")
+    assert (result.stdout + result.stderr).count("No changes") == 2, result.stdout + result.stderr

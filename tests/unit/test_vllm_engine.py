@@ -101,7 +101,7 @@ def test_the_info_and_the_kv_capacity_come_from_what_vllm_serves():
     info = container.read_info(lambda path: answers.get(path, (404, "")))
     assert info["args"] == {"served_model_name": "m", "model_path": "/models/m", "max_model_len": 32768,
                             "version": "0.33.0", "num_gpu_blocks": 8192, "block_size": 16, "kv_cache_tokens": 131072}
-    assert VLLM.capacity_line({"kv_cache_tokens": 65536}, VLLM.capacity(info["args"])) == "KV cache 65536 -> 131072 tokens"
+    assert VLLM.capacity_line({"kv_cache_tokens": 65536}, VLLM.capacity(info["args"])) == "KV cache 65,536 -> 131,072 tokens (x2.00)"
     assert container.read_info(lambda path: (401, ""))["error"] == "unauthorized (401)"
 
 
@@ -147,3 +147,19 @@ def test_a_vllm_unit_is_restarted_after_its_engine_dies_though_the_server_exits_
         units[name] = render_unit(spec, 70)
     assert "Restart=always" in units["vllm"] and "Description=vLLM server on port 8000" in units["vllm"]
     assert "Restart=on-failure" in units["sglang"] and "Description=SGLang server on port 8000" in units["sglang"]
+
+
+@pytest.mark.parametrize("first", ["vllm", "sglang"])
+def test_a_containers_servers_run_in_the_order_written_engine_sections_included(tmp_path, first):
+    from gpugate.fleet import fleet_to_inventory, load_fleet
+    from gpugate.spec import desired_states
+
+    sections = {"vllm": '        vllm: {model_path: /m, port: 8000, flags: {tensor-parallel-size: 1}, '
+                        'env: {CUDA_VISIBLE_DEVICES: "0"}}\n',
+                "sglang": "        sglang: {model_path: /m, port: 30000, flags: {tp: 1, base-gpu-id: 1}}\n"}
+    second = "sglang" if first == "vllm" else "vllm"
+    path = tmp_path / "fleet.yaml"
+    path.write_text("hosts:\n  pve1:\n    containers:\n      129:\n" + sections[first] + sections[second])
+    ((_name, data),), _group = fleet_to_inventory(load_fleet(path))["pve_pve1"]
+    assert [d.engine for d in desired_states(data)] == [first, second]
+    assert [port for port, _gpus in desired_states(data)[0].run_order] == [8000, 30000][::1 if first == "vllm" else -1]

@@ -57,15 +57,20 @@ class VLLM(ArgparseEngine):
         return {key: (info or {})[key] for key in vllm_container.CAPACITY_KEYS if key in (info or {})}
 
     def capacity_line(self, before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> str | None:
-        """``KV cache N -> M tokens`` from what vLLM reports (``vllm:cache_config_info``).
+        """The KV capacity vLLM reports (``vllm:cache_config_info``), as SGLang's line says it: the
+        new figure on a first start, before and after with the ratio on a change, None when unchanged.
 
-        >>> ENGINE.capacity_line({"kv_cache_tokens": 100}, {"kv_cache_tokens": 200})
-        'KV cache 100 -> 200 tokens'
+        >>> ENGINE.capacity_line({"kv_cache_tokens": 1297792}, {"kv_cache_tokens": 2595584})
+        'KV cache 1,297,792 -> 2,595,584 tokens (x2.00)'
+        >>> ENGINE.capacity_line(None, {"kv_cache_tokens": 2595584}), ENGINE.capacity_line({"kv_cache_tokens": 5}, {"kv_cache_tokens": 5})
+        ('KV cache 2,595,584 tokens', None)
         """
         old, new = (before or {}).get("kv_cache_tokens"), (after or {}).get("kv_cache_tokens")
-        if old is None and new is None:
+        if not isinstance(new, int):
             return None
-        return f"KV cache {old if old is not None else '?'} -> {new if new is not None else '?'} tokens"
+        if not isinstance(old, int) or not old:
+            return f"KV cache {new:,} tokens"
+        return None if old == new else f"KV cache {old:,} -> {new:,} tokens (x{new / old:.2f})"
 
 
 ENGINE = VLLM()
