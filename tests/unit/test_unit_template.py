@@ -14,7 +14,9 @@ ARGV = '"/usr/bin/python3" "-m" "sglang.launch_server" "--port" "30000" "--api-k
 
 def unit(**values) -> str:
     return render_template("sglang.service.j2", port=30000, exec_start=ARGV, env_file="/etc/gpugate/sglang-30000.env",
-                           stop_timeout_s=70, argv_comment="python3 -m sglang.launch_server --api-key '***'", **values)
+                           stop_timeout_s=70, argv_comment="python3 -m sglang.launch_server --api-key '***'",
+                           **{"label": "SGLang", "restart": "on-failure", "restart_why": "it exits non-zero when it dies",
+                              **values})
 
 
 def settings(text: str) -> dict[str, str]:
