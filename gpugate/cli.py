@@ -103,8 +103,11 @@ def _add_dir(parser: argparse.ArgumentParser, top_level: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gpugate.engine import names as engine_names  # noqa: PLC0415 -- the installed engines, named in the help
+
     parser = _Parser(
-        prog="gpugate", description="Declarative, GPU-gated SGLang restarts in Proxmox LXC containers, on pyinfra.",
+        prog="gpugate", description="Declarative, GPU-gated inference-server restarts (the installed engines: "
+                    + ", ".join(engine_names()) + ") in Proxmox LXC containers, on pyinfra.",
         epilog="The deploy and the runbooks are pyinfra files: `gpugate files` shows where they are.")
     parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
     top = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
@@ -120,9 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     runbook.add_argument("pyinfra_args", nargs="*", metavar="PYINFRA_ARGS",
                          help="passed to pyinfra as they are: --limit pve1, --data format=json ...")
     top.add_parser("files", help="print where inventory.py, deploy.py, group_data/ and runbooks/ are")
-    check = top.add_parser("check", help="check a fleet file's SGLang flags against SGLang's own flag tables, "
+    check = top.add_parser("check", help="check a fleet file's flags against each engine's own flag tables, "
                                          "offline (no host is contacted)",
-                           description="Each server's flags against the snapshot of its pinned sglang_version, "
+                           description="Each server's flags against the snapshot of its engine's pinned release, "
                                        "else the newest snapshot (docs/flags.md). Exit 1 if any is refused.")
     check.add_argument("fleet", nargs="?", default=None,
                        help="the fleet file (default $GPUGATE_FLEET, else ./fleet.yaml)")

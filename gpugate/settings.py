@@ -205,10 +205,10 @@ def to_supervisor(value: Any) -> str:
 
 
 def to_flags(value: Any) -> dict:
-    # the flags themselves are validated by the engine (gpugate.engine.sglang.flags), against the
-    # container's SGLang version; here only the shape
+    # the flags themselves are validated by the engine (gpugate.engine), against the release in the
+    # container; here only the shape
     if not isinstance(value, dict):
-        raise ValueError(f"expected a mapping of SGLang flags, got {describe(value)}")
+        raise ValueError(f"expected a mapping of the engine's flags, got {describe(value)}")
     return dict(value)
 
 

@@ -91,13 +91,13 @@ def free_gpus_refusal(server: Mapping[str, Any], gpu_doc: Mapping[str, Any], max
                       host: str, port: int) -> str | None:
     """Why free_gpus must not touch this container (None: go ahead).
 
-    - the managed SGLang server runs: ending its GPU workers would leave a broken server; stop
+    - the managed server runs: ending its GPU workers would leave a broken server; stop
       or restart it through sglang.server instead (deploy with sglang_present=false, or restart);
     - memory is held from outside the container: nothing in the container can free it.
     """
     if server.get("running"):
         main = server.get("main") or {}
-        return (f"{host}: sglang on :{port} runs (pid {main.get('pid')}); free_gpus does not end a managed "
+        return (f"{host}: {server.get('engine') or 'the server'} on :{port} runs (pid {main.get('pid')}); free_gpus does not end a managed "
                 f"server's workers. Restart it (runbooks/restart.py) or stop it "
                 f"(deploy.py --data sglang_present=false). Nothing was touched.")
     foreign = foreign_mib(gpu_doc, max_used_mib)  # driver overhead under the threshold is nobody's

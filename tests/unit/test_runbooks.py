@@ -30,7 +30,7 @@ def workers(n=8, mib=86000):
 
 def serving(flags=None, health=200, listening=True, argv=None, lock=None):
     argv = argv or argv_for("/opt/models/kimi", flags)
-    return {"port": 30000, "running": True, "listening": listening, "lock": lock,
+    return {"port": 30000, "engine": "sglang", "running": True, "listening": listening, "lock": lock,
             "serving": health == 200 and listening,
             "main": {"pid": 60, "pgid": 60, "argv": argv, "argv_hash": agentcmd.argv_hash(argv), "state": "S",
                      "age_s": 300},

@@ -60,7 +60,7 @@ def test_a_host_data_key_or_a_run_setting_as_an_argument_says_where_it_belongs()
 def test_a_bad_value_is_the_settings_error_naming_the_argument():
     with pytest.raises(SettingsError, match=r"^setting port=0: expected a port number 1\.\.65535, got 0 \(int\)$"):
         server_settings({"port": 0})
-    with pytest.raises(SettingsError, match=r"^setting flags=\['--tp', '2'\]: expected a mapping of SGLang flags"):
+    with pytest.raises(SettingsError, match=r"^setting flags=\['--tp', '2'\]: expected a mapping of the engine's flags"):
         server_settings({"flags": ["--tp", "2"]})
     with pytest.raises(SettingsError, match=r"^setting present='maybe': expected true or false"):
         server_settings({"present": "maybe"})
