@@ -15,6 +15,7 @@ another key (SGLang's hard error):
 
 from __future__ import annotations
 
+import shlex
 import time
 
 import pytest
@@ -161,21 +162,43 @@ def test_an_engine_that_crashes_after_its_activation_rolls_back(lab):
     assert daemons(lab) == (launchers, children)  # the key never changed: the weights stayed
 
 
+# Waits in the container for an engine started with --gated-launch-port and listens on that port at once
+# (the port free_port chose, read from the engine's own argv): taken before the engine's imports end.
+GATE_SQUATTER = """
+import os, socket, time
+port = None
+while port is None:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open("/proc/%s/cmdline" % pid, "rb").read().split(b"\\0")
+        except OSError:
+            continue
+        if b"--gated-launch-port" in argv:
+            port = int(argv[argv.index(b"--gated-launch-port") + 1])
+            break
+    else:
+        time.sleep(0.02)
+listener = socket.socket()
+listener.bind(("127.0.0.1", port))
+listener.listen()
+print("listening on", port, flush=True)
+time.sleep(3600)
+"""
+
+
 def test_a_gate_port_taken_before_the_gated_engine_binds_it_falls_back_to_an_ordinary_start(lab):
     reset(lab)
-    squatter = []
-
-    def take_the_gate_port(_process) -> None:
-        # the port free_port chose, from the gated engine's own argv; bound before its imports end
-        argv = next(cmd for cmd in engine_flags(lab) if "--gated-launch-port" in cmd).split()
-        port = argv[argv.index("--gated-launch-port") + 1]
-        squatter.append(start_in_container(lab, "pve1", 129, f"python3 -m http.server --bind 127.0.0.1 {port}",
-                                           "gate-squatter"))
-
-    slow_import = dict(ENV, SGLANG_STANDIN_IMPORT_S="5")  # its gate binds after its imports (a follow answers within 3 s)
-    run = pyinfra(lab, deploy_args(FP8, slow_import, CACHE), when=[("started the new engine gated", take_the_gate_port)])
-    assert run.returncode == 0, run
-    assert "the gated engine's gate port is taken by pid" in run.output and "an ordinary start instead" in run.output, run
-    assert serving(lab) and any("fp8_e4m3" in cmd for cmd in engine_flags(lab))
-    assert squatter and squatter[0].alive()  # never ours to end
-    ct_sh(lab, "pve1", 129, f"kill {squatter[0].pid}")
+    # started before the deploy, it takes the gate port within a poll of the engine's start; the engine
+    # binds it after 1.5 s of imports (the controller's "started the new engine gated" line may come 3 s
+    # after the start: acting on it needed 5 s of imports)
+    squatter = start_in_container(lab, "pve1", 129, f"python3 -c {shlex.quote(GATE_SQUATTER)}", "gate-squatter")
+    slow_import = dict(ENV, SGLANG_STANDIN_IMPORT_S="1.5")
+    try:
+        run = pyinfra(lab, deploy_args(FP8, slow_import, CACHE))
+        assert run.returncode == 0, run
+        assert "listening on" in squatter.log(), squatter.log()
+        assert "the gated engine's gate port is taken by pid" in run.output and "an ordinary start instead" in run.output, run
+        assert serving(lab) and any("fp8_e4m3" in cmd for cmd in engine_flags(lab))
+        assert squatter.alive()  # never ours to end
+    finally:
+        squatter.kill()
