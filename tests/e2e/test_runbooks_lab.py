@@ -272,17 +272,24 @@ def test_drain_and_gate_show_progress_while_waiting(lab):
     """A server that ignores SIGTERM (a drain that runs to its deadline) and a GPU process of the
     container that appears during the drain (after the checks) and holds memory until the operator
     ends it: the console shows, while it waits, what it waits for and what it sees."""
+    from gpugate.plan import PROGRESS_EVERY_S
+    from tests.faults.conftest import OnJournal
     from tests.faults.conftest import pyinfra as streamed
 
     holder: list[str] = []
     lab.fault("pve1", 129, "ignore-sigterm")
     start_holder = ("stopping :30000 pid", lambda _process: holder.append(in_ct(lab, "pve1", HOLD).strip()))
-    end_holder = ("sglang :30000 gate: ", lambda _process: in_ct(lab, "pve1", f"kill {' '.join(holder)}"))
+    # the holder goes once the agent has journalled a gate progress the console prints (one as old as a
+    # progress line's interval), not once the console printed it: that comes with the next follow, up to 3 s later
+    end_holder = OnJournal(lab, "gate", "progress", lambda: in_ct(lab, "pve1", f"kill {' '.join(holder)}"),
+                           when=lambda event: event.get("elapsed_s", 0) >= PROGRESS_EVERY_S)
     try:
-        result = streamed(lab, ["inventory.py", "runbooks/restart.py", "--limit", "pve_pve1",
-                                "--data", f"sglang_env={json.dumps(CANARY_ENV)}", "--data", f"sglang_flags={json.dumps(API)}",
-                                "--data", "drain_timeout_s=7", "--data", "kill_grace_s=2"],
-                          when=[start_holder, end_holder])
+        with end_holder:
+            result = streamed(lab, ["inventory.py", "runbooks/restart.py", "--limit", "pve_pve1",
+                                    "--data", f"sglang_env={json.dumps(CANARY_ENV)}",
+                                    "--data", f"sglang_flags={json.dumps(API)}",
+                                    "--data", "drain_timeout_s=7", "--data", "kill_grace_s=2"],
+                              when=[start_holder])
     finally:
         lab.fault("pve1", 129, "ignore-sigterm", clear=True)
         for pid in holder:

@@ -73,6 +73,62 @@ def pyinfra(lab: Lab, args: Iterable[str], when: Iterable[tuple[str, Callable[[s
     return Run(process.returncode, "".join(lines))
 
 
+class OnJournal:
+    """Acts at the moment a container's agent journals an event, without waiting for the controller to
+    print it (it reads the journal in batches: its line may come 3 s after the event). Around a run:
+
+        with OnJournal(lab, "gate", "progress", end_holder, when=lambda event: event["elapsed_s"] >= 3):
+            run = deploy(lab, ...)
+
+    ``action()`` runs once, in a thread of this process, as soon as the journal of a run that began
+    inside the block has an event of ``step`` and ``phase`` (and ``when(event)``); an exception it
+    raised is raised again when the block ends. The journal is read where this machine sees it, the
+    upper directory of the container's /var overlay (lab/gpugate_lab/container.py): no command in the
+    container per look."""
+
+    def __init__(self, lab: Lab, step: str, phase: str, action: Callable[[], None], host: str = "pve1",
+                 vmid: int = 129, when: Callable[[dict], bool] = lambda event: True):
+        self.runs = lab.dir / "hosts" / host / "ct" / str(vmid) / "var-upper" / "lib" / "gpugate" / "runs"
+        self.step, self.phase, self.action, self.when = step, phase, action, when
+        self.fired = threading.Event()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> "OnJournal":
+        self.before = set(self.runs.glob("*.jsonl"))
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join(timeout=30)
+        if self.error is not None and exc[0] is None:
+            raise self.error
+
+    def _watch(self) -> None:
+        while not self.done.is_set():
+            for path in set(self.runs.glob("*.jsonl")) - self.before:
+                try:
+                    lines = path.read_text().splitlines()
+                except OSError:
+                    continue
+                for line in lines:
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue  # a line being written
+                    if (isinstance(event, dict) and event.get("step") == self.step and event.get("phase") == self.phase
+                            and self.when(event)):
+                        try:
+                            self.action()
+                        except BaseException as error:  # noqa: BLE001 -- raised again in the test's thread
+                            self.error = error
+                        self.fired.set()
+                        return
+            self.done.wait(0.02)
+
+
 def deploy(lab: Lab, flags=None, env=None, data: dict | None = None, limit: str | None = "pve_pve1",
            when=(), timeout: float = 180) -> Run:
     return pyinfra(lab, deploy_args(flags, env, data, limit), when=when, timeout=timeout)
