@@ -86,8 +86,10 @@ def used_by(gpu_doc: Doc | None, pids: Iterable[int]) -> Dict[int, int]:
 def view(port: int, table: Table, gpu_doc: Doc | None, record: Doc | None = None, probe: bool = True) -> Doc | None:
     """What runs of the server's daemons: ``{"running", "launcher", "pids", "key", "gpus": [{index,
     uuid, pid, ready, used_mib, config}], "problems", "supervisor", "started"}``; None without a
-    record. ``running``: the launcher lives and every GPU's ``.ready`` names a live daemon of its
-    tree that is not stopped and (``probe``) answers a ping on its socket: an engine may map them.
+    record. ``running``: the launcher lives and every GPU's daemon as the engine tells it
+    (``read_ready``: SGLang's ``.ready`` file, vLLM's socket and its lock's holder) is a live daemon
+    of its tree that is not stopped and (``probe``) answers on its socket (``daemon_answers``, the
+    engine's own request): an engine may map them.
     The key's inputs are shown with the command's secrets masked."""
     record = record if record is not None else read_record(port)
     if record is None:
@@ -101,16 +103,17 @@ def view(port: int, table: Table, gpu_doc: Doc | None, record: Doc | None = None
         uuid = uuid_of(gpu_doc, index) or (record.get("uuids") or {}).get(str(index))
         ready: Any = None
         if uuid:
-            ready = engine.parse_ready(read_file(engine.file_paths(uuid, record.get("env") or {})[1]))
+            ready = engine.read_ready(uuid, record.get("env") or {})
         pid: Any = (ready or {}).get("pid")
         entry = {"index": index, "uuid": uuid, "pid": pid, "ready": bool(ready and pid in live),
                  "used_mib": used.get(index), "config": engine.config_summary((ready or {}).get("config"))}
         why = None
         if launcher is not None and not entry["ready"]:
-            why = "no .ready yet" if ready is None else "the .ready names pid %s, not a daemon of this server" % pid
+            why = engine.DAEMON_NOT_READY if ready is None else "its daemon is pid %s, not a daemon of this server" % pid
         elif entry["ready"] and table.get(pid, {}).get("state") in STOPPED_STATES:
             why = "daemon pid %d is stopped (state %s)" % (pid, table[pid]["state"])
-        elif entry["ready"] and probe and not answers(engine.file_paths(uuid, record.get("env") or {})[0]):
+        elif entry["ready"] and probe and not engine.daemon_answers(engine.file_paths(uuid, record.get("env") or {})[0],
+                                                                    PING_TIMEOUT_S):
             why = "daemon pid %d does not answer on its socket within %gs" % (pid, PING_TIMEOUT_S)
         if why:
             entry["ready"] = False
@@ -129,25 +132,6 @@ def view(port: int, table: Table, gpu_doc: Doc | None, record: Doc | None = None
 
 STOPPED_STATES = ("T", "t")  # SIGSTOPped or traced: its socket never answers an engine
 PING_TIMEOUT_S = 2.0
-
-
-def answers(socket_path: str, timeout: float = PING_TIMEOUT_S) -> bool:
-    """Whether the daemon behind this socket answers SGLang's ``ping`` (protocol.py: a length-prefixed
-    pickle, ``{"type": "ping"}`` -> ``{"status": "ok"}``) within ``timeout``: a hung daemon is no cache."""
-    import pickle
-    import socket
-    import struct
-
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
-            sock.connect(socket_path)
-            data = pickle.dumps({"type": "ping"}, protocol=2)
-            sock.sendall(struct.pack("!I", len(data)) + data)
-            header = sock.recv(4)
-            return len(header) == 4 and struct.unpack("!I", header)[0] < 1 << 16
-    except (OSError, ValueError):
-        return False
 
 
 def desired_key(spec: Doc) -> Doc:
@@ -185,7 +169,7 @@ def stale_files(gpu_doc: Doc | None, gpus: Iterable[int] | None, env: Dict[str, 
         if not uuid:
             continue
         sock, ready_path = engine.file_paths(uuid, env)
-        ready = engine.parse_ready(read_file(ready_path))
+        ready = engine.read_ready(uuid, env)
         if ready and (ready["pid"] in keep or (procfs.alive(ready["pid"]) and is_daemon(ready["pid"]))):
             continue  # a live daemon's files: its own (another's daemon is a holder the gate sees)
         out += [path for path in (sock, ready_path) if os.path.lexists(path)]

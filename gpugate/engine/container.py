@@ -32,7 +32,10 @@ the engine's module leaves out, so an engine defines only what is its own. The n
 ``engine_version()``: the installed release, read without importing it (None: not installed)
 ``flag_table_key()``: the key of the container's own flag table (None: the engine has none)
 ``steady_argv``, ``gated_argv``: a running engine's argv without its launch-only options
-``is_daemon_argv``, ``cache_key``, ``key_changes``, ...: the weight cache, where the engine has one
+``is_daemon_argv``, ``cache_key``, ``key_changes``, ...: the weight cache, where the engine has one;
+                   ``read_ready(uuid, env)``: the daemon of that GPU ({"pid", "config"}) once it
+                   serves, else None; ``daemon_answers(socket, timeout)``: it answers the engine's
+                   own request; ``DAEMON_NOT_READY``: how a GPU whose daemon does not serve yet is said
 ================== ==========================================================================
 
 Example::
@@ -116,6 +119,26 @@ def is_daemon_argv(argv: Sequence[str] | None) -> bool:
 
 def model_config_sha256(model_path: str | None) -> str | None:
     return None
+
+
+DAEMON_NOT_READY = "its daemon does not serve yet"
+
+
+def read_ready(uuid: str, env: Mapping[str, str] | None = None) -> Dict[str, Any] | None:
+    return None  # an engine without a weight cache has no daemon
+
+
+def daemon_answers(socket_path: str, timeout: float = 2.0) -> bool:
+    """A daemon listens on ``socket_path`` (an engine with a request of its own asks it that)."""
+    import socket  # noqa: PLC0415
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(socket_path)
+            return True
+    except OSError:
+        return False
 
 
 # The defaults of ``generation_request`` and ``read_info`` read the engine's own constants: the agent

@@ -254,3 +254,63 @@ def test_gpugate_reads_the_snapshot_back_from_the_stand_in_parser(installed, tmp
     built = json.loads(out.stdout)
     snapshot = json.loads(container_files.snapshot_file("0.33.0", "vllm").read_text())
     assert built["vllm_version"] == "0.33.0" and built["actions"] == snapshot["actions"]
+
+
+def test_preload_daemons_hold_the_weights_and_an_ipc_cache_engine_maps_them_on_its_key_only(
+        sim, installed, start_vllm, tmp_path, model):
+    """vLLM 0.33.0's weight cache (vllm/_weight_cache.py): ``vllm preload`` holds each rank's weights on its
+    GPU behind a socket gpugate finds where vLLM puts it; an engine with ``--load-format ipc_cache`` maps
+    them (its own memory is context + KV: the weights are on the GPU once), another KV cache dtype is
+    another key (vLLM's WeightCacheKey has it): the engine without fallback fails, with it loads from disk."""
+    from gpugate.engine.vllm import weight_cache as product
+
+    import tempfile
+
+    short = tempfile.mkdtemp(prefix="vwc", dir="/tmp")  # a socket path must stay under AF_UNIX's 108 bytes
+    env = {"CUDA_VISIBLE_DEVICES": "2,3", "TMPDIR": short}
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "SGLANG", "VLLM", "CUDA"))}
+    environ.update({"PYTHONPATH": str(container_files.dist_packages(installed)), "GPUGATE_SIM_DIR": str(sim.gpu_dir),
+                    "GPUGATE_LAB_CTL": str(sim.ctl_dir), **env})
+    log_path = tmp_path / "preload.log"
+    with open(log_path, "wb") as log:
+        launcher = subprocess.Popen(
+            [SYSTEM_PYTHON, "-m", "vllm.entrypoints.cli.main", "preload", "--model", str(model), "-tp", "2",
+             "--gpu-memory-utilization", UTIL], env=environ, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, cwd=tmp_path)
+    try:
+        wait_until(lambda: "===== Weight cache daemon READY" in log_path.read_text(), 20, "the daemons ready")
+        config = json.loads((sim.gpu_dir / "config.json").read_text())
+        daemons = []
+        for gpu in (2, 3):
+            ready = product.read_ready(config["uuids"][gpu], env)
+            children = [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                                       text=True).stdout.split()]
+            assert ready and ready["pid"] in children, (ready, children)
+            assert product.daemon_answers(product.file_paths(config["uuids"][gpu], env)[0])
+            daemons.append(ready["pid"])
+        held = sim.all_used()
+        weights = held[2] - 518
+        assert held == [0, 0, 518 + weights, 518 + weights] and weights > 0
+        mapped = start_vllm("-tp", "2", "--load-format", "ipc_cache", "--model-loader-extra-config",
+                            product.LOADER_CONFIG, env=env)
+        mapped.wait_healthy()
+        assert "Mapped 1 tensors from the weight cache daemon (zero_copy mode)" in mapped.log()
+        assert sim.all_used() == [0, 0, HELD_MIB + 518, HELD_MIB + 518]  # the weights once: the daemon's
+        other = start_vllm("-tp", "2", "--kv-cache-dtype", "fp8", "--load-format", "ipc_cache",
+                           "--model-loader-extra-config", product.LOADER_CONFIG,
+                           env=dict(env, CUDA_VISIBLE_DEVICES="2,3"))
+        assert other.proc.wait(timeout=30) == 1
+        assert "WeightCacheKey mismatch on fields: ['kv_cache_dtype']" in other.log()
+        # SIGTERM ends the daemons; their sockets stay (Python's default death), nobody holds their locks
+        os.kill(launcher.pid, signal.SIGTERM)
+        assert launcher.wait(timeout=10) in (0, -15, 1)
+        assert all(product.read_ready(config["uuids"][gpu], env) is None for gpu in (2, 3))
+        assert not any(pid_alive(p) for p in daemons)
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        import shutil
+
+        shutil.rmtree(short, ignore_errors=True)

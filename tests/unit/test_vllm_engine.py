@@ -163,3 +163,28 @@ def test_a_containers_servers_run_in_the_order_written_engine_sections_included(
     ((_name, data),), _group = fleet_to_inventory(load_fleet(path))["pve_pve1"]
     assert [d.engine for d in desired_states(data)] == [first, second]
     assert [port for port, _gpus in desired_states(data)[0].run_order] == [8000, 30000][::1 if first == "vllm" else -1]
+
+
+def test_weight_cache_daemons_get_the_weight_shaping_flags_and_what_vllm_refuses_with_it_is_refused():
+    from gpugate.engine import FlagError, ServerInputs
+    from gpugate.engine.vllm import launch
+
+    def build(flags, version="0.33.0", **kw):
+        return launch.build(ServerInputs(engine="vllm", model_path="/m", port=8000, flags=flags, weight_cache=True,
+                                         **kw), version)
+
+    planned = build({"tensor-parallel-size": 2, "kv-cache-dtype": "fp8", "enable-prefix-caching": False,
+                     "load-format": "safetensors"})
+    assert planned.daemon_argv[1:] == ("-m", "vllm.entrypoints.cli.main", "preload", "--model", "/m", "--kv-cache-dtype",
+                                       "fp8", "--load-format", "safetensors", "--tensor-parallel-size", "2")
+    assert "--load-format" in planned.argv and planned.argv[planned.argv.index("--load-format") + 1] == "ipc_cache"
+    assert '{"fallback": false, "mode": "zero_copy"}' in planned.argv
+    for flags, version, words in (({"enable-sleep-mode": True}, "0.33.0", "--enable-sleep-mode: not with weight_cache"),
+                                  ({"load-format": "ipc_cache"}, "0.33.0", "daemons load from disk"),
+                                  ({}, "0.32.0", "vLLM 0.32.0 has no weight cache")):
+        with pytest.raises(FlagError, match=words):
+            build(flags, version)
+    with pytest.raises(FlagError, match="shapes the weights"):
+        build({}, extra_args=("--tensor-parallel-size", "2"))
+    with pytest.raises(FlagError, match="write weight_cache: true"):
+        launch.build(ServerInputs(engine="vllm", model_path="/m", port=8000, flags={"load-format": "ipc_cache"}), "0.33.0")

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import json
 import os
 
+from gpugate.engine import weightkey
 from gpugate.engine.sglang import processes
 
 TYPE_CHECKING = False
@@ -41,6 +41,7 @@ READY_TEMPLATE_ENV = "SGLANG_WEIGHT_CACHE_READY_TEMPLATE"
 SOCKET_TEMPLATE = "/tmp/sglang_weight_cache_{device_uuid}.sock"
 READY_TEMPLATE = "/tmp/sglang_weight_cache_{device_uuid}.ready"
 CLIENT_FLAGS = ("--weight-cache-mode", "client")
+DAEMON_NOT_READY = "no .ready yet"
 GATED_LAUNCH_OPTION = "--gated-launch-port"
 # The engine flags that shape the weights a rank holds (CacheConfig's fields, and what they are
 # computed from); the daemon gets these and only these, so that a flag change outside them (KV
@@ -160,45 +161,39 @@ def model_config_sha256(model_path):
 def cache_key(daemon_argv, env, model_sha, sglang_version, torch_version):
     """gpugate's key of the cache a daemon with this command holds: ``{"id", "inputs"}`` (the id a
     hash of the inputs; see the module's docstring for why these inputs)."""
-    inputs = {"argv": list(daemon_argv or []), "cuda_visible_devices": (env or {}).get("CUDA_VISIBLE_DEVICES"),
-              "model_config_sha256": model_sha, "sglang_version": sglang_version, "torch_version": torch_version}
-    text = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
-    return {"id": hashlib.sha256(text.encode("utf-8")).hexdigest()[:16], "inputs": inputs}
-
-
-def _options(argv):
-    out = {}
-    name = None
-    for arg in list(argv or [])[3:]:
-        if arg.startswith("--"):
-            name, _, value = arg.partition("=")
-            out[name] = value if value else True
-            if value:
-                name = None
-        elif name is not None:
-            out[name] = arg if out[name] is True else "%s %s" % (out[name], arg)
-    return out
+    return weightkey.cache_key(daemon_argv, env, model_sha, "sglang_version", sglang_version, torch_version)
 
 
 def key_changes(have, want):
     """What differs between two keys' inputs, in words: ``['--tp-size 8 -> 4', 'model config.json
     changed']``; [] when they are the same."""
-    have, want = have or {}, want or {}
-    changes = []
-    old_argv, new_argv = have.get("argv") or [], want.get("argv") or []
-    if old_argv[:1] != new_argv[:1]:
-        changes.append("interpreter %s -> %s" % ((old_argv or ["?"])[0], (new_argv or ["?"])[0]))
-    old, new = _options(old_argv), _options(new_argv)
-    for name in sorted(set(old) | set(new)):
-        if old.get(name) != new.get(name):
-            before = "(not set)" if name not in old else ("on" if old[name] is True else old[name])
-            after = "(not set)" if name not in new else ("on" if new[name] is True else new[name])
-            changes.append("%s %s -> %s" % (name, before, after))
-    if have.get("cuda_visible_devices") != want.get("cuda_visible_devices"):
-        changes.append("CUDA_VISIBLE_DEVICES %s -> %s" % (have.get("cuda_visible_devices"), want.get("cuda_visible_devices")))
-    if have.get("model_config_sha256") != want.get("model_config_sha256"):
-        changes.append("the model's config.json changed")
-    for field, name in (("sglang_version", "SGLang"), ("torch_version", "torch")):
-        if have.get(field) != want.get(field):
-            changes.append("%s %s -> %s" % (name, have.get(field), want.get(field)))
-    return changes
+    return weightkey.key_changes(have, want, {"sglang_version": "SGLang"})
+
+
+def daemon_answers(socket_path, timeout=2.0):
+    """Whether the daemon behind this socket answers SGLang's ``ping`` (protocol.py: a length-prefixed
+    pickle, ``{"type": "ping"}`` -> ``{"status": "ok"}``) within ``timeout``: a hung daemon is no
+    cache. Only the reply's length is read (nothing is unpickled)."""
+    import pickle
+    import socket
+    import struct
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(socket_path)
+            data = pickle.dumps({"type": "ping"}, protocol=2)
+            sock.sendall(struct.pack("!I", len(data)) + data)
+            header = sock.recv(4)
+            return len(header) == 4 and struct.unpack("!I", header)[0] < 1 << 16
+    except (OSError, ValueError):
+        return False
+
+
+def read_ready(uuid, env=None):
+    """What the ``.ready`` file of the GPU with this UUID says (``{"pid", "config"}``), or None."""
+    try:
+        with open(file_paths(uuid, env)[1]) as handle:
+            return parse_ready(handle.read())
+    except (OSError, UnicodeDecodeError):
+        return None

@@ -40,7 +40,7 @@ class VLLM(ArgparseEngine):
     # vllm/v1/metrics/loggers.py: per engine (label engine="0"...), always on
     in_flight_gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
     drain_words = "vLLM's drain (--shutdown-timeout)"
-    has_weight_cache = False
+    has_weight_cache = True
     container_module = "gpugate.engine.vllm.container"
     flags = flags.FLAGS
 

@@ -18,7 +18,8 @@ vLLM's here, with where vLLM 0.33.0 makes it so (shared/reference/anchors-2026-1
   (``vllm:cache_config_info`` carries ``num_gpu_blocks`` and ``block_size``: the KV capacity in
   tokens); a real generation is a 1-token ``POST /v1/completions`` (``/health`` proves none);
 - ``/dev/shm/vllm_offload_*.mmap`` (KV offload's CPU tier) and kvcached's segments, left by an
-  unclean exit (vllm#54002, #57303).
+  unclean exit (vllm#54002, #57303);
+- the weight cache (``vllm preload``; weight_cache.py): its daemons are the server's, never its clients.
 
 Example::
 
@@ -37,6 +38,9 @@ from gpugate.engine import gpus as rules_gpus
 from gpugate.engine import installed
 from gpugate.engine.argv import adopt_env, flag_int, flag_value, python_module
 from gpugate.engine.installed import torch_version
+from gpugate.engine.vllm.weight_cache import (
+    DAEMON_NOT_READY, READY_TEMPLATE_ENV, SOCKET_TEMPLATE_ENV, cache_key, config_summary, daemon_answers, file_paths,
+    is_daemon_argv, key_changes, model_config_sha256, parse_ready, read_ready)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
@@ -110,7 +114,7 @@ def is_client_argv(argv: Sequence[str] | None) -> bool:
     >>> is_client_argv(["vllm", "bench", "serve"]), is_client_argv(["vllm", "serve", "/m"])
     (True, False)
     """
-    if not argv or is_main_argv(argv):
+    if not argv or is_main_argv(argv) or is_daemon_argv(argv):  # its weight cache's daemons are the server's
         return False
     if os.path.basename(argv[0]) == "vllm":
         return True
@@ -253,7 +257,9 @@ def read_info(get: Callable[[str], Tuple[int | None, str]]) -> Dict[str, Any]:
     return {"path": "/v1/models", "error": None, "args": args}
 
 
-__all__ = ["ADOPT_ENV_NAMES", "ADOPT_ENV_PREFIXES", "CAPACITY_KEYS", "DEFAULT_PORT", "ENGINE_NAME", "GENERATE_PATH",
+__all__ = ["ADOPT_ENV_NAMES", "ADOPT_ENV_PREFIXES", "CAPACITY_KEYS", "DAEMON_NOT_READY", "DEFAULT_PORT", "ENGINE_NAME",
+           "GENERATE_PATH", "READY_TEMPLATE_ENV", "SOCKET_TEMPLATE_ENV", "cache_key", "config_summary", "daemon_answers",
+           "file_paths", "is_daemon_argv", "key_changes", "model_config_sha256", "parse_ready", "read_ready",
            "HEALTH_PATH", "INFO_KEYS", "INFO_PATHS", "LABEL", "MAIN_TEXT", "SHM_PREFIXES", "adopted_env", "argv_host",
            "argv_model", "argv_port", "argv_token", "engine_version", "expected_workers", "flag_table_key",
            "generation_request", "is_client_argv", "is_main_argv", "is_scheduler_argv", "is_server_part",

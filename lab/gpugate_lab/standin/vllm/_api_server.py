@@ -138,9 +138,16 @@ def engine_job(args, started, mode):
     max_model_len = args.max_model_len
     if max_model_len in (None, -1):
         max_model_len = int(config.get("max_position_embeddings") or 32768)
-    plan = {"model": args.model, "gpu_memory_utilization": float(args.gpu_memory_utilization),
-            "kv_cache_dtype": args.kv_cache_dtype or "auto", "tp": tp, "pp": pp, "block_size": int(args.block_size or 16),
-            "max_model_len": int(max_model_len), "seed": int(args.seed or 0), "shutdown_timeout": int(args.shutdown_timeout)}
+    from vllm import _weight_cache
+
+    plan = _weight_cache.weights_plan(args)  # what shapes the weights: an ipc_cache load's key
+    extra = args.model_loader_extra_config
+    plan.update({"model": args.model, "gpu_memory_utilization": float(args.gpu_memory_utilization),
+                 "kv_cache_dtype": args.kv_cache_dtype or "auto", "tp": tp, "pp": pp,
+                 "block_size": int(args.block_size or 16), "max_model_len": int(max_model_len),
+                 "seed": int(args.seed or 0), "shutdown_timeout": int(args.shutdown_timeout),
+                 "load_format": args.load_format or "auto",
+                 "loader_config": json.loads(extra) if isinstance(extra, str) and extra.strip() else dict(extra or {})})
     ranks = []
     for p in range(pp):
         for t in range(tp):

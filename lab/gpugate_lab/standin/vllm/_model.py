@@ -8,7 +8,11 @@
    on startup is less than desired GPU memory utilization (U, R GiB). ...``;
 3. the weights: this rank's share of the parameters config.json counts (x dtype bytes / tp / pp;
    ``$VLLM_STANDIN_WEIGHT_MIB`` overrides), at most half the budget so a lab GPU of any size keeps
-   room for a KV cache; "Model loading took X GiB memory and Y seconds";
+   room for a KV cache, read for ``$VLLM_STANDIN_WEIGHT_LOAD_S`` (default 0; a part of the engine's
+   ``$VLLM_STANDIN_LOAD_S``, after it); "Model loading took X GiB memory and Y seconds". With
+   ``--load-format ipc_cache`` (vllm/_weight_cache.py): the daemon's weights count in the budget and
+   are mapped (``$VLLM_STANDIN_IPC_MAP_S``, default 0), this process holds none of them (zero-copy);
+   no daemon or another key: the disk load (fallback) or the error;
 4. the KV cache: the rest of the budget, "Available KV cache memory: X GiB" (vllm/v1/worker/
    gpu_worker.py); none left: vLLM's "No available memory for the cache blocks. ..."
    (vllm/v1/core/kv_cache_planning.py). Its blocks: ``--block-size`` (16) tokens of
@@ -31,6 +35,7 @@ cache a real ``torch.empty`` of the rest of the budget.
 import os
 import time
 
+from vllm import _lab
 from vllm._lab import common, real
 
 GIB = float(1 << 30)
@@ -91,13 +96,33 @@ def load_sim(rank, plan, log):
     util = float(plan["gpu_memory_utilization"])
     requested_mib = int(total_mib * util)
     free_mib = memory.free_mib(physical)
-    if free_mib < requested_mib:
+    if free_mib < requested_mib and plan.get("load_format") != "ipc_cache":  # checked against the rest below
         raise ValueError(startup_error(rank["device"], free_mib * MIB, total_mib * MIB, util, requested_mib * MIB))
     shape = common.model_shape(common.model_config(plan["model"]))
     tic = time.monotonic()
-    weights = weight_mib(shape, plan["tp"], plan["pp"], requested_mib)
-    memory.hold(physical, weights)
-    log("Model loading took %.4f GiB memory and %.6f seconds" % (weights * MIB / GIB, time.monotonic() - tic))
+    weights = None
+    if plan.get("load_format") == "ipc_cache":  # the weight cache's daemon of this GPU (vllm/_weight_cache.py)
+        from vllm import _weight_cache
+
+        loader = _weight_cache.IpcLoader(plan.get("loader_config"), config["uuids"][physical])
+        external = loader.external_weight_bytes() // MIB
+        if external:
+            requested_mib -= external
+            log("Weights are held outside this process: of the %.2f GiB utilization budget, %.2f GiB is externally "
+                "held and %.2f GiB remains for the engine's own allocations." % (
+                    (requested_mib + external) * MIB / GIB, external * MIB / GIB, requested_mib * MIB / GIB))
+        weights = loader.load(_weight_cache.cache_key(plan, rank.get("tp_rank", 0), rank.get("pp_rank", 0)))
+        if weights is not None:
+            memory.hold(physical, weights)
+            time.sleep(_lab.seconds("VLLM_STANDIN_IPC_MAP_S", 0))
+            rank["loader"] = loader  # its watch lives as long as the rank
+    if weights is None:
+        weights = weight_mib(shape, plan["tp"], plan["pp"], int(total_mib * util))
+        memory.hold(physical, weights)
+        time.sleep(_lab.seconds("VLLM_STANDIN_WEIGHT_LOAD_S", 0))
+        log("Model loading took %.4f GiB memory and %.6f seconds" % (weights * MIB / GIB, time.monotonic() - tic))
+    if plan.get("load_format") == "ipc_cache" and free_mib < requested_mib:  # request_memory, the daemon's excluded
+        raise ValueError(startup_error(rank["device"], free_mib * MIB, total_mib * MIB, util, requested_mib * MIB))
     kv_mib = requested_mib - common.CONTEXT_MIB - weights
     if kv_mib <= 0:
         raise ValueError(NO_KV_MEMORY)

@@ -1,7 +1,9 @@
 """``vllm`` / ``python3 -m vllm.entrypoints.cli.main``: the CLI of the lab's vLLM stand-in, as
 vllm/entrypoints/cli/main.py builds it: a FlexibleArgumentParser "vLLM CLI" with ``-v/--version``
-and subcommands; the stand-in has ``serve`` only (vllm/entrypoints/cli/serve.py: usage ``vllm serve
-[model_tag] [options]``; a positional model tag wins over ``--model``). A bad flag exits 2 with
+and subcommands; the stand-in has ``serve`` (vllm/entrypoints/cli/serve.py: usage ``vllm serve
+[model_tag] [options]``; a positional model tag wins over ``--model``) and ``preload``
+(vllm/entrypoints/cli/preload.py: the weight cache's daemons, vllm/_weight_cache.py; its engine args
+are the snapshot's, which is the serve parser's: a departure, the real one takes EngineArgs' only). A bad flag exits 2 with
 argparse's message; no subcommand prints the help."""
 
 import sys
@@ -32,12 +34,26 @@ def build_parser():
                                   usage="vllm serve [model_tag] [options]")
     make_arg_parser(serve)
     serve.epilog = EPILOG.format(subcmd="serve")
+    from vllm import _weight_cache
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    preload = subparsers.add_parser("preload", help="Launch weight cache daemons (one per GPU) for fast engine "
+                                    "restarts.", description="Launch weight cache daemons (one per GPU) that keep "
+                                    "post-quantized weights in GPU memory and serve them to engines over CUDA IPC.",
+                                    usage="vllm preload --model <model> [options]")
+    AsyncEngineArgs.add_cli_args(preload)
+    _weight_cache.add_preload_args(preload)
+    preload.epilog = EPILOG.format(subcmd="preload")
     return parser
 
 
 def main():
     parser = build_parser()
     args = parser.parse_args()
+    if args.subparser == "preload":
+        from vllm import _weight_cache
+
+        return _weight_cache.preload(args)
     if args.subparser != "serve":
         parser.print_help()
         return 0
