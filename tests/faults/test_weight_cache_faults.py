@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import module_lab
 from tests.e2e.lab_processes import ct_sh, start_in_container
-from tests.faults.conftest import deploy_args, pyinfra
+from tests.faults.conftest import OnJournal, deploy_args, pyinfra
 
 pytestmark = [pytest.mark.lab, pytest.mark.faults]
 
@@ -78,13 +78,14 @@ def test_a_daemon_killed_while_the_new_engine_maps_its_weights_rolls_back_with_n
     def kill_a_daemon(_process) -> None:
         ct_sh(lab, "pve1", 129, f"kill -9 {children[0]}")
 
-    def release(_process) -> None:
+    def release() -> None:
         lab.fault("pve1", 129, "slow-start", clear=True)
 
     lab.fault("pve1", 129, "slow-start=60")  # the new engine holds in its load, on the daemons' weights
     try:
-        run = pyinfra(lab, deploy_args(FP8, ENV, CACHE), when=[("it loads now", kill_a_daemon),
-                                                                 ("rolling back", release)])
+        # the rollback's start is let go as its agent begins it, not once the console says so (its next follow)
+        with OnJournal(lab, "rollback", "begin", release):
+            run = pyinfra(lab, deploy_args(FP8, ENV, CACHE), when=[("it loads now", kill_a_daemon)])
     finally:
         lab.fault("pve1", 129, "slow-start", clear=True)
     assert run.returncode != 0, run
