@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.conftest import module_lab
-from tests.faults.conftest import (FLAGS, FP8, deploy, ensure_serving, flag_value, gpu_used, health,
+from tests.faults.conftest import (FLAGS, FP8, OnJournal, deploy, ensure_serving, flag_value, gpu_used, health,
                                    log_starts, main_pid, observed, running_argv, said, sglang_processes, sh,
                                    wait_until)
 
@@ -100,10 +100,21 @@ def drop_ssh(lab):
 
 
 def test_ssh_drop_mid_transition_the_container_finishes_and_a_rerun_reports_it(lab, serving):
-    lab.fault("pve1", 129, "ignore-sigterm")  # the stop takes drain_timeout_s: the drop lands inside it
+    lab.fault("pve1", 129, "ignore-sigterm")  # the drain lasts until the drop has landed inside it
+
+    def drop_in_the_drain():
+        # as the agent journals the drain's begin (not once the console says "stopping", up to 3 s later);
+        # the drain then ends (ignore-sigterm cleared: the stand-in reads it every tick), not at its budget
+        drop_ssh(lab)
+        lab.fault("pve1", 129, "ignore-sigterm", clear=True)
+
     starts = log_starts(lab)
-    run = deploy(lab, FP8, data={"drain_timeout_s": 3}, when=[("stopping :30000 pid", lambda _: drop_ssh(lab))])
-    lab.fault("pve1", 129, "ignore-sigterm", clear=True)
+    try:
+        with OnJournal(lab, "drain", "begin", drop_in_the_drain) as dropped:
+            run = deploy(lab, FP8, data={"drain_timeout_s": 3})
+    finally:
+        lab.fault("pve1", 129, "ignore-sigterm", clear=True)
+    assert dropped.fired.is_set()
     assert run.returncode != 0 or "verified" in run.output, run.output  # never a silent success
     # the transition runs to its end in the container (its agent owes nothing to the SSH session)
     assert wait_until(lambda: not observed(lab)["lock"]["held"], 30)
