@@ -127,16 +127,18 @@ def test_ssh_drop_mid_transition_the_container_finishes_and_a_rerun_reports_it(l
 
 
 def test_two_operators_at_once_one_restart(lab, serving):
-    lab.fault("pve1", 129, "ignore-sigterm")  # a 4 s stop: both others arrive while the first runs
+    lab.fault("pve1", 129, "ignore-sigterm")  # a 3 s stop: both others arrive while the first runs
     starts = log_starts(lab)
     others = {}
     pool = ThreadPoolExecutor(2)
 
-    def arrive(_):
+    def arrive():
         others["a"] = pool.submit(deploy, lab, FP8)
         others["b"] = pool.submit(deploy, lab, FP8)
 
-    first = deploy(lab, FP8, data={"drain_timeout_s": 4}, when=[("stopping :30000 pid", arrive)])
+    # they set out as the agent journals the drain's begin (the console's "stopping" may come 3 s later)
+    with OnJournal(lab, "drain", "begin", arrive):
+        first = deploy(lab, FP8, data={"drain_timeout_s": 3})
     second, third = others["a"].result(timeout=120), others["b"].result(timeout=120)
     pool.shutdown()
     assert first.returncode == 0, first.output
