@@ -44,6 +44,81 @@ LAB_MODEL_CONFIG = {
     "torch_dtype": "bfloat16",
     "_gpugate_lab": "stand-in model directory; no weights",
 }
+# A model of another architecture (Qwen2.5-7B's shapes): its weights do not fit the lab model's
+# parameters, so SGLang cannot load it in place (a live weight update) and the server restarts.
+LAB_MODEL_OTHER_ARCH_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "torch_dtype": "bfloat16",
+    "_gpugate_lab": "stand-in model directory of another architecture; no weights",
+}
+# PEFT's adapter_config.json (LoraConfig.save_pretrained) of the lab's two adapters of lab-model: a
+# small one on the attention projections and a larger one on every linear layer
+LAB_LORA = {
+    "lab-lora-a": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    "lab-lora-b": {"r": 16, "lora_alpha": 32,
+                   "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+}
+
+
+def safetensors_placeholder(note: str) -> bytes:
+    """A valid safetensors file holding no tensor (its header's metadata says what it stands for): a
+    model directory with weights, as SGLang's loader looks for them (``*.safetensors``).
+
+    >>> blob = safetensors_placeholder("x")
+    >>> import json, struct; json.loads(blob[8:8 + struct.unpack("<Q", blob[:8])[0]])
+    {'__metadata__': {'format': 'pt', '_gpugate_lab': 'x'}}
+    """
+    import json
+    import struct
+
+    header = json.dumps({"__metadata__": {"format": "pt", "_gpugate_lab": note}}).encode()
+    header += b" " * (-len(header) % 8)  # the format pads the header to 8 bytes
+    return struct.pack("<Q", len(header)) + header
+
+
+def peft_adapter_config(base: str, r: int, lora_alpha: int, target_modules: list) -> dict:
+    """adapter_config.json as PEFT 0.13 writes it for a causal LM's LoRA."""
+    return {"alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": base, "bias": "none",
+            "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+            "layer_replication": None, "layers_pattern": None, "layers_to_transform": None,
+            "loftq_config": {}, "lora_alpha": lora_alpha, "lora_dropout": 0.05, "megatron_config": None,
+            "megatron_core": "megatron.core", "modules_to_save": None, "peft_type": "LORA", "r": r,
+            "rank_pattern": {}, "revision": None, "target_modules": target_modules, "task_type": "CAUSAL_LM",
+            "use_dora": False, "use_rslora": False}
+
+
+def write_lab_models(models: Path) -> None:
+    """The lab's model files under ``models`` (the container's /opt/models), those missing only:
+    ``lab-model`` and a second checkpoint of it, ``lab-model-v2`` (same config.json); ``lab-model-qwen2``,
+    another architecture; the adapters ``lab-lora-a`` and ``lab-lora-b`` of lab-model. Weights are
+    placeholder files, the stand-ins read the JSON only."""
+    import json
+
+    def put(path: Path, data: bytes) -> None:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+
+    def as_json(doc: dict) -> bytes:
+        return (json.dumps(doc, indent=2) + "\n").encode()
+
+    v2 = dict(LAB_MODEL_CONFIG, _gpugate_lab="stand-in model directory, a second checkpoint of lab-model; no weights")
+    for name, config in (("lab-model", LAB_MODEL_CONFIG), ("lab-model-v2", v2),
+                         ("lab-model-qwen2", LAB_MODEL_OTHER_ARCH_CONFIG)):
+        put(models / name / "config.json", as_json(config))
+        put(models / name / "model.safetensors", safetensors_placeholder(f"weights of {name}"))
+    for name, lora in LAB_LORA.items():
+        put(models / name / "adapter_config.json",
+            as_json(peft_adapter_config("/opt/models/lab-model", lora["r"], lora["lora_alpha"], lora["target_modules"])))
+        put(models / name / "adapter_model.safetensors", safetensors_placeholder(f"LoRA weights of {name}"))
 
 # The container's PID 1 (lab/gpugate_lab/ctinit.py, self-contained) is exec'd with argv[0] "/sbin/init".
 INIT_SCRIPT = os.path.join(os.path.dirname(os.path.realpath(__file__)), "ctinit.py")
@@ -128,8 +203,7 @@ def format_config(text: str) -> str:
 
 
 def create_container(host_dir: Path, vmid: int, gpu_count: int = 8) -> Path:
-    """Create the container's directory (config, persistent dirs, lab model); idempotent."""
-    import json
+    """Create the container's directory (config, persistent dirs, lab models); idempotent."""
     from pathlib import Path
 
     cdir = ct_dir(host_dir, vmid)
@@ -146,10 +220,7 @@ def create_container(host_dir: Path, vmid: int, gpu_count: int = 8) -> Path:
             if skel.exists():
                 (root_home / dotfile).write_bytes(skel.read_bytes())
     (cdir / "labctl").mkdir(exist_ok=True)
-    model = cdir / "opt" / "models" / "lab-model"
-    model.mkdir(parents=True, exist_ok=True)
-    if not (model / "config.json").exists():
-        (model / "config.json").write_text(json.dumps(LAB_MODEL_CONFIG, indent=2) + "\n")
+    write_lab_models(cdir / "opt" / "models")
     config = cdir / "config"
     if not config.exists():
         config.write_text(default_config(vmid, gpu_count))

@@ -18,6 +18,13 @@ when the behaviour matters, so a fault applies to a server that is already runni
 - ``never-healthy``: /health stays 503.
 - ``slow-start=SECONDS``: loading takes that long; read again while loading, so clearing it ends a load
   in progress (tests hold a server in its load this way: tests/conftest.py ``Lab.load_held``).
+- ``weights-load-fails[=MODEL_PATH]``: a live weight update (SGLang's ``/update_weights_from_disk``) of
+  that checkpoint (of any, without a path) fails before a weight is written, as an unreadable checkpoint
+  does: the engine answers its failure and keeps serving the weights it had.
+- ``weights-cannot-generate[=MODEL_PATH]``: that checkpoint (any, without a path) loads in a live update,
+  but its weights are NaN: every generation after it ends at once, as the engine ends a NaN sample
+  (SGLang: empty text, ``finish_reason`` ``{"type": "stop", "matched": "NaN happened"}``) until other
+  weights are loaded. With a path, loading the previous checkpoint back undoes it.
 
 Example: ``apply_fault(Path("/tmp/gpugate-lab"), "pve1", 129, "slow-start=30")``
 """
@@ -36,7 +43,9 @@ from typing import Dict, List, Optional, Tuple
 from gpugate_lab import gpusim
 
 FAULT_NAMES = ("ignore-sigterm", "orphan-worker", "stuck-memory", "foreign-holder", "crash-on-start",
-               "never-healthy", "slow-start=SECONDS")
+               "never-healthy", "slow-start=SECONDS", "weights-load-fails", "weights-cannot-generate")
+# faults of a live weight update: bare, every checkpoint; =MODEL_PATH, that one only
+CHECKPOINT_FAULTS = ("weights-load-fails", "weights-cannot-generate")
 FOREIGN_HOLDER_MIB = 4096
 NEIGHBOUR_VMID = 990  # real-GPU lab: the container of "another tenant" that holds memory (foreign-holder)
 REAL_HOLDER = r'''
@@ -71,15 +80,24 @@ def faults_path(lab_dir: Path, host: str, vmid: int) -> Path:
 
 
 def parse_fault(name: str, clear: bool = False) -> Tuple[str, object]:
-    """``"slow-start=5"`` -> ``("slow-start", 5.0)``; ``"ignore-sigterm"`` -> ``("ignore-sigterm", True)``.
+    """``"slow-start=5"`` -> ``("slow-start", 5.0)``; ``"ignore-sigterm"`` -> ``("ignore-sigterm", True)``;
+    ``"weights-load-fails=/opt/models/lab-model-v2"`` -> ``("weights-load-fails", "/opt/models/lab-model-v2")``.
 
     Raises ValueError naming the valid faults. When clearing, ``slow-start`` needs no value and
     ``all`` clears every fault.
     """
     key, eq, value = name.strip().partition("=")
-    valid = "valid faults: " + ", ".join(FAULT_NAMES)
+    valid = "valid faults: " + ", ".join(
+        f"{n}[=MODEL_PATH]" if n in CHECKPOINT_FAULTS else n for n in FAULT_NAMES)
     if clear and key == "all" and not eq:
         return "all", None
+    if key in CHECKPOINT_FAULTS:
+        if clear or not eq:
+            return key, None if clear else True
+        if not value.startswith("/"):
+            raise ValueError(f"fault {key} takes the absolute path of a model directory ({key}=MODEL_PATH), "
+                             f"got {name!r}")
+        return key, value.rstrip("/") or "/"
     if key == "slow-start":
         if clear:
             return key, None
@@ -253,7 +271,7 @@ def apply_fault(lab_dir: Path, host: str, vmid: int, name: str, clear: bool = Fa
                                 "the server runs)")
     if key == "foreign-holder":
         note = f" ({_start_foreign_holder(lab_dir, host, vmid, FOREIGN_HOLDER_MIB)}, outside the container)"
-    shown = f"{key}={value:g}" if key == "slow-start" else key
+    shown = f"{key}={value:g}" if key == "slow-start" else f"{key}={value}" if isinstance(value, str) else key
     return f"{where}: fault {shown} set{note}"
 
 

@@ -50,12 +50,22 @@ What it copies from SGLang (shared/reference/sglang-lifecycle.md):
   code -9. Triggering SIGQUIT for cleanup..."), the SIGQUIT handler ("It usually means one child
   failed.") runs kill_process_tree: every child and the main process are SIGKILLed, so /health
   stops answering instead of saying 200 over dead workers.
+- live changes (sglang/_live.py, from 0.5.23's http_server.py, tokenizer_manager.py,
+  tokenizer_control_mixin.py, lora/ and model_runner_components/weight_updater.py):
+  ``POST /update_weights_from_disk`` under the writer side of the model lock (the requests under way
+  finish first, new ones wait while it loads, ``$SGLANG_STANDIN_WEIGHT_UPDATE_S``), 400 and the old
+  weights on a load that fails before writing, the whole server killed by a scheduler exception on
+  weights of other shapes or with the weight cache on; ``/load_lora_adapter``, ``/unload_lora_adapter``
+  with the ``--enable-lora``/``--max-lora-rank``/``--lora-target-modules``/``--lora-paths`` rules; adapters
+  in ``/v1/models``; generation through ``lora_path`` or ``model: "<served>:<adapter>"``; the moved
+  ``model_path``/``served_model_name``/``weight_version`` in ``/model_info`` and ``/v1/models``.
 - the start logs ``server_args=ServerArgs(...)`` with every argument, ``api_key`` included, as SGLang
   does (what gpugate's log redaction has to handle).
 
 Lab faults ($GPUGATE_LAB_CTL/faults.json): ignore-sigterm (drains forever), crash-on-start (exit 1 with
 a traceback during load), never-healthy (/health stays 503), slow-start=S, orphan-worker and
-stuck-memory (in the workers).
+stuck-memory (in the workers), weights-load-fails[=PATH] and weights-cannot-generate[=PATH] (a live
+weight update's, sglang/_live.py).
 
 Generation takes ``max_new_tokens x $SGLANG_STANDIN_TOKEN_S`` (default 0.002 s), so tests can keep a
 request in flight across a SIGTERM. ``"stream": true`` (http_server.py ``generate_request``,
@@ -81,7 +91,7 @@ import time
 import urllib.request
 
 import sglang
-from sglang import _capacity, _real, _timing, _weights
+from sglang import _capacity, _live, _real, _timing, _weights
 from sglang._sim import common, gpusim, sse
 
 DEFAULT_MEM_FRACTION_STATIC = 0.88
@@ -284,8 +294,9 @@ def on_sigquit(signum, frame) -> None:
 
 
 class State:
-    def __init__(self, server_args: dict):
+    def __init__(self, server_args: dict, live=None):
         self.server_args = server_args
+        self.live = live or _live.Live(server_args, log)  # adapters and weights, changed while serving
         self.up = False
         self.draining = False
         self.inflight = 0
@@ -304,7 +315,7 @@ class State:
                 "sglang:num_running_reqs%s %.1f\n"
                 "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n"
                 "# TYPE sglang:num_queue_reqs gauge\n"
-                "sglang:num_queue_reqs%s 0.0\n" % (labels, self.inflight, labels))
+                "sglang:num_queue_reqs%s 0.0\n" % (labels, self.live.running, labels))
 
     def healthy(self) -> bool:
         if self.draining or not self.up:
@@ -330,38 +341,50 @@ class State:
                 self.rids.discard(rid)
 
     def _output(self, rid: str, text: str, produced: int, max_new_tokens: int, began: float,
-                real=None) -> dict:
+                real=None, adapter=None) -> dict:
         """What the tokenizer manager yields after ``produced`` tokens (the text so far, as SGLang's
-        /generate stream sends it: not the increment); ``finish_reason`` only on the last."""
+        /generate stream sends it: not the increment); ``finish_reason`` only on the last. NaN weights
+        (sglang/_live.py): one token, EOS, "NaN happened"."""
         done = produced >= max_new_tokens
-        meta = {"id": rid, "finish_reason": {"type": "length", "length": produced} if done else None,
+        nan = self.live.nan and produced > 0
+        meta = {"id": rid, "finish_reason": ({"type": "length", "length": produced} if done else None),
                 "prompt_tokens": len(_real.encode(text)) if real else len(text.split()),
+                "weight_version": self.live.weight_version,
                 "completion_tokens": produced, "cached_tokens": 0,
                 "e2e_latency": round(time.monotonic() - began, 6)}
+        if nan:
+            meta.update({"finish_reason": dict(_live.NAN_FINISH), "completion_tokens": 1})
+            return {"text": "", "meta_info": meta}
         if real:
             meta.update({"forward_s": real["forward_s"], "device": real["device"]})
             return {"text": _real.decode(real["ids"][:produced]), "meta_info": meta}
-        return {"text": " lab" * produced, "meta_info": meta}
+        piece = " " + os.path.basename(adapter["lora_path"].rstrip("/")) if adapter else " lab"
+        return {"text": piece * produced, "meta_info": meta}
 
-    def generate(self, rid: str, text: str, max_new_tokens: int) -> dict:
+    def generate(self, rid: str, text: str, max_new_tokens: int, adapter=None) -> dict:
         """The whole answer at once (a request without ``stream``): ``max_new_tokens`` x the decode
-        time per token ($SGLANG_STANDIN_TOKEN_S)."""
+        time per token ($SGLANG_STANDIN_TOKEN_S); through ``adapter`` (sglang/_live.py) when given."""
         began = time.monotonic()
         n = max(0, max_new_tokens)
+        if self.live.nan and n:  # the first sample is out of the vocabulary: the request ends there
+            time.sleep(self.token_s)
+            return self._output(rid, text, 1, 1, began, adapter=adapter)
         if self.real is not None:
             out = self.real.generate(text, n)
             return self._output(rid, text, len(out["ids"]), len(out["ids"]), began, out)
         time.sleep(n * self.token_s)
-        return self._output(rid, text, n, n, began)
+        return self._output(rid, text, n, n, began, adapter=adapter)
 
-    def decode(self, rid: str, text: str, max_new_tokens: int):
+    def decode(self, rid: str, text: str, max_new_tokens: int, adapter=None):
         """The answer token by token (a request with ``stream``): one output per decoded token at the
         decode rate (SGLang's default ``stream_interval`` 1), the last one with its finish reason; one
         output when nothing is to be decoded. In real mode the real generation runs first and its
         tokens follow at once."""
         began = time.monotonic()
         n = max(0, max_new_tokens)
-        real = self.real.generate(text, n) if self.real is not None else None
+        if self.live.nan and n:
+            n = 1
+        real = self.real.generate(text, n) if self.real is not None and not self.live.nan else None
         if real is not None:
             n = len(real["ids"])
         if n == 0:
@@ -371,7 +394,7 @@ class State:
             if real is None:
                 # to the token's due time, not a sleep per token: the rate holds whatever a write costs
                 time.sleep(max(0.0, began + produced * self.token_s - time.monotonic()))
-            yield self._output(rid, text, produced, n, began, real)
+            yield self._output(rid, text, produced, n, began, real, adapter)
 
 
 _CAPACITY = {}
@@ -457,6 +480,25 @@ def openai_events(path: str, model: str, outputs, include_usage: bool):
         yield chunk([], usage_of(meta))
 
 
+LIVE_ENDPOINTS = ("/update_weights_from_disk", "/load_lora_adapter", "/unload_lora_adapter")
+
+
+def adapter_of(model: str, served: str):
+    """The adapter an OpenAI request's ``model`` names (serving_base.py ``_parse_model_parameter``):
+    ``<served name>:<adapter>``, else the part after the first colon; None for the base model.
+
+    >>> adapter_of("/opt/models/lab-model:lab-lora-a", "/opt/models/lab-model"), adapter_of("m", "m")
+    ('lab-lora-a', None)
+    >>> adapter_of("s3://bucket/m:a", "s3://bucket/m"), adapter_of("base:b", "other")
+    ('a', 'b')
+    """
+    if ":" not in model or model == served:
+        return None
+    if model.startswith(served + ":"):
+        return model[len(served) + 1:].strip() or None
+    return model.split(":", 1)[1].strip() or None
+
+
 def make_handler(state: State):
     class Handler(common.Handler):
         def do_GET(self):
@@ -466,7 +508,7 @@ def make_handler(state: State):
                 if not state.healthy():
                     return self._send(503, b"", "text/plain")
                 if path == "/health_generate":
-                    with state.admitted() as rid:
+                    with state.admitted() as rid, state.live.request(None):
                         state.generate(rid, "health", 1)
                 return self._send(200, b"", "text/plain")
             if path in ("/get_server_info", "/server_info"):
@@ -483,15 +525,21 @@ def make_handler(state: State):
                              "internal_states": [internal], "version": sglang.__version__})
                 return self._send(200, info)
             if path in ("/get_model_info", "/model_info"):
-                return self._send(200, {"model_path": sa["model_path"], "tokenizer_path": sa["tokenizer_path"],
-                                        "is_generation": True, "preferred_sampling_params": None,
-                                        "weight_version": sa.get("weight_version", "default"),
-                                        "has_image_understanding": False, "has_audio_understanding": False,
-                                        "model_type": "lab"})
+                # model_path, served_model_name, weight_version: the tokenizer manager's, moved by a
+                # weight update (sglang/_live.py); /server_info keeps the launch's
+                info = {"tokenizer_path": sa["tokenizer_path"], "is_generation": True,
+                        "preferred_sampling_params": None, "reasoning_parser": sa.get("reasoning_parser"),
+                        "tool_call_parser": sa.get("tool_call_parser"),
+                        "disaggregation_mode": sa.get("disaggregation_mode") or "null",
+                        "has_image_understanding": False, "has_audio_understanding": False}
+                info.update(state.live.model_info())
+                return self._send(200, info)
             if path == "/v1/models":
+                served = state.live.served_model_name
                 return self._send(200, {"object": "list", "data": [{
-                    "id": sa["served_model_name"], "object": "model", "created": int(time.time()),
-                    "owned_by": "sglang", "root": sa["model_path"], "max_model_len": sa.get("context_length") or 32768}]})
+                    "id": served, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+                    "root": served, "parent": None, "max_model_len": sa.get("context_length") or 32768}]
+                    + state.live.adapter_cards()})
             if path == "/ready":  # SGLang 0.5.23 http_server.py: not paused and healthy, no generation
                 return self._send(200 if state.healthy() else 503, b"", "text/plain")
             if path == "/version":
@@ -499,7 +547,7 @@ def make_handler(state: State):
             if path == "/metrics" and sa.get("enable_metrics"):
                 return self._send(200, state.metrics_text(), "text/plain; version=0.0.4")
             if path == "/get_load":
-                return self._send(200, [{"dp_rank": 0, "num_reqs": state.inflight, "num_waiting_reqs": 0}])
+                return self._send(200, [{"dp_rank": 0, "num_reqs": state.live.running, "num_waiting_reqs": 0}])
             return self._send(404, {"detail": "Not Found"})
 
         def do_POST(self):
@@ -507,34 +555,86 @@ def make_handler(state: State):
             body = self._body()
             if path == "/flush_cache":
                 return self._send(200, "Cache flushed.\nPlease check backend logs for more details.", "text/plain")
+            if path in LIVE_ENDPOINTS:
+                return self._live(path, body)
             if path not in ("/generate", "/v1/completions", "/v1/chat/completions"):
                 return self._send(404, {"detail": "Not Found"})
             # no check of state.draining here: SGLang's generate_request admits while it drains
             if path == "/generate":
                 params = body.get("sampling_params") or {}
                 text, n = str(body.get("text", "")), int(params.get("max_new_tokens", 128))
+                adapter = body.get("lora_path")
             else:
                 n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
                 text = str(body.get("prompt") or " ".join(str(m.get("content", "")) for m in body.get("messages", [])))
+                adapter = adapter_of(str(body.get("model") or ""), state.live.served_model_name) or body.get("lora_path")
             with state.admitted() as rid:
-                if body.get("stream"):
-                    return self._stream(path, body, rid, text, n)
-                out = state.generate(rid, text, n)
-                if path == "/generate":
-                    return self._send(200, out)
-                return self._send(200, openai_response(path, state.server_args["served_model_name"], out))
+                # the reader side of the model lock from here to the last byte (a weight update waits)
+                try:
+                    held = state.live.request(adapter)
+                    ref = held.__enter__()
+                except ValueError as exc:
+                    return self._refuse(path, str(exc), bool(body.get("stream")))
+                try:
+                    if body.get("stream"):
+                        return self._stream(path, body, rid, text, n, ref)
+                    out = state.generate(rid, text, n, ref)
+                    if path == "/generate":
+                        return self._send(200, out)
+                    return self._send(200, openai_response(path, body.get("model") or state.live.served_model_name,
+                                                           out))
+                finally:
+                    held.__exit__(None, None, None)
 
-        def _stream(self, path: str, body: dict, rid: str, text: str, n: int) -> None:
+        def _refuse(self, path: str, message: str, stream: bool) -> None:
+            """A request SGLang refuses (its ValueError): /generate's ``{"error": {"message"}}``, the
+            OpenAI endpoints' ErrorResponse, 400; in a stream already begun, one ``data:`` error event."""
+            if path == "/generate":
+                error = {"message": message}
+                if stream:
+                    error.update({"type": "invalid_request_error", "code": 400, "retryable": False})
+            else:
+                error = {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": 400}
+            if not stream:
+                return self._send(400, {"error": error} if path == "/generate" else error)
+            events = sse.EventStream(self)
+            events.start()
+            self.access_log(200)
+            with contextlib.suppress(sse.ClientGone):
+                events.data({"error": error})
+                events.done()
+            return None
+
+        def _live(self, path: str, body: dict) -> None:
+            """The live changes (sglang/_live.py): FastAPI's 422 for a body without its required field."""
+            required = {"/update_weights_from_disk": ("model_path",),
+                        "/load_lora_adapter": ("lora_name", "lora_path"), "/unload_lora_adapter": ("lora_name",)}[path]
+            missing = [key for key in required if not isinstance(body.get(key), str)]
+            if missing:
+                return self._send(422, {"detail": [{"type": "missing", "loc": ["body", key], "msg": "Field required",
+                                                    "input": body} for key in missing]})
+            if path == "/update_weights_from_disk":
+                status, answer = state.live.update_weights(
+                    body, lambda line: _live.scheduler_crash(log, line))
+            elif path == "/load_lora_adapter":
+                if int(state.server_args.get("dp_size") or 1) != 1:  # an AssertionError: FastAPI's 500
+                    return self._send(500, "Internal Server Error", "text/plain")
+                status, answer = state.live.load_adapter(body)
+            else:
+                status, answer = state.live.unload_adapter(body)
+            return self._send(status, answer)
+
+        def _stream(self, path: str, body: dict, rid: str, text: str, n: int, adapter=None) -> None:
             """``"stream": true``: SGLang's StreamingResponse (sglang/_sim.sse), an event per decoded
             token, then ``data: [DONE]``. The client gone: the request is aborted, as SGLang's
             ``create_abort_task`` does on the disconnect."""
             stream = sse.EventStream(self)
             stream.start()
             self.access_log(200)
-            outputs = state.decode(rid, text, n)
+            outputs = state.decode(rid, text, n, adapter)
             if path != "/generate":
                 usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                outputs = openai_events(path, body.get("model") or state.server_args["served_model_name"],
+                outputs = openai_events(path, body.get("model") or state.live.served_model_name,
                                         outputs, usage)
             try:
                 for item in outputs:
@@ -703,6 +803,12 @@ def main(argv=None) -> int:
         return 1
     server_args = resolve_server_args(args)
     log("server_args=ServerArgs(%s)" % ", ".join("%s=%r" % kv for kv in server_args.items()))
+    live = _live.Live(server_args, log)
+    try:
+        live.start()  # check_lora_server_args, then the initial adapters as the LoRA manager reads them
+    except _live.StartError as exc:
+        log_traceback("_launch_subprocesses", str(exc))
+        return 1
     faults = gpusim.read_faults()
     real = _real.lab_mode()  # None: the simulated GPUs; else real memory and a real model per rank
     try:
@@ -755,7 +861,7 @@ def main(argv=None) -> int:
         workers.kill()
         return 1
 
-    state = State(server_args)
+    state = State(server_args, live)
     if real:
         state.real = _real.RealWorkers([p for p, job in zip(workers.procs, plan) if job.get("real")])
     host, port = server_args["host"], int(server_args["port"])
