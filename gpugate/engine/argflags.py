@@ -71,7 +71,8 @@ class Overlay:
     why they are refused as flags; ``field_dests``: their argparse dests (left out of the table);
     ``model_options``: the options that name the model; ``short_names``: the short spellings
     accepted; ``field_names``: canonical names kept across releases; ``json_text_flags``: options
-    declared as strings and read as JSON; ``check_conflicts``: the engine's known conflicts
+    declared as strings and read as JSON, and ``json_text_help``: the words in a string option's help
+    that say the engine reads it as JSON (a release's new ones found without a list); ``check_conflicts``: the engine's known conflicts
     (FlagError); ``args_start``: where a full command's server arguments begin."""
 
     package: str
@@ -84,6 +85,7 @@ class Overlay:
     short_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
     field_names: frozenset[str] = frozenset()
     json_text_flags: frozenset[str] = frozenset()
+    json_text_help: str = ""
     check_conflicts: Callable[[Mapping[str, Any]], None] = lambda flags: None
     args_start: Callable[[Sequence[str]], int] = lambda argv: 0
     default_host: str = "127.0.0.1"
@@ -418,6 +420,7 @@ class ArgparseFlags:
         self.model_options, self.short_names = overlay.model_options, overlay.short_names
         self.field_names = overlay.field_names | frozenset(overlay.short_names.values())
         self.json_text_flags = overlay.json_text_flags
+        self.json_text_help = overlay.json_text_help
         self.server_args_start = overlay.args_start
         self.default_host, self.default_port = overlay.default_host, overlay.default_port
         self.builder_file, self.cache_dir = overlay.builder_file, overlay.cache_dir
@@ -486,7 +489,8 @@ class ArgparseFlags:
         else:
             kind = "str"
         negative = negations[0] if kind == "switch" and negations else ""
-        text_json = kind == "str" and name in self.json_text_flags
+        text_json = kind == "str" and (name in self.json_text_flags or bool(
+            self.json_text_help and self.json_text_help in str(row.get("help") or "")))
         if text_json:
             kind = "json"
         default = row.get("default")

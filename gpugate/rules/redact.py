@@ -19,10 +19,11 @@ SECRET_MASK = "***"
 MASK = SECRET_MASK  # the agent's name for it
 
 # Flags (canonical names) whose values are secrets: never shown in a diff, a log, an error, a record.
-SECRET_FLAGS = frozenset({"api-key", "admin-api-key", "ssl-keyfile-password"})
+# (hf-token: vLLM's token for the Hub, whose own startup log prints it as ***)
+SECRET_FLAGS = frozenset({"api-key", "admin-api-key", "ssl-keyfile-password", "hf-token"})
 _SECRET_NAME = re.compile(r"(^|-)(api-key|password|secret)$")
 # The options the agent always masks in an argv (the controller sends any others as secret_flags).
-ALWAYS_MASKED_FLAGS = ("api-key", "admin-api-key")
+ALWAYS_MASKED_FLAGS = ("api-key", "admin-api-key", "hf-token")
 ALWAYS_MASKED_OPTIONS = tuple("--" + name for name in ALWAYS_MASKED_FLAGS)
 
 # What names a secret (an env variable's name, a key of a JSON-valued flag such as ``{"hf_token": ...}``

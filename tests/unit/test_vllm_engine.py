@@ -188,3 +188,20 @@ def test_weight_cache_daemons_get_the_weight_shaping_flags_and_what_vllm_refuses
         build({}, extra_args=("--tensor-parallel-size", "2"))
     with pytest.raises(FlagError, match="write weight_cache: true"):
         launch.build(ServerInputs(engine="vllm", model_path="/m", port=8000, flags={"load-format": "ipc_cache"}), "0.33.0")
+
+
+def test_vllms_secret_flags_and_secrets_inside_its_json_options_are_never_shown():
+    vllm = get("vllm")
+    flags = vllm.validate_flags({"tensor-parallel-size": 1, "hf-token": "hf_SEKRIT1",
+                                 # a config option written as a YAML mapping: vLLM reads it as JSON text
+                                 "kv-transfer-config": {"kv_connector": "X", "kv_connector_extra_config": {"api_key": "SEKRITJSON"}},
+                                 "compilation-config": {"mode": 3}}, "0.33.0")
+    assert flags["compilation-config"] == '{"mode":3}'
+    shown = "\n".join(vllm.flag_lines({}, flags)) + repr(vllm.redact_flags(flags))
+    launch = vllm.launch(ServerInputs(engine="vllm", model_path="/m", port=8000, flags=flags))
+    shown += " ".join(launch.shown_argv) + repr(dict(launch.shown_flags))
+    assert "SEKRIT" not in shown and "+ --hf-token ***" in shown and "+ --compilation-config '{\"mode\":3}'" in shown, shown
+    # what the agent masks in the argv it logs and the log tails: its own list (--hf-token among them,
+    # for a server it adopts too) and what the launch adds
+    from gpugate.rules.redact import ALWAYS_MASKED_OPTIONS
+    assert "--kv-transfer-config" in launch.secret_options and "--hf-token" in ALWAYS_MASKED_OPTIONS

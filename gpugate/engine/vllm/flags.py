@@ -38,6 +38,11 @@ SEPARATE_FIELDS: dict[str, str] = {
 # here by their names without dashes too)
 SHORT_NAMES = {"tp": "tensor-parallel-size", "pp": "pipeline-parallel-size", "dp": "data-parallel-size"}
 # The flags the GPU set is made of (gpugate.engine.vllm.launch)
+# Options vLLM reads as JSON (a document the operator may write as a mapping, and whose keys may
+# name a secret): its config options say so in their help ("Should either be a valid JSON string or
+# JSON keys passed individually", vllm/engine/arg_utils.py); these take a dict or a str without saying it
+JSON_TEXT_FLAGS = frozenset({"model-loader-extra-config", "hf-overrides", "additional-config"})
+JSON_TEXT_HELP = "valid JSON string"
 GPU_SET_FLAGS = ("tensor-parallel-size", "pipeline-parallel-size", "data-parallel-size",
                  "data-parallel-size-local")
 ENTRY = ("-m", "vllm.entrypoints.cli.main", "serve")
@@ -74,6 +79,7 @@ FLAGS = argflags.ArgparseFlags(argflags.Overlay(
     package="vllm", label="vLLM", version_key=table_builder.VERSION_KEY, snapshot_dir=SNAPSHOT_DIR,
     separate_fields=SEPARATE_FIELDS, field_dests=("model", "model_tag", "host", "port", "config", "headless"),
     model_options=("model",), short_names=SHORT_NAMES, field_names=frozenset(GPU_SET_FLAGS),
+    json_text_flags=JSON_TEXT_FLAGS, json_text_help=JSON_TEXT_HELP,
     check_conflicts=_check_conflicts, args_start=server_args_start, default_host=DEFAULT_HOST,
     default_port=DEFAULT_PORT, builder_file=table_builder.__file__, cache_dir=table_builder.CACHE_DIR))
 validate_flags = FLAGS.validate_flags
