@@ -192,3 +192,29 @@ def unanswered(port: int, body: dict):
         return post(port, "/update_weights_from_disk", body, timeout=20)
     except (OSError, http.client.HTTPException):
         return "no answer"
+
+
+def test_a_weight_update_with_the_weight_cache_on_kills_the_server(start_standin, models, tmp_path):
+    """SGLang refuses to write weights it shares with a cache daemon by raising in the scheduler: the
+    server dies, even a client that found no daemon and loaded from disk."""
+    where = {f"SGLANG_WEIGHT_CACHE_{kind}_TEMPLATE": str(tmp_path / f"wc_{{device_uuid}}.{kind.lower()}")
+             for kind in ("SOCKET", "READY")}
+    s = start_standin("--model-path", str(models / "lab-model"), "--weight-cache-mode", "client", env=where)
+    s.wait_healthy()
+    update, updated = in_background(unanswered, s.port, {"model_path": str(models / "lab-model-v2")})
+    assert s.proc.wait(timeout=30) == -9
+    update.join(30)
+    assert updated[0] == "no answer"
+    assert "RuntimeError: [weight_cache] update_weights_from_disk is not supported while the weight cache is " \
+           "active (--weight-cache-mode client)" in s.log()
+
+
+def test_initial_adapters_set_the_pool(start_standin, models):
+    """--lora-paths alone enables LoRA; the pool's rank and modules are the initial adapters'."""
+    base, lora_b = str(models / "lab-model"), str(models / "lab-lora-b")
+    s = start_standin("--model-path", base, "--lora-paths", f"b={lora_b}")
+    s.wait_healthy()
+    assert "--enable-lora is set to True because --lora-paths is provided." in s.log()
+    assert [c["id"] for c in http_json(s.port, "/v1/models")["data"]] == [base, "b"]
+    assert post(s.port, "/load_lora_adapter", {"lora_name": "a", "lora_path": str(models / "lab-lora-a")})[1][
+        "loaded_adapters"] == {"b": lora_b, "a": str(models / "lab-lora-a")}
