@@ -236,10 +236,16 @@ class Bystanders:
         return self.host_pids() == self.pids
 
     def stop(self) -> None:
-        for process in self.processes:
-            process.kill()  # nsenter/pct parents we started; the sleeps die with their namespaces' kill below
         for pid in self.pids:
             self.lab.host_exec(self.host, "kill", "-9", str(pid))
+        # then the nsenter/pct parents we started, which reap them and exit: killed first, they left the
+        # sleeps to this machine's PID 1, whose late reaping (up to a second) held the lab's down as long
+        for process in self.processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def ensure_serving(lab: Lab, flags=None, host: str = "pve1") -> int:
