@@ -94,12 +94,12 @@ class Preflight:
         if routing.cordon:
             how = "cordoned (router_cordon: true): " + how
         steps = [f"{where}: {how}; {len(self.peers)} other healthy worker(s) of {model} keep serving)",
-                f"{where}: wait until its in-flight requests are 0 (/metrics num_running_reqs + num_queue_reqs, "
+                f"{where}: wait until its in-flight requests are 0 (its engine's gauges on /metrics, "
                 f"at most {drain_s:g} s); what is still open then (a stream longer than that) has the stop's "
                 f"drain, at most {drain_s:g} s more, then is CUT by its SIGKILL (said before the stop)",
-                f"{where}: after the verify (or a rollback): /ready, re-add it as it was (model {model}, "
-                f"priority {self.worker.get('priority', '-')}, {len(self.worker.get('labels') or {})} label(s)) "
-                f"and wait until it is listed healthy"]
+                f"{where}: after the verify (or a rollback): ready, re-add it with what was given to it "
+                f"({_given(rejoin_body(self.worker, routing.worker_url))}; what smg reads off the server, its "
+                f"model name among them, read anew) and wait until it is listed healthy"]
         if not routing.cordon:
             return steps
         if restart:
@@ -150,6 +150,14 @@ def preflight(routing: Routing, client: SmgClient | None = None, observed: Mappi
                                         f"of {worker.get('model_id') or 'its model'} (min_serving "
                                         f"{routing.min_serving})", "min-serving")
     return Preflight(worker, peers, None)
+
+
+def _given(body: Mapping[str, Any]) -> str:
+    """What a rejoin sends beyond the URL, in words: ``model m, priority 7, 1 label(s)``."""
+    said = [f"model {body['model_id']}"] if body.get("model_id") else []
+    said += [f"priority {body['priority']}"] if body.get("priority") is not None else []
+    said += [f"{len(body['labels'])} label(s)"] if body.get("labels") else []
+    return ", ".join(said) or "nothing but its URL"
 
 
 _ABSENT = object()

@@ -138,17 +138,40 @@ def healthy_peers(workers: Sequence[Mapping[str, Any]], model_id: str | None, ur
             and (model_id is None or w.get("model_id") == model_id)]
 
 
+# The labels smg reads off a worker itself when it adds one (model_gateway/src/workflow/steps/local/
+# discover_metadata.rs: SGLang's /server_info and /model_info fields, /v1/models' id, root and
+# max_model_len, vLLM's /version): a rejoin leaves them to smg, which reads the NEW server's (smg
+# merges discovered labels first and a body's labels over them, so old ones sent back would win)
+SMG_DISCOVERED_LABELS = frozenset({
+    "model_id", "model_path", "served_model_name", "tp_size", "dp_size", "pp_size", "load_balance_method",
+    "disaggregation_mode", "version", "is_embedding", "context_length", "max_total_tokens", "max_running_requests",
+    "weight_version", "tokenizer_path", "is_generation", "has_image_understanding", "has_audio_understanding",
+    "model_type", "architectures", "max_model_len"})
+
+
 def rejoin_body(worker: Mapping[str, Any] | None, url: str, runtime: str = "") -> dict[str, Any]:
-    """The ``POST /workers`` body that adds ``url`` back with what it had: its model id, labels,
-    priority and cost (smg's own labels, such as ``served_model_name``, go back as they were), and
-    its engine's ``runtime`` (smg's ``RuntimeType``; "": left to smg's detection).
+    """The ``POST /workers`` body that adds ``url`` back with what the operator gave it: its labels,
+    priority and cost, and a model id that was the operator's (one smg derived from the server's
+    own served model name or path is derived again: a restart may have changed it); never the
+    labels smg reads off the server itself (SMG_DISCOVERED_LABELS: the new server's, not the old
+    one's); its engine's ``runtime`` (smg's ``RuntimeType``; "": left to smg's detection).
 
     >>> rejoin_body({"id": "w1", "model_id": "m", "labels": {"zone": "a"}, "priority": 7, "cost": 1.0,
     ...              "is_healthy": True}, "http://a:1", "vllm")
     {'url': 'http://a:1', 'runtime': 'vllm', 'model_id': 'm', 'labels': {'zone': 'a'}, 'priority': 7, 'cost': 1.0}
+    >>> rejoin_body({"model_id": "old-name", "labels": {"served_model_name": "old-name", "max_model_len": "4096"}}, "http://a:1")
+    {'url': 'http://a:1'}
     """
     body: dict[str, Any] = {"url": url, **({"runtime": runtime} if runtime else {})}
-    for key in ("model_id", "labels", "priority", "cost"):
+    labels = dict((worker or {}).get("labels") or {})
+    model_id = (worker or {}).get("model_id")
+    if model_id is not None and model_id not in (labels.get("served_model_name"), labels.get("model_path"),
+                                                 labels.get("model_id")):
+        body["model_id"] = model_id
+    kept = {key: value for key, value in labels.items() if key not in SMG_DISCOVERED_LABELS}
+    if kept:
+        body["labels"] = kept
+    for key in ("priority", "cost"):
         if worker and worker.get(key) is not None:
             body[key] = worker[key]
     return body

@@ -87,3 +87,28 @@ def test_a_rolling_change_of_vllm_replicas_behind_smg_fails_no_request(routed):
     assert [("left" in line) for line in order] == [True, False] * 2, order
     assert {model_len(router, vmid) for vmid in VMIDS} == {4096}
     assert listed_healthy(router) == published(router), workers(router)
+
+
+def test_after_a_rolling_rename_smg_routes_the_new_model_name_to_every_replica(routed):
+    """A restart can change what smg reads off a server (its served model name, its context
+    length): each replica goes back with what the operator gave it and smg reads the rest anew (it
+    went back with its old model id and labels, so every request through smg failed after a
+    rename, and the deploy said Success)."""
+    import openai
+
+    lab, router = routed
+    rename = {"max-model-len": 2048, "served-model-name": "lab-chat"}
+    # the last replica serving the old name cannot leave while min_serving wants one of that name
+    code, out = deploy(lab, router, "--data", "rolling=true", "--data", "drain_timeout_s=4", flags=rename)
+    assert code != 0 and "would leave 0 healthy worker(s) of /opt/models/lab-model (min_serving 1)" in out, out
+    code, out = deploy(lab, router, "--data", "rolling=true", "--data", "drain_timeout_s=4", "--data", "min_serving=0",
+                       flags=rename)
+    assert code == 0, out
+    assert listed_healthy(router) == published(router), workers(router)
+    listed = workers(router)
+    assert {w.get("model_id") for w in listed} == {"lab-chat"}, listed
+    assert {(w.get("labels") or {}).get("max_model_len") for w in listed} <= {"2048", None}, listed
+    client = openai.OpenAI(base_url=router["url"] + "/v1", api_key="lab", max_retries=0, timeout=30)
+    for _ in range(4):  # spread over both replicas
+        answer = client.completions.create(model="lab-chat", prompt="hi", max_tokens=4)
+        assert answer.choices[0].finish_reason == "length", answer
