@@ -520,6 +520,8 @@ def _check_sglang(check: _Checker, raw: Any, entry: str, section_engine: str = D
     out.setdefault("sglang_flags", {})
     out.setdefault("sglang_env", {})
     out.setdefault("sglang_present", True)
+    if serving is not None and serving.default_port is not None:  # no port: the engine's own default
+        out.setdefault("sglang_port", serving.default_port)
     return out
 
 

@@ -131,6 +131,7 @@ class Engine(abc.ABC):
     drain_words: str = "the engine's drain"  # what SIGTERM starts, in the stop's line
     ready_paths: tuple[str, ...] = ("/health",)  # readiness before a router sends to it again (first that exists)
     router_runtime: str = ""       # smg's ``runtime`` of this engine's workers ("": smg detects it)
+    default_port: int | None = None  # the engine's own default port: a fleet.yaml server without port:
     # systemd's Restart= for the server's unit, and why: how the engine exits when it dies
     systemd_restart: tuple[str, str] = ("on-failure", "the engine exits non-zero when it dies")
     in_flight_gauges: tuple[str, ...] = ()  # the Prometheus gauges whose sum is what a server still holds

@@ -1148,6 +1148,10 @@ class ArgparseEngine(Engine):
 
     flags: ArgparseFlags
 
+    @property
+    def default_port(self) -> int:  # type: ignore[override]  # the parser's own --port default
+        return self.flags.default_port
+
     def choose_table(self, container: Mapping[str, Any] | None, pinned: str | None) -> tuple[Any, str]:
         return self.flags.choose_table(container, pinned)
 

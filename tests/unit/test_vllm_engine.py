@@ -205,3 +205,13 @@ def test_vllms_secret_flags_and_secrets_inside_its_json_options_are_never_shown(
     # for a server it adopts too) and what the launch adds
     from gpugate.rules.redact import ALWAYS_MASKED_OPTIONS
     assert "--kv-transfer-config" in launch.secret_options and "--hf-token" in ALWAYS_MASKED_OPTIONS
+
+
+def test_a_server_written_without_a_port_gets_its_engines_own(tmp_path):
+    from gpugate.fleet import fleet_to_inventory
+
+    path = tmp_path / "fleet.yaml"
+    path.write_text("hosts:\n  pve1:\n    containers:\n      129:\n        vllm: {model_path: /m, flags: {tp: 1}}\n"
+                    "      130:\n        sglang: {model_path: /m, flags: {tp: 1}}\n")
+    hosts, _group = fleet_to_inventory(load_fleet(path))["pve_pve1"]
+    assert [(d.engine, d.port) for _name, data in hosts for d in desired_states(data)] == [("vllm", 8000), ("sglang", 30000)]
