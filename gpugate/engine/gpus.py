@@ -55,8 +55,9 @@ def gpu_set(tp: int = 1, pp: int = 1, dp: int = 1, dp_attention: bool = False, n
     for index in ids:
         if index >= len(entries):
             raise GpuSetError("CUDA_VISIBLE_DEVICES=%s lists %d GPU(s); the server's ranks need device %d "
-                              "(tp %d x pp %d x dp %d from --base-gpu-id %d, step %d)"
-                              % (visible, len(entries), index, tp, pp, dp, base_gpu_id, step))
+                              "(tp %d x pp %d x dp %d%s)"
+                              % (visible, len(entries), index, tp, pp, dp,
+                                 ", from --base-gpu-id %d, step %d" % (base_gpu_id, step) if base_gpu_id or step != 1 else ""))
         entry = entries[index]
         if entry.isdigit():
             out.append(int(entry))

@@ -1432,13 +1432,13 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
     book = Run.of(state)
     port, python = desired.port, desired.python
     restoring = bool(restore_previous)
+    book.servers[(host.name, port)] = desired.engine  # how this container's lines name its server
     if state.is_executing and desired.rolling and book.stop_rolling(desired.max_failures):
         # a rolling restart that already failed: not even observed
         yield FunctionCommand(_execute, (Job(Plan("noop", ()), None, port, python, {}, {}, desired.audit_log, True,
                                              desired.max_failures, False, [], {}),), {})
         return
     spec = None if restoring else desired.spec
-    book.servers[(host.name, port)] = desired.engine  # how this container's lines name its server
     label = f"{desired.engine} :{port}"
     if desired.problem and not restoring:
         yield from _refuse(f"{label} REFUSED, nothing touched: {desired.problem}", port)
