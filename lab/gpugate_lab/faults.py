@@ -79,6 +79,15 @@ def faults_path(lab_dir: Path, host: str, vmid: int) -> Path:
     return ct_dir(lab_dir, host, vmid) / "labctl" / "faults.json"
 
 
+def fault_names() -> str:
+    """The faults as ``gpugate lab fault`` takes them, in one line (its help and its refusal).
+
+    >>> fault_names().split(", ")[-1]
+    'weights-cannot-generate[=MODEL_PATH]'
+    """
+    return ", ".join(f"{n}[=MODEL_PATH]" if n in CHECKPOINT_FAULTS else n for n in FAULT_NAMES)
+
+
 def parse_fault(name: str, clear: bool = False) -> Tuple[str, object]:
     """``"slow-start=5"`` -> ``("slow-start", 5.0)``; ``"ignore-sigterm"`` -> ``("ignore-sigterm", True)``;
     ``"weights-load-fails=/opt/models/lab-model-v2"`` -> ``("weights-load-fails", "/opt/models/lab-model-v2")``.
@@ -87,8 +96,7 @@ def parse_fault(name: str, clear: bool = False) -> Tuple[str, object]:
     ``all`` clears every fault.
     """
     key, eq, value = name.strip().partition("=")
-    valid = "valid faults: " + ", ".join(
-        f"{n}[=MODEL_PATH]" if n in CHECKPOINT_FAULTS else n for n in FAULT_NAMES)
+    valid = "valid faults: " + fault_names()
     if clear and key == "all" and not eq:
         return "all", None
     if key in CHECKPOINT_FAULTS:
