@@ -10,8 +10,9 @@ import time
 
 import pytest
 
+from gpugate.claims import hold_gpu_locks
 from tests.conftest import module_lab
-from tests.e2e.test_claims_lab import connectors, hold
+from tests.e2e.test_claims_lab import connectors
 from tests.faults.conftest import deploy, main_pid, said
 
 pytestmark = [pytest.mark.faults, pytest.mark.lab]
@@ -35,14 +36,16 @@ def test_a_claim_whose_run_never_began_is_released_by_the_next_deploy(lab):
     [ct] = connectors(lab, 129)
     try:
         # a claim taken for a hand-off that never came (the SSH session cut right after the plan)
-        ok, message = hold(ct, [0, 1], "ghost-run", python="/usr/bin/python3", grace_s=2)
-        assert ok, message
+        claim = hold_gpu_locks(ct.connector, [0, 1], "ghost-run", python="/usr/bin/python3", grace_s=2)
+        assert claim.locked and isinstance(claim.until, (int, float)), claim
     finally:
         ct.disconnect()
-    holder = int(re.search(r"holder pid (\d+)", message).group(1))
+    holder = int(re.search(r"holder pid (\d+)", claim.message).group(1))
     lab.host_exec("pve1", "kill", "-STOP", str(holder))  # a wedged holder: its own grace never ends it
     try:
-        time.sleep(3.5)  # past the claim's hand-off window
+        # past the claim's hand-off window as the claim recorded it, and the 1 s more that makes it stale
+        # (host_gpu_lock.stale), not a fixed wait
+        time.sleep(max(0.0, claim.until + 1.0 - time.time()) + 0.1)
         run = deploy(lab, TP2_FP8)
         said(run, "released a stale GPU claim: run ghost-run of container 129 never began "
                   "(no run ghost-run began in container 129)", "verified")
