@@ -30,8 +30,17 @@ def systemctl(*args: str) -> Tuple[bool, str]:
 
 def start_unit(unit: str, redactor: redact.Redactor) -> int:
     """``systemctl daemon-reload``, ``reset-failed`` and ``start`` of ``unit`` (its file written):
-    -> its MainPID, 0 when it has none. A failed reload or start is a Failure (the output masked)."""
-    for command in (["daemon-reload"], ["reset-failed", unit], ["start", unit]):
+    -> its MainPID, 0 when it has none. A failed reload or start is a Failure (the output masked).
+
+    A unit whose server crashed waits RestartSec to restart (auto-restart: the time the template
+    leaves the transition to roll back first); a start then waits for that timer, so the pending
+    restart is cancelled first (``stop``; nothing runs): the rollback after a crash at start began
+    RestartSec (5 s) late."""
+    ok, output = systemctl("show", "-p", "SubState", "--value", unit)
+    pending = ["stop", unit] if ok and output.strip() == "auto-restart" else None
+    for command in (["daemon-reload"], pending, ["reset-failed", unit], ["start", unit]):
+        if command is None:
+            continue
         ok, output = systemctl(*command)
         if not ok and command[0] != "reset-failed":
             raise state.Failure("systemctl %s: %s" % (" ".join(command), redactor.text(output)[-300:]))

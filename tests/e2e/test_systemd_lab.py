@@ -124,9 +124,11 @@ def test_a_start_that_crashes_shows_its_last_lines_from_journald_without_secrets
     assert "ValueError" not in in_ct(lab, "cat /var/log/gpugate/sglang-30000.log")  # journald, not the file
     journal = in_ct(lab, "cat /var/lib/gpugate/runs/$(cat /var/lib/gpugate/runs/latest).jsonl")
     assert "float: 'not-a-number'" in journal and "hf-crash-canary" not in journal and "sk-crash-canary" not in journal
-    # the server of the previous test serves again
+    # the server of the previous test serves again, started by the rollback at once: not by systemd's
+    # restart of the crashed unit RestartSec later, which the rollback's start used to wait for
     assert "the previous server serves again" in out, out
     assert unit(lab, "ActiveState")["ActiveState"] == "active"
+    assert unit(lab, "NRestarts")["NRestarts"] == "0"
 
 
 CACHE_UNIT = "sglang-weight-cache-30000.service"
