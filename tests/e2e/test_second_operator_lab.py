@@ -86,8 +86,7 @@ def test_dry_prints_the_plan_and_a_refusal_exits_non_zero_with_or_without_yes(la
 def test_sigterm_or_sighup_after_the_hand_off_says_what_continues(lab, signum):
     with lab.load_held():
         process = start(lab, flags=B if signum == signal.SIGTERM else A, env=FAST)
-        read_until(process, "started pid")
-        read_until(process, "since the start")  # the follow has seen the load: the step named is the load's
+        read_until(process, "started pid")  # the follow has seen the start's end: the step named is the load's
         process.send_signal(signum)
         rest, _ = process.communicate(timeout=60)
     last = wait_idle(lab)
