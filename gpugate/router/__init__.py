@@ -11,8 +11,9 @@
                 then until the server's own in-flight count (its engine's gauges) is 0, both
                 within the drain budget
     (the agent: stop, gate, start, healthy + a generation, verify; or its rollback)
-    rejoin      /ready; POST /workers with what it had (model id, labels, priority, cost), or as new
-                where it was not listed; wait until smg lists it healthy and ready: only then the next
+    rejoin      the engine's readiness; POST /workers with what the operator gave it (labels,
+                priority, cost, a model id of its own: smg reads the rest off the new server), or as
+                new where it was not listed; wait until smg lists it healthy and ready: only then the next
                 container of a rolling change
     put_back    an interrupted run whose server left but was not handed off (so still serves): its URL
                 must still answer as this server, then rejoin (issue 32 item 5)
@@ -220,7 +221,8 @@ def identity_problem(url: str, observed: Mapping[str, Any], read_info: Callable[
     observe document), else what answers there instead. Engine-neutral: the URL is read by the
     engine's own rule (``read_info``: its ``Engine.read_info``, as the container's agent read it);
     every plain value the observe read (the engine's info keys: port, model path, its parallelism,
-    SGLang's ``random_seed``, drawn per process unless pinned) must be what the URL answers. A server that asks for a key neither side has cannot be told: not refused.
+    SGLang's ``random_seed``, drawn per process unless pinned) must be what the URL answers. A
+    server that asks for a key neither side has cannot be told: not refused.
 
     - this server answers in the container: the URL must answer, and with its values;
     - it does not (not serving, no info): the URL must not answer with a server's info either."""
@@ -325,8 +327,9 @@ def left_line(router: str, left: int | None, budget_s: float, elapsed_s: float) 
 def rejoin(routing: Routing, client: SmgClient, worker: Mapping[str, Any] | None, timeout_s: float,
            say: Callable[[str], None], now: Callable[[], float] = time.monotonic,
            sleep: Callable[[float], None] = time.sleep) -> tuple[bool, str]:
-    """Put the server back: /ready, ``POST /workers`` with what it had, then until smg lists it
-    healthy and ready, within ``timeout_s``. (ok, what happened) — never raises."""
+    """Put the server back: the engine's readiness, ``POST /workers`` with what was given to it
+    (:func:`rejoin_body`), then until smg lists it healthy and ready, within ``timeout_s``. (ok, what
+    happened) — never raises."""
     start = now()
     worker_engine = engine_named(routing.engine)
     while not server_ready(routing.worker_url, worker_engine.ready_paths):
