@@ -174,9 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     fault.add_argument("--host", required=True, help="the lab host, e.g. pve1")
     fault.add_argument("--vmid", type=int, required=True, help="the container, e.g. 129")
     fault.add_argument("--clear", action="store_true", help="remove the fault (NAME may be `all`)")
-    from gpugate_lab.faults import fault_names  # noqa: PLC0415 -- the lab's own list (core is importable here)
+    from gpugate_lab import faults  # noqa: PLC0415 -- the lab's own list (core is importable here)
 
-    fault.add_argument("name", help=fault_names())
+    fault.add_argument("name", help=faults.fault_names())
     _add_dir(fault, top_level=False)
     ssh = sub.add_parser("ssh", help="ssh into a lab host (host key checked)")
     ssh.add_argument("host", help="the lab host, e.g. pve1")
