@@ -58,10 +58,10 @@ def run_installed(site: Path, code_or_args: list[str], cwd: Path, env: dict | No
 
 def test_the_wheel_renders_the_unit_and_finds_its_files(installed, tmp_path):
     code = (
-        # render_template is what the systemd supervisor's render_unit calls (TemplateNotFound before)
-        "import gpugate, json; from gpugate import resources; import gpugate.operations.sglang;"
-        "unit = resources.render_template('sglang.service.j2', port=30000, exec_start='/bin/true',"
-        " env_file='/etc/gpugate/sglang-30000.env', stop_timeout_s=70, argv_comment='x');"
+        # the systemd supervisor's unit, rendered from the wheel's template (TemplateNotFound before)
+        "import gpugate, json; from gpugate import resources; import gpugate.operations.sglang as op;"
+        "from gpugate.spec import desired_state;"
+        "unit = op.render_unit(desired_state({'sglang_model_path': '/m', 'sglang_port': 30000}).spec, 70);"
         "print(json.dumps({'file': gpugate.__file__, 'project': str(resources.project_dir()),"
         " 'unit': unit, 'runbooks': resources.runbook_names()}))"
     )
@@ -70,7 +70,7 @@ def test_the_wheel_renders_the_unit_and_finds_its_files(installed, tmp_path):
     doc = json.loads(result.stdout)
     assert doc["file"].startswith(str(installed))
     assert doc["project"] == str(installed / "gpugate" / "project")
-    assert "ExecStart=/bin/true" in doc["unit"] and "KillMode=mixed" in doc["unit"]
+    assert "ExecStart=\"/usr/bin/python3\" \"-m\" \"sglang.launch_server\"" in doc["unit"] and "KillMode=mixed" in doc["unit"]
     assert "status" in doc["runbooks"]
     version = run_installed(installed, ["-m", "gpugate", "--version"], cwd=tmp_path)
     assert version.returncode == 0 and version.stdout.startswith("gpugate ")
