@@ -16,8 +16,8 @@ from typing import Callable, Iterable
 from gpugate.engine.sglang.weight_cache import steady_argv
 from tests.conftest import REPO_ROOT, Lab, pyinfra_exe
 
-FLAGS = {"tp": 8}
-FP8 = {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}
+FLAGS = {"tp": 4}
+FP8 = {"tp": 4, "kv-cache-dtype": "fp8_e4m3"}
 # Short stand-in loads and short deadlines keep the suite at a few minutes.
 FAST_ENV = {"SGLANG_STANDIN_LOAD_S": "0.3"}
 SHORT = {"drain_timeout_s": 2, "kill_grace_s": 2, "gpu_gate_timeout_s": 3, "start_timeout_s": 8}

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.lab]
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    yield from module_lab(tmp_path_factory, "faults-start", hosts=1, gpus=8)
+    yield from module_lab(tmp_path_factory, "faults-start", hosts=1, gpus=4)
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_rollback_failing_too_ends_in_nothing_serves_with_both_reasons(lab, serv
     run = deploy(lab, FP8, data={"start_timeout_s": 2, "sglang_gated_launch": False})
     assert run.returncode != 0, run.output
     said(run, "NOTHING SERVES on :30000", "the desired server failed: ", "the rollback: rollback failed")
-    assert sglang_processes(lab) == [] and gpu_used(lab) == [0] * 8  # nothing half-started holds the GPUs
+    assert sglang_processes(lab) == [] and gpu_used(lab) == [0] * 4  # nothing half-started holds the GPUs
     server = observed(lab)
     assert server["transition"]["outcome"] == "nothing_serves" and set(server["transition"]["reasons"]) == {
         "desired", "rollback"}

@@ -1,5 +1,5 @@
 """Faults around the stop and the GPU gate, and every check made before the stop, through the real
-pyinfra CLI against one lab host (tp 8 on 8 simulated GPUs).
+pyinfra CLI against one lab host (tp 4 on 4 simulated GPUs: what differs at 8 is the count, and each rank is an interpreter to start).
 
 Every test starts from a container serving FLAGS (ensure_serving) and leaves its faults cleared. Two
 bystanders that look exactly like SGLang workers (one on the Proxmox host, one in a sibling
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.lab]
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    yield from module_lab(tmp_path_factory, "faults-gate", hosts=1, gpus=8)
+    yield from module_lab(tmp_path_factory, "faults-gate", hosts=1, gpus=4)
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +55,12 @@ def test_orphaned_tp_workers_are_swept_and_the_gate_passes(lab, serving):
     try:
         assert wait_until(lambda: main_pid(lab) is None)
         orphans = sglang_processes(lab)
-        assert len([line for line in orphans if "sglang::scheduler_TP" in line]) == 8  # + the detokenizer
+        assert len([line for line in orphans if "sglang::scheduler_TP" in line]) == 4  # + the detokenizer
         assert all(used > 0 for used in gpu_used(lab))
         run = deploy(lab, FLAGS)
         assert run.returncode == 0, run
         said(run, "stray sglang server part(s) will be swept", "sweeping ", "gate passed")
-        assert health(lab) == 200 and running_argv(lab)[-2:] == ["--tp-size", "8"]
+        assert health(lab) == 200 and running_argv(lab)[-2:] == ["--tp-size", "4"]
         # every orphan on this server's GPUs is gone; an orphaned detokenizer holds no GPU and serves no
         # port, so nothing marks it as this server's: it is left alone (issue 12: only what the server owns)
         left = [line for line in sglang_processes(lab) if line.split()[0] in {o.split()[0] for o in orphans}]
@@ -85,7 +85,7 @@ def test_memory_never_released_gate_fails_and_nothing_serves_loudly(lab, serving
     assert observed(lab)["transition"]["outcome"] == "nothing_serves"
     # once the memory comes back, a re-run converges
     lab.fault("pve1", 129, "stuck-memory", clear=True)
-    assert wait_until(lambda: gpu_used(lab) == [0] * 8, 10)
+    assert wait_until(lambda: gpu_used(lab) == [0] * 4, 10)
     run = deploy(lab, FP8)
     assert run.returncode == 0, run
     assert flag_value(running_argv(lab), "--kv-cache-dtype") == "fp8_e4m3"
@@ -136,24 +136,24 @@ def test_memory_held_from_outside_after_the_stop_gate_fails_nothing_killed(lab, 
     run = deploy(lab, FP8, data={"drain_timeout_s": 6, "gpu_gate_timeout_s": 1.5},
                  when=[("stopping :30000 pid", inject)])
     assert run.returncode != 0, run.output
-    said(run, "gate did NOT pass", "GPU MiB 4096 x8", "NOTHING SERVES on :30000")
+    said(run, "gate did NOT pass", "GPU MiB 4096 x4", "NOTHING SERVES on :30000")
     assert lab.host_exec("pve1", "sh", "-c", "pgrep -f 'foreign-holder:pve1:129'").stdout.strip()
-    assert gpu_used(lab) == [4096] * 8 and sglang_processes(lab) == []
+    assert gpu_used(lab) == [4096] * 4 and sglang_processes(lab) == []
     # the owner goes away: a re-run serves the desired flags
     lab.fault("pve1", 129, "all", clear=True)
-    assert wait_until(lambda: gpu_used(lab) == [0] * 8, 10)
+    assert wait_until(lambda: gpu_used(lab) == [0] * 4, 10)
     run = deploy(lab, FP8)
     assert run.returncode == 0, run
 
 
 @pytest.mark.parametrize("desired, data, expected", [
-    ({"tp": 8, "kv-cache-dtype": "fp9"}, {}, "--kv-cache-dtype"),
-    ({"tp": 8, "mem-fraction-static": "lots"}, {}, "--mem-fraction-static"),
-    ({"tp": 8, "no-such-flag": 1}, {}, "no-such-flag"),
+    ({"tp": 4, "kv-cache-dtype": "fp9"}, {}, "--kv-cache-dtype"),
+    ({"tp": 4, "mem-fraction-static": "lots"}, {}, "--mem-fraction-static"),
+    ({"tp": 4, "no-such-flag": 1}, {}, "no-such-flag"),
     (FLAGS, {"sglang_model_path": "/opt/models/missing"}, "the model path /opt/models/missing does not exist"),
-    ({"tp": 16}, {}, "the server needs GPU 0-15; the container sees GPU(s) 0, 1, 2, 3, 4, 5, 6, 7 only"),
-    ({"tp": 8, "enable-hierarchical-cache": True, "hicache-size": 100000}, {},
-     "--hicache-size 100000 GB x 8 ranks"),
+    ({"tp": 8}, {}, "the server needs GPU 0-7; the container sees GPU(s) 0, 1, 2, 3 only"),
+    ({"tp": 4, "enable-hierarchical-cache": True, "hicache-size": 100000}, {},
+     "--hicache-size 100000 GB x 4 ranks"),
     (FLAGS, {"sglang_port": 30001}, "port 30001 is taken by pid"),
 ])
 def test_pre_stop_checks_refuse_and_the_server_keeps_serving(lab, serving, desired, data, expected):
