@@ -19,13 +19,13 @@ from tests.e2e.test_transition_lab import (argv_of, deploy_args, observe, pyinfr
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 FAST = {"SGLANG_STANDIN_LOAD_S": "0.3"}  # the load a test needs to act in is held (lab.load_held), not long
-A = {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}
-B = {"tp": 8, "mem-fraction-static": 0.8}
+A = {"tp": 4, "kv-cache-dtype": "fp8_e4m3"}
+B = {"tp": 4, "mem-fraction-static": 0.8}
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    yield from module_lab(tmp_path_factory, "lab-second-operator", hosts=1, gpus=8)
+    yield from module_lab(tmp_path_factory, "lab-second-operator", hosts=1, gpus=4)
 
 
 def attach_while_loading(lab, first_flags: dict, *extra: str, flags: dict) -> tuple[subprocess.Popen, int, str]:
