@@ -1,5 +1,5 @@
 """sglang.server end to end: the real pyinfra CLI, deploy.py, the @pct connector, against a lab
-host (real sshd, real namespaces and signals; simulated GPUs and the SGLang stand-in), tp 8 on 8 GPUs.
+host (real sshd, real namespaces and signals; simulated GPUs and the SGLang stand-in), tp 4 on 4 GPUs (what it proves does not depend on the rank count; each rank is an interpreter to start).
 
 One lab for this module (its own directory, one host, container 129); the tests run in order,
 each starting from the state the previous one left (as an operator's successive runs would).
@@ -16,16 +16,16 @@ from tests.conftest import module_lab, pyinfra_exe
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
-FLAGS = {"tp": 8}
-FP8 = {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}
-EXTRACTION = {"tp": 8, "kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True, "disable-cuda-graph": True,
+FLAGS = {"tp": 4}
+FP8 = {"tp": 4, "kv-cache-dtype": "fp8_e4m3"}
+EXTRACTION = {"tp": 4, "kv-cache-dtype": "fp8_e4m3", "disable-radix-cache": True, "disable-cuda-graph": True,
               "disable-custom-all-reduce": True}
 FAST = {"SGLANG_STANDIN_LOAD_S": "0.5"}
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    yield from module_lab(tmp_path_factory, "lab-server", hosts=1, gpus=8)
+    yield from module_lab(tmp_path_factory, "lab-server", hosts=1, gpus=4)
 
 
 def deploy(lab, *extra: str, flags=None, env=None, dry=False):
@@ -71,7 +71,7 @@ def test_first_start_runs_the_desired_flags_on_8_gpus(lab):
     assert "will start" in out and "healthy and generating" in out
     argv = running_argv(lab)
     assert argv[:3] == ["/usr/bin/python3", "-m", "sglang.launch_server"] and "--tp-size" in argv
-    assert all(used > 0 for used in gpu_used(lab))  # 8 TP workers hold memory
+    assert all(used > 0 for used in gpu_used(lab))  # 4 TP workers hold memory
 
 
 def test_rerun_reports_no_changes(lab):
@@ -127,7 +127,7 @@ def test_env_only_change_restarts_and_never_prints_the_value(lab):
 
 def test_bad_flag_touches_nothing_and_says_why(lab):
     before = running_argv(lab)
-    result, out = deploy(lab, flags={"tp": 8, "kv-cache-dtype": "fp9"})
+    result, out = deploy(lab, flags={"tp": 4, "kv-cache-dtype": "fp9"})
     assert result.returncode != 0
     assert "--kv-cache-dtype" in out and "fp9" in out and "nothing touched" in out
     assert running_argv(lab) == before
@@ -197,7 +197,7 @@ def test_secrets_never_appear_in_any_command_line_on_the_host(lab):
                                                                         "secret-canary", "sk-canary-key"],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        result, out = deploy(lab, flags={"tp": 8, "api-key": "sk-canary-key"}, env=dict(FAST, HF_TOKEN="secret-canary"))
+        result, out = deploy(lab, flags={"tp": 4, "api-key": "sk-canary-key"}, env=dict(FAST, HF_TOKEN="secret-canary"))
     finally:
         report, errors = watcher.communicate(input="", timeout=60)
     assert result.returncode == 0, out
@@ -217,6 +217,6 @@ def test_removal_stops_everything_and_frees_the_gpus(lab):
     assert result.returncode == 0, out
     assert "will stop" in out and "stopping :30000 pid" in out
     assert running_argv(lab) == []
-    assert gpu_used(lab) == [0] * 8
+    assert gpu_used(lab) == [0] * 4
     result = lab.pyinfra("inventory.py", "deploy.py", "--data", "sglang_present=false")
     assert "No changes" in result.stdout + result.stderr

@@ -25,7 +25,7 @@ UNIT = "sglang-30000.service"
 def lab(tmp_path_factory):
     if not os.path.exists("/lib/systemd/systemd"):
         pytest.skip("no /lib/systemd/systemd on this machine (scripts/bootstrap installs it)")
-    for lab in module_lab(tmp_path_factory, "lab-systemd", hosts=1, gpus=8):
+    for lab in module_lab(tmp_path_factory, "lab-systemd", hosts=1, gpus=4):
         from gpugate_lab import container, core
 
         assert lab.pct("pve1", "stop", "129").returncode == 0
@@ -66,7 +66,7 @@ def test_pid_1_is_systemd_and_it_is_running(lab):
 
 
 def test_the_server_starts_as_a_unit(lab):
-    result = pyinfra(lab, "deploy.py", {"tp": 8})
+    result = pyinfra(lab, "deploy.py", {"tp": 4})
     assert result.returncode == 0, result.stdout + result.stderr
     props = unit(lab, "ActiveState", "MainPID", "Restart", "KillMode", "TimeoutStopUSec", "StartLimitBurst")
     assert props["ActiveState"] == "active" and int(props["MainPID"]) > 0
@@ -87,26 +87,26 @@ def test_a_crash_is_restarted_with_the_same_spec_and_reported(lab):
     assert argv.search(restarted["ExecStart"]).group(1) == argv.search(before["ExecStart"]).group(1)
     # serving again: the status says so (it reads the server, not systemd's word)
     status = wait_for(lambda: (lambda r: r if "serving as desired" in r.stdout else None)(
-        pyinfra(lab, "runbooks/status.py", {"tp": 8})), 30)
+        pyinfra(lab, "runbooks/status.py", {"tp": 4})), 30)
     assert status, "the restarted server never served"
 
 
 def test_new_flags_restart_through_the_gate(lab):
-    result = pyinfra(lab, "deploy.py", {"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    result = pyinfra(lab, "deploy.py", {"tp": 4, "kv-cache-dtype": "fp8_e4m3"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "KV cache" in result.stdout + result.stderr and "(x2.00)" in result.stdout + result.stderr
     pid = unit(lab, "MainPID")["MainPID"]
     argv = in_ct(lab, f"tr '\\0' ' ' < /proc/{pid}/cmdline")
     assert "--kv-cache-dtype fp8_e4m3" in argv
     assert unit(lab, "NRestarts")["NRestarts"] == "0"  # a deliberate restart is no crash
-    status = pyinfra(lab, "runbooks/status.py", {"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    status = pyinfra(lab, "runbooks/status.py", {"tp": 4, "kv-cache-dtype": "fp8_e4m3"})
     assert status.returncode == 0 and "serving as desired" in status.stdout
 
 
 def test_a_start_that_crashes_shows_its_last_lines_from_journald_without_secrets(lab):
     # the crash's own last line quotes a value that is no secret (shown); HF_TOKEN's and the key are
     env = {"SGLANG_STANDIN_LOAD_S": "not-a-number", "HF_TOKEN": "hf-crash-canary"}
-    result = pyinfra(lab, "deploy.py", {"tp": 8, "api-key": "sk-crash-canary"},
+    result = pyinfra(lab, "deploy.py", {"tp": 4, "api-key": "sk-crash-canary"},
                      "--data", f"sglang_env={json.dumps(env)}")
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
@@ -142,20 +142,20 @@ def cache_unit(lab) -> dict[str, str]:
 def test_the_weight_cache_runs_as_its_own_unit_and_outlives_an_engine_only_restart(lab):
     cached = ("--data", f"sglang_env={json.dumps(dict(FAST, SGLANG_STANDIN_WEIGHT_LOAD_S='0.5'))}",
               "--data", "sglang_weight_cache=true")
-    first = pyinfra(lab, "deploy.py", {"tp": 8}, *cached)
+    first = pyinfra(lab, "deploy.py", {"tp": 4}, *cached)
     out = first.stdout + first.stderr
     assert first.returncode == 0 and "weight cache ready on every GPU" in out, out
     daemons = cache_unit(lab)
     assert daemons["ActiveState"] == "active" and daemons["MainPID"] != "0", daemons
     assert "sglang.srt.weight_cache.daemon" in in_ct(lab, f"tr '\\0' ' ' < /proc/{daemons['MainPID']}/cmdline")
 
-    fp8 = pyinfra(lab, "deploy.py", {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}, *cached)
+    fp8 = pyinfra(lab, "deploy.py", {"tp": 4, "kv-cache-dtype": "fp8_e4m3"}, *cached)
     out = fp8.stdout + fp8.stderr
     assert fp8.returncode == 0 and "weight cache kept" in out, out
     assert cache_unit(lab) == daemons  # the same daemons, under the same unit
     assert unit(lab, "ActiveState")["ActiveState"] == "active"
 
-    gone = pyinfra(lab, "deploy.py", {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}, *cached, "--data", "sglang_present=false")
+    gone = pyinfra(lab, "deploy.py", {"tp": 4, "kv-cache-dtype": "fp8_e4m3"}, *cached, "--data", "sglang_present=false")
     assert gone.returncode == 0, gone.stdout + gone.stderr
     assert cache_unit(lab)["ActiveState"] in ("inactive", "failed") and cache_unit(lab)["MainPID"] == "0"
     assert "weight_cache.daemon" not in in_ct(lab, "ps -eo args")

@@ -3,7 +3,7 @@ port change and rolling restart): each test kills, interrupts or breaks somethin
 moment and checks that the run ends in verified / rolled_back / nothing_serves with the right exit
 status and message, and that the container says the same.
 
-One lab for the module (2 Proxmox hosts, container 129 on each, 8 GPUs); the tests run in order, each
+One lab for the module (2 Proxmox hosts, container 129 on each, 4 GPUs); the tests run in order, each
 from the state the previous one left (as an operator's successive runs would). The stand-in loads in
 0.4 s, or 4 s where a test must act during the load.
 """
@@ -30,7 +30,7 @@ PVE1 = "@pct/pve1:129"
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    yield from module_lab(tmp_path_factory, "lab-transition", hosts=2, gpus=8)
+    yield from module_lab(tmp_path_factory, "lab-transition", hosts=2, gpus=4)
 
 
 def pyinfra_argv(*args: str) -> list[str]:
@@ -39,7 +39,7 @@ def pyinfra_argv(*args: str) -> list[str]:
 
 
 def deploy_args(*extra: str, flags=None, env=None, limit: str | None = PVE1, runbook: str = "deploy.py") -> list[str]:
-    args = ["inventory.py", runbook, "--data", f"sglang_flags={json.dumps(flags or {'tp': 8})}",
+    args = ["inventory.py", runbook, "--data", f"sglang_flags={json.dumps(flags or {'tp': 4})}",
             "--data", f"sglang_env={json.dumps(FAST if env is None else env)}", *extra]
     if limit:
         args += ["--limit", limit]
@@ -164,7 +164,7 @@ def test_same_spec_restart_leaves_the_history_alone(lab):
 
 def test_ctrl_c_before_the_hand_off_touches_nothing_and_exits_non_zero(lab):
     before = observe(lab)["main"]["pid"]
-    process = start(lab, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    process = start(lab, flags={"tp": 4, "kv-cache-dtype": "fp8_e4m3"})
     read_until(process, "Starting operation")  # pyinfra begins the run: the plan is being made
     process.send_signal(signal.SIGINT)
     rest, _ = process.communicate(timeout=60)
@@ -176,7 +176,7 @@ def test_ctrl_c_before_the_hand_off_touches_nothing_and_exits_non_zero(lab):
 
 def test_ctrl_c_during_the_load_exits_non_zero_and_says_what_continues(lab):
     with lab.load_held():
-        process = start(lab, flags={"tp": 8, "mem-fraction-static": 0.8})
+        process = start(lab, flags={"tp": 4, "mem-fraction-static": 0.8})
         read_until(process, "started pid")
         process.send_signal(signal.SIGINT)
         rest, _ = process.communicate(timeout=60)
@@ -188,24 +188,24 @@ def test_ctrl_c_during_the_load_exits_non_zero_and_says_what_continues(lab):
 
 def test_controller_killed_during_the_load_the_rerun_attaches_and_reports(lab):
     with lab.load_held():
-        process = start(lab, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+        process = start(lab, flags={"tp": 4, "kv-cache-dtype": "fp8_e4m3"})
         read_until(process, "started pid")
         process.kill()  # SIGKILL: no handler, no goodbye
         process.communicate(timeout=30)
-        rerun = start(lab, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+        rerun = start(lab, flags={"tp": 4, "kv-cache-dtype": "fp8_e4m3"})
         head = read_until(rerun, "following it instead of starting another")  # it found the run loading
     rest, _ = rerun.communicate(timeout=120)
     code, out = rerun.returncode, head + rest
     assert code == 0, out
     assert "following it instead of starting another" in out and "verified" in out
-    code, out = run(lab, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    code, out = run(lab, flags={"tp": 4, "kv-cache-dtype": "fp8_e4m3"})
     assert code == 0, out
     assert "ended: verified" in out and "No changes" in out
 
 
 def test_a_container_stopped_mid_run_is_reported_within_one_poll(lab):
     with lab.load_held():
-        process = start(lab, flags={"tp": 8, "mem-fraction-static": 0.8})
+        process = start(lab, flags={"tp": 4, "mem-fraction-static": 0.8})
         read_until(process, "started pid")
         assert lab.pct("pve1", "stop", "129").returncode == 0
         stopped_at = time.time()
@@ -228,11 +228,11 @@ def test_another_gpu_holder_is_refused_before_the_stop_unless_the_operator_lets_
     while time.time() < deadline and not any(h["pid"] == int(holder) for h in observe_full(lab)["container"]["gpu_holders"]):
         time.sleep(0.2)
     before = observe(lab)["main"]["pid"]
-    code, out = run(lab, flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    code, out = run(lab, flags={"tp": 4, "kv-cache-dtype": "fp8_e4m3"})
     assert code != 0, out
     assert "REFUSED, nothing touched" in out and f"pid {holder} (" in out and "end_other_gpu_holders=true" in out
     assert observe(lab)["main"]["pid"] == before  # the server was never stopped
-    code, out = run(lab, "--data", "end_other_gpu_holders=true", flags={"tp": 8, "kv-cache-dtype": "fp8_e4m3"})
+    code, out = run(lab, "--data", "end_other_gpu_holders=true", flags={"tp": 4, "kv-cache-dtype": "fp8_e4m3"})
     assert code == 0, out
     assert "the agent ends it" in out and "verified" in out
     assert lab.pct("pve1", "exec", "129", "--", "kill", "-0", holder).returncode != 0  # ended
