@@ -1,5 +1,5 @@
 """The runbooks end to end: the real pyinfra CLI against a lab of two Proxmox hosts (container 129
-on each, 8 GPUs each), as an operator runs them: `pyinfra -y inventory.py runbooks/<name>.py`.
+on each, 4 GPUs each), as an operator runs them: `pyinfra -y inventory.py runbooks/<name>.py`.
 
 One lab for this module; the tests run in order, each from the state the previous one left.
 Run: pytest -m lab tests/e2e/test_runbooks_lab.py
@@ -22,11 +22,11 @@ from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 pytestmark = [pytest.mark.lab]
 
 FAST = {"SGLANG_STANDIN_LOAD_S": "0.3"}
-TP8 = {"tp": 8}
-FP8 = {"tp": 8, "kv-cache-dtype": "fp8_e4m3"}
+TP8 = {"tp": 4}  # the module's server (the name kept: the tests name it)
+FP8 = {"tp": 4, "kv-cache-dtype": "fp8_e4m3"}
 # Secrets that must never leave the container's 0600 files (nor reach the audit log or the console).
 CANARY_ENV = dict(FAST, HF_TOKEN="secret-canary")
-API = {"tp": 8, "api-key": "sk-canary-key"}
+API = {"tp": 4, "api-key": "sk-canary-key"}
 CANARIES = ("secret-canary", "sk-canary-key")
 HOLD = ("setsid nohup python3 -m gpugate_gpusim hold --gpu all --mib 4096 >/tmp/hold.log 2>&1 "
         "</dev/null & echo $!")
@@ -34,7 +34,7 @@ HOLD = ("setsid nohup python3 -m gpugate_gpusim hold --gpu all --mib 4096 >/tmp/
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    yield from module_lab(tmp_path_factory, "lab-runbooks", hosts=2, gpus=8)
+    yield from module_lab(tmp_path_factory, "lab-runbooks", hosts=2, gpus=4)
 
 
 def run(lab, runbook: str, *extra: str, flags=None, env=None, yes: bool = True):
@@ -105,7 +105,7 @@ def test_status_prints_one_table_for_the_fleet_and_changes_nothing(lab):
     rows = table(stdout)
     assert [lines[1].split()[0], lines[2].split()[0]] == ["pve1", "pve2"]  # the table, printed once
     assert lines[3] == "2 server(s): 0 as desired, 2 NOT (down but desired 2)"
-    assert rows["pve1"].split()[:4] == ["pve1", "129", "30000", "down"] and "0 x8" in rows["pve1"]
+    assert rows["pve1"].split()[:4] == ["pve1", "129", "30000", "down"] and "0 x4" in rows["pve1"]
     assert re.search(r"Grand total\s+-\s+-\s+-\s+-", out)  # read-only: no operation ran
 
 
@@ -115,7 +115,7 @@ def test_status_shows_the_server_and_flags_that_differ(lab):
     result, stdout, out = run(lab, "status", flags=FP8)
     rows = table(stdout)
     assert "drifted: + --kv-cache-dtype fp8_e4m3" in rows["pve1"] and "serving pid" in rows["pve1"]
-    assert "8 in ct (sglang::scheduler_TP0..7)" in rows["pve1"]
+    assert "4 in ct (sglang::scheduler_TP0..3)" in rows["pve1"]
     result, stdout, _out = run(lab, "status", "--limit", "pve1")
     assert result.returncode == 0
     assert list(table(stdout))[:2] == ["pve1", "1"] and "serving as desired" in table(stdout)["pve1"]
@@ -127,9 +127,9 @@ def test_who_holds_gpus_lists_every_gpu_process_with_its_container(lab):
     result, stdout, out = run(lab, "who_holds_gpus")
     assert result.returncode == 0, out
     schedulers = [line for line in stdout.splitlines() if "sglang::scheduler_TP" in line]
-    assert len(schedulers) == 8 and all(line.split()[:3] == ["pve1", "ct", "129"] for line in schedulers)
-    assert "pve1: GPU MiB" in stdout and "; 8 GPU process(es)" in stdout
-    assert "pve2: GPU MiB 0 x8; 0 GPU process(es)" in stdout
+    assert len(schedulers) == 4 and all(line.split()[:3] == ["pve1", "ct", "129"] for line in schedulers)
+    assert "pve1: GPU MiB" in stdout and "; 4 GPU process(es)" in stdout
+    assert "pve2: GPU MiB 0 x4; 0 GPU process(es)" in stdout
 
 
 # ------------------------------------------------------------------------------------------ free_gpus
@@ -149,7 +149,7 @@ def test_free_gpus_ends_the_containers_own_gpu_processes(lab):
     assert "will end 1 GPU process(es)" in out and all(used > 0 for used in gpu_used(lab, "pve2"))
     result, _stdout, out = run(lab, "free_gpus", "--limit", "pve_pve2")
     assert result.returncode == 0, out
-    assert "GPU processes: 1 ended on SIGTERM" in out and gpu_used(lab, "pve2") == [0] * 8
+    assert "GPU processes: 1 ended on SIGTERM" in out and gpu_used(lab, "pve2") == [0] * 4
 
 
 def test_free_gpus_never_touches_memory_held_from_outside(lab):
@@ -204,7 +204,7 @@ def test_audit_log_alone_tells_the_story_of_one_restart(lab, tmp_path):
     for step in order:  # each step began, then ended
         assert steps.index((step, "begin")) < steps.index((step, "end")), step
     gate_end = events[steps.index(("gate", "end"))]
-    assert gate_end["passed"] is True and list(gate_end["used_mib"].values()) == [0] * 8
+    assert gate_end["passed"] is True and list(gate_end["used_mib"].values()) == [0] * 4
     plan, done = events[0], events[-1]
     assert done["outcome"] == "verified" and done["total_s"] > 0 and done["capacity_after"]
     assert plan["argv_before"] == plan["argv_after"] and "--api-key" in plan["argv_after"]
@@ -234,7 +234,7 @@ def test_rollback_after_a_change_returns_to_the_previous_server(lab):
     assert "fp8_e4m3" in running_argv(lab)
     result, _stdout, out = run(lab, "rollback", "--limit", "pve_pve1", yes=False)  # the preview
     assert "- --kv-cache-dtype fp8_e4m3" in out and "+ --api-key ***" in out and "+ env HF_TOKEN=***" in out, out
-    # which spec (its history label and key, when, who) and what the desired state (here: tp 8, the
+    # which spec (its history label and key, when, who) and what the desired state (here: tp 4, the
     # FAST env) changes from it, in the one diff format (issue 20)
     spec_text = r"good 1( \(oldest kept\))? of :30000's history \(key ([0-9a-f]{16}), verified \S+ \S+ by \S+\)"
     assert re.search(r"note: that is " + spec_text + r"; the desired state differs from it: - --api-key \*\*\*, "
@@ -299,6 +299,6 @@ def test_drain_and_gate_show_progress_while_waiting(lab):
     drained = re.findall(r"draining: (\d+) s, (\d+) process\(es\) left", out)
     assert len(drained) >= 2 and [int(line[0]) for line in drained] == sorted(int(line[0]) for line in drained)
     assert "drain deadline passed after 7" in out
-    gate = re.findall(r"gate: (\d+) s: GPU MiB (\S+ x8); (.+)", out)
-    assert gate and gate[0][1] == "4096 x8" and "4096 MiB used" in gate[0][2], out
+    gate = re.findall(r"gate: (\d+) s: GPU MiB (\S+ x4); (.+)", out)
+    assert gate and gate[0][1] == "4096 x4" and "4096 MiB used" in gate[0][2], out
     assert "gate passed" in out
