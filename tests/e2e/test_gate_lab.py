@@ -41,20 +41,20 @@ gpu.idle(
 )
 """
 SERVER = ("SGLANG_STANDIN_LOAD_S=0.2 setsid nohup python3 -m sglang.launch_server "
-          "--model-path /opt/models/lab-model --tp-size 8 --port 30000 >/tmp/sglang.log 2>&1 "
+          "--model-path /opt/models/lab-model --tp-size 4 --port 30000 >/tmp/sglang.log 2>&1 "
           "</dev/null & echo $!")
 HOLD = ("setsid nohup python3 -m gpugate_gpusim hold --gpu all --mib {mib} >/tmp/hold.log 2>&1 "
         "</dev/null & echo $!")
 
 STUBBORN = ("setsid nohup python3 -c 'import signal, gpugate_gpusim as sim; "
-            "held = [sim.allocate(gpu, 4096) for gpu in range(8)]; "
+            "held = [sim.allocate(gpu, 4096) for gpu in range(4)]; "
             "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); signal.pause()' "
             ">/dev/null 2>&1 </dev/null & echo $!")
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    for handle in module_lab(tmp_path_factory, "lab-gate", hosts=1, gpus=8):
+    for handle in module_lab(tmp_path_factory, "lab-gate", hosts=1, gpus=4):
         (handle.dir / "gate_deploy.py").write_text(GATE_DEPLOY)
         yield handle
 
@@ -71,7 +71,7 @@ def clean_container(lab):
         in_ct(lab, "kill -9 " + " ".join(str(pid) for pid in STARTED) + " 2>/dev/null")
         STARTED.clear()
     in_ct(lab, build_end_holders_command(grace_s=0.5))
-    wait_until(lambda: gpu_used(lab) == [0] * 8, 10)
+    wait_until(lambda: gpu_used(lab) == [0] * 4, 10)
 
 
 def in_ct(lab, script: str) -> str:
@@ -134,16 +134,16 @@ def host_processes(lab) -> dict:
 def test_idle_gpus_read_zero_through_nvml_v2(lab):
     state = fact(lab)
     assert (state["source"], state["memory_api"], state["errors"]) == ("nvml", "v2", [])
-    assert [g["used_mib"] for g in state["gpus"]] == [0] * 8
+    assert [g["used_mib"] for g in state["gpus"]] == [0] * 4
     assert all(g["reserved_mib"] > 0 for g in state["gpus"])  # reserved exists but is not "used"
     assert state["holders"] == []
 
 
 def test_held_gpus_read_what_is_held_with_the_holder(lab):
     pid = int(in_ct(lab, HOLD.format(mib=4096)).strip())
-    wait_until(lambda: gpu_used(lab) == [4096] * 8, 10)
+    wait_until(lambda: gpu_used(lab) == [4096] * 4, 10)
     state = fact(lab)
-    assert [g["used_mib"] for g in state["gpus"]] == [4096] * 8
+    assert [g["used_mib"] for g in state["gpus"]] == [4096] * 4
     assert [g["processes"] for g in state["gpus"]][0] == [{"pid": pid, "used_mib": 4096, "alive": True}]
     (holder,) = state["holders"]
     assert holder["pid"] == pid and "gpugate_gpusim hold" in holder["cmdline"]
@@ -164,7 +164,7 @@ def test_gate_fails_with_the_holders_when_not_asked_to_kill(lab):
     result, out = gate(lab, timeout=1)
     assert result.returncode != 0
     assert "GPU gate did not pass on @pct/pve1:129 within 1 s" in out
-    assert "GPU 0, 1, 2, 3, 4, 5, 6, 7 over 64 MiB" in out
+    assert "GPU 0, 1, 2, 3 over 64 MiB" in out
     assert "[S] sglang::scheduler_TP0" in out and "gpu.idle(kill=True)" in out
     assert all(used > 0 for used in gpu_used(lab))  # nothing was killed
 
@@ -176,9 +176,9 @@ def test_ignore_sigterm_holders_are_ended_by_sigkill_after_the_grace(lab):
     wait_until(lambda: gpu_used(lab)[0] > 90000, 10)
     result, out = gate(lab, kill=True, grace=1, timeout=10)
     assert result.returncode == 0, out
-    assert "8 ended on SIGTERM, 1 on SIGKILL" in out, out  # 8 TP workers, then the stubborn one
+    assert "4 ended on SIGTERM, 1 on SIGKILL" in out, out  # 4 TP workers, then the stubborn one
     assert "GPUs idle after" in out
-    assert gpu_used(lab) == [0] * 8
+    assert gpu_used(lab) == [0] * 4
 
 
 def test_orphaned_workers_are_found_and_ended(lab):
@@ -187,10 +187,10 @@ def test_orphaned_workers_are_found_and_ended(lab):
     in_ct(lab, f"kill -9 {main_pid}")  # the classic mistake: only the parent killed
     assert all(used > 0 for used in gpu_used(lab))
     result, out = gate(lab, timeout=1)
-    assert result.returncode != 0 and "sglang::scheduler_TP7" in out
+    assert result.returncode != 0 and "sglang::scheduler_TP3" in out
     result, out = gate(lab, kill=True, timeout=10)
     assert result.returncode == 0, out
-    assert gpu_used(lab) == [0] * 8
+    assert gpu_used(lab) == [0] * 4
 
 
 def test_stuck_memory_fails_and_names_the_dead_holders(lab):
@@ -223,7 +223,7 @@ def test_host_fact_maps_container_processes_to_their_vmid(lab):
     start_server(lab)
     processes = host_processes(lab)["processes"]
     schedulers = [p for p in processes if "scheduler_TP" in p["cmdline"]]
-    assert len(schedulers) == 8 and {p["vmid"] for p in schedulers} == {VMID}
+    assert len(schedulers) == 4 and {p["vmid"] for p in schedulers} == {VMID}
     assert all(p["used_mib"] > 0 for p in schedulers)
 
 
@@ -231,7 +231,7 @@ def test_host_fact_maps_container_processes_to_their_vmid(lab):
 # pyinfra's start and a first 3 s chunk.
 # Holds until the test ends it (the sleep is only a bound for a test that fails before its kill).
 UNTIL_KILLED = ("setsid nohup python3 -c 'import time, gpugate_gpusim as sim; "
-                "held = [sim.allocate(gpu, 4096) for gpu in range(8)]; time.sleep(600)' "
+                "held = [sim.allocate(gpu, 4096) for gpu in range(4)]; time.sleep(600)' "
                 ">/dev/null 2>&1 </dev/null & echo $!")
 
 
@@ -240,7 +240,7 @@ def test_a_long_wait_prints_what_it_sees_every_3_s_then_passes(lab):
 
     pid = int(in_ct(lab, UNTIL_KILLED).strip())
     STARTED.append(pid)
-    assert wait_until(lambda: gpu_used(lab) == [4096] * 8, 10), "the holder never held memory"
+    assert wait_until(lambda: gpu_used(lab) == [4096] * 4, 10), "the holder never held memory"
     # the holder goes once the gate has said what it sees after 3 s (it went after a fixed 7 s, which a
     # slow pyinfra start on a busy machine could use up before the gate's first 3 s had passed)
     end_holder = ("gate: 3 s of 30 s", lambda _process: in_ct(lab, f"kill {pid}"))
@@ -248,10 +248,10 @@ def test_a_long_wait_prints_what_it_sees_every_3_s_then_passes(lab):
                       when=[end_holder])
     out = result.output
     assert result.returncode == 0, out
-    progress = f"gate: 3 s of 30 s: GPU MiB 4096 x8; 1 holder(s) left: {pid} python3 -c import time, gpugate_gpus"
+    progress = f"gate: 3 s of 30 s: GPU MiB 4096 x4; 1 holder(s) left: {pid} python3 -c import time, gpugate_gpus"
     assert progress in out, out
     assert out.index(progress) < out.index("GPUs idle after"), out
-    assert gpu_used(lab) == [0] * 8
+    assert gpu_used(lab) == [0] * 4
 
 
 def test_gate_never_passes_before_the_memory_is_back(lab):
@@ -290,7 +290,7 @@ def measure_once(lab, hold_mib: int = 4096, host=None, kill_after_s: float = 0.5
 
     host = host or connected_host(lab)
     pid = int(in_ct(lab, HOLD.format(mib=hold_mib)).strip())
-    assert wait_until(lambda: gpu_used(lab) == [hold_mib] * 8, 10)
+    assert wait_until(lambda: gpu_used(lab) == [hold_mib] * 4, 10)
     path = lab.dir / "hosts" / HOST / "gpu" / "released.jsonl"
     offset = path.stat().st_size if path.exists() else 0
     killer = threading.Timer(kill_after_s, lambda: in_ct(lab, f"kill -9 {pid}"))
@@ -317,7 +317,7 @@ def bench(runs: int) -> dict:
     from gpugate_lab import core
 
     lab_dir = Path(tempfile.mkdtemp(prefix="lab-gate-bench-"))
-    lab = start_lab(lab_dir, hosts=1, gpus=8)
+    lab = start_lab(lab_dir, hosts=1, gpus=4)
     try:
         host = connected_host(lab)
         samples = [measure_once(lab, host=host) for _ in range(runs)]
