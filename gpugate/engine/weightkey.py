@@ -77,3 +77,34 @@ def key_changes(have: Mapping[str, Any] | None, want: Mapping[str, Any] | None, 
         if have.get(field) != want.get(field):
             changes.append("%s %s -> %s" % (labels.get(field, "torch"), have.get(field), want.get(field)))
     return changes
+
+
+def daemon_answers(socket_path: str, message: Mapping[str, Any], length_format: str, timeout: float) -> bool:
+    """Whether the daemon behind the Unix socket ``socket_path`` answers ``message`` (pickled, after
+    its length packed as ``length_format``: the engines' weight-cache protocols differ only there)
+    within ``timeout``: a hung daemon is no cache. Only the reply's length is read (nothing is
+    unpickled), in full even when it comes in pieces.
+
+    >>> daemon_answers("/nonexistent.sock", {"type": "ping"}, "!I", 0.1)
+    False
+    """
+    import pickle
+    import socket
+    import struct
+
+    size = struct.calcsize(length_format)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(socket_path)
+            data = pickle.dumps(dict(message), protocol=2)
+            sock.sendall(struct.pack(length_format, len(data)) + data)
+            header = b""
+            while len(header) < size:
+                chunk = sock.recv(size - len(header))
+                if not chunk:
+                    return False
+                header += chunk
+            return bool(struct.unpack(length_format, header)[0] < 1 << 16)
+    except (OSError, ValueError):
+        return False

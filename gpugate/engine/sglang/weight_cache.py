@@ -171,23 +171,9 @@ def key_changes(have, want):
 
 
 def daemon_answers(socket_path, timeout=2.0):
-    """Whether the daemon behind this socket answers SGLang's ``ping`` (protocol.py: a length-prefixed
-    pickle, ``{"type": "ping"}`` -> ``{"status": "ok"}``) within ``timeout``: a hung daemon is no
-    cache. Only the reply's length is read (nothing is unpickled)."""
-    import pickle
-    import socket
-    import struct
-
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
-            sock.connect(socket_path)
-            data = pickle.dumps({"type": "ping"}, protocol=2)
-            sock.sendall(struct.pack("!I", len(data)) + data)
-            header = sock.recv(4)
-            return len(header) == 4 and struct.unpack("!I", header)[0] < 1 << 16
-    except (OSError, ValueError):
-        return False
+    """Whether the daemon behind this socket answers SGLang's ``ping`` (protocol.py: a 4-byte length,
+    then a pickle, ``{"type": "ping"}`` -> ``{"status": "ok"}``) within ``timeout``."""
+    return weightkey.daemon_answers(socket_path, {"type": "ping"}, "!I", timeout)
 
 
 def read_ready(uuid, env=None):

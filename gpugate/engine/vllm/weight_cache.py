@@ -150,25 +150,8 @@ def config_summary(config: Mapping[str, Any] | None) -> str:
 
 def daemon_answers(socket_path: str, timeout: float = 2.0) -> bool:
     """Whether the daemon answers vLLM's ``get_memory`` (protocol.py: an 8-byte length, then a
-    pickle) within ``timeout``; only the reply's length is read (nothing is unpickled)."""
-    import pickle
-    import socket
-
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
-            sock.connect(socket_path)
-            data = pickle.dumps({"cmd": "get_memory"}, protocol=2)
-            sock.sendall(struct.pack("!Q", len(data)) + data)
-            header = b""
-            while len(header) < 8:
-                chunk = sock.recv(8 - len(header))
-                if not chunk:
-                    return False
-                header += chunk
-            return struct.unpack("!Q", header)[0] < 1 << 16
-    except (OSError, ValueError):
-        return False
+    pickle) within ``timeout``."""
+    return weightkey.daemon_answers(socket_path, {"cmd": "get_memory"}, "!Q", timeout)
 
 
 def model_config_sha256(model_path: str | None) -> str | None:
