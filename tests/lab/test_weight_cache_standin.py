@@ -30,27 +30,11 @@ from gpusim_helpers import (GPU_COUNT, SYSTEM_PYTHON, TOTAL_MIB, cmdline, contai
                             http_status, installed, model_dir, pid_alive, sim, start_standin, wait_until)
 
 from gpugate_lab import gpusim
+from gpugate_lab.standin._common import descendants  # the stand-ins' own walk of a process tree
 
 CONTEXT = 518
 POOL = int(TOTAL_MIB * 0.88)  # the static pool at the default --mem-fraction-static
 WEIGHTS = POOL // 2  # the test model's weights per rank: the capacity model, capped at half the pool
-
-
-def descendants(pid: int) -> List[int]:
-    children: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, queue = [], [pid]
-    while queue:
-        for child in children.get(queue.pop(0), []):
-            found.append(child)
-            queue.append(child)
-    return found
 
 
 @dataclass
