@@ -8,14 +8,14 @@ both. One lab, in order."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
+from tests.conftest import module_lab
 from tests.e2e.lab_processes import ct_sh
+from tests.e2e.test_weight_cache_lab import dry_then_deploy, pyinfra  # the same runs, whatever the engine
 
 pytestmark = [pytest.mark.lab]
 
@@ -38,12 +38,6 @@ def fleet(lab, path: Path, server: dict) -> Path:
     return path
 
 
-def pyinfra(lab, path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([pyinfra_exe(), "inventory.py", *args], cwd=REPO_ROOT,
-                          env=dict(lab.env(), GPUGATE_FLEET=str(path)), capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL)
-
-
 def processes(lab) -> dict[str, list[int]]:
     """The API server, the preload launcher and its daemons (pids), from the container's /proc."""
     script = ("for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
@@ -57,14 +51,6 @@ def processes(lab) -> dict[str, list[int]]:
         elif ppid.isdigit() and int(ppid) in launchers and "spawn_main" in cmd:
             found["daemon"].append(int(pid))
     return {kind: sorted(pids) for kind, pids in found.items()}
-
-
-def dry_then_deploy(lab, path: Path, kind: str) -> str:
-    dry = pyinfra(lab, path, "deploy.py", "--dry")
-    assert kind in dry.stdout + dry.stderr, dry.stdout + dry.stderr
-    run = pyinfra(lab, path, "-y", "deploy.py")
-    assert run.returncode == 0, run.stdout + run.stderr
-    return run.stdout + run.stderr
 
 
 def engine_log(lab) -> str:
