@@ -30,6 +30,7 @@ import yaml
 from tests.conftest import REPO_ROOT, Lab, LabHost, lab_unavailable_reason, pyinfra_exe
 from tests.e2e.lab_processes import ct_sh
 from tests.e2e.test_router_lab import Client, listed_healthy, server_info, workers
+from tests.e2e.test_weight_cache_lab import wait_for
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -147,15 +148,6 @@ def healthy(router: dict, vmid: int) -> bool:
             return response.status == 200
     except OSError:
         return False
-
-
-def wait_for(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def at_agent_step(lab: Lab, vmid: int, event: str, action: str) -> subprocess.Popen:
