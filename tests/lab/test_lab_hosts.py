@@ -124,9 +124,9 @@ def test_hosts_do_not_see_each_others_processes(lab):
 @lab_only
 def test_lab_up_again_leaves_the_running_lab_as_it_is(lab):
     before = core.status(lab.dir)
-    marker = lab.pct("pve1", "exec", "129", "--", "sh", "-c", "echo kept > /run/up-twice")
+    marker = lab.pct_over_ssh("pve1", "exec", "129", "--", "sh", "-c", "echo kept > /run/up-twice")
     again = core.up(lab.dir, hosts=2)
-    after_marker = lab.pct("pve1", "exec", "129", "--", "cat", "/run/up-twice")
+    after_marker = lab.pct_over_ssh("pve1", "exec", "129", "--", "cat", "/run/up-twice")
     sshd_count = lab.ssh("pve1", "pgrep -c -x sshd").stdout.strip()
     assert marker.returncode == 0
     assert [(h["name"], h["port"], h["init_pid"]) for h in again["hosts"]] == \

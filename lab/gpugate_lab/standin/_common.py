@@ -36,14 +36,12 @@ True
 import argparse
 import ctypes
 import json
-import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 # the lab's other shared parts, for every stand-in: the stdlib copies installed beside this file in a lab
 # container, else the lab package (development)
@@ -325,46 +323,58 @@ def say_error(exc):
 
 
 # ---------------------------------------------------------------- HTTP
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+def __getattr__(name):
+    # ``Server`` and ``Handler`` are made on first use: http.server costs a process ~30 ms of imports,
+    # and the processes that never serve HTTP (every rank, the detokenizer) are most of a server's tree.
+    if name in ("Server", "Handler"):
+        _define_http()
+        return globals()[name]
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
 
 
-class Handler(BaseHTTPRequestHandler):
-    """An engine's HTTP handler under uvicorn: HTTP/1.1, ``server: uvicorn``, JSON answers, the
-    access log line ``INFO:     <client> - "<method> <path> HTTP/1.1" <status>``."""
+def _define_http():
+    global Server, Handler
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    protocol_version = "HTTP/1.1"
-    server_version = "uvicorn"
-    sys_version = ""
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        allow_reuse_address = True
 
-    def log_message(self, fmt, *args):  # uvicorn's access log instead (access_log)
-        pass
+    class Handler(BaseHTTPRequestHandler):
+        """An engine's HTTP handler under uvicorn: HTTP/1.1, ``server: uvicorn``, JSON answers, the
+        access log line ``INFO:     <client> - "<method> <path> HTTP/1.1" <status>``."""
 
-    def access_log(self, code):
-        emit('INFO:     %s:%s - "%s %s HTTP/1.1" %d\n' % (
-            self.client_address[0], self.client_address[1], self.command, self.path, code))
+        protocol_version = "HTTP/1.1"
+        server_version = "uvicorn"
+        sys_version = ""
 
-    def _send(self, code, body, content_type="application/json", headers=()):
-        data = body if isinstance(body, bytes) else (
-            json.dumps(body).encode() if content_type == "application/json" else str(body).encode())
-        self.send_response(code)
-        self.send_header("content-type", content_type)
-        self.send_header("content-length", str(len(data)))
-        for name, value in headers:
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
-        self.access_log(code)
+        def log_message(self, fmt, *args):  # uvicorn's access log instead (access_log)
+            pass
 
-    def _body(self):
-        length = int(self.headers.get("content-length") or 0)
-        if not length:
-            return {}
-        try:
-            return json.loads(self.rfile.read(length) or b"{}")
-        except ValueError:
-            return {}
+        def access_log(self, code):
+            emit('INFO:     %s:%s - "%s %s HTTP/1.1" %d\n' % (
+                self.client_address[0], self.client_address[1], self.command, self.path, code))
+
+        def _send(self, code, body, content_type="application/json", headers=()):
+            data = body if isinstance(body, bytes) else (
+                json.dumps(body).encode() if content_type == "application/json" else str(body).encode())
+            self.send_response(code)
+            self.send_header("content-type", content_type)
+            self.send_header("content-length", str(len(data)))
+            for name, value in headers:
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+            self.access_log(code)
+
+        def _body(self):
+            length = int(self.headers.get("content-length") or 0)
+            if not length:
+                return {}
+            try:
+                return json.loads(self.rfile.read(length) or b"{}")
+            except ValueError:
+                return {}
 
 
 # ---------------------------------------------------------------- the model
@@ -442,6 +452,8 @@ def table_converter(name, bodies=None):
 
 
 def _log_warning(message):
+    import logging  # noqa: PLC0415 -- only a deprecated flag logs
+
     # before logging is configured: Python's last-resort handler writes the bare message to stderr
     logging.getLogger("engine.argparse_actions").warning(message)
 
