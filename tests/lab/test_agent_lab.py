@@ -3,7 +3,8 @@ with the SGLang stand-in, real signals and processes, faults at the awkward mome
 
 Every transition must end in exactly one of verified / rolled_back / nothing_serves, say which in the
 journal, the history and observe, and never signal what the server does not own. One lab for the
-module (one host, container 129, 8 GPUs); the tests run in order, each from the state the previous left.
+module (one host, container 129, 4 GPUs: what it proves does not depend on the rank count, and each rank is
+a process to start); the tests run in order, each from the state the previous left.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ SHORT = {"drain_timeout_s": 5, "kill_grace_s": 5, "gate_timeout_s": 30, "start_t
 API_KEY = "sk-canary-7f3a9b"
 TOKEN = "hf-canary-c0ffee"
 OUTCOMES = ("verified", "rolled_back", "nothing_serves")
+TP = 4  # the server's ranks, one per GPU of the container
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    yield from module_lab(tmp_path_factory, "lab-agent", hosts=1, gpus=8)
+    yield from module_lab(tmp_path_factory, "lab-agent", hosts=1, gpus=TP)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -51,12 +53,12 @@ def run_agent(lab, command: str, stdin: str | None = None) -> dict:
 
 
 def argv(*flags: str, port: int = PORT, model: str = MODEL) -> list[str]:
-    return [PY, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port), "--tp-size", "8", *flags]
+    return [PY, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port), "--tp-size", str(TP), *flags]
 
 
-def spec(*flags: str, env=None, port: int = PORT, model: str = MODEL, gpus=tuple(range(8))) -> dict:
+def spec(*flags: str, env=None, port: int = PORT, model: str = MODEL, gpus=tuple(range(TP))) -> dict:
     return {"argv": argv(*flags, port=port, model=model), "env": dict(FAST if env is None else env), "port": port,
-            "gpus": list(gpus), "supervisor": "process", "record": {"flags": {"tp-size": 8, "extra": list(flags)}}}
+            "gpus": list(gpus), "supervisor": "process", "record": {"flags": {"tp-size": TP, "extra": list(flags)}}}
 
 
 RUNS = iter(range(1, 10_000))
@@ -150,7 +152,7 @@ def test_first_start_is_verified_and_observe_reports_it(lab):
     for step in ("gate", "prepare", "start", "load", "verify", "commit"):
         assert step_events(events, step), step
     doc = server(lab)
-    assert doc["serving"] and doc["workers"] == {"expected": 8, "alive": 8, "dead": 0, "zombies": []}
+    assert doc["serving"] and doc["workers"] == {"expected": TP, "alive": TP, "dead": 0, "zombies": []}
     assert doc["transition"]["outcome"] == "verified" and doc["transition"]["active"] is False
     assert [r["argv_hash"] for r in doc["history"]["good"]] == [agentcmd.argv_hash(argv())]
     assert doc["sglang_version"]
@@ -422,7 +424,8 @@ def test_bench_client_monitor_and_a_process_group_neighbour_survive_a_restart(la
 
     answer, _ = transition(lab, None, rollback_to=None, port=PORT)  # nothing on the port
     assert answer["outcome"] == "verified"
-    shared = start_shared_group_server(lab, "pve1", 129, port=PORT, http_port=18080)  # by hand, one group
+    shared = start_shared_group_server(lab, "pve1", 129, port=PORT, http_port=18080,  # by hand, one group
+                                      flags=f"--tp {TP}")
     deadline = time.monotonic() + 20
     while not server(lab)["serving"] and time.monotonic() < deadline:
         time.sleep(0.3)
@@ -449,17 +452,17 @@ def test_the_gate_waits_for_this_servers_gpus_only_and_ends_the_holders_it_was_g
     from tests.e2e.lab_processes import start_in_container
 
     ensure_serving(lab, spec())
-    notebook = start_in_container(lab, "pve1", 129, "python3 -m gpugate_gpusim hold --gpu 2 --mib 1000", "notebook")
-    other = start_in_container(lab, "pve1", 129, "python3 -m gpugate_gpusim hold --gpu 6 --mib 1000", "other")
+    notebook = start_in_container(lab, "pve1", 129, "python3 -m gpugate_gpusim hold --gpu 1 --mib 1000", "notebook")
+    other = start_in_container(lab, "pve1", 129, "python3 -m gpugate_gpusim hold --gpu 3 --mib 1000", "other")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         holders = dict((h["pid"], h) for h in observe(lab)["container"]["gpu_holders"])
         if notebook.pid in holders and other.pid in holders and holders[other.pid]["gpus"]:
             break
         time.sleep(0.2)
-    assert holders[notebook.pid]["gpus"] == [2] and holders[notebook.pid]["memory"] is True
-    assert holders[other.pid]["gpus"] == [6]
-    half = spec("--tp-size", "4", gpus=range(4))  # GPUs 0-3: the holder on GPU 6 is not this server's
+    assert holders[notebook.pid]["gpus"] == [1] and holders[notebook.pid]["memory"] is True
+    assert holders[other.pid]["gpus"] == [3]
+    half = spec("--tp-size", "2", gpus=range(2))  # GPUs 0-1: the holder on GPU 3 is not this server's
     answer, events = transition(lab, half, end_gpu_holders=[
         {"pid": notebook.pid, "start_ticks": holders[notebook.pid]["start_ticks"]}])
     assert answer["outcome"] == "verified", events[-4:]
@@ -480,6 +483,6 @@ def test_dead_workers_are_not_serving(lab):
         doc = server(lab)
     assert not doc["serving"]
     if doc["running"]:  # a main that does not react (yet) to its dead scheduler
-        assert doc["workers"]["alive"] == 7 and doc["workers"]["dead"] == 1
+        assert doc["workers"]["alive"] == TP - 1 and doc["workers"]["dead"] == 1
     answer, _ = transition(lab, spec())  # the same spec: not serving, so it is restarted
     assert answer["outcome"] == "verified" and server(lab)["serving"]
