@@ -276,6 +276,32 @@ def to_extra_args(value: Any) -> list[str]:
     return list(value)
 
 
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def to_adapters(value: Any) -> dict[str, str] | None:
+    """LoRA adapters a server serves, ``{name: path}`` (the engine checks what its release accepts);
+    ``{}``: LoRA on, no adapter loaded; None: LoRA off.
+
+    >>> to_adapters({"b": "/opt/models/lab-lora-b", "a": "/opt/models/lab-lora-a"})
+    {'a': '/opt/models/lab-lora-a', 'b': '/opt/models/lab-lora-b'}
+    >>> to_adapters({"a=b": "/m"})
+    Traceback (most recent call last):
+    ...
+    ValueError: adapter name 'a=b': letters, digits, _ . and -, starting with a letter or digit
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping of adapter name: path, got {describe(value)}")
+    adapters = {}
+    for name in sorted(value, key=str):
+        if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
+            raise ValueError(f"adapter name {name!r}: letters, digits, _ . and -, starting with a letter or digit")
+        adapters[name] = one_line(value[name], f"the path of adapter {name}")
+    return adapters
+
+
 def to_servers(value: Any) -> list[dict[str, Any]]:
     """Several servers in one container (fleet.yaml's ``sglang:`` as a list): each a mapping of the
     server's settings by their host-data keys, each on its own port."""
@@ -395,6 +421,9 @@ SETTINGS: dict[str, Setting] = _rows(
             "the SGLang release the container must have (its flag table); quoted", "server", "sglang_version"),
     Setting("sglang_extra_args", to_extra_args, [], "argv items passed through as written, unchecked",
             "server", "extra_args"),
+    Setting("sglang_lora_adapters", to_adapters, None,
+            "LoRA adapters the server serves, {name: path}: loaded and unloaded live where the engine can "
+            "(docs/live-changes.md); {} keeps LoRA on with none loaded", "server", "lora_adapters"),
     Setting("sglang_weight_cache", to_bool, False,
             "true: SGLang's weight-cache daemons hold the weights across restarts (docs/weight-cache.md)",
             "server", "weight_cache"),

@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpugate.engine import DEFAULT_ENGINE, FlagError, Launch, ServerInputs, get as engine
+from gpugate.engine import DEFAULT_ENGINE, FlagError, Launch, LiveState, ServerInputs, get as engine
 from gpugate.settings import SETTINGS, SUPERVISORS, resolved
 
 __all__ = ["BUDGET_KEYS", "Desired", "Routing", "routing_of", "desired_state", "desired_states", "Spec", "SpecError",
@@ -116,6 +116,7 @@ class Spec:
 
     inputs: ServerInputs
     launch: Launch
+    table: Any = dataclasses.field(default=None, compare=False, repr=False)  # the flag table the launch was made against
 
     # what the rest of gpugate reads, by the names it always had
     engine = property(lambda self: self.inputs.engine)
@@ -129,12 +130,35 @@ class Spec:
     extra_args = property(lambda self: self.inputs.extra_args)
     sglang_version = property(lambda self: self.inputs.version)  # the pinned release (setting sglang_version)
     weight_cache = property(lambda self: self.inputs.weight_cache)  # the weights held across engine restarts
+    lora_adapters = property(lambda self: self.inputs.lora_adapters)  # {name: path}; None: LoRA off
     flags = property(lambda self: self.launch.flags)  # normalised (canonical names, typed values)
     argv = property(lambda self: self.launch.argv)
     gpus = property(lambda self: self.launch.gpus)
     warnings = property(lambda self: self.launch.warnings)
     daemon_argv = property(lambda self: self.launch.daemon_argv)  # the weight cache's daemons
     gated_launch = property(lambda self: self.launch.gated)  # the new engine starts before the stop, gated
+
+    @property
+    def live(self) -> LiveState:
+        """What the engine may change while this server serves (docs/live-changes.md)."""
+        return LiveState(self.model_path, self.lora_adapters)
+
+    def with_live(self, live: LiveState) -> Spec:
+        """The same launch as it would be with another live state (the model path and adapters a
+        running server was started with): what :func:`gpugate.match.compare` holds against the
+        running command, so that a server changed live is not "another command".
+
+        >>> build_spec("/m2", 30000, {}, lora_adapters={"b": "/b"}).with_live(LiveState("/m", {"a": "/a"})).argv[3:5]
+        ('--model-path', '/m')
+        """
+        if live == self.live:
+            return self
+        inputs = dataclasses.replace(self.inputs, model_path=live.model_path or self.model_path,
+                                     lora_adapters=live.lora_adapters)
+        try:
+            return dataclasses.replace(self, inputs=inputs, launch=engine(self.engine).launch(inputs, self.table))
+        except FlagError:  # that live state makes no launch of this spec's: it is no such server
+            return self
 
     def with_supervisor(self, supervisor: str) -> Spec:
         """The same server under another supervisor (``auto`` resolved for a container)."""
@@ -160,6 +184,8 @@ class Spec:
             record["sglang_version"] = self.sglang_version
         if self.weight_cache:
             record["weight_cache"] = {"argv": engine(self.engine).redact_argv(list(self.daemon_argv))}
+        if self.lora_adapters is not None:
+            record["lora_adapters"] = dict(self.lora_adapters)
         if by:
             record["by"] = by
         return record
@@ -215,7 +241,7 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
                python: str | None = None, extra_args: Sequence[str] | None = None,
                sglang_version: str | None = None, table: Any = None, weight_cache: bool = False,
                gated_launch: bool | None = None, engine_name: str = DEFAULT_ENGINE, secret_env: Sequence[str] = (),
-               drain_timeout_s: float | None = None) -> Spec:
+               drain_timeout_s: float | None = None, lora_adapters: Mapping[str, str] | None = None) -> Spec:
     """Validate the desired server completely (no host needed) and have the engine make its
     launch, once; raise SpecError naming the problem. What is no engine's business (port, model
     path, host, supervisor, interpreter, env, extra_args as text) is checked here; the flags, the
@@ -262,12 +288,20 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
         if not isinstance(item, str) or not item:
             raise SpecError(f"extra_args must be a list of non-empty strings, got {item!r}")
         _one_line("an extra_args element", item)
+    if lora_adapters is not None:
+        if not isinstance(lora_adapters, Mapping):
+            raise SpecError(f"lora_adapters must be a mapping of name: path, got {type(lora_adapters).__name__}")
+        for name, path in lora_adapters.items():
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path.strip():
+                raise SpecError(f"lora_adapters: {name!r}: a name and a path (strings) each")
+            _one_line(f"lora_adapters {name}", path)
+        lora_adapters = dict(sorted(lora_adapters.items()))
     if sglang_version is not None and (not isinstance(sglang_version, str) or not sglang_version.strip()):
         raise SpecError(f"sglang_version must be a version string, got {sglang_version!r}")
     inputs = ServerInputs(engine=engine_name, model_path=model_path, port=port, flags=dict(flags or {}), env=clean_env,
                           host=host, supervisor=supervisor, python=python, extra_args=extras, version=sglang_version,
                           weight_cache=bool(weight_cache), gated_launch=gated_launch,
-                          secret_env=tuple(secret_env or ()),
+                          secret_env=tuple(secret_env or ()), lora_adapters=lora_adapters,
                           drain_timeout_s=float(SETTINGS["drain_timeout_s"].default if drain_timeout_s is None
                                                 else drain_timeout_s))
     try:
@@ -279,7 +313,7 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
     if gated_launch and not serving.gated_option:
         raise SpecError(f"gated_launch: {serving.label} has no gated launch: set gated_launch: false")
     try:
-        return Spec(inputs=inputs, launch=serving.launch(inputs, table))
+        return Spec(inputs=inputs, launch=serving.launch(inputs, table), table=table)
     except FlagError as error:
         raise SpecError(str(error)) from None
 
@@ -291,7 +325,7 @@ def for_version(spec: Spec, table: Any) -> Spec:
     if known is not None and known[0] is spec and known[1] is table:
         return known[2]  # pyinfra runs an operation's body twice without -y: the same launch, once
     try:
-        made = dataclasses.replace(spec, launch=engine(spec.engine).launch(spec.inputs, table))
+        made = dataclasses.replace(spec, launch=engine(spec.engine).launch(spec.inputs, table), table=table)
     except FlagError as error:
         raise SpecError(str(error)) from None
     _FOR_VERSION[(id(spec), id(table))] = (spec, table, made)  # the objects kept: their ids stay theirs
@@ -493,7 +527,8 @@ def _desired(values: Mapping[str, Any]) -> Desired:
                               python=values["sglang_python"], extra_args=values["sglang_extra_args"],
                               sglang_version=values["sglang_version"], weight_cache=bool(values["sglang_weight_cache"]),
                               gated_launch=values["sglang_gated_launch"], engine_name=values["engine"],
-                              secret_env=values["sglang_secret_env"], drain_timeout_s=values["drain_timeout_s"])
+                              secret_env=values["sglang_secret_env"], drain_timeout_s=values["drain_timeout_s"],
+                              lora_adapters=values["sglang_lora_adapters"])
         except SpecError as error:
             problem = str(error)
     return Desired(port=port, present=present, python=values["sglang_python"], spec=spec, engine=values["engine"],

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["Engine", "EngineError", "FlagError", "ServerInputs", "Launch", "Running", "get", "names", "ENTRY_POINT_GROUP", "DEFAULT_ENGINE"]
+__all__ = ["Engine", "EngineError", "FlagError", "ServerInputs", "Launch", "Running", "LiveState", "Change", "get", "names", "ENTRY_POINT_GROUP", "DEFAULT_ENGINE"]
 
 ENTRY_POINT_GROUP = "gpugate.engines"
 DEFAULT_ENGINE = "sglang"  # the ``engine`` setting's default: what every fleet.yaml before it ran
@@ -84,6 +84,7 @@ class ServerInputs:
     gated_launch: bool | None = None    # None: where the release and the supervisor allow it
     drain_timeout_s: float = 60.0       # the stop's drain budget (an engine whose drain is a flag sets it)
     secret_env: tuple[str, ...] = ()    # env names the operator declares secret (beyond the pattern list)
+    lora_adapters: Mapping[str, str] | None = None  # {name: path}; None: LoRA off (docs/live-changes.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,43 @@ class Launch:
     warnings: tuple[str, ...] = ()
     daemon_argv: tuple[str, ...] = ()        # the weight cache's daemons, when wanted
     gated: bool = False                      # the new engine starts before the old one stops
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveState:
+    """What a server serves that its engine may change while it serves (docs/live-changes.md): the
+    weights' model path and the LoRA adapters ``{name: path}`` (None: LoRA is off)."""
+
+    model_path: str | None
+    lora_adapters: Mapping[str, str] | None = None
+
+    def doc(self) -> dict[str, Any]:
+        """As the history and the agent's documents carry it.
+
+        >>> LiveState("/m", {"a": "/a"}).doc()
+        {'model_path': '/m', 'lora_adapters': {'a': '/a'}}
+        """
+        return {"model_path": self.model_path,
+                "lora_adapters": None if self.lora_adapters is None else dict(sorted(self.lora_adapters.items()))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One difference between what serves and what is desired, and the path it takes: ``live``
+    (the engine applies it while it serves: ``op`` is what the container's agent sends) or
+    ``restart`` (``text`` says why it cannot be live).
+
+    >>> Change("live", "load adapter b", {"op": "load_adapter", "name": "b", "path": "/b"}).line
+    'live: load adapter b'
+    """
+
+    path: str                               # "live" | "restart"
+    text: str
+    op: Mapping[str, Any] | None = None     # live: the agent's operation (the engine's container module sends it)
+
+    @property
+    def line(self) -> str:
+        return f"{self.path}: {self.text}"
 
 
 @dataclasses.dataclass
@@ -200,6 +238,26 @@ class Engine(abc.ABC):
         """Flags with every secret value ``***`` (as the engine knows its secrets)."""
         return dict(flags)
 
+    # --- what the engine changes while it serves (docs/live-changes.md)
+    def launched_live(self, running: Running) -> LiveState:
+        """The live state a running command was launched with (its model path, its initial adapters)."""
+        return LiveState(running.model_path, None)
+
+    def live_changes(self, have: LiveState, want: LiveState, *, same_shape: bool | None = None,
+                     weight_cache: bool = False) -> list[Change]:
+        """Every difference from ``have`` (what serves) to ``want``, each with its path: ``live`` where
+        this engine applies it while it serves, else ``restart`` saying why. ``same_shape``: the two
+        models' config.json describe the same architecture and shapes (None: not known);
+        ``weight_cache``: the weight cache is active. An engine that changes nothing live: all restart."""
+        changes = []
+        if have.model_path != want.model_path:
+            changes.append(Change("restart", f"weights {have.model_path} -> {want.model_path} "
+                                             f"({self.label} loads other weights only at its start)"))
+        if (have.lora_adapters or {}) != (want.lora_adapters or {}):
+            changes.append(Change("restart", f"adapters {_names(have.lora_adapters)} -> {_names(want.lora_adapters)} "
+                                             f"({self.label} loads adapters only at its start)"))
+        return changes
+
     # --- before anything stops, and after the start
     def preflight(self, observation: Mapping[str, Any], launch: Launch) -> list[str]:
         """Problems that are this engine's to see before anything stops (host memory its flags
@@ -242,6 +300,10 @@ class Engine(abc.ABC):
         except FlagError as error:
             return False, [f"REFUSED by {self.label}: {error}"]
         return True, [f"ok for {self.label}, {len(normal)} flag(s)"]
+
+
+def _names(adapters: Mapping[str, str] | None) -> str:
+    return ", ".join(sorted(adapters or {})) or "none"
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*")

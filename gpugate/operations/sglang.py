@@ -1383,6 +1383,8 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
     + sglang_version: the SGLang release the container must have, a string (``"0.5.23"``)
     + extra_args: argv items passed through after the flags as written, unchecked
     + weight_cache: ``True``: SGLang's weight-cache daemons hold the weights across restarts
+    + lora_adapters: LoRA adapters ``{name: path}`` the server serves, loaded and unloaded live where
+      the engine can (``{}``: LoRA on, none loaded; docs/live-changes.md)
     + gated_launch: start the new engine before the stop, gated until the GPUs are free (default: where
       the release has it and the supervisor is process)
     + router: the router (fleet.yaml ``routers:``) in front of this server: leave, drain, restart, rejoin

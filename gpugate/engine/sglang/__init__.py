@@ -16,9 +16,9 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from gpugate.engine import Launch, Running, ServerInputs
+from gpugate.engine import Change, Launch, LiveState, Running, ServerInputs
 from gpugate.engine.argflags import ArgparseEngine
-from gpugate.engine.sglang import capacity, flags, launch
+from gpugate.engine.sglang import capacity, flags, launch, live
 
 
 class SGLang(ArgparseEngine):
@@ -49,6 +49,21 @@ class SGLang(ArgparseEngine):
         parsed = self.flags.parse_argv(argv, table)
         return Running(model_path=parsed.model_path, host=parsed.host, port=parsed.port, flags=parsed.flags,
                        unknown=list(parsed.unknown), args_start=self.flags.server_args_start(argv))
+
+    def launched_live(self, running: Running) -> LiveState:
+        """The model path and the ``--lora-paths`` a running command was started with (LoRA on: its
+        adapters, ``{}`` for none).
+
+        >>> ENGINE.launched_live(ENGINE.read_running(["python3", "-m", "sglang.launch_server", "--model-path", "/m",
+        ...     "--enable-lora", "--lora-paths", "a=/a"]))
+        LiveState(model_path='/m', lora_adapters={'a': '/a'})
+        """
+        lora = running.flags.get("enable-lora") or "lora-paths" in running.flags
+        return LiveState(running.model_path, live.parse_lora_paths(running.flags.get("lora-paths")) if lora else None)
+
+    def live_changes(self, have: LiveState, want: LiveState, *, same_shape: bool | None = None,
+                     weight_cache: bool = False) -> list[Change]:
+        return live.live_changes(have, want, same_shape=same_shape, weight_cache=weight_cache)
 
     def in_flight(self, get: Callable[[str], tuple[int, bytes]]) -> int | None:
         """The gauges on /metrics, else ``/get_load`` (``num_reqs`` + ``num_waiting_reqs`` per DP

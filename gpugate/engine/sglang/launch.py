@@ -27,7 +27,7 @@ from typing import Any
 from gpugate.engine import FlagError, Launch, ServerInputs
 from gpugate.engine.sglang import flags as sglang_flags
 from gpugate.engine import gpus as sglang_gpus
-from gpugate.engine.sglang import weight_cache
+from gpugate.engine.sglang import live, weight_cache
 
 # the flags the GPU set is made of (gpu_set)
 GPU_SET_FLAGS = ("tp-size", "pp-size", "dp-size", "enable-dp-attention", "nnodes", "base-gpu-id", "gpu-id-step")
@@ -35,7 +35,8 @@ SEPARATE_FIELD_TEXT = {"model-path": "set the model as sglang.model_path", "port
                        "host": "set the host as sglang.host"}
 # What gpugate sets itself, never the operator (the setting that says it instead): a gated launch's
 # port is chosen per start, the weight cache's mode follows weight_cache
-GPUGATE_SETS = {"gated-launch-port": "gated_launch: true (or false)", "weight-cache-mode": "weight_cache: true (or false)"}
+GPUGATE_SETS = {"gated-launch-port": "gated_launch: true (or false)", "weight-cache-mode": "weight_cache: true (or false)",
+                "lora-paths": "lora_adapters: {name: path}"}
 # SGLang's IPC allowlist (weight_cache/protocol.py IPC_QUANT_ALLOWLIST): unquantized, or block-wise
 # FP8; any other method is a hard error of the daemon and the engine
 WEIGHT_CACHE_QUANTIZATION = (None, "fp8")
@@ -149,13 +150,16 @@ def build(inputs: ServerInputs, table: Any = None) -> Launch:
         if name in normal or (parsed_extras is not None and name in parsed_extras.flags):
             raise FlagError(name, f"gpugate sets it: write {setting} instead")
     normal = _with_weight_cache(normal, inputs.weight_cache, parsed_extras, table)
+    normal = live.lora_flags(normal, inputs.lora_adapters, lambda name: sglang_flags.supports(name, table))
     for name, value in normal.items():
         # argv carries any byte but NUL; a line break would still end a line of the systemd unit
         for text in (value if isinstance(value, (list, tuple)) else [value]):
             if isinstance(text, str) and any(c in text for c in "\0\n\r"):
                 raise FlagError(name, "value must be one line (no newline, carriage return or NUL)")
     header = sglang_flags.render_argv(inputs.model_path, inputs.port, {}, host=inputs.host)
-    argv = (inputs.python, *header, *sglang_flags.render_flag_args(normal, table), *inputs.extra_args)
+    # the adapters last among gpugate's own arguments: a start (a restart, a crash's) serves them
+    argv = (inputs.python, *header, *sglang_flags.render_flag_args(normal, table),
+            *live.lora_paths_args(inputs.lora_adapters), *inputs.extra_args)
     warnings: list[str] = []
     if inputs.extra_args:
         warnings.append("extra_args passed verbatim, unchecked: "
