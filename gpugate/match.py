@@ -29,7 +29,7 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from gpugate.engine import DEFAULT_ENGINE, Engine, get as engine
+from gpugate.engine import DEFAULT_ENGINE, Change, Engine, LiveState, get as engine
 from gpugate.rules.redact import argv_hash, env_hash, shown_env_value
 from gpugate.spec import Spec, SpecError, gpu_set, resolve_supervisor
 
@@ -60,6 +60,13 @@ class Match:
     flag_items: tuple[str, ...] = ()
     replaced: tuple[Mapping[str, Any], ...] = ()
     exact: bool = False
+    # what serves against what is desired (adapters, weights), each live or restart (docs/live-changes.md)
+    changes: tuple[Change, ...] = ()
+
+    @property
+    def live(self) -> bool:
+        """Every difference is one the engine applies while it serves: no restart."""
+        return bool(self.changes) and self.exact and all(change.path == "live" for change in self.changes)
 
     @property
     def ok(self) -> bool:
@@ -88,13 +95,22 @@ def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None 
     if not running:
         return Match("not_running", (f"{name} is not running on :{spec.port}",), replaced=replaced,
                      lines=tuple(diff_lines(server, spec) + env_lines(server, spec)))
-    exact = runs_exactly(server, spec)
+    # the desired launch with the live state the running one was started with: what differs beyond
+    # it is what serves (adapters, weights), live or by a restart
+    launch_runs = runs_exactly(server, launched_spec(server, spec))
+    changes = tuple(live_changes(observation, spec)) if launch_runs else ()
+    live = bool(changes) and all(change.path == "live" for change in changes)
+    exact = launch_runs and (live or not changes)
     have, pinned = server.get("sglang_version"), spec.sglang_version
     label = engine(spec.engine).label
     if pinned and have and have != pinned:  # the deploy refuses it: it can never be as desired
         return Match("differs", (f"the container has {label} {have}; sglang_version pins {pinned}",),
                      flag_items=(f"{label} {have} in the container, {pinned} pinned",), replaced=replaced, exact=exact)
     weights = cache_verdict(observation, spec)
+    if live and not replaced:
+        return Match("differs", ("what it serves differs from the desired state (the engine applies it live)",),
+                     lines=tuple(change.line for change in changes), flag_items=tuple(change.line for change in changes),
+                     exact=True, changes=changes)
     if exact and not replaced and weights.mode in ("keep", "none"):
         if server.get("serving"):
             return Match("as_desired", exact=True)
@@ -119,8 +135,58 @@ def compare(observation: Mapping[str, Any], spec: Spec | None, port: int | None 
         why.append("the server's environment differs")
     if not exact and not flag_lines and not changed_env:
         why.append("the running command differs from the desired one (a secret value or the supervisor)")
-    return Match("differs", tuple(why), lines=tuple(flag_lines + changed_env),
-                 flag_items=tuple(flag_items(server, spec)), replaced=replaced, exact=exact)
+    # a restart takes every difference: those the engine could apply live come back with its launch
+    folded = [change.line if change.path == "restart" else f"restart (its launch carries it): {change.text}"
+              for change in changes]
+    return Match("differs", tuple(why), lines=tuple(flag_lines + changed_env + folded),
+                 flag_items=tuple(flag_items(server, spec)), replaced=replaced, exact=exact, changes=changes)
+
+
+def launched_spec(server: Mapping[str, Any], spec: Spec) -> Spec:
+    """``spec`` as it would have been launched with the live state (model path, adapters) the running
+    command carries: a server changed live since its start runs exactly that (its argv still names
+    the launch's model and adapters), and :func:`live_changes` says what differs now."""
+    running = running_command(server, spec.engine)
+    if running is None:
+        return spec
+    parsed = engine(spec.engine).read_running((server.get("main") or {}).get("argv") or [])
+    return spec.with_live(engine(spec.engine).launched_live(parsed))
+
+
+def served_live(server: Mapping[str, Any], spec: Spec) -> LiveState | None:
+    """What the running server serves now: its own answer (observe's ``live``), where it gave one,
+    over what its command was launched with; LoRA on or off is the launch's."""
+    main = server.get("main") or {}
+    if not server.get("running") or not main:
+        return None
+    serving = engine(spec.engine)
+    launched = serving.launched_live(serving.read_running(main.get("argv") or []))
+    said = server.get("live") or {}
+    adapters = launched.lora_adapters
+    if adapters is not None and isinstance(said.get("lora_adapters"), Mapping):
+        adapters = dict(said["lora_adapters"])
+    return LiveState(said.get("model_path") or launched.model_path, adapters)
+
+
+def live_changes(observation: Mapping[str, Any], spec: Spec) -> list[Change]:
+    """Every difference between what serves and the desired live state, each with the path the
+    engine takes for it (live or restart); the two models' shapes as observe read them in the container.
+
+    >>> from gpugate.spec import build_spec
+    >>> spec = build_spec("/m", 30000, {}, lora_adapters={"b": "/b"})
+    >>> argv = list(build_spec("/m", 30000, {}, lora_adapters={"a": "/a"}).argv)
+    >>> [c.line for c in live_changes({"sglang": {"running": True, "main": {"argv": argv},
+    ...                                           "live": {"model_path": "/m", "lora_adapters": {"a": "/a"}}}}, spec)]
+    ['live: unload adapter a', 'live: load adapter b']
+    """
+    server = observation.get("sglang") or {}
+    have = served_live(server, spec)
+    if have is None:
+        return []
+    shapes = server.get("model_shapes") or {}
+    before, after = shapes.get(have.model_path or ""), shapes.get(spec.model_path)
+    same = None if before is None or after is None else before == after
+    return engine(spec.engine).live_changes(have, spec.live, same_shape=same, weight_cache=spec.weight_cache)
 
 
 @dataclasses.dataclass(frozen=True)

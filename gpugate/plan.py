@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gpugate.engine import DEFAULT_ENGINE, get as engine, names
+from gpugate.engine import DEFAULT_ENGINE, Change, get as engine, names
 from gpugate.match import (cache_verdict, command_lines, compare, flag_differences, for_container, interpreter_lines,
                            running_command)
 from gpugate.rules import gate as rules_gate
@@ -39,7 +39,7 @@ PROGRESS_EVERY_S = 3.0  # at most one progress line per step this often (the age
 class Plan:
     """What sglang.server will do on one container, and why."""
 
-    action: str                                   # noop | start | restart | stop | attach
+    action: str                                   # noop | start | restart | stop | attach | live
     reasons: tuple[str, ...]
     lines: tuple[str, ...] = ()                   # the diff: flags, model, host, env (secrets ***)
     problems: tuple[str, ...] = ()                # checks that failed: refuse, nothing touched
@@ -54,6 +54,7 @@ class Plan:
     target: Mapping[str, Any] | None = None       # rollback runbook: the history record to run
     kind: str | None = None                       # which restart (the weight cache kept or not, gated)
     server: str = DEFAULT_ENGINE                  # how the lines name the server: its engine ("sglang :30000")
+    changes: tuple[Change, ...] = ()              # what serves vs what is desired, each live or restart
 
     @property
     def touches(self) -> bool:
@@ -592,6 +593,8 @@ def _decide(observation: Mapping[str, Any], desired: Desired, restoring: bool, e
         problems.append("servers on :" + ", :".join(str(r["port"]) for r in replaced) + " use GPUs the desired server "
                         "needs; a deploy replaces at most one of them (stop the others first)")
     problems += kept_gpu_problems(observation, desired, spec, replacing, executing)
+    if match.live and not restart:  # the engine applies every difference while it serves: nothing stops
+        return live_plan(observation, spec, match.changes, last)
     if match.verdict == "as_desired" and not restart:
         return Plan("noop", (f"{desired.engine} on :{spec.port} already serves the desired spec ({spec_summary(server)})",),
                     last=last)
@@ -611,7 +614,28 @@ def _decide(observation: Mapping[str, Any], desired: Desired, restoring: bool, e
     return Plan(action, tuple(reasons), lines=tuple(lines), problems=tuple(problems), notes=tuple(notes),
                 steps=steps_for(action, spec, max_used_mib, budgets, replacing, weights.mode),
                 replaces=replaces_doc(replaced[0]) if len(replaced) == 1 else None, rollback_to="auto",
-                restart=restart, last=last, gpus=spec.gpus, kind=restart_kind(weights.mode, weights.why, spec))
+                restart=restart, last=last, gpus=spec.gpus, kind=restart_kind(weights.mode, weights.why, spec),
+                changes=match.changes)
+
+
+LIVE_STEPS = ("apply each change live (the server keeps serving)",
+              "verify: the engine answered success, the server lists the desired state, a real generation (through "
+              "each adapter that changed)", "commit the live state to the history",
+              "on a refusal or a failed verify: undo what was applied, exit non-zero")
+
+
+def live_plan(observation: Mapping[str, Any], spec: Spec, changes: Sequence[Change], last: str | None) -> Plan:
+    """The plan of a change the engine applies while it serves (docs/live-changes.md): nothing stops,
+    so only what the change itself needs is checked before it (the new model path exists)."""
+    server = observation.get("sglang") or {}
+    pid = (server.get("main") or {}).get("pid")
+    weights = any((change.op or {}).get("op") == "update_weights" for change in changes)
+    problems = _server_checks(server, spec) if weights else []
+    if not server.get("serving"):
+        problems.append(f"the server (pid {pid}) does not serve: a live change needs one that does")
+    why = f"what it serves differs from the desired state: {len(changes)} change(s) applied live, pid {pid} keeps serving"
+    return Plan("live", (why,), lines=tuple(change.line for change in changes), problems=tuple(problems),
+                steps=LIVE_STEPS, rollback_to=None, last=last, gpus=spec.gpus, changes=tuple(changes))
 
 
 def spec_summary(server: Mapping[str, Any]) -> str:
@@ -635,8 +659,12 @@ def plan_lines(plan: Plan, port: int) -> list[str]:
             lines += [f"    - {problem}" for problem in plan.problems]
         lines += [f"    note: {note}" for note in plan.notes]
         return lines
-    lines.append(f"{plan.server} :{port} will {plan.action}: {'; '.join(plan.reasons)}")
+    doing = "change live" if plan.action == "live" else plan.action
+    lines.append(f"{plan.server} :{port} will {doing}: {'; '.join(plan.reasons)}")
     lines += ["    " + line for line in plan.lines]
+    if plan.changes:  # the path of the whole change: any restart difference makes it a restart
+        lines.append("    path: live (no restart)" if plan.action == "live" else
+                     f"    path: {plan.action} (its launch carries the adapters and the model path)")
     if plan.kind:
         lines.append(f"    {plan.action}: {plan.kind}")
     lines += [f"    note: {note}" for note in plan.notes]

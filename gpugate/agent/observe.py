@@ -102,7 +102,8 @@ def observe(args: Doc) -> Doc:
     report: Doc = {"schema": state.SCHEMA, "port": port, "running": main is not None, "main": None,
               "tree": [server.summary(table[pid], redactor) for pid in tree if pid in table],
               "strays": [], "clients": [], "listening": False, "listener_pids": [], "health": None,
-              "server_info": None, "env_hashes": {}, "workers": None, "serving": False, "gpus": None}
+              "server_info": None, "env_hashes": {}, "workers": None, "serving": False, "gpus": None,
+              "live": None}
     for proc in sorted(table.values(), key=lambda p: p["pid"]):
         if proc["pid"] in tree_set or proc["pid"] in own:
             continue
@@ -148,6 +149,9 @@ def observe(args: Doc) -> Doc:
         if report["health"]["health"] == 200:
             info = server.server_info(host, port, keys=args.get("info_keys") or engine.INFO_KEYS, token=engine.argv_token(main_argv, True))
             report["server_info"] = redactor.deep(info)
+            # what it serves now (a live change moves it away from the launch's): docs/live-changes.md
+            token = engine.argv_token(main_argv)
+            report["live"] = engine.read_live(lambda path: server.http_get(host, port, path, 3.0, token))
     else:
         report["health"] = {"health": None, "health_error": "port %d not listening" % port,
                             "health_generate": None, "health_generate_error": None}
@@ -178,6 +182,10 @@ def observe(args: Doc) -> Doc:
     report["weight_cache"] = weight_cache.view(port, table, gpu_doc)
     report["torch_version"] = engine.torch_version()
     report["model_config_sha256"] = engine.model_config_sha256(model_path)
+    # the desired and the served model's shapes: a new checkpoint of the same shapes is a live change
+    served = [(report.get("live") or {}).get("model_path"), engine.argv_model(main["argv"]) if main else None]
+    report["model_shapes"] = dict((path, engine.model_shape(path)) for path in [model_path] + served
+                                  if isinstance(path, str) and path.startswith("/"))
     cache_pids = weight_cache.daemon_ports(table)  # every server's daemons: a port change replaces its own
     skip = tree_set | own
     container = {"free_mib": {state.LOG_DIR: state.free_mib(state.LOG_DIR if os.path.isdir(state.LOG_DIR) else "/var/log"),

@@ -36,6 +36,11 @@ the engine's module leaves out, so an engine defines only what is its own. The n
                    ``read_ready(uuid, env)``: the daemon of that GPU ({"pid", "config"}) once it
                    serves, else None; ``daemon_answers(socket, timeout)``: it answers the engine's
                    own request; ``DAEMON_NOT_READY``: how a GPU whose daemon does not serve yet is said
+``read_live(get)``: what the server serves now, ``{"model_path", "lora_adapters"}`` (None: the
+                   engine changes nothing live); ``model_shape(path)``: the architecture and
+                   shapes of a model's config.json; ``live_request(op)``, ``undo_of(op)``,
+                   ``answer_problem``, ``generation_through(adapter)``, ``generation_problem``: a
+                   live change applied, undone and proven (docs/live-changes.md)
 ================== ==========================================================================
 
 Example::
@@ -139,6 +144,38 @@ def daemon_answers(socket_path: str, timeout: float = 2.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def read_live(get: Callable[[str], Tuple[Optional[int], str]]) -> Dict[str, Any] | None:
+    return None  # an engine that changes nothing while it serves
+
+
+# what decides whether two checkpoints have the same weights' shapes (Hugging Face config.json)
+SHAPE_KEYS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings",
+              "torch_dtype", "quantization_config")
+
+
+def model_shape(path: str | None) -> Dict[str, Any] | None:
+    """The architecture and shapes a model directory's config.json gives (SHAPE_KEYS), None where it
+    cannot be read (a repo id, no such file): the same dict for two checkpoints of one model.
+
+    >>> model_shape("/no/such/model") is None
+    True
+    """
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    if not path or not path.startswith("/"):
+        return None
+    try:
+        with open(os.path.join(path, "config.json")) as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    return dict((key, config.get(key)) for key in SHAPE_KEYS)
 
 
 # The defaults of ``generation_request`` and ``read_info`` read the engine's own constants: the agent

@@ -4,11 +4,19 @@ checked before anything stops, and which path each difference takes (docs/live-c
 
 from __future__ import annotations
 
+import json
 import textwrap
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gpugate.engine import Engine, LiveState, get as engine
+from gpugate.engine.sglang import live_server
 from gpugate.fleet import fleet_to_inventory, load_fleet
+from gpugate.plan import make_plan, plan_lines
+from gpugate.report.status import status_row
+from gpugate.rules.redact import argv_hash
 from gpugate.settings import SettingsError, validated_settings
 from gpugate.spec import desired_state
 
@@ -23,7 +31,8 @@ def test_adapters_derive_the_launch_flags_and_a_start_carries_them():
     # pool takes any adapter up to the rank whatever was loaded first
     for option in ("--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch"):
         assert option in argv
-    assert argv[argv.index("--lora-paths"):] == ["--lora-paths", "a=/opt/models/lab-lora-a", "b=/opt/models/lab-lora-b"]
+    at = argv.index("--lora-paths")
+    assert argv[at:at + 3] == ["--lora-paths", "a=/opt/models/lab-lora-a", "b=/opt/models/lab-lora-b"]
     assert desired.spec.record()["lora_adapters"] == {"a": "/opt/models/lab-lora-a", "b": "/opt/models/lab-lora-b"}
     # the operator's own values win over the derived ones; {} is LoRA on with no adapter (no --lora-paths)
     own = desired_state({**BASE, "sglang_flags": {"tp": 2, "max-lora-rank": 16}, "sglang_lora_adapters": {}}).spec
@@ -75,3 +84,99 @@ def test_fleet_yaml_writes_it_in_the_server_section(tmp_path):
         """))
     hosts = dict(fleet_to_inventory(load_fleet(path))["pve_pve1"][0])
     assert hosts["@pct/pve1:129"]["sglang_lora_adapters"] == {"a": "/opt/models/lab-lora-a"}
+
+
+# ---------------------------------------------------------------- which path each difference takes
+CASES = json.loads((Path(__file__).parent / "data" / "live_changes.json").read_text())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case["case"] for case in CASES])
+def test_each_difference_is_classified_live_or_restart(case):
+    have, want = (LiveState(case[side]["model_path"], case[side]["lora_adapters"]) for side in ("have", "want"))
+    changes = engine("sglang").live_changes(have, want, same_shape=case.get("same_shape"),
+                                            weight_cache=case.get("weight_cache", False))
+    assert [change.line for change in changes] == case["lines"]
+    # every live change carries what the agent sends, and its undo puts back what it changed
+    for change in changes:
+        if change.path == "live":
+            assert live_server.live_request(live_server.undo_of(live_server.undo_of(dict(change.op)))) == \
+                live_server.live_request(dict(change.op))
+
+
+def test_an_engine_without_live_changes_restarts_for_each():
+    class Plain(Engine):
+        label = "Plain"
+        choose_table = validate_flags = canonical_name = launch = read_running = flag_lines = redact_argv = None
+
+    changes = Plain().live_changes(LiveState("/m", {"a": "/a"}), LiveState("/m2", {}))
+    assert [change.path for change in changes] == ["restart", "restart"]
+
+
+def observed(data: dict, live: dict | None, shapes: dict | None = None) -> dict:
+    """The agent's observe of a server started from ``data`` that serves ``live`` now."""
+    argv = list(desired_state(data).spec.argv)
+    return {"sglang": {"running": True, "serving": True, "port": 30000, "env_hashes": {}, "live": live,
+                       "model_shapes": shapes or {}, "workers": {"expected": 2, "alive": 2, "dead": 0},
+                       "main": {"pid": 5, "argv": argv, "argv_hash": argv_hash(argv), "supervisor": "process"}},
+            "gpu": {"source": "nvml", "memory_api": "v2", "holders": [], "gpus": [
+                {"index": i, "used_mib": 70000, "processes": [{"pid": 5, "used_mib": 70000}]} for i in range(2)]},
+            "container": {"pid1": "init"}}
+
+
+LORA_A = {**BASE, "sglang_lora_adapters": {"a": "/opt/models/lab-lora-a"}}
+SERVES_A = {"model_path": "/opt/models/lab-model", "lora_adapters": {"a": "/opt/models/lab-lora-a"}}
+SAME = {"/opt/models/lab-model": {"architectures": ["LlamaForCausalLM"]},
+        "/opt/models/lab-model-v2": {"architectures": ["LlamaForCausalLM"]},
+        "/opt/models/lab-model-qwen2": {"architectures": ["Qwen2ForCausalLM"]}}
+
+
+def plan_and_status(data: dict, observation: dict) -> tuple[Any, str, list[str]]:
+    desired = desired_state(data)
+    made = make_plan(observation, desired)
+    return made, status_row("pve1", 129, observation, desired)["kind"], plan_lines(made, 30000)
+
+
+def test_the_plan_and_the_status_agree_on_live_state():
+    # adapters added: live, and the status is never "as desired" while they differ
+    made, kind, lines = plan_and_status({**LORA_A, "sglang_lora_adapters": {"a": "/opt/models/lab-lora-a",
+                                                                            "b": "/opt/models/lab-lora-b"}},
+                                        observed(LORA_A, SERVES_A, SAME))
+    assert made.action == "live" and kind == "drifted"
+    assert lines[1:3] == ["    live: load adapter b", "    path: live (no restart)"]
+    assert "pid 5 keeps serving" in lines[0]
+    # a server changed live since its start (its argv still names the launch's model and adapters) is as
+    # desired once it serves the desired state: a converged re-run does nothing
+    v2 = {**LORA_A, "sglang_model_path": "/opt/models/lab-model-v2", "sglang_lora_adapters": {"b": "/opt/models/lab-lora-b"}}
+    moved = observed(LORA_A, {"model_path": "/opt/models/lab-model-v2", "lora_adapters": {"b": "/opt/models/lab-lora-b"}}, SAME)
+    made, kind, _ = plan_and_status(v2, moved)
+    assert made.action == "noop" and kind == "serving"
+    # ... and a weight update of the same shapes is live, one of another architecture a restart
+    made, _, lines = plan_and_status({**LORA_A, "sglang_model_path": "/opt/models/lab-model-v2"},
+                                     observed(LORA_A, SERVES_A, SAME))
+    assert made.action == "live" and made.lines == (
+        "live: weights /opt/models/lab-model -> /opt/models/lab-model-v2 (update_weights_from_disk)",)
+    made, _, lines = plan_and_status({**LORA_A, "sglang_model_path": "/opt/models/lab-model-qwen2",
+                                      "sglang_lora_adapters": {"b": "/opt/models/lab-lora-b"}},
+                                     observed(LORA_A, SERVES_A, SAME))
+    assert made.action == "restart"
+    assert "    restart: weights /opt/models/lab-model -> /opt/models/lab-model-qwen2 (another architecture or other " \
+           "shapes: SGLang would die loading them live)" in lines
+    assert "    restart (its launch carries it): load adapter b" in lines
+    assert "    path: restart (its launch carries the adapters and the model path)" in lines
+    assert "--lora-paths" in made.lines[-4] or any(line.startswith("+ --lora-paths") for line in made.lines)
+
+
+def test_a_launch_difference_makes_the_whole_change_a_restart():
+    made, _, lines = plan_and_status({**LORA_A, "sglang_flags": {"tp": 2, "kv-cache-dtype": "fp8_e4m3"},
+                                      "sglang_lora_adapters": {"b": "/opt/models/lab-lora-b"}},
+                                     observed(LORA_A, SERVES_A, SAME))
+    assert made.action == "restart"
+    assert "    + --kv-cache-dtype fp8_e4m3" in lines and "    + --lora-paths b=/opt/models/lab-lora-b" in lines
+
+
+def test_a_live_weight_change_to_a_missing_path_or_on_a_server_that_does_not_serve_is_refused():
+    observation = observed(LORA_A, SERVES_A, SAME)
+    observation["sglang"]["model_path_exists"] = False
+    made, _, lines = plan_and_status({**LORA_A, "sglang_model_path": "/opt/models/lab-model-v2"}, observation)
+    assert made.problems == ("the model path /opt/models/lab-model-v2 does not exist in the container",)
+    assert lines[0].startswith("sglang :30000 REFUSED, nothing touched")

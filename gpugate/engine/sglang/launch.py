@@ -157,9 +157,10 @@ def build(inputs: ServerInputs, table: Any = None) -> Launch:
             if isinstance(text, str) and any(c in text for c in "\0\n\r"):
                 raise FlagError(name, "value must be one line (no newline, carriage return or NUL)")
     header = sglang_flags.render_argv(inputs.model_path, inputs.port, {}, host=inputs.host)
-    # the adapters last among gpugate's own arguments: a start (a restart, a crash's) serves them
-    argv = (inputs.python, *header, *sglang_flags.render_flag_args(normal, table),
-            *live.lora_paths_args(inputs.lora_adapters), *inputs.extra_args)
+    # a start (a restart, a crash's) serves the adapters declared: --lora-paths is one of its flags (the
+    # diff shows it), never one /server_info is verified on (a live change moves what SGLang serves)
+    launched = {**normal, **live.lora_paths_flag(inputs.lora_adapters)}
+    argv = (inputs.python, *header, *sglang_flags.render_flag_args(launched, table), *inputs.extra_args)
     warnings: list[str] = []
     if inputs.extra_args:
         warnings.append("extra_args passed verbatim, unchecked: "
@@ -184,7 +185,7 @@ def build(inputs: ServerInputs, table: Any = None) -> Launch:
     secret = {name.replace("-", "_") for name, value in normal.items() if sglang_flags.is_secret_value(name, value)}
     expect = {key: value for key, value in sglang_flags.server_info_view(normal, table).items() if key not in secret}
     expect["host"] = inputs.host
-    return Launch(flags=dict(normal), argv=argv, args_start=ARGS_START, gpus=gpus,
+    return Launch(flags=dict(launched), argv=argv, args_start=ARGS_START, gpus=gpus,
                   shown_argv=tuple(sglang_flags.redact_argv(list(argv), table)),
                   shown_flags=redact_flags(normal), secret_options=tuple(sglang_flags.secret_flag_options(normal, table)),
                   expect_info=expect, warnings=tuple(warnings), daemon_argv=daemon, gated=gated)

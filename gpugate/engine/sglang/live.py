@@ -81,15 +81,15 @@ def lora_flags(normal: Mapping[str, Any], adapters: Mapping[str, str] | None,
     return flags
 
 
-def lora_paths_args(adapters: Mapping[str, str] | None) -> list[str]:
-    """``--lora-paths NAME=PATH ...`` (sorted by name): a start carries the adapters it serves.
+def lora_paths_flag(adapters: Mapping[str, str] | None) -> dict[str, list[str]]:
+    """``--lora-paths NAME=PATH ...`` (sorted by name) as a flag: a start carries the adapters it serves.
 
-    >>> lora_paths_args({"b": "/b", "a": "/a"}), lora_paths_args({})
-    (['--lora-paths', 'a=/a', 'b=/b'], [])
+    >>> lora_paths_flag({"b": "/b", "a": "/a"}), lora_paths_flag({})
+    ({'lora-paths': ['a=/a', 'b=/b']}, {})
     """
     if not adapters:
-        return []
-    return ["--lora-paths", *(f"{name}={path}" for name, path in sorted(adapters.items()))]
+        return {}
+    return {"lora-paths": [f"{name}={path}" for name, path in sorted(adapters.items())]}
 
 
 def parse_lora_paths(values: Sequence[str] | str | None) -> dict[str, str]:
