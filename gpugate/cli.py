@@ -46,14 +46,30 @@ class CommandError(Exception):
 READ_ONLY_RUNBOOKS = ("status", "who_holds_gpus")
 
 
-def _vmids(text: str) -> tuple[int, ...]:
+def _vmids(text: str) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]]:
+    """``--containers``: vmids, each with the GPUs its config passes in when given (``129:0-3``).
+
+    >>> _vmids("129:0-3,130:four")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: '129:0-3,130:four' is not a comma-separated list of vmids, each with its GPUs when given (e.g. 129,130 or 129:0-3,130:4-7)
+    >>> _vmids("129:0-1,130:2-3")
+    ((129, 130), {129: (0, 1), 130: (2, 3)})
+    """
+    vmids: list[int] = []
+    maps: dict[int, tuple[int, ...]] = {}
     try:
-        vmids = tuple(int(part) for part in text.split(",") if part.strip())
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            vmid, colon, gpus = part.partition(":")
+            vmids.append(int(vmid))
+            if colon:
+                first, _, last = gpus.partition("-")
+                maps[int(vmid)] = tuple(range(int(first), int(last or first) + 1))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of vmids (e.g. 129,130)") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of vmids, each with its GPUs when "
+                                         f"given (e.g. 129,130 or 129:0-3,130:4-7)") from None
     if not vmids or any(v < 100 for v in vmids):
         raise argparse.ArgumentTypeError(f"{text!r}: vmids are integers >= 100, as in Proxmox (e.g. 129,130)")
-    return vmids
+    return tuple(vmids), maps
 
 
 def _engines(text: str) -> tuple[str, ...]:
@@ -151,9 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--init", choices=("lab", "systemd"), default=None,
                     help="PID 1 of the containers of the hosts this starts: lab (a small reaping init, the "
                          "default) or systemd (Debian's systemd, for sglang_supervisor: systemd)")
-    up.add_argument("--containers", type=_vmids, default=core.DEFAULT_VMIDS, metavar="VMIDS",
-                    help="containers per host, comma-separated vmids (default %s)"
-                         % ",".join(map(str, core.DEFAULT_VMIDS)))
+    up.add_argument("--containers", type=_vmids, default=(core.DEFAULT_VMIDS, {}), metavar="VMIDS",
+                    help="containers per host, comma-separated vmids (default %s); VMID:FIRST-LAST passes only "
+                         "those GPUs into it (devN lines; e.g. 129:0-3,130:4-7)" % ",".join(map(str, core.DEFAULT_VMIDS)))
     up.add_argument("--router", action="store_true",
                     help="also start a real smg on 127.0.0.1 in front of every container's server (a published "
                          "port per container); fleet.yaml gets routers: and each server's router:")
@@ -240,8 +256,9 @@ def _lab(args: argparse.Namespace) -> int:
                 container_files.set_sglang_version(lab_dir, args.sglang_version)
             except LookupError as exc:
                 raise core.LabError(f"--sglang-version: {exc.args[0]}") from None
-        state = core.up(lab_dir, hosts=args.hosts, gpus=gpus, gpu_mib=args.gpu_mib, vmids=args.containers,
-                        gpu_binding=binding, init=args.init, router=args.router, engines=args.engine)
+        state = core.up(lab_dir, hosts=args.hosts, gpus=gpus, gpu_mib=args.gpu_mib, vmids=args.containers[0],
+                        gpu_binding=binding, init=args.init, router=args.router, engines=args.engine,
+                        gpu_maps=args.containers[1] or None)
         sys.stdout.write(core.format_status(state))
         for note in state.get("notes") or []:
             print(note)

@@ -176,6 +176,80 @@ def default_config(vmid: int, gpu_count: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+GPU_MAJOR_LINES = ("lxc.cgroup2.devices.allow: c 195:* rwm", "lxc.cgroup2.devices.allow: c 509:* rwm")
+
+
+def gpu_config_lines(gpus: list[int], style: str = "dev") -> list[str]:
+    """The config lines that pass GPUs ``gpus`` (and nvidiactl, nvidia-uvm) into a container, as an
+    operator writes them: ``dev`` -- ``devN: /dev/nvidiaK`` (PVE 8.1+, pve-container
+    src/PVE/LXC/Config.pm ``dev[n]``); ``raw`` -- ``lxc.cgroup2.devices.allow`` for the majors and one
+    ``lxc.mount.entry`` bind per node (the older, still common setup).
+
+    >>> gpu_config_lines([2, 3])
+    ['dev0: /dev/nvidia2', 'dev1: /dev/nvidia3', 'dev2: /dev/nvidiactl', 'dev3: /dev/nvidia-uvm']
+    >>> gpu_config_lines([1], "raw")[-1]
+    'lxc.mount.entry: /dev/nvidia-uvm dev/nvidia-uvm none bind,optional,create=file'
+    """
+    nodes = [f"nvidia{i}" for i in gpus] + ["nvidiactl", "nvidia-uvm"]
+    if style == "dev":
+        return [f"dev{n}: /dev/{name}" for n, name in enumerate(nodes)]
+    return list(GPU_MAJOR_LINES) + [f"lxc.mount.entry: /dev/{name} dev/{name} none bind,optional,create=file"
+                                    for name in nodes]
+
+
+def _is_gpu_line(line: str) -> bool:
+    key, _, value = line.partition(":")
+    value = value.strip()
+    if key.startswith("dev") and key[3:].isdigit():
+        return value.partition(",")[0].removeprefix("path=").startswith("/dev/nvidia")
+    if key == "lxc.mount.entry":
+        return value.startswith("/dev/nvidia")
+    return line.strip() in GPU_MAJOR_LINES
+
+
+def with_gpu_map(text: str, gpus: list[int], style: str = "dev") -> str:
+    """Config text with its GPU lines replaced by those passing ``gpus`` (gpu_config_lines): plain
+    ``devN`` keys before the raw ``lxc.*`` lines, as Proxmox writes the file. Other lines and
+    snapshot sections are kept.
+
+    >>> print(with_gpu_map("hostname: ct130\\nlxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind\\n", [4]), end="")
+    hostname: ct130
+    dev0: /dev/nvidia4
+    dev1: /dev/nvidiactl
+    dev2: /dev/nvidia-uvm
+    """
+    head, sep, snapshots = text.partition("\n[")
+    kept = [line for line in head.splitlines() if line.strip() and not _is_gpu_line(line)]
+    plain = [line for line in kept if not line.startswith("lxc.")]
+    raw = [line for line in kept if line.startswith("lxc.")]
+    added = gpu_config_lines(gpus, style)
+    lines = plain + [x for x in added if not x.startswith("lxc.")] + raw + [x for x in added if x.startswith("lxc.")]
+    return "\n".join(lines) + "\n" + (sep.lstrip("\n") + snapshots if sep else "")
+
+
+def set_gpu_map(host_dir: Path, vmid: int, gpus: list[int], style: str = "dev") -> None:
+    """Pass exactly GPUs ``gpus`` into container ``vmid`` (its config; like ``pct set --devN``, it
+    takes effect at the container's next start: the lab binds only the nodes its config passes)."""
+    path = _ct_path(host_dir, vmid, "config")
+    text = _read_text(path)
+    with open(path, "w") as handle:
+        handle.write(with_gpu_map(text, gpus, style))
+
+
+def passed_device_nodes(text: str) -> set[str]:
+    """The /dev/nvidia* nodes (names under /dev) a container config passes in, by ``devN`` paths and
+    ``lxc.mount.entry`` binds: what LXC makes of the config at start.
+
+    >>> sorted(passed_device_nodes("dev0: /dev/nvidia2,mode=0666\\nlxc.mount.entry: /dev/nvidiactl dev/nvidiactl none bind"))
+    ['nvidia2', 'nvidiactl']
+    """
+    plain, raw = parse_config(text)
+    paths = [value.partition(",")[0].removeprefix("path=") for key, value in plain.items()
+             if key.startswith("dev") and key[3:].isdigit()]
+    paths += [value.split()[0] for key, value in raw if key == "lxc.mount.entry" and value.split()]
+    return {path[len("/dev/"):] for path in paths if path.startswith("/dev/nvidia")}
+
+
 def parse_config(text: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
     """Split pct config text into (plain keys, raw lxc.* entries in order); snapshots ignored."""
     plain: dict[str, str] = {}
@@ -335,6 +409,7 @@ def _setup_container_fs(host_dir: Path, vmid: int) -> None:
     cdir = ct_dir(host_dir, vmid)
     gdir = gpu_dir(host_dir)
     init_code = Path(INIT_SCRIPT).read_bytes()  # read now: the mounts below may hide the package
+    passed = passed_device_nodes((cdir / "config").read_text())  # the GPUs its config passes in
     real_gpus = realgpu.read_binding(host_dir)  # `lab up --gpus real`: the machine's GPUs, not the sim's
     nsutil.make_private("/")
     staged = realgpu.stage_sources(real_gpus, cdir, nsutil.bind) if real_gpus else {}
@@ -374,6 +449,8 @@ def _setup_container_fs(host_dir: Path, vmid: int) -> None:
         realgpu.bind_devices(real_gpus, staging, nsutil.bind)
     elif os.path.isdir(sim_dev):
         for entry in sorted(os.listdir(sim_dev)):
+            if entry.startswith("nvidia") and entry[6:].isdigit() and entry not in passed:
+                continue  # a GPU its config does not pass in: no device node, as LXC leaves it
             src = os.path.join(sim_dev, entry)
             if os.path.isdir(src):
                 os.makedirs(f"{staging}/{entry}", exist_ok=True)

@@ -136,13 +136,15 @@ def sshd_config_text(hdir: Path, port: int, authorized_keys: Path) -> str:
 
 def fleet_document(lab_dir: Path, hosts: list[tuple[str, int]], vmids: dict[str, list[int]],
                    server: dict | None = None, router: dict | None = None,
-                   engines: tuple[str, ...] = ("sglang",)) -> dict:
+                   engines: tuple[str, ...] = ("sglang",),
+                   gpu_maps: dict[int, tuple[int, ...]] | None = None) -> dict:
     """The fleet.yaml content for the lab (the shape inventory.py reads). ``engines``: the engine of
     each container, in turn in vmid order (``gpugate lab up --engine sglang,vllm``: one of each);
     its section is named for it, with ``LAB_SERVERS``' server. ``server`` overrides what that server
     is (a real-GPU lab: the torch env's python; ``tp`` is written in the engine's own flag name).
     ``router``: gpugate_lab.router's state (``url``, ``ports``): a ``routers:`` section and each
-    server's ``router:``/``router_url:`` (its published port)."""
+    server's ``router:``/``router_url:`` (its published port). ``gpu_maps``: the GPUs a container's
+    config passes in (``lab up --containers 129:0-1``): its server gets those (see map_share)."""
     doc: dict = {"hosts": {}}
     if router:
         from gpugate_lab.router import ROUTER_NAME  # noqa: PLC0415
@@ -160,7 +162,8 @@ def fleet_document(lab_dir: Path, hosts: list[tuple[str, int]], vmids: dict[str,
             },
             "containers": {
                 vmid: {engine_of[vmid]: _server_on(engine_of[vmid], lab_server(engine_of[vmid], server), share)}
-                for vmid, share in split_gpus(vmids.get(name, []), _host_gpu_count(lab_dir, name)).items()
+                for vmid, share in {**split_gpus(vmids.get(name, []), _host_gpu_count(lab_dir, name)),
+                                    **map_shares(vmids.get(name, []), gpu_maps)}.items()
             },
         }
         if router:
@@ -217,6 +220,23 @@ def split_gpus(vmids: list[int], gpu_count: int) -> dict[int, tuple[int, int] | 
         return {vmid: ((1, i) if i < gpu_count else None) for i, vmid in enumerate(sorted(vmids))}
     tp = 1 << (per.bit_length() - 1)
     return {vmid: (tp, i * tp) for i, vmid in enumerate(sorted(vmids))}
+
+
+def map_shares(vmids: list[int], gpu_maps: dict[int, tuple[int, ...]] | None) -> dict[int, tuple[int, int] | None]:
+    """The share (tp, base GPU id) of each container whose config passes in given GPUs: the largest
+    power-of-two run of them from the first (a TP size real models accept).
+
+    >>> map_shares([129, 130, 131], {129: (0, 1), 130: (2, 3, 4), 131: ()})
+    {129: (2, 0), 130: (2, 2), 131: None}
+    """
+    shares: dict[int, tuple[int, int] | None] = {}
+    for vmid in vmids:
+        if gpu_maps is None or vmid not in gpu_maps:
+            continue
+        gpus = sorted(gpu_maps[vmid])
+        run = next((n for n in range(len(gpus), 0, -1) if gpus[:n] == list(range(gpus[0], gpus[0] + n))), 0) if gpus else 0
+        shares[vmid] = (1 << (run.bit_length() - 1), gpus[0]) if run else None
+    return shares
 
 
 def _host_gpu_count(lab_dir: Path, host: str) -> int:
@@ -410,7 +430,8 @@ def _apply_gpu_mode(hdir: Path, binding: dict | None, vmids: list[int]) -> None:
 
 
 def _prepare_host(lab_dir: Path, name: str, gpus: int, gpu_mib: int, vmids: list[int],
-                  gpu_binding: dict | None = None, init: str | None = None) -> int:
+                  gpu_binding: dict | None = None, init: str | None = None,
+                  gpu_maps: dict[int, tuple[int, ...]] | None = None) -> int:
     hdir = host_dir(lab_dir, name)
     (hdir / "bin").mkdir(parents=True, exist_ok=True)
     _keygen(hdir / "ssh_host_ed25519_key", f"root@{name}")
@@ -425,6 +446,9 @@ def _prepare_host(lab_dir: Path, name: str, gpus: int, gpu_mib: int, vmids: list
     pct = hdir / "bin" / "pct"
     pct.write_text(_wrapper("pct", f"sys.exit(main(sys.argv[1:], host_dir={str(hdir)!r}))"))
     pct.chmod(0o755)
+    pvesh = hdir / "bin" / "pvesh"
+    pvesh.write_text(_wrapper("pvesh", f"sys.exit(main(sys.argv[1:], host_dir={str(hdir)!r}))"))
+    pvesh.chmod(0o755)
     smi = hdir / "bin" / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m gpugate_lab.nvidia_smi \"$@\"\n")
     smi.chmod(0o755)
@@ -434,6 +458,8 @@ def _prepare_host(lab_dir: Path, name: str, gpus: int, gpu_mib: int, vmids: list
         _install_extras(cdir)
         if init:
             _set_init(hdir, vmid, init)
+        if gpu_maps and vmid in gpu_maps:
+            container.set_gpu_map(hdir, vmid, list(gpu_maps[vmid]))
     for vmid in container.list_vmids(hdir):
         if vmid not in vmids:
             _install_extras(container.ct_dir(hdir, vmid))
@@ -544,14 +570,17 @@ def write_fleet_file(lab_dir: Path, text: str) -> str | None:
 
 def up(lab_dir: Path, hosts: int | None = None, gpus: int = DEFAULT_GPUS, gpu_mib: int = DEFAULT_GPU_MIB,
        vmids: tuple[int, ...] = DEFAULT_VMIDS, gpu_binding: dict | None = None, init: str | None = None,
-       router: bool = False, engines: tuple[str, ...] | None = None) -> dict:
+       router: bool = False, engines: tuple[str, ...] | None = None,
+       gpu_maps: dict[int, tuple[int, ...]] | None = None) -> dict:
     """Bring the lab up with ``hosts`` hosts (None: the hosts it has; see planned_hosts). Hosts that
     run are left exactly as they are, stopped ones are started, new ones made. Returns the status,
     with ``notes`` (what the operator must know: the fleet file kept, ...). ``init``: the PID 1 of
     the containers of the hosts it starts (``lab`` or ``systemd``; None: as they were). ``router``:
     a real smg on loopback in front of every container's server (gpugate_lab.router). ``engines``:
     each container's engine in turn (``LAB_SERVERS``); None: as the lab had it (``$LAB/engines``),
-    else SGLang."""
+    else SGLang. ``gpu_maps``: vmid -> the host GPUs its config passes in (``--containers
+    129:0-3,130:4-7``, as ``devN`` lines; the container sees only those device nodes, and the lab's
+    fleet gives its server those GPUs); a container not named keeps every GPU."""
     if os.geteuid() != 0:
         raise LabError("the lab needs root (namespaces, mounts, sshd)")
     lab_dir = Path(lab_dir).resolve()
@@ -569,7 +598,7 @@ def up(lab_dir: Path, hosts: int | None = None, gpus: int = DEFAULT_GPUS, gpu_mi
         gpus = max(1, len(gpu_binding.get("gpus") or [])) if gpu_binding.get("gpus") else gpus
         gpu_mib = int(gpu_binding["gpus"][0]["total_mib"]) if gpu_binding.get("gpus") else gpu_mib
     for name in to_start:
-        _prepare_host(lab_dir, name, gpus, gpu_mib, list(vmids), gpu_binding, init)
+        _prepare_host(lab_dir, name, gpus, gpu_mib, list(vmids), gpu_binding, init, gpu_maps)
     _write_known_hosts(lab_dir)
     if to_start:
         with ThreadPoolExecutor(max_workers=min(16, len(to_start))) as pool:
@@ -587,7 +616,8 @@ def up(lab_dir: Path, hosts: int | None = None, gpus: int = DEFAULT_GPUS, gpu_mi
                                                   for vmid, engine in engines_of(ids, engines).items()], pick_port)
         state["router"] = {"url": router_state["url"], "ports": router_state["ports"]}
     doc = fleet_document(lab_dir, [(h["name"], h["port"]) for h in state["hosts"]], vmid_map,
-                         real_gpu_server(gpu_binding) if gpu_binding else None, router_state, engines)
+                         real_gpu_server(gpu_binding) if gpu_binding else None, router_state, engines,
+                         gpu_maps)
     note = write_fleet_file(lab_dir, render_fleet_yaml(doc))
     (lab_dir / "lab.json").write_text(json.dumps(state, indent=2) + "\n")
     state["notes"] = [note] if note else []
@@ -752,22 +782,27 @@ def format_status(state: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def add_container(lab_dir: Path, host: str, vmid: int, start: bool = True, init: str | None = None) -> None:
+def add_container(lab_dir: Path, host: str, vmid: int, start: bool = True, init: str | None = None,
+                  gpus: tuple[int, ...] | None = None, gpu_style: str = "dev") -> None:
     """Create container <vmid> on a running lab host (like `pct create`), and start it unless start=False.
-    ``init="systemd"``: Debian's systemd is its PID 1 (container.set_init_flavour).
+    ``init="systemd"``: Debian's systemd is its PID 1 (container.set_init_flavour). ``gpus``: the host
+    GPUs its config passes in (``gpu_style`` ``dev``: devN lines, ``raw``: lxc.mount.entry lines);
+    None: every GPU.
 
     Example: add_container(Path("/tmp/gpugate-lab"), "pve1", 130)
     """
     lab_dir = Path(lab_dir).resolve()
     hdir = host_dir(lab_dir, host)
     try:
-        gpus = int(json.loads((hdir / "gpu" / "config.json").read_text())["count"])
+        count = int(json.loads((hdir / "gpu" / "config.json").read_text())["count"])
     except (OSError, ValueError, KeyError):
-        gpus = DEFAULT_GPUS
-    cdir = container.create_container(hdir, vmid, gpus)
+        count = DEFAULT_GPUS
+    cdir = container.create_container(hdir, vmid, count)
     _install_extras(cdir)
     if init:
         _set_init(hdir, vmid, init)
+    if gpus is not None:
+        container.set_gpu_map(hdir, vmid, list(gpus), gpu_style)
     binding = realgpu.read_binding(hdir)
     if binding:
         _apply_gpu_mode(hdir, binding, [vmid])
