@@ -147,6 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the fleet file (default $GPUGATE_FLEET, else ./fleet.yaml)")
     check.add_argument("--sglang-version", default=None, metavar="VERSION",
                        help="check every server against this release's snapshot instead")
+    discover = top.add_parser("discover", help="each Proxmox host's containers and the GPUs each one's config passes "
+                                               "in, read over SSH with pvesh (issue 36)",
+                              description="Reads each Proxmox host's container index and configs (pvesh, over the "
+                                          "deploy's SSH). Exit 1 if a host did not answer.")
+    discover.add_argument("hosts", nargs="*", metavar="HOST", help="Proxmox hosts of the fleet (default: all)")
+    discover.add_argument("--fleet", default=None, help="the fleet file (default $GPUGATE_FLEET, else ./fleet.yaml, "
+                                                        "else the lab's)")
+    discover.add_argument("--format", choices=("table", "json"), default="table")
+    discover.add_argument("--write", default=None, metavar="FILE", help="also write a fleet draft to FILE")
+    discover.add_argument("--force", action="store_true", help="with --write: replace FILE if it exists")
 
     lab = top.add_parser("lab", help="the local lab of simulated Proxmox GPU hosts")
     if core is None:  # `gpugate lab ...` says how to install it (_lab), whatever follows
@@ -320,6 +330,12 @@ def _check(path: str, version: str | None) -> int:
     return 1 if refused else 0
 
 
+def _default_fleet() -> str:
+    """The fleet file inventory.py reads: $GPUGATE_FLEET, else ./fleet.yaml, else the lab's."""
+    lab = Path(os.environ.get("GPUGATE_LAB_DIR") or "/tmp/gpugate-lab") / "fleet.yaml"
+    return os.environ.get("GPUGATE_FLEET") or ("fleet.yaml" if Path("fleet.yaml").exists() else str(lab))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -335,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name + ':':<14}{project / name}")
             print(f"{'templates:':<14}{resources.resource('templates')}")
             return 0
+        if args.group == "discover":
+            from gpugate import discover  # noqa: PLC0415
+
+            return discover.run(args.fleet or _default_fleet(), args.hosts, args.format, args.write, args.force)
         if args.group == "check":
             return _check(args.fleet or os.environ.get("GPUGATE_FLEET") or "fleet.yaml", args.sglang_version)
         return _lab(args)

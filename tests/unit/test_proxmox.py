@@ -1,0 +1,89 @@
+"""gpugate.proxmox and gpugate.discover on pvesh's own JSON shapes (issue 36): the container index
+(pve-container src/PVE/LXC.pm vmstatus fields), configs with ``devN`` lines and their options, raw
+``lxc`` pairs, privileged and unprivileged, a config pvesh could not read, a node without pvesh."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpugate import discover, proxmox
+
+# /nodes/{node}/lxc as PVE 8 prints it (--output-format json; Perl hash order, not sorted by vmid)
+INDEX = json.dumps([
+    {"cpu": 0.0123, "cpus": 32, "disk": 8127631360, "diskread": 0, "diskwrite": 0, "maxdisk": 536870912000,
+     "maxmem": 274877906944, "maxswap": 0, "mem": 1234567, "name": "llm-b", "netin": 1, "netout": 2,
+     "pid": 31337, "status": "running", "swap": 0, "type": "lxc", "uptime": 86400, "vmid": 130},
+    {"cpu": 0, "cpus": 32, "disk": 0, "diskread": 0, "diskwrite": 0, "maxdisk": 536870912000,
+     "maxmem": 274877906944, "maxswap": 0, "mem": 0, "name": "llm-a", "netin": 0, "netout": 0,
+     "status": "running", "swap": 0, "tags": "gpu;llm", "type": "lxc", "uptime": 100, "vmid": 129},
+    {"cpus": 2, "disk": 0, "maxdisk": 8589934592, "maxmem": 536870912, "maxswap": 536870912, "mem": 0,
+     "name": "tmpl", "status": "stopped", "template": 1, "type": "lxc", "uptime": 0, "vmid": 9000},
+])
+# PVE 8.1+: devN with options; nvidiactl/uvm passed too
+CONFIG_DEV = json.dumps({
+    "arch": "amd64", "cores": 32, "hostname": "llm-a", "memory": 262144, "ostype": "debian", "swap": 0,
+    "dev0": "/dev/nvidia0,gid=44", "dev1": "path=/dev/nvidia1,mode=0666", "dev2": "/dev/nvidiactl",
+    "dev3": "/dev/nvidia-uvm", "dev4": "/dev/nvidia-caps/nvidia-cap1", "unprivileged": 1,
+    "digest": "3f1c5e8a1c2b9f0b4f5e6d7c8b9a0f1e2d3c4b5a"})
+# the older setup: raw lxc lines only
+CONFIG_RAW = json.dumps({
+    "arch": "amd64", "cores": 32, "hostname": "llm-b", "memory": 262144,
+    "lxc": [["lxc.cgroup2.devices.allow", "c 195:* rwm"], ["lxc.cgroup2.devices.allow", "c 509:* rwm"],
+            ["lxc.mount.entry", "/dev/nvidia1 dev/nvidia1 none bind,optional,create=file"],
+            ["lxc.mount.entry", "/dev/nvidia2 dev/nvidia2 none bind,optional,create=file"],
+            ["lxc.mount.entry", "/dev/nvidiactl dev/nvidiactl none bind,optional,create=file"]],
+    "digest": "0b4f5e6d7c8b9a0f1e2d3c4b5a3f1c5e8a1c2b9f"})
+
+
+def framed(*pairs: tuple[str, int, str]) -> list[str]:
+    lines = []
+    for key, status, text in pairs:
+        lines += text.splitlines() + [f"{proxmox.MARK} {key} {status}"]
+    return lines
+
+
+def test_a_node_with_dev_and_raw_mapped_containers_and_a_shared_gpu():
+    configs = proxmox.parse_framed(framed(("129", 0, CONFIG_DEV), ("130", 0, CONFIG_RAW),
+                                          ("9000", 255, "Configuration file 'nodes/pve1/lxc/9000.conf' does not exist")))
+    view = discover.host_view("pve1", proxmox.parse_framed(framed(("lxc", 0, INDEX)))["lxc"], configs)
+    rows = [(c["vmid"], c["name"], c["status"], c["privileged"], c["gpus"]) for c in view["containers"]]
+    assert rows == [(129, "llm-a", "running", False, [0, 1]), (130, "llm-b", "running", True, [1, 2]),
+                    (9000, "tmpl", "stopped", None, [])]
+    assert view["shared"] == {"1": [129, 130]}
+    assert "9000 config: pvesh failed (exit 255): Configuration file" in view["containers"][2]["problem"]
+    table = discover.format_table([view])
+    assert "GPU 1 is passed into more than one container: 129, 130" in table
+    assert "  129   llm-a  running  no          0-1   /dev/nvidia0-1" in table
+
+
+def test_a_host_without_pvesh_or_with_garbage_is_one_problem_line():
+    missing = discover.host_view("pve2", (127, "sh: 1: pvesh: not found"), {})
+    assert missing["problem"] == "pve2: the container index: pvesh failed (exit 127): sh: 1: pvesh: not found"
+    assert discover.host_view("pve2", (0, "<html>"), {})["problem"].startswith("pve2: the container index: pvesh failed")
+    assert discover.format_table([missing]).splitlines()[1].strip().startswith("pve2: the container index")
+
+
+def test_fit_names_the_map_and_what_the_server_needs():
+    view = proxmox.container_of({"vmid": 129, "status": "running"}, json.loads(CONFIG_DEV))
+    assert proxmox.fit_problem(view, 129, [0, 1], "--tp-size 2") is None
+    assert proxmox.fit_problem(view, 129, [0, 1, 2, 3], "--tp-size 4") == (
+        "container 129 maps /dev/nvidia0-1; --tp-size 4 needs 4 GPUs (GPU 0-3), GPU 2-3 not mapped")
+
+
+def test_the_draft_loads_as_a_fleet_and_is_never_written_over(tmp_path):
+    from gpugate.fleet import load_fleet
+
+    view = discover.host_view("pve1", (0, INDEX), {"129": (0, CONFIG_DEV), "130": (0, CONFIG_RAW)})
+    draft = tmp_path / "fleet.yaml"
+    discover.write_draft(draft, discover.draft_fleet([view], None), force=False)
+    fleet = load_fleet(str(draft))
+    assert [c.vmid for c in fleet.hosts[0].containers] == [129, 130, 9000]
+    assert "129: {}  # llm-a, running, unprivileged; GPUs 0-1 (/dev/nvidia0-1)" in draft.read_text()
+    draft.write_text("mine\n")
+    with pytest.raises(discover.DiscoverError, match="exists; it was kept as it is"):
+        discover.write_draft(draft, "new\n", force=False)
+    assert draft.read_text() == "mine\n"
+    discover.write_draft(draft, "new\n", force=True)
+    assert draft.read_text() == "new\n"
