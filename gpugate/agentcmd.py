@@ -224,7 +224,7 @@ def observe_command(python: str | None, args: Mapping[str, Any]) -> str:
 def inline_observe_command(python: str | None, args: Mapping[str, Any]) -> str:
     """The same observe with the agent sent inline (zlib+base64 in the argv, ~75 KB); installs
     nothing and writes nothing (``--dry`` stays read-only)."""
-    script = _INLINE % {"source": agent_source(), "sha": agent_sha(), "args": dict(args)}
+    script = _INLINE % {"source": bundle.observe_source(), "sha": agent_sha(), "args": dict(args)}
     return (f"if command -v {_interpreter(python)} >/dev/null 2>&1; then exec {_interpreter(python)} "
             f"-c '{pack(script)}' {PROBE_MARKER}; else echo {_no_python(python)}; fi")
 
@@ -251,6 +251,13 @@ def start_stdin(doc: Mapping[str, Any], include_source: bool) -> str:
     if include_source:
         body["agent_source"] = agent_source()
     return json.dumps(body, separators=(",", ":"))
+
+
+def live_command(python: str | None) -> str:
+    """A change the engine applies while the server serves (gpugate.agent.live): reads its document on
+    stdin (it holds the desired SpecDoc: env values), answers once it is applied and verified, or
+    undone: ``{"ok", "run", "pid", "outcome", "error"?, "undone"?}``, or ``{"ok": false, "busy": ...}``."""
+    return _agent_command(python, "live", None)
 
 
 def install_command(python: str | None) -> str:

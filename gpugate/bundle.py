@@ -27,7 +27,7 @@ LOADER = PACKAGE_DIR / "agent" / "loader.py"
 BUNDLE_LINE = "_BUNDLE = {}  # filled by gpugate.agentcmd.agent_source(): {\"gpugate.rules.gate\": \"<source>\", ...}"
 # What the agent runs, and so what its artifact carries (their gpugate imports come along).
 AGENT_MODULES = ("gpugate.agent.main", "gpugate.agent.observe", "gpugate.agent.commands", "gpugate.agent.logs",
-                 "gpugate.agent.gpu_probe")
+                 "gpugate.agent.gpu_probe", "gpugate.agent.live")
 
 
 def module_path(name: str) -> Path:
@@ -139,3 +139,18 @@ def loader_source(names: Iterable[str], extra: Mapping[str, str] | None = None) 
 def agent_source() -> str:
     """The agent's artifact: the loader with every module the agent runs."""
     return loader_source(with_imports(AGENT_MODULES))
+
+
+@functools.lru_cache(maxsize=1)
+def observe_source() -> str:
+    """The loader with what ``observe`` alone runs (the agent's main with its module-level imports,
+    and observe's): the inline observe sends it in one argv string, which the kernel caps at 128 KiB
+    (MAX_ARG_STRLEN) -- the whole artifact, with every command's modules, no longer fits there.
+
+    >>> "def observe(" in observe_source() and "def command_live(" not in observe_source()
+    True
+    """
+    main = module_path("gpugate.agent.main").read_text()
+    top = "\n".join(line for line in main.splitlines() if not line.startswith((" ", "\t")))
+    return loader_source(sorted(set(with_imports(("gpugate.agent.observe", *gpugate_imports(top))))
+                                | {"gpugate.agent.main"}))

@@ -116,9 +116,9 @@ def main(argv: List[str], stdin_doc: Any = None) -> int:
         # its processes and endpoints
         from gpugate.agent import engine
 
-        if command == "start" and stdin_doc is None:
+        if command in ("start", "live") and stdin_doc is None:
             stdin_doc = json.loads(sys.stdin.read() or "null")
-        engine.use(((stdin_doc if command == "start" else args) or {}).get("engine"))
+        engine.use(((stdin_doc if command in ("start", "live") else args) or {}).get("engine"))
         # each command imports only what it runs: observe, the converged re-run's only command,
         # never loads the transition's modules
         if command == "observe":
@@ -129,6 +129,10 @@ def main(argv: List[str], stdin_doc: Any = None) -> int:
             from gpugate.agent.commands import command_start
 
             result = command_start(stdin_doc)
+        elif command == "live":  # a change the engine applies while it serves (docs/live-changes.md)
+            from gpugate.agent.live import command_live
+
+            result = command_live(stdin_doc)
         elif command == "install":
             from gpugate.agent.commands import command_install
 
@@ -142,7 +146,7 @@ def main(argv: List[str], stdin_doc: Any = None) -> int:
 
             result = command_logpump(args)
         else:
-            result = {"error": "unknown command %r (observe, start, install, follow, wait)" % command}
+            result = {"error": "unknown command %r (observe, start, live, install, follow, wait)" % command}
     except Exception as error:  # noqa: BLE001 - a field, never a traceback
         result = {"error": "%s: %s" % (type(error).__name__, error)}
     sys.stdout.write(json.dumps(result, separators=(",", ":"), default=str) + "\n")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import signal
 import sys
@@ -34,7 +35,7 @@ from gpugate import agentcmd
 from gpugate.facts.sglang import SglangObservation, SglangObservationInline, flag_table, observation_from
 from gpugate.plan import Narrator, Plan, make_plan, outcome_lines, plan_lines, same_desired, stall_text
 from gpugate.engine import DEFAULT_ENGINE, get as engine
-from gpugate.match import for_container
+from gpugate.match import for_container, served_live
 from gpugate.report.status import desired_differences, history_spec_text
 from gpugate.claims import (GpuClaim, ServerClaim, ServerRoute, hand_off_holding_gpu_locks, own_claim_run,
                             routes_of_inventory, servers_of_inventory)
@@ -483,6 +484,19 @@ def _claim_overlaps(host_obj: Any, spec: Spec, desired_siblings: tuple[int, ...]
     return overlaps_of(mine, servers if mine in servers else [*servers, mine])
 
 
+def _map_refusals(host_obj: Any, spec: Spec, desired_siblings: tuple[int, ...] = ()) -> list[str]:
+    """This server against the GPUs its Proxmox node passes into each container (gpugate.claims.plan_map_refusals)."""
+    from gpugate.claims import claim_host, plan_map_refusals  # noqa: PLC0415
+
+    if spec.gpus is None or host_obj.data.get("pct_vmid") is None:
+        return []
+    mine = (claim_host(host_obj.name, host_obj.data), int(host_obj.data.get("pct_vmid")), int(spec.port), tuple(spec.gpus))
+    same = 3 if desired_siblings else 2
+    servers = [c for c in Run.of(state).desired_claims(state.inventory) if c[:same] != mine[:same]]
+    return plan_map_refusals(_pct(host_obj), id(state), mine, servers, spec.flags,
+                             lambda line: host_obj.log_styled(line, fg="yellow", log_func=logger.warning))
+
+
 def _shared_worker_urls(host_obj: Any, desired: Desired) -> list[str]:
     """Plan-time worker URLs (issue 32): the lines naming this server and every other routed server
     of the inventory (whatever ``--limit`` runs now, ``--data`` overrides included) behind the same
@@ -619,6 +633,8 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
                     "listed draining (taken out before the run, by a controller that is gone)" if draining
                     else "not listed"), add=True) and ok
         return ok
+    if plan.action == "live":
+        return _apply_live(host_obj, job)
     run = _run_id(host_obj)
     _audit(job, host_obj, "plan", "begin", run=run, **job.story)
     if job.routing is not None and not _leave_router(host_obj, job, run):
@@ -697,6 +713,60 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     if job.routing is not None:
         ok = _after_transition(host_obj, job, run, book.outcomes.get(name)) and ok
     return ok
+
+
+def _apply_live(host_obj: Any, job: Job) -> bool:
+    """A change the engine applies while it serves (docs/live-changes.md): one agent command that
+    holds the container's transition lock, applies, verifies, and undoes on a refusal or a failed
+    verify; the server is never stopped. False (the run exits non-zero) when it was undone."""
+    book = Run.of(state)
+    name, spec, plan = host_obj.name, job.spec, job.plan
+    assert spec is not None  # a live plan is made for a desired server
+    run = _run_id(host_obj)
+    _audit(job, host_obj, "plan", "begin", run=run, **job.story)
+    if not job.observation.get("agent_installed", True):
+        _install_agent(host_obj, job.python)
+    previous = served_live(job.observation.get("sglang") or {}, spec)
+    unit = render_unit(spec, job.budgets["drain_timeout_s"] + job.budgets["kill_grace_s"]) \
+        if spec.supervisor == "systemd" else None
+    doc: dict[str, Any] = {"run": run, "port": job.port, "by": _operator(), "timeout_s": job.budgets["start_timeout_s"],
+                           "changes": [dict(change.op or {}) for change in plan.changes], "expect": spec.live.doc(),
+                           "previous": previous.doc() if previous is not None else {},
+                           "desired": spec.doc(unit_text=unit, by=_operator())}
+    if job.observe_args.get("engine"):
+        doc["engine"] = job.observe_args["engine"]
+    ran, answer, trouble = _run(host_obj, agentcmd.live_command(job.python), stdin=json.dumps(doc),
+                                timeout=job.budgets["start_timeout_s"] * (len(plan.changes) * 2 + 2) + 30)
+    if trouble or not ran:
+        book.ended(name, "live change: no answer")
+        _say(host_obj, job.port, f"the live change got no answer: {trouble}; see runbooks/status.py", error=True)
+        return False
+    if answer.get("busy") is not None:
+        book.ended(name, "refused by the agent (nothing touched)", refused=True)
+        _say(host_obj, job.port, f"REFUSED, nothing touched: another run holds the container's lock (run "
+                                 f"{(answer['busy'] or {}).get('run')}); deploy again once it has ended", error=True)
+        return False
+    _audit(job, host_obj, "outcome", "end", run=run, outcome=answer.get("outcome") or "refused", live=True,
+           message=answer.get("error"))
+    if answer.get("ok"):
+        book.ended(name, "verified")
+        for change in plan.changes:
+            host_obj.log(f"    applied live: {change.text}")
+        _say(host_obj, job.port, f"changed live and verified: pid {answer.get('pid')} kept serving "
+                                 f"({answer.get('elapsed_s')} s; run {run})")
+        for warning in answer.get("warnings") or []:
+            _say(host_obj, job.port, f"warning: {warning}")
+        return True
+    if answer.get("outcome") is None:
+        book.ended(name, "refused by the agent (nothing touched)", refused=True)
+        _say(host_obj, job.port, f"REFUSED by the agent, nothing touched: {answer.get('error')}", error=True)
+        return False
+    book.ended(name, str(answer.get("outcome")))
+    undone = ", ".join(answer.get("undone") or []) or "nothing had been applied"
+    word = "LIVE CHANGE FAILED, UNDONE" if answer.get("outcome") == "live_undone" else "LIVE CHANGE FAILED, UNDO FAILED"
+    _say(host_obj, job.port, f"{word} ({undone}): {answer.get('error')}; the history is unchanged (run {run})",
+         error=True)
+    return False
 
 
 def _claim_refused(host_obj: Any, job: Job, run: str, claim: GpuClaim) -> bool | None:
@@ -1444,6 +1514,10 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
     label = f"{desired.engine} :{port}"
     if desired.problem and not restoring:
         yield from _refuse(f"{label} REFUSED, nothing touched: {desired.problem}", port)
+        return
+    mapped = _map_refusals(host, spec, desired.siblings) if spec is not None else []
+    if mapped:  # the Proxmox node passes this server's GPUs into no container or into two (issue 36)
+        yield from _refuse(f"{label} REFUSED, nothing touched: {'; '.join(mapped)} (the node's own view: gpugate discover)", port)
         return
     overlaps = _claim_overlaps(host, spec, desired.siblings) if spec is not None else []
     if overlaps:  # the desired state itself is contradictory: nothing to observe, nothing to touch
