@@ -16,7 +16,8 @@ but binds no ``/dev/nvidiaK`` passes in no GPU. What the config cannot tell: PVE
 to a running container at once but removes one only at its restart (pve-container 6.0.4), so a
 container that ran since its config changed may still hold a device the config no longer names.
 
-Everything here is pure: the commands to send, and the parsing of what they print.
+Everything here is pure (the commands to send, the parsing of what they print, the checks), but
+``node_views``: the plan's one round trip per Proxmox host, through the pct connector.
 
 Example::
 
@@ -32,13 +33,17 @@ import dataclasses
 import json
 import re
 import shlex
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from gpugate.claims import gpu_ranges
+from gpugate.claims import ServerClaim, gpu_ranges
+
+if TYPE_CHECKING:
+    from gpugate.connectors.pct import PctConnector
 
 __all__ = ["ContainerView", "gpu_nodes_of", "container_of", "describe_map", "shared_gpus", "index_command",
-           "configs_command", "parse_framed", "parse_pvesh_json", "node_view", "fit_problem", "MARK"]
+           "configs_command", "parse_framed", "parse_pvesh_json", "node_view", "fit_problem", "MARK", "node_views",
+           "map_refusals", "plan_map_refusals"]
 
 NODE = "localhost"  # the API's name for the node pvesh runs on
 MARK = "@@gpugate-pvesh"
@@ -233,3 +238,97 @@ def fit_problem(view: ContainerView | None, vmid: int, gpus: Sequence[int], need
     count = len(set(gpus))
     return (f"container {vmid} maps {describe_map(view)}; {needs} needs {count} GPU{'s' if count != 1 else ''} "
             f"(GPU {gpu_ranges(gpus)}), GPU {gpu_ranges(missing)} not mapped")
+
+
+# ---------------------------------------------------------------- plan time: the GPUs each container maps
+
+# (id of the pyinfra State, Proxmox host) -> vmid -> the container as its node sees it (gpugate.proxmox),
+# or the one line why the node's view could not be read: one round trip per Proxmox host per run
+_NODE_VIEWS: dict[tuple[int, str], tuple[dict[int, Any], str | None]] = {}
+_SAID: set[tuple[int, str]] = set()
+
+
+def node_views(connector: PctConnector, run_key: int, pve_host: str, vmids: Iterable[int]) -> tuple[dict[int, Any], str | None]:
+    """Every named container's config as its Proxmox node reads it (``pvesh get
+    /nodes/localhost/lxc/<vmid>/config``, gpugate.proxmox), one round trip per Proxmox host per
+    run: vmid -> ContainerView, and the one line why none could be read (no pvesh: not Proxmox)."""
+    from pyinfra.api.command import StringCommand  # noqa: PLC0415
+
+    key = (run_key, pve_host)
+    if key not in _NODE_VIEWS:
+        wanted = sorted(set(int(v) for v in vmids))
+        _ok, output = connector.run_on_proxmox_host(StringCommand(configs_command(wanted)))
+        answers = parse_framed(list(output.stdout_lines) + list(output.stderr_lines))
+        views: dict[int, Any] = {}
+        problem = None
+        for vmid in wanted:
+            config, trouble = parse_pvesh_json(answers.get(str(vmid)), f"{pve_host}: container {vmid}'s config")
+            if isinstance(config, Mapping):
+                views[vmid] = container_of({"vmid": vmid}, config)
+            elif trouble and ("not found" in trouble or answers.get(str(vmid)) is None):
+                problem = f"{pve_host}: no pvesh there ({trouble}); the GPUs each container maps are not checked"
+            else:
+                views[vmid] = container_of({"vmid": vmid}, None, trouble)
+        _NODE_VIEWS[key] = (views, problem)
+    return _NODE_VIEWS[key]
+
+
+def say_once(run_key: int, line: str) -> bool:
+    """True the first time ``line`` is said in this run (a note for every container would repeat it)."""
+    if (run_key, line) in _SAID:
+        return False
+    _SAID.add((run_key, line))
+    return True
+
+
+def map_refusals(mine: ServerClaim, servers: Iterable[ServerClaim], views: Mapping[int, Any], needs: str) -> list[str]:
+    """Why this desired server cannot run as its Proxmox node has its container (plan time, before
+    anything stops): its GPUs are not all passed into its container (naming the container's map and
+    what the server needs), or one of them is passed into another container too where another
+    desired server claims it. Containers whose config could not be read refuse nothing.
+
+    >>> V = ContainerView
+    >>> views = {129: V(129, "a", "running", gpus=(0, 1)), 131: V(131, "b", "running", gpus=(1,))}
+    >>> map_refusals(("pve1", 129, 30000, (0, 1, 2, 3)), [], views, "--tp-size 4")
+    ['container 129 maps /dev/nvidia0-1; --tp-size 4 needs 4 GPUs (GPU 0-3), GPU 2-3 not mapped']
+    >>> map_refusals(("pve1", 131, 30000, (1,)), [("pve1", 129, 30000, (0, 1))], views, "--tp-size 1")
+    ['GPU 1 is passed into containers 129 and 131 (pvesh), and ct 129 :30000 is desired on it too']
+    """
+    host, vmid, port, gpus = mine
+    view = views.get(int(vmid))
+    if view is None or view.problem:
+        return []
+    fit = fit_problem(view, int(vmid), gpus, needs)
+    if fit:
+        return [fit]
+    lines = []
+    for other_host, other_vmid, other_port, other_gpus in servers:
+        other = views.get(int(other_vmid))
+        if other_host != host or int(other_vmid) == int(vmid) or other is None:
+            continue
+        both = sorted(set(gpus) & set(other_gpus) & set(other.gpus))
+        if both:
+            first, second = sorted((int(vmid), int(other_vmid)))
+            lines.append(f"GPU {gpu_ranges(both)} is passed into containers {first} and {second} (pvesh), and "
+                         f"ct {other_vmid} :{other_port} is desired on it too")
+    return lines
+
+
+def plan_map_refusals(connector: PctConnector | None, run_key: int, mine: ServerClaim, servers: Sequence[ServerClaim],
+                      flags: Mapping[str, Any], say: Callable[[str], None]) -> list[str]:
+    """The plan's check of this desired server against its Proxmox node's own view (issue 36):
+    map_refusals over the configs of every container of this Proxmox host with a desired server
+    (node_views, once per run); ``say`` gets, once a run each, what the node could not tell (no
+    pvesh there, a config it could not read). Nothing under another connector than pct's."""
+    if connector is None:
+        return []
+    host_name = mine[0]
+    vmids = {int(claim[1]) for claim in servers if claim[0] == host_name} | {int(mine[1])}
+    views, problem = node_views(connector, run_key, host_name, vmids)
+    for line in [problem] + [view.problem for view in views.values() if view.problem]:
+        if line and say_once(run_key, line):
+            say(line)
+    # the flag that sizes the server, as the operator wrote it (any engine's tensor-parallel flag)
+    size = next((f"--{name} {value}" for name, value in flags.items()
+                 if re.search(r"(^|-)(tp|tensor-parallel)(-size)?$", str(name))), "the server")
+    return map_refusals(mine, servers, views, size)

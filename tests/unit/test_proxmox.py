@@ -87,3 +87,31 @@ def test_the_draft_loads_as_a_fleet_and_is_never_written_over(tmp_path):
     assert draft.read_text() == "mine\n"
     discover.write_draft(draft, "new\n", force=True)
     assert draft.read_text() == "new\n"
+
+
+class FakeConnector:
+    """What plan_map_refusals needs of the pct connector: one command on the Proxmox host."""
+
+    def __init__(self, lines: list[str]):
+        self.lines, self.commands = lines, []
+
+    def run_on_proxmox_host(self, command):
+        from types import SimpleNamespace
+
+        self.commands.append(str(command))
+        return True, SimpleNamespace(stdout_lines=self.lines, stderr_lines=[])
+
+
+def test_the_plan_reads_the_node_once_a_run_and_says_what_it_cannot_tell_once():
+    node = FakeConnector(framed(("129", 0, CONFIG_DEV), ("130", 0, CONFIG_RAW)))
+    fleet = [("pve1", 129, 30000, (0, 1)), ("pve1", 130, 30000, (2,))]
+    said: list[str] = []
+    assert proxmox.plan_map_refusals(node, 1, ("pve1", 129, 30000, (0, 1)), fleet[1:], {"tp": 2}, said.append) == []
+    assert proxmox.plan_map_refusals(node, 1, ("pve1", 130, 30000, (1, 2)), fleet[:1], {"tp": 2}, said.append) == [
+        "GPU 1 is passed into containers 129 and 130 (pvesh), and ct 129 :30000 is desired on it too"]
+    assert len(node.commands) == 1 and "/nodes/localhost/lxc/130/config" in node.commands[0]
+    no_pvesh = FakeConnector(["sh: 1: pvesh: not found", f"{proxmox.MARK} 129 127"])
+    for _ in range(2):
+        assert proxmox.plan_map_refusals(no_pvesh, 2, ("pve2", 129, 30000, (0,)), [], {}, said.append) == []
+    assert said == ["pve2: no pvesh there (pve2: container 129's config: pvesh failed (exit 127): sh: 1: pvesh: "
+                    "not found); the GPUs each container maps are not checked"]
