@@ -485,19 +485,6 @@ def _claim_overlaps(host_obj: Any, spec: Spec, desired_siblings: tuple[int, ...]
 
 
 def _map_refusals(host_obj: Any, spec: Spec, desired_siblings: tuple[int, ...] = ()) -> list[str]:
-    """This server against the GPUs its Proxmox node passes into each container (gpugate.claims.plan_map_refusals)."""
-    from gpugate.claims import claim_host, plan_map_refusals  # noqa: PLC0415
-
-    if spec.gpus is None or host_obj.data.get("pct_vmid") is None:
-        return []
-    mine = (claim_host(host_obj.name, host_obj.data), int(host_obj.data.get("pct_vmid")), int(spec.port), tuple(spec.gpus))
-    same = 3 if desired_siblings else 2
-    servers = [c for c in Run.of(state).desired_claims(state.inventory) if c[:same] != mine[:same]]
-    return plan_map_refusals(_pct(host_obj), id(state), mine, servers, spec.flags,
-                             lambda line: host_obj.log_styled(line, fg="yellow", log_func=logger.warning))
-
-
-def _map_refusals(host_obj: Any, spec: Spec, desired_siblings: tuple[int, ...] = ()) -> list[str]:
     """This server against the GPUs its Proxmox node passes into each container (gpugate.proxmox.plan_map_refusals)."""
     from gpugate.claims import claim_host  # noqa: PLC0415
     from gpugate.proxmox import plan_map_refusals  # noqa: PLC0415
@@ -1528,10 +1515,6 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
     label = f"{desired.engine} :{port}"
     if desired.problem and not restoring:
         yield from _refuse(f"{label} REFUSED, nothing touched: {desired.problem}", port)
-        return
-    mapped = _map_refusals(host, spec, desired.siblings) if spec is not None else []
-    if mapped:  # the Proxmox node passes this server's GPUs into no container or into two (issue 36)
-        yield from _refuse(f"{label} REFUSED, nothing touched: {'; '.join(mapped)} (the node's own view: gpugate discover)", port)
         return
     mapped = _map_refusals(host, spec, desired.siblings) if spec is not None else []
     if mapped:  # the Proxmox node passes this server's GPUs into no container or into two (issue 36)
