@@ -1,0 +1,82 @@
+"""Issue 36 through the real CLI: a lab host whose containers 129 and 130 each get 2 of its 4 GPUs
+(``gpugate lab up --containers 129:0-1,130:2-3``), then a third container 131 passed GPU 1 of 129
+by raw lxc lines. ``gpugate discover`` lists them with their GPUs and the shared one, and writes a
+draft; a deploy's ``--dry`` refuses, before anything stops, a server needing more GPUs than its
+container maps and a server on the shared GPU, each naming the node's map."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT, lab_unavailable_reason, pyinfra_exe
+
+pytestmark = pytest.mark.lab
+
+
+@pytest.fixture(scope="module")
+def lab_dir(tmp_path_factory):
+    reason = lab_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    from gpugate_lab import core
+
+    path = tmp_path_factory.mktemp("discover-lab")
+    try:
+        up = gpugate("lab", "up", "--dir", str(path), "--gpus", "4", "--containers", "129:0-1,130:2-3")
+        assert up.returncode == 0, up.stderr
+        core.add_container(path, "pve1", 131, gpus=(1,), gpu_style="raw")
+        yield path
+    finally:
+        core.down(path)
+
+
+def gpugate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpugate", *args], capture_output=True, text=True, cwd=REPO_ROOT,
+                          env=env, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def lab_env(lab_dir, fleet) -> dict:
+    return {**os.environ, "GPUGATE_LAB_DIR": str(lab_dir), "GPUGATE_FLEET": str(fleet),
+            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_discovery_lists_each_containers_gpus_and_the_shared_one_and_writes_a_draft(lab_dir, tmp_path):
+    from gpugate_lab import core
+
+    seen = subprocess.run(core.host_exec_argv(lab_dir, "pve1") + ["pct", "exec", "130", "--", "ls", "/dev"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL).stdout.split()
+    assert [name for name in seen if name.startswith("nvidia")] == ["nvidia-uvm", "nvidia2", "nvidia3", "nvidiactl"]
+    draft = tmp_path / "fleet.yaml"
+    result = gpugate("discover", "--format", "json", "--write", str(draft), env=lab_env(lab_dir, lab_dir / "fleet.yaml"))
+    assert result.returncode == 0, result.stderr
+    (host,) = json.loads(result.stdout.split("fleet draft written")[0])["hosts"]
+    assert [(ct["vmid"], ct["status"], ct["gpus"]) for ct in host["containers"]] == [
+        (129, "running", [0, 1]), (130, "running", [2, 3]), (131, "running", [1])]
+    assert host["shared"] == {"1": [129, 131]}
+    text = draft.read_text()
+    assert "129: {}  # ct129, running, privileged; GPUs 0-1 (/dev/nvidia0-1)" in text and "port:" in text
+    again = gpugate("discover", "--write", str(draft), env=lab_env(lab_dir, lab_dir / "fleet.yaml"))
+    assert (again.returncode, draft.read_text()) == (1, text) and "exists; it was kept as it is (--force" in again.stderr
+
+
+def test_the_plan_refuses_a_server_beyond_its_containers_map_and_one_on_a_shared_gpu(lab_dir, tmp_path):
+    fleet = tmp_path / "fleet.yaml"
+    lines = (lab_dir / "fleet.yaml").read_text().splitlines()
+    ssh = next(line for line in lines if line.strip().startswith("ssh:"))
+    server = "{sglang: {model_path: /opt/models/lab-model, port: 30000, flags: {%s}}}"
+    fleet.write_text("\n".join(["hosts:", "  pve1:", ssh, "    containers:",
+                                "      129: " + server % "tp: 4", "      131: " + server % "tp: 1, base-gpu-id: 1"]) + "\n")
+    result = subprocess.run([pyinfra_exe(), "-y", "inventory.py", "deploy.py", "--dry"], cwd=REPO_ROOT,
+                            env=lab_env(lab_dir, fleet), capture_output=True, text=True, timeout=300,
+                            stdin=subprocess.DEVNULL)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert ("[@pct/pve1:129] sglang :30000 REFUSED, nothing touched: container 129 maps /dev/nvidia0-1; "
+            "--tp-size 4 needs 4 GPUs (GPU 0-3), GPU 2-3 not mapped") in out
+    assert ("[@pct/pve1:131] sglang :30000 REFUSED, nothing touched: GPU 1 is passed into containers 129 and 131 "
+            "(pvesh), and ct 129 :30000 is desired on it too") in out
