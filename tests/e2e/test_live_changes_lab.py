@@ -17,7 +17,7 @@ import json
 import pytest
 
 from tests.conftest import module_lab
-from tests.faults.conftest import Run, deploy_args, main_pid, observed, pyinfra, said, sh
+from tests.faults.conftest import Run, deploy_args, main_pid, observed, pyinfra, running_argv, said, sh
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -142,3 +142,5 @@ def test_another_architecture_restarts_with_the_live_state_in_its_launch(lab):
     assert restarted.returncode == 0, restarted
     assert main_pid(lab) not in (None, pid)
     assert served(lab) == {"model_path": QWEN2, "adapters": ["b"]}
+    argv = running_argv(lab)  # the launch carries the new model and the adapters that served
+    assert argv[argv.index("--model-path") + 1] == QWEN2 and argv[argv.index("--lora-paths") + 1] == f"b={B}"
