@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     discover.add_argument("hosts", nargs="*", metavar="HOST", help="Proxmox hosts of the fleet (default: all)")
     discover.add_argument("--fleet", default=None, help="the fleet file (default $GPUGATE_FLEET, else ./fleet.yaml, "
                                                         "else the lab's)")
-    discover.add_argument("--format", choices=("table", "json"), default="table")
+    discover.add_argument("--format", choices=("table", "json"), default="table",
+                          help="table (default) or json: one document, each container's vmid and gpus")
     discover.add_argument("--write", default=None, metavar="FILE", help="also write a fleet draft to FILE")
     discover.add_argument("--force", action="store_true", help="with --write: replace FILE if it exists")
 
