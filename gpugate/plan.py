@@ -136,12 +136,42 @@ def health_text(server: Mapping[str, Any]) -> str:
 
 
 def _record_same_as_running(record: Mapping[str, Any], server: Mapping[str, Any]) -> bool:
+    """Whether a history record is the server that runs: its argv (the launch) and env, or the spec it
+    was changed to live (``changed_live``: on this very main); either way it must serve the record's
+    live state (docs/live-changes.md).
+
+    >>> server = {"running": True, "main": {"argv_hash": "A", "pid": 7, "start_ticks": 9}, "live": {"model_path": "/m2"}}
+    >>> _record_same_as_running({"argv_hash": "A", "model_path": "/m"}, server)
+    False
+    >>> _record_same_as_running({"argv_hash": "B", "model_path": "/m2", "changed_live": {"pid": 7, "start_ticks": 9}}, server)
+    True
+    """
     main = server.get("main") or {}
-    if not server.get("running") or record.get("argv_hash") != main.get("argv_hash"):
+    if not server.get("running"):
+        return False
+    changed = record.get("changed_live") or {}
+    reached_live = bool(changed) and (changed.get("pid"), changed.get("start_ticks")) == (main.get("pid"),
+                                                                                           main.get("start_ticks"))
+    if record.get("argv_hash") != main.get("argv_hash") and not reached_live:
         return False
     have = server.get("env_hashes") or {}
     wanted = record.get("env_hashes") or {}
-    return all(have.get(name) == value for name, value in wanted.items())
+    return all(have.get(name) == value for name, value in wanted.items()) and serves_record(record, server.get("live"))
+
+
+def serves_record(record: Mapping[str, Any], live: Mapping[str, Any] | None) -> bool:
+    """What the server says it serves (observe's ``live``; None: its engine says nothing) is the
+    record's model and adapters.
+
+    >>> serves_record({"model_path": "/m", "lora_adapters": {"a": "/a"}}, {"model_path": "/m", "lora_adapters": {}})
+    False
+    """
+    if not isinstance(live, Mapping):
+        return True
+    if record.get("model_path") and live.get("model_path") and record["model_path"] != live["model_path"]:
+        return False
+    adapters = record.get("lora_adapters")
+    return adapters is None or dict(adapters) == dict(live.get("lora_adapters") or {})
 
 
 def rollback_choice(server: Mapping[str, Any], k: int = 1) -> tuple[dict[str, Any] | None, str]:

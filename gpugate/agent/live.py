@@ -163,7 +163,8 @@ class Live(object):
                 doc = history.load_history(self.port)
                 key = history.spec_key(desired)
                 record = history.make_record(desired, by=self.doc.get("by"), extra={
-                    "live": dict(self.doc["expect"]), "changed_live": {"pid": self.main["pid"], "at": state.now_iso()}})
+                    "live": dict(self.doc["expect"]), "changed_live": {"pid": self.main["pid"], "start_ticks": self.main.get("start_ticks"),
+                                                "at": state.now_iso()}})
                 rest = [entry for entry in doc.get("good") or [] if entry.get("key") != key]
                 doc["good"] = ([{"key": key, "spec": desired, "record": record}] + rest)[:history.HISTORY_GOOD]
                 doc["last"] = {"run": self.journal.run, "outcome": "verified", "at": state.now_iso(), "live": True}

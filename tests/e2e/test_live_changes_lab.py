@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import base64
 import json
+import shlex
 
 import pytest
 
 from tests.conftest import module_lab
-from tests.faults.conftest import Run, deploy_args, main_pid, observed, pyinfra, running_argv, said, sh
+from tests.e2e.lab_processes import start_in_container
+from tests.faults.conftest import Run, deploy_args, main_pid, observed, pyinfra, running_argv, said, sh, wait_until
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -62,6 +64,22 @@ def generate(lab, adapter: str | None = None) -> str:
     return out.stdout.strip()
 
 
+# a client of the server during a live change: requests through adapter a and the base model, back to back
+CLIENT = """
+import json, time, urllib.request as u
+end = time.time() + 60
+while time.time() < end:
+    for body in ({"text": "hi", "sampling_params": {"max_new_tokens": 1}, "lora_path": "a"},
+                 {"text": "hi", "sampling_params": {"max_new_tokens": 1}}):
+        try:
+            r = u.urlopen(u.Request("http://127.0.0.1:30000/generate", data=json.dumps(body).encode(),
+                                    headers={"content-type": "application/json"}), timeout=10)
+            print("ok" if r.status == 200 and json.load(r)["text"] else "fail", flush=True)
+        except Exception as error:
+            print("fail", error, flush=True)
+"""
+
+
 def status_kind(lab, adapters: dict, model: str) -> str:
     """The status runbook's verdict on the server (its JSON row), for this desired state."""
     result = run(lab, adapters, model, playbook="runbooks/status.py", data={"format": "json"})
@@ -82,8 +100,15 @@ def test_adapters_added_and_removed_live(lab):
     pid = main_pid(lab)
     assert served(lab) == {"model_path": MODEL, "adapters": ["a"]}
     said(run(lab, {"a": A, "b": B}, dry=True), "live: load adapter b", "path: live (no restart)")
-    added = run(lab, {"a": A, "b": B})
+    client = start_in_container(lab, "pve1", 129, f"python3 -c {shlex.quote(CLIENT)}", "live-client")
+    wait_until(lambda: "ok" in client.log(), timeout=10)
+    try:
+        added = run(lab, {"a": A, "b": B})
+    finally:
+        client.kill()
+    answers = client.log().split()
     assert added.returncode == 0, added
+    assert "fail" not in answers and answers.count("ok") >= 2, client.log()  # no client saw the change
     said(added, "applied live: load adapter b", f"changed live and verified: pid {pid} kept serving")
     assert main_pid(lab) == pid
     assert served(lab) == {"model_path": MODEL, "adapters": ["a", "b"]}

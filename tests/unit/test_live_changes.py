@@ -14,7 +14,7 @@ import pytest
 from gpugate.engine import Engine, LiveState, get as engine
 from gpugate.engine.sglang import live_server
 from gpugate.fleet import fleet_to_inventory, load_fleet
-from gpugate.plan import make_plan, plan_lines
+from gpugate.plan import make_plan, plan_lines, rollback_choice
 from gpugate.report.status import status_row
 from gpugate.rules.redact import argv_hash
 from gpugate.settings import SettingsError, validated_settings
@@ -180,3 +180,18 @@ def test_a_live_weight_change_to_a_missing_path_or_on_a_server_that_does_not_ser
     made, _, lines = plan_and_status({**LORA_A, "sglang_model_path": "/opt/models/lab-model-v2"}, observation)
     assert made.problems == ("the model path /opt/models/lab-model-v2 does not exist in the container",)
     assert lines[0].startswith("sglang :30000 REFUSED, nothing touched")
+
+
+def test_the_rollback_after_a_live_change_returns_to_the_spec_before_it_not_to_what_serves():
+    # the history after a live change: the desired spec reached live on this main (newest), then the
+    # spec it was launched with; the main still runs the launch's argv but serves the newer state
+    server = {"running": True, "port": 30000, "main": {"pid": 5, "start_ticks": 7, "argv_hash": "LAUNCH"},
+              "live": {"model_path": "/m2", "lora_adapters": {"b": "/b"}},
+              "history": {"good": [
+                  {"key": "new", "argv_hash": "NEW", "model_path": "/m2", "lora_adapters": {"b": "/b"},
+                   "changed_live": {"pid": 5, "start_ticks": 7}},
+                  {"key": "launch", "argv_hash": "LAUNCH", "model_path": "/m", "lora_adapters": {"a": "/a"}}]}}
+    assert rollback_choice(server)[0]["key"] == "launch"
+    # the same main restarted since (another start_ticks): the live record is no longer what runs
+    server["main"]["start_ticks"] = 8
+    assert rollback_choice(server)[0]["key"] == "new"
