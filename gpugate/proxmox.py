@@ -281,45 +281,33 @@ def say_once(run_key: int, line: str) -> bool:
     return True
 
 
-def map_refusals(mine: ServerClaim, servers: Iterable[ServerClaim], views: Mapping[int, Any], needs: str) -> list[str]:
+def map_refusals(mine: ServerClaim, views: Mapping[int, Any], needs: str) -> list[str]:
     """Why this desired server cannot run as its Proxmox node has its container (plan time, before
-    anything stops): its GPUs are not all passed into its container (naming the container's map and
-    what the server needs), or one of them is passed into another container too where another
-    desired server claims it. Containers whose config could not be read refuse nothing.
+    anything stops): its GPUs are not all passed into its container (fit_problem: the container's
+    map and what the server needs). A container whose config could not be read refuses nothing. (A
+    GPU passed into two containers, with a server desired on it in each, is two servers claiming
+    one GPU: gpugate.claims.overlapping_claims refuses both, and ``gpugate discover`` names the map.)
 
-    >>> V = ContainerView
-    >>> views = {129: V(129, "a", "running", gpus=(0, 1)), 131: V(131, "b", "running", gpus=(1,))}
-    >>> map_refusals(("pve1", 129, 30000, (0, 1, 2, 3)), [], views, "--tp-size 4")
+    >>> views = {129: ContainerView(129, "a", "running", gpus=(0, 1))}
+    >>> map_refusals(("pve1", 129, 30000, (0, 1, 2, 3)), views, "--tp-size 4")
     ['container 129 maps /dev/nvidia0-1; --tp-size 4 needs 4 GPUs (GPU 0-3), GPU 2-3 not mapped']
-    >>> map_refusals(("pve1", 131, 30000, (1,)), [("pve1", 129, 30000, (0, 1))], views, "--tp-size 1")
-    ['GPU 1 is passed into containers 129 and 131 (pvesh), and ct 129 :30000 is desired on it too']
+    >>> map_refusals(("pve1", 129, 30000, (1,)), views, "--tp-size 1")
+    []
     """
-    host, vmid, port, gpus = mine
+    _host, vmid, _port, gpus = mine
     view = views.get(int(vmid))
     if view is None or view.problem:
         return []
     fit = fit_problem(view, int(vmid), gpus, needs)
-    if fit:
-        return [fit]
-    lines = []
-    for other_host, other_vmid, other_port, other_gpus in servers:
-        other = views.get(int(other_vmid))
-        if other_host != host or int(other_vmid) == int(vmid) or other is None:
-            continue
-        both = sorted(set(gpus) & set(other_gpus) & set(other.gpus))
-        if both:
-            first, second = sorted((int(vmid), int(other_vmid)))
-            lines.append(f"GPU {gpu_ranges(both)} is passed into containers {first} and {second} (pvesh), and "
-                         f"ct {other_vmid} :{other_port} is desired on it too")
-    return lines
+    return [fit] if fit else []
 
 
 def plan_map_refusals(connector: PctConnector | None, run_key: int, mine: ServerClaim, servers: Sequence[ServerClaim],
                       flags: Mapping[str, Any], say: Callable[[str], None]) -> list[str]:
     """The plan's check of this desired server against its Proxmox node's own view (issue 36):
-    map_refusals over the configs of every container of this Proxmox host with a desired server
-    (node_views, once per run); ``say`` gets, once a run each, what the node could not tell (no
-    pvesh there, a config it could not read). Nothing under another connector than pct's."""
+    map_refusals, the configs of every container of this Proxmox host with a desired server read
+    once a run (node_views, ``servers``: the inventory's desired servers); ``say`` gets, once a run
+    each, what the node could not tell (no pvesh there, a config it could not read). Nothing under another connector than pct's."""
     if connector is None:
         return []
     host_name = mine[0]
@@ -331,4 +319,4 @@ def plan_map_refusals(connector: PctConnector | None, run_key: int, mine: Server
     # the flag that sizes the server, as the operator wrote it (any engine's tensor-parallel flag)
     size = next((f"--{name} {value}" for name, value in flags.items()
                  if re.search(r"(^|-)(tp|tensor-parallel)(-size)?$", str(name))), "the server")
-    return map_refusals(mine, servers, views, size)
+    return map_refusals(mine, views, size)

@@ -1517,7 +1517,7 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
         yield from _refuse(f"{label} REFUSED, nothing touched: {desired.problem}", port)
         return
     mapped = _map_refusals(host, spec, desired.siblings) if spec is not None else []
-    if mapped:  # the Proxmox node passes this server's GPUs into no container or into two (issue 36)
+    if mapped:  # the Proxmox node does not pass all its GPUs into its container (issue 36)
         yield from _refuse(f"{label} REFUSED, nothing touched: {'; '.join(mapped)} (the node's own view: gpugate discover)", port)
         return
     overlaps = _claim_overlaps(host, spec, desired.siblings) if spec is not None else []

@@ -2,7 +2,7 @@
 (``gpugate lab up --containers 129:0-1,130:2-3``), then a third container 131 passed GPU 1 of 129
 by raw lxc lines. ``gpugate discover`` lists them with their GPUs and the shared one, and writes a
 draft; a deploy's ``--dry`` refuses, before anything stops, a server needing more GPUs than its
-container maps and a server on the shared GPU, each naming the node's map."""
+container maps (naming the node's map) and a server on the shared GPU (two servers claiming it)."""
 
 from __future__ import annotations
 
@@ -78,5 +78,5 @@ def test_the_plan_refuses_a_server_beyond_its_containers_map_and_one_on_a_shared
     assert result.returncode != 0
     assert ("[@pct/pve1:129] sglang :30000 REFUSED, nothing touched: container 129 maps /dev/nvidia0-1; "
             "--tp-size 4 needs 4 GPUs (GPU 0-3), GPU 2-3 not mapped") in out
-    assert ("[@pct/pve1:131] sglang :30000 REFUSED, nothing touched: GPU 1 is passed into containers 129 and 131 "
-            "(pvesh), and ct 129 :30000 is desired on it too") in out
+    assert ("[@pct/pve1:131] sglang :30000 REFUSED, nothing touched: another desired server of this Proxmox host "
+            "claims its GPUs: pve1: ct 129 :30000 (GPU 0-3) and ct 131 :30000 (GPU 1) claim the same GPU 1") in out

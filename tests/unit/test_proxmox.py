@@ -107,8 +107,8 @@ def test_the_plan_reads_the_node_once_a_run_and_says_what_it_cannot_tell_once():
     fleet = [("pve1", 129, 30000, (0, 1)), ("pve1", 130, 30000, (2,))]
     said: list[str] = []
     assert proxmox.plan_map_refusals(node, 1, ("pve1", 129, 30000, (0, 1)), fleet[1:], {"tp": 2}, said.append) == []
-    assert proxmox.plan_map_refusals(node, 1, ("pve1", 130, 30000, (1, 2)), fleet[:1], {"tp": 2}, said.append) == [
-        "GPU 1 is passed into containers 129 and 130 (pvesh), and ct 129 :30000 is desired on it too"]
+    assert proxmox.plan_map_refusals(node, 1, ("pve1", 130, 30000, (2, 3)), fleet[:1], {"tp": 2}, said.append) == [
+        "container 130 maps /dev/nvidia1-2; --tp 2 needs 2 GPUs (GPU 2-3), GPU 3 not mapped"]
     assert len(node.commands) == 1 and "/nodes/localhost/lxc/130/config" in node.commands[0]
     no_pvesh = FakeConnector(["sh: 1: pvesh: not found", f"{proxmox.MARK} 129 127"])
     for _ in range(2):
