@@ -229,7 +229,11 @@ def command_live(doc: Any) -> Doc:
         engine.use_for(main["argv"])
         log = journal.Journal(doc["run"])
         log.write({"step": "run", "phase": "begin", "run": doc["run"], "by": doc.get("by"), "live": True,
-                   "pid": os.getpid(), "port": doc["port"]})
+                   "pid": os.getpid(), "ports": [int(doc["port"])]})
+        try:  # the container's latest run (what observe and the status report first), as a transition's is
+            state.write_private(state.RUNS_DIR + "/latest", doc["run"] + "\n", 0o600)
+        except OSError:
+            pass
         began = time.time()
         answer = Live(doc, main, log).run()
         answer["elapsed_s"] = round(time.time() - began, 3)

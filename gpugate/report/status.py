@@ -455,7 +455,9 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
     if isinstance(lock, Mapping) and (lock.get("owner") or lock.get("held")):
         state += f" (locked: {lock.get('owner') or lock.get('run') or '?'}, {lock.get('step') or 'pid %s' % lock.get('pid')})"
     command = server.get("command") or {}
-    running_model = command.get("model_path")
+    # what it serves: a live weight update moves it away from the launch's (docs/live-changes.md)
+    running_model = ((server.get("live") or {}).get("model_path") if isinstance(server.get("live"), Mapping) else None) \
+        or command.get("model_path")
     desired_model = desired.spec.model_path if desired.spec is not None else None
     model = running_model or desired_model
     running = bool(server.get("running"))
