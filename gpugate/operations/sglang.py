@@ -1516,10 +1516,6 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
     if desired.problem and not restoring:
         yield from _refuse(f"{label} REFUSED, nothing touched: {desired.problem}", port)
         return
-    mapped = _map_refusals(host, spec, desired.siblings) if spec is not None else []
-    if mapped:  # the Proxmox node does not pass all its GPUs into its container (issue 36)
-        yield from _refuse(f"{label} REFUSED, nothing touched: {'; '.join(mapped)} (the node's own view: gpugate discover)", port)
-        return
     overlaps = _claim_overlaps(host, spec, desired.siblings) if spec is not None else []
     if overlaps:  # the desired state itself is contradictory: nothing to observe, nothing to touch
         yield from _refuse(f"{label} REFUSED, nothing touched: another desired server of this Proxmox host "
@@ -1616,9 +1612,14 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
             host.log(plan.last)
         host.noop(plan.reasons[0])
         return
+    mapped = _map_refusals(host, spec, desired.siblings) if spec is not None and plan.action in ("start", "restart") else []
+    if mapped:  # the Proxmox node does not pass all its GPUs into its container (issue 36); asked only
+        # before a start: pvesh is a command on the node per run, and a server that stays needs no check
+        yield from _refuse(f"{label} REFUSED, nothing touched: {'; '.join(mapped)} (the node's own view: gpugate discover)", port)
+        return
     routing = desired.routing  # an attach leaves nothing: after the run it follows, a member is added where missing
     router_lines: list[str] = []
-    if routing is not None and plan.action != "attach":
+    if routing is not None and plan.action not in ("attach", "live"):  # a live change stays in its router
         from gpugate import router  # noqa: PLC0415 -- only routed servers talk to a router
         preflight = router.preflight(routing, **_identity_of(observation))
         if preflight.problem:
