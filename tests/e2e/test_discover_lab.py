@@ -69,14 +69,17 @@ def test_the_plan_refuses_a_server_beyond_its_containers_map_and_one_on_a_shared
     lines = (lab_dir / "fleet.yaml").read_text().splitlines()
     ssh = next(line for line in lines if line.strip().startswith("ssh:"))
     server = "{sglang: {model_path: /opt/models/lab-model, port: 30000, flags: {%s}}}"
+    # 129 and 131 both want GPU 1, which both map; 130 wants GPU 0, which it does not map (2-3). The map is
+    # read before a start only, after the pure checks: 130's claim overlaps no other server's
     fleet.write_text("\n".join(["hosts:", "  pve1:", ssh, "    containers:",
-                                "      129: " + server % "tp: 4", "      131: " + server % "tp: 1, base-gpu-id: 1"]) + "\n")
+                                "      129: " + server % "tp: 1, base-gpu-id: 1", "      130: " + server % "tp: 1",
+                                "      131: " + server % "tp: 1, base-gpu-id: 1"]) + "\n")
     result = subprocess.run([pyinfra_exe(), "-y", "inventory.py", "deploy.py", "--dry"], cwd=REPO_ROOT,
                             env=lab_env(lab_dir, fleet), capture_output=True, text=True, timeout=300,
                             stdin=subprocess.DEVNULL)
     out = result.stdout + result.stderr
     assert result.returncode != 0
-    assert ("[@pct/pve1:129] sglang :30000 REFUSED, nothing touched: container 129 maps /dev/nvidia0-1; "
-            "--tp-size 4 needs 4 GPUs (GPU 0-3), GPU 2-3 not mapped") in out
+    assert ("[@pct/pve1:130] sglang :30000 REFUSED, nothing touched: container 130 maps /dev/nvidia2-3; "
+            "--tp-size 1 needs 1 GPU (GPU 0), GPU 0 not mapped") in out, out
     assert ("[@pct/pve1:131] sglang :30000 REFUSED, nothing touched: another desired server of this Proxmox host "
-            "claims its GPUs: pve1: ct 129 :30000 (GPU 0-3) and ct 131 :30000 (GPU 1) claim the same GPU 1") in out
+            "claims its GPUs: pve1: ct 129 :30000 (GPU 1) and ct 131 :30000 (GPU 1) claim the same GPU 1") in out, out
