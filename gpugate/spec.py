@@ -122,7 +122,8 @@ class Spec:
     engine = property(lambda self: self.inputs.engine)
     model_path = property(lambda self: self.inputs.model_path)
     port = property(lambda self: self.inputs.port)
-    env = property(lambda self: self.inputs.env)
+    # the operator's env, and what the engine sets for its launch (vLLM's runtime LoRA switch)
+    env = property(lambda self: {**self.inputs.env, **self.launch.env} if self.launch.env else self.inputs.env)
     secret_env = property(lambda self: self.inputs.secret_env)  # the operator's secret env names
     host = property(lambda self: self.inputs.host)
     supervisor = property(lambda self: self.inputs.supervisor)

@@ -120,7 +120,7 @@ class Live(object):
         if problem:
             return problem
         for adapter in ([None] if generate_base or not adapters else []) + list(adapters):
-            method, path, body = engine.generation_through(adapter)
+            method, path, body = engine.generation_through(adapter, self.main["argv"])
             status, text = server.http_get(self.host, self.port, path, self.timeout, self.token, method=method, body=body)
             problem = engine.generation_problem(status, text)
             if problem:

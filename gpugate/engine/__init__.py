@@ -35,7 +35,8 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["Engine", "EngineError", "FlagError", "ServerInputs", "Launch", "Running", "LiveState", "Change", "get", "names", "ENTRY_POINT_GROUP", "DEFAULT_ENGINE"]
+__all__ = ["Engine", "EngineError", "FlagError", "ServerInputs", "Launch", "Running", "LiveState", "Change",
+           "adapter_changes", "lora_switch", "get", "names", "ENTRY_POINT_GROUP", "DEFAULT_ENGINE"]
 
 ENTRY_POINT_GROUP = "gpugate.engines"
 DEFAULT_ENGINE = "sglang"  # the ``engine`` setting's default: what every fleet.yaml before it ran
@@ -102,6 +103,7 @@ class Launch:
     warnings: tuple[str, ...] = ()
     daemon_argv: tuple[str, ...] = ()        # the weight cache's daemons, when wanted
     gated: bool = False                      # the new engine starts before the old one stops
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # what the engine sets in the server's env
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +302,28 @@ class Engine(abc.ABC):
         except FlagError as error:
             return False, [f"REFUSED by {self.label}: {error}"]
         return True, [f"ok for {self.label}, {len(normal)} flag(s)"]
+
+
+def adapter_changes(had: Mapping[str, str], wanted: Mapping[str, str]) -> list[Change]:
+    """The live load and unload of LoRA adapters from ``had`` to ``wanted``: unloads first (a slot
+    freed before a load), a changed path as an unload then a load.
+
+    >>> [c.line for c in adapter_changes({"a": "/a", "c": "/c"}, {"b": "/b", "c": "/c2"})]
+    ['live: unload adapter a', 'live: unload adapter c', 'live: load adapter b', 'live: load adapter c (/c2)']
+    """
+    changes = [Change("live", f"unload adapter {name}", {"op": "unload_adapter", "name": name, "path": path})
+               for name, path in sorted(had.items()) if wanted.get(name) != path]
+    changes += [Change("live", f"load adapter {name}" + (f" ({path})" if name in had else ""),
+                       {"op": "load_adapter", "name": name, "path": path})
+                for name, path in sorted(wanted.items()) if had.get(name) != path]
+    return changes
+
+
+def lora_switch(have: LiveState, want: LiveState) -> Change | None:
+    """LoRA turned on or off: a launch flag of every engine gpugate knows, so a restart."""
+    if (have.lora_adapters is None) == (want.lora_adapters is None):
+        return None
+    return Change("restart", "LoRA " + ("on" if have.lora_adapters is None else "off") + " (a launch flag)")
 
 
 def _names(adapters: Mapping[str, str] | None) -> str:

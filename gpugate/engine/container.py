@@ -150,6 +150,37 @@ def read_live(get: Callable[[str], Tuple[Optional[int], str]]) -> Dict[str, Any]
     return None  # an engine that changes nothing while it serves
 
 
+def undo_of(change: Dict[str, Any]) -> Dict[str, Any]:
+    """The live change that puts back what ``change`` changed (an adapter unloaded is loaded from its
+    path again; the previous weights are loaded back).
+
+    >>> undo_of({"op": "update_weights", "model_path": "/m2", "previous": "/m"})
+    {'op': 'update_weights', 'model_path': '/m', 'previous': '/m2'}
+    """
+    op = change.get("op")
+    if op == "load_adapter":
+        return {"op": "unload_adapter", "name": change["name"], "path": change["path"]}
+    if op == "unload_adapter":
+        return {"op": "load_adapter", "name": change["name"], "path": change["path"]}
+    return {"op": "update_weights", "model_path": change["previous"], "previous": change["model_path"]}
+
+
+def live_request(change: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
+    raise ValueError("this engine changes nothing while it serves")
+
+
+def answer_problem(status: int | None, body: str) -> str | None:
+    return None if status == 200 else "HTTP %s: %s" % (status, (body or "no answer")[:300])
+
+
+def generation_through(adapter: str | None, argv: Sequence[str] | None = None) -> Tuple[str, str, Optional[bytes]]:
+    raise ValueError("this engine changes nothing while it serves")
+
+
+def generation_problem(status: int | None, body: str) -> str | None:
+    return None if status == 200 else "HTTP %s: %s" % (status, (body or "no answer")[:200])
+
+
 # what decides whether two checkpoints have the same weights' shapes (Hugging Face config.json)
 SHAPE_KEYS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings",

@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 
 from gpugate.engine import Engine, LiveState, get as engine
+from gpugate.engine import container
 from gpugate.engine.sglang import live_server
 from gpugate.fleet import fleet_to_inventory, load_fleet
 from gpugate.plan import make_plan, plan_lines, rollback_choice
 from gpugate.report.status import status_row
-from gpugate.rules.redact import argv_hash
+from gpugate.rules.redact import argv_hash, env_hash
 from gpugate.settings import SettingsError, validated_settings
 from gpugate.spec import desired_state
 
@@ -93,14 +94,14 @@ CASES = json.loads((Path(__file__).parent / "data" / "live_changes.json").read_t
 @pytest.mark.parametrize("case", CASES, ids=[case["case"] for case in CASES])
 def test_each_difference_is_classified_live_or_restart(case):
     have, want = (LiveState(case[side]["model_path"], case[side]["lora_adapters"]) for side in ("have", "want"))
-    changes = engine("sglang").live_changes(have, want, same_shape=case.get("same_shape"),
-                                            weight_cache=case.get("weight_cache", False))
+    changes = engine(case.get("engine", "sglang")).live_changes(have, want, same_shape=case.get("same_shape"),
+                                                                weight_cache=case.get("weight_cache", False))
     assert [change.line for change in changes] == case["lines"]
     # every live change carries what the agent sends, and its undo puts back what it changed
     for change in changes:
         if change.path == "live":
-            assert live_server.live_request(live_server.undo_of(live_server.undo_of(dict(change.op)))) == \
-                live_server.live_request(dict(change.op))
+            sends = engine(case.get("engine", "sglang")).container.live_request
+            assert sends(container.undo_of(container.undo_of(dict(change.op)))) == sends(dict(change.op))
 
 
 def test_an_engine_without_live_changes_restarts_for_each():
@@ -125,6 +126,7 @@ def observed(data: dict, live: dict | None, shapes: dict | None = None) -> dict:
 
 LORA_A = {**BASE, "sglang_lora_adapters": {"a": "/opt/models/lab-lora-a"}}
 SERVES_A = {"model_path": "/opt/models/lab-model", "lora_adapters": {"a": "/opt/models/lab-lora-a"}}
+A, B = "/opt/models/lab-lora-a", "/opt/models/lab-lora-b"
 SAME = {"/opt/models/lab-model": {"architectures": ["LlamaForCausalLM"]},
         "/opt/models/lab-model-v2": {"architectures": ["LlamaForCausalLM"]},
         "/opt/models/lab-model-qwen2": {"architectures": ["Qwen2ForCausalLM"]}}
@@ -195,3 +197,27 @@ def test_the_rollback_after_a_live_change_returns_to_the_spec_before_it_not_to_w
     # the same main restarted since (another start_ticks): the live record is no longer what runs
     server["main"]["start_ticks"] = 8
     assert rollback_choice(server)[0]["key"] == "new"
+
+
+def test_vllm_declares_adapters_with_its_runtime_switch_and_changes_them_live():
+    vllm = {"engine": "vllm", "sglang_model_path": "/opt/models/lab-model", "sglang_port": 8000,
+            "sglang_flags": {"tensor-parallel-size": 2}}
+    desired = desired_state({**vllm, "sglang_lora_adapters": {"a": A}})
+    argv = list(desired.spec.argv)
+    assert argv[argv.index("--lora-modules") + 1] == f"a={A}" and "--enable-lora" in argv
+    assert desired.spec.env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # set by gpugate, shown as env
+    assert desired_state({**vllm, "sglang_lora_adapters": {"a": A}, "sglang_env": {
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0"}}).problem.startswith("env VLLM_ALLOW_RUNTIME_LORA_UPDATING=0: gpugate sets it")
+    assert desired_state({**vllm, "sglang_flags": {"tensor-parallel-size": 2, "max-lora-rank": 8}}).problem.startswith(
+        "--max-lora-rank: a LoRA flag without lora_adapters")
+    # what serves, as vLLM's /v1/models lists it: an adapter added is live, a model change a restart saying why
+    observation = observed({**vllm, "sglang_lora_adapters": {"a": A}}, {"model_path": "/opt/models/lab-model",
+                                                                       "lora_adapters": {"a": A}}, SAME)
+    observation["sglang"]["port"] = 8000
+    observation["sglang"]["env_hashes"] = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": env_hash("True")}
+    added = make_plan(observation, desired_state({**vllm, "sglang_lora_adapters": {"a": A, "b": B}}))
+    assert added.action == "live" and added.lines == ("live: load adapter b",)
+    moved = make_plan(observation, desired_state({**vllm, "sglang_model_path": "/opt/models/lab-model-v2",
+                                                  "sglang_lora_adapters": {"a": A}}))
+    assert moved.action == "restart" and "restart: weights /opt/models/lab-model -> /opt/models/lab-model-v2 (vLLM " \
+        "loads other weights in place only in its dev mode, with no undo)" in moved.lines

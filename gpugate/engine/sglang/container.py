@@ -21,7 +21,7 @@ from gpugate.engine.sglang.processes import (
     CAPACITY_KEYS, DEFAULT_PORT, INFO_KEYS, SHM_PREFIXES, adopted_env, argv_host, argv_model, argv_port, argv_token,
     is_client_argv, is_main_argv, is_scheduler_argv, is_server_part, is_worker_argv, server_gpus)
 from gpugate.engine.sglang.live_server import (
-    answer_problem, generation_problem, generation_through, live_request, read_live, undo_of)
+    answer_problem, generation_problem, generation_through, live_request, read_live)
 from gpugate.engine.sglang.weight_cache import (
     DAEMON_NOT_READY, READY_TEMPLATE_ENV, SOCKET_TEMPLATE_ENV, cache_key, config_summary, daemon_answers, file_paths, gated_argv,
     is_daemon_argv, key_changes, model_config_sha256, parse_ready, read_ready, steady_argv)
@@ -48,7 +48,7 @@ HEALTH_PATH = "/health"
 GENERATE_PATH = "/health_generate"
 INFO_PATHS = ("/get_server_info", "/server_info")
 
-__all__ = ["answer_problem", "generation_problem", "generation_through", "live_request", "read_live", "undo_of",
+__all__ = ["answer_problem", "generation_problem", "generation_through", "live_request", "read_live",
            "CAPACITY_KEYS", "DAEMON_NOT_READY", "DEFAULT_PORT", "ENGINE_NAME", "GENERATE_PATH", "HEALTH_PATH", "INFO_KEYS", "INFO_PATHS",
            "LABEL", "MAIN_TEXT", "READY_TEMPLATE_ENV", "SHM_PREFIXES", "SOCKET_TEMPLATE_ENV", "adopted_env",
            "argv_host", "argv_model", "argv_port", "argv_token", "cache_key", "config_summary", "daemon_answers", "engine_version",

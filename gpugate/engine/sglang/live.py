@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpugate.engine import Change, FlagError, LiveState
+from gpugate.engine import Change, FlagError, LiveState, adapter_changes, lora_switch
 
 # the flags gpugate derives from lora_adapters, with the value it writes when the operator gives none
 LORA_DEFAULTS = {"enable-lora": True, "max-lora-rank": 64, "lora-target-modules": ["all"], "max-loras-per-batch": 8}
@@ -143,17 +143,7 @@ def live_changes(have: LiveState, want: LiveState, *, same_shape: bool | None = 
             changes.append(Change("live", f"{text} ({WEIGHTS_ENDPOINT})",
                                   {"op": "update_weights", "model_path": want.model_path,
                                    "previous": have.model_path}))
-    if (have.lora_adapters is None) != (want.lora_adapters is None):
-        changes.append(Change("restart", "LoRA " + ("on" if have.lora_adapters is None else "off")
-                              + " (--enable-lora is a launch flag)"))
-        return changes
-    had, wanted = dict(have.lora_adapters or {}), dict(want.lora_adapters or {})
-    for name in sorted(had):
-        if name not in wanted or wanted[name] != had[name]:
-            changes.append(Change("live", f"unload adapter {name}", {"op": "unload_adapter", "name": name,
-                                                                     "path": had[name]}))
-    for name in sorted(wanted):
-        if name not in had or wanted[name] != had[name]:
-            changes.append(Change("live", f"load adapter {name}" + (f" ({wanted[name]})" if name in had else ""),
-                                  {"op": "load_adapter", "name": name, "path": wanted[name]}))
-    return changes
+    switch = lora_switch(have, want)
+    if switch is not None:
+        return changes + [Change(switch.path, switch.text.replace("(a launch flag)", "(--enable-lora is a launch flag)"))]
+    return changes + adapter_changes(have.lora_adapters or {}, want.lora_adapters or {})

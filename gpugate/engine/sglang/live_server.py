@@ -1,5 +1,5 @@
 """SGLang's live changes in the container (stdlib only: bundled into the agent): what the server
-serves now, the request of each live change and of its undo, and the generation that proves an
+serves now, the request of each live change (its undo: the interface's ``undo_of``), and the generation that proves an
 adapter works. The controller's half (which change is live) is gpugate/engine/sglang/live.py.
 
 Read from SGLang 0.5.23 (paths under ``sglang/srt/``): ``/model_info`` (``/get_model_info`` on older
@@ -14,8 +14,6 @@ Example::
 
     >>> live_request({"op": "load_adapter", "name": "b", "path": "/m/b"})
     ('/load_lora_adapter', {'lora_name': 'b', 'lora_path': '/m/b'})
-    >>> undo_of({"op": "update_weights", "model_path": "/m2", "previous": "/m"})
-    {'op': 'update_weights', 'model_path': '/m', 'previous': '/m2'}
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import json
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing is never imported at run time (~10 ms of every agent command)
-    from typing import Any, Callable, Dict, Optional, Tuple
+    from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
     Get = Callable[[str], Tuple[Optional[int], str]]
 
@@ -75,17 +73,6 @@ def live_request(change: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
     raise ValueError("no live change %r" % (op,))
 
 
-def undo_of(change: Dict[str, Any]) -> Dict[str, Any]:
-    """The change that puts back what ``change`` changed (an adapter unloaded is loaded from its path
-    again; the previous weights are loaded back)."""
-    op = change.get("op")
-    if op == "load_adapter":
-        return {"op": "unload_adapter", "name": change["name"], "path": change["path"]}
-    if op == "unload_adapter":
-        return {"op": "load_adapter", "name": change["name"], "path": change["path"]}
-    return {"op": "update_weights", "model_path": change["previous"], "previous": change["model_path"]}
-
-
 def answer_problem(status: int | None, body: str) -> str | None:
     """None when the engine answered success, else what it said (SGLang: 200 with ``success`` true;
     400 with ``success`` false and ``message`` or ``error_message``).
@@ -100,7 +87,7 @@ def answer_problem(status: int | None, body: str) -> str | None:
     return "HTTP %s: %s" % (status, (said or body or "no answer")[:300])
 
 
-def generation_through(adapter: str | None) -> Tuple[str, str, bytes]:
+def generation_through(adapter: str | None, argv: Sequence[str] | None = None) -> Tuple[str, str, bytes]:
     """(method, path, body) of a short real generation, through ``adapter`` when given."""
     body = {"text": "gpugate live check", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
     if adapter:

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpugate.engine import Launch, Running, ServerInputs
+from gpugate.engine import Change, Launch, LiveState, Running, ServerInputs
 from gpugate.engine.argflags import ArgparseEngine
 from gpugate.engine.vllm import container as vllm_container
-from gpugate.engine.vllm import flags, launch
+from gpugate.engine.vllm import flags, launch, live
 
 
 class VLLM(ArgparseEngine):
@@ -52,6 +52,14 @@ class VLLM(ArgparseEngine):
         model = parsed.model_path or (parsed.positionals[0] if parsed.positionals else None)
         return Running(model_path=model, host=parsed.host, port=parsed.port, flags=parsed.flags,
                        unknown=list(parsed.unknown), args_start=self.flags.server_args_start(argv))
+
+    def launched_live(self, running: Running) -> LiveState:
+        lora = bool(running.flags.get("enable-lora")) or "lora-modules" in running.flags
+        return LiveState(running.model_path, live.parse_lora_modules(running.flags.get("lora-modules")) if lora else None)
+
+    def live_changes(self, have: LiveState, want: LiveState, *, same_shape: bool | None = None,
+                     weight_cache: bool = False) -> list[Change]:
+        return live.live_changes(have, want, same_shape=same_shape, weight_cache=weight_cache)
 
     def capacity(self, info: Mapping[str, Any] | None) -> dict[str, Any]:
         return {key: (info or {})[key] for key in vllm_container.CAPACITY_KEYS if key in (info or {})}

@@ -197,6 +197,76 @@ def generation_request(argv: Sequence[str] | None) -> Tuple[str, str, Optional[b
     return "POST", "/v1/completions", json.dumps(body).encode()
 
 
+# ---------------------------------------------------------------- live changes (docs/live-changes.md)
+# vLLM 0.33.0 vllm/entrypoints/serve/lora/: mounted with VLLM_ALLOW_RUNTIME_LORA_UPDATING; success is a
+# 200 with a plain text, a failure an ErrorResponse ({"error": {"message"}}) with 400 or 404.
+def read_live(get: Callable[[str], Tuple[int | None, str]]) -> Dict[str, Any] | None:
+    """What the server serves: the base card's ``root`` (the model path) and each adapter's card
+    (``parent``: the base) of ``/v1/models``.
+
+    >>> read_live(lambda path: (200, '{"data": [{"id": "m", "root": "/m", "parent": null}, {"id": "a", "root": "/a", "parent": "m"}]}'))
+    {'model_path': '/m', 'lora_adapters': {'a': '/a'}}
+    """
+    status, body = get("/v1/models")
+    try:
+        cards = json.loads(body).get("data") if status == 200 else None
+    except (ValueError, AttributeError):
+        cards = None
+    if not isinstance(cards, list):
+        return None
+    base = [card for card in cards if isinstance(card, dict) and not card.get("parent")]
+    adapters = dict((str(card.get("id")), str(card.get("root"))) for card in cards
+                    if isinstance(card, dict) and card.get("parent"))
+    return {"model_path": base[0].get("root") if base else None, "lora_adapters": adapters}
+
+
+def live_request(change: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
+    """The POST (path, JSON body) of a live change: adapters only (vLLM's weights: a restart)."""
+    if change.get("op") == "load_adapter":
+        return "/v1/load_lora_adapter", {"lora_name": change["name"], "lora_path": change["path"]}
+    if change.get("op") == "unload_adapter":
+        return "/v1/unload_lora_adapter", {"lora_name": change["name"]}
+    raise ValueError("vLLM changes no %r live" % (change.get("op"),))
+
+
+def answer_problem(status: int | None, body: str) -> str | None:
+    """None for vLLM's success (200), else its error's message.
+
+    >>> answer_problem(400, '{"error": {"message": "The lora adapter a has already been loaded."}}')
+    'HTTP 400: The lora adapter a has already been loaded.'
+    """
+    if status == 200:
+        return None
+    try:
+        doc = json.loads(body)
+        said = (doc.get("error") or {}).get("message") if isinstance(doc.get("error"), dict) else doc.get("message")
+    except (ValueError, AttributeError):
+        said = None
+    return "HTTP %s: %s" % (status, (said or body or "no answer")[:300])
+
+
+def generation_through(adapter: str | None, argv: Sequence[str] | None = None) -> Tuple[str, str, bytes]:
+    """A 2-token completion through ``adapter`` (its name is its model id), else the served model."""
+    body = {"model": adapter or served_model_name(argv or []) or "", "prompt": "gpugate live check", "max_tokens": 2,
+            "temperature": 0}
+    return "POST", "/v1/completions", json.dumps(body).encode()
+
+
+def generation_problem(status: int | None, body: str) -> str | None:
+    """None for a completion with text, else why not.
+
+    >>> generation_problem(200, '{"choices": [{"text": " hi"}]}') is None, generation_problem(404, "{}")
+    (True, 'HTTP 404: {}')
+    """
+    try:
+        choices = json.loads(body).get("choices") if status == 200 else None
+    except (ValueError, AttributeError):
+        choices = None
+    if not isinstance(choices, list) or not choices:
+        return "HTTP %s: %s" % (status, (body or "no answer")[:200])
+    return None if (choices[0] or {}).get("text") else "the completion produced no text"
+
+
 def metric_samples(text: str, name: str) -> List[Dict[str, str]]:
     """The label sets of every sample of metric ``name`` in Prometheus text (values kept as
     ``_value``).
@@ -257,7 +327,8 @@ def read_info(get: Callable[[str], Tuple[int | None, str]]) -> Dict[str, Any]:
     return {"path": "/v1/models", "error": None, "args": args}
 
 
-__all__ = ["ADOPT_ENV_NAMES", "ADOPT_ENV_PREFIXES", "CAPACITY_KEYS", "DAEMON_NOT_READY", "DEFAULT_PORT", "ENGINE_NAME",
+__all__ = ["answer_problem", "generation_problem", "generation_through", "live_request", "read_live",
+           "ADOPT_ENV_NAMES", "ADOPT_ENV_PREFIXES", "CAPACITY_KEYS", "DAEMON_NOT_READY", "DEFAULT_PORT", "ENGINE_NAME",
            "GENERATE_PATH", "READY_TEMPLATE_ENV", "SOCKET_TEMPLATE_ENV", "cache_key", "config_summary", "daemon_answers",
            "file_paths", "is_daemon_argv", "key_changes", "model_config_sha256", "parse_ready", "read_ready",
            "HEALTH_PATH", "INFO_KEYS", "INFO_PATHS", "LABEL", "MAIN_TEXT", "SHM_PREFIXES", "adopted_env", "argv_host",

@@ -34,7 +34,7 @@ from typing import Any
 from gpugate.engine import FlagError, Launch, ServerInputs
 from gpugate.engine import gpus as rules_gpus
 from gpugate.engine.vllm import flags as vllm_flags
-from gpugate.engine.vllm import weight_cache
+from gpugate.engine.vllm import live, weight_cache
 
 # What gpugate sets itself, never the operator (the setting that says it instead)
 GPUGATE_SETS = {"shutdown-timeout": "drain_timeout_s (the stop's drain budget sets it)"}
@@ -115,6 +115,7 @@ def build(inputs: ServerInputs, table: Any = None) -> Launch:
         for text in (value if isinstance(value, (list, tuple)) else [value]):
             if isinstance(text, str) and any(c in text for c in "\0\n\r"):
                 raise FlagError(name, "value must be one line (no newline, carriage return or NUL)")
+    normal = live.lora_flags(normal, inputs.lora_adapters)
     normal, daemon_flags = with_weight_cache(normal, inputs.weight_cache, extras, table)
     # in-flight requests may finish within the drain budget; 0 (vLLM's default) would abort them
     normal = dict(sorted({**normal, "shutdown-timeout": max(1, math.ceil(inputs.drain_timeout_s))}.items()))
@@ -141,4 +142,4 @@ def build(inputs: ServerInputs, table: Any = None) -> Launch:
     return Launch(flags=normal, argv=argv, args_start=len(vllm_flags.ENTRY) + 1, gpus=gpus, daemon_argv=daemon,
                   shown_argv=tuple(vllm_flags.redact_argv(list(argv), table)), shown_flags=redact_flags(normal),
                   secret_options=tuple(vllm_flags.secret_flag_options(normal, table)), expect_info=expect,
-                  warnings=tuple(warnings))
+                  warnings=tuple(warnings), env=live.lora_env(inputs.lora_adapters, inputs.env))
