@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ContainerView", "gpu_nodes_of", "container_of", "describe_map", "shared_gpus", "index_command",
            "configs_command", "parse_framed", "parse_pvesh_json", "node_view", "fit_problem", "MARK", "node_views",
-           "map_refusals", "plan_map_refusals"]
+           "map_refusals", "plan_map_refusals", "mapped_view"]
 
 NODE = "localhost"  # the API's name for the node pvesh runs on
 MARK = "@@gpugate-pvesh"
@@ -320,3 +320,21 @@ def plan_map_refusals(connector: PctConnector | None, run_key: int, mine: Server
     size = next((f"--{name} {value}" for name, value in flags.items()
                  if re.search(r"(^|-)(tp|tensor-parallel)(-size)?$", str(name))), "the server")
     return map_refusals(mine, views, size)
+
+
+def mapped_view(connector: PctConnector | None, run_key: int, pve_host: str, vmid: int, vmids: Iterable[int],
+                say: Callable[[str], None]) -> dict[str, Any]:
+    """What the status shows of a container's map (issue 36): ``mapped_gpus`` (its node's GPU
+    indexes) and ``mapped`` (their device nodes), from node_views (one round trip per Proxmox host
+    per run; ``vmids``: the run's containers of that host); nothing where the node cannot tell (no
+    pvesh there, an unread config: ``say`` gets it, once a run), nor under another connector."""
+    if connector is None:
+        return {}
+    views, problem = node_views(connector, run_key, pve_host, set(vmids) | {int(vmid)})
+    view = views.get(int(vmid))
+    for line in [problem, view.problem if view is not None else None]:
+        if line and say_once(run_key, line):
+            say(line)
+    if view is None or view.problem:
+        return {}
+    return {"mapped_gpus": list(view.gpus), "mapped": describe_map(view) if view.gpus else "none"}

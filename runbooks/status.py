@@ -12,12 +12,16 @@ containers pyinfra would otherwise drop from the run). The exit status is non-ze
 is not as desired. Under the table: the newest entries of each container's history.
 
 One remote command per container (the agent's observe; in the same shell the inline agent where none
-is installed); pyinfra runs this file for all containers at once. See docs/runbooks.md.
+is installed), and one per Proxmox host for the GPUs its node passes into each container (pvesh: the
+MAPPED GPUS column; a host without pvesh shows none, said once); pyinfra runs this file for all
+containers at once. See docs/runbooks.md.
 """
 
-from pyinfra import host, state
+from pyinfra import host, logger, state
 
+from gpugate.connectors.pct import PctConnector
 from gpugate.facts.sglang import SglangObservationOnce
+from gpugate.proxmox import mapped_view
 from gpugate.report.fleet import fleet_report
 from gpugate.report.status import publish_status, router_view, status_row, unreachable_row
 from gpugate.spec import desired_states
@@ -37,12 +41,18 @@ def _publish(rows_of_hosts):
 
 data = host.data  # this host's: _publish runs later, from a callback, outside the host's context
 rows = []
+pve_host = data.get("pve_host") or host.name
+# the GPUs its Proxmox node passes into this container: one pvesh round trip per Proxmox host per run
+mapped = mapped_view(host.connector if isinstance(host.connector, PctConnector) else None, id(state), pve_host,
+                     data.get("pct_vmid") or 0,
+                     [h.data.get("pct_vmid") for h in state.inventory if (h.data.get("pve_host") or h.name) == pve_host
+                      and h.data.get("pct_vmid") is not None], logger.warning)
 # the same desired state, built the same way, as deploy.py's: one row per desired server
 for desired in desired_states(data):
     # pyinfra runs this file for every host at once; the observe asks what the deploy's asks
     observation = dict(host.get_fact(SglangObservationOnce, python=desired.python, **desired.observe_args()))
-    rows.append(status_row(data.get("pve_host") or host.name, data.get("pct_vmid"), observation, desired,
-                           router=router_view(desired)))
+    rows.append({**status_row(pve_host, data.get("pct_vmid"), observation, desired, router=router_view(desired)),
+                 **mapped})
 fleet_report(state, "status", _publish, missing=_unreachable).add(host.name, rows)
 if not all(row["ok"] for row in rows):
     # Not as desired: the run's exit status says so (pyinfra exits 1 when a host failed). Nothing

@@ -62,6 +62,8 @@ class StatusRow(TypedDict, total=False):
     router_text: str   # "lab: healthy", "lab: missing", "-"
     weight_cache: dict[str, Any]  # the server's weight-cache daemons (observe's view); {} without
     weight_cache_text: str  # "key 3f2a9c0d: GPU0 pid 45 12000 MiB, ...", "-"
+    mapped_gpus: list[int]  # the GPUs the Proxmox node passes into the container (gpugate.proxmox); absent: not known
+    mapped: str        # the same as device nodes: "/dev/nvidia0-1", "none"
 
 
 VERDICT_KINDS = {
@@ -79,11 +81,11 @@ FAILED_OUTCOMES = ("rolled_back", "nothing_serves", "interrupted")
 
 STATUS_COLUMNS = [
     ("host", "HOST"), ("vmid", "VMID"), ("port", "PORT"), ("engine", "ENGINE"), ("verdict", "VERDICT"),
-    ("server", "SERVER"),
+    ("server", "SERVER"), ("mapped", "MAPPED GPUS"),
     ("model", "MODEL"), ("router_text", "ROUTER"), ("gpu_mib", "GPU MiB"), ("holders", "GPU HOLDERS"),
     ("weight_cache_text", "WEIGHT CACHE"), ("last_change", "LAST CHANGE"),
 ]  # ENGINE, ROUTER, WEIGHT CACHE: shown only when a row runs another engine than the default, is
-#   routed, or has a weight cache (render_status)
+#   routed, or has a weight cache, MAPPED GPUS only when a Proxmox node told them (render_status)
 
 
 def weight_cache_text(view: Mapping[str, Any] | None) -> str:
@@ -569,6 +571,7 @@ def render_status(rows: Sequence[StatusRow]) -> str:
     # the ENGINE and ROUTER columns only in a fleet that has them: the table others parse stays as it was
     columns = [c for c in STATUS_COLUMNS if (c[0] != "router_text" or any(row.get("router") for row in rows))
                and (c[0] != "weight_cache_text" or any(row.get("weight_cache") for row in rows))
+               and (c[0] != "mapped" or any(row.get("mapped") for row in rows))
                and (c[0] != "engine" or any(row.get("engine", DEFAULT_ENGINE) != DEFAULT_ENGINE for row in rows))]
     text = format_table(columns, rows)
     bad = [row for row in rows if not row.get("ok")]

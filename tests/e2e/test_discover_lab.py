@@ -83,3 +83,37 @@ def test_the_plan_refuses_a_server_beyond_its_containers_map_and_one_on_a_shared
             "--tp-size 1 needs 1 GPU (GPU 0), GPU 0 not mapped") in out, out
     assert ("[@pct/pve1:131] sglang :30000 REFUSED, nothing touched: another desired server of this Proxmox host "
             "claims its GPUs: pve1: ct 129 :30000 (GPU 1) and ct 131 :30000 (GPU 1) claim the same GPU 1") in out, out
+
+
+def pyinfra(lab_dir, fleet, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([pyinfra_exe(), "-y", "inventory.py", *args], cwd=REPO_ROOT, env=lab_env(lab_dir, fleet),
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def test_discovery_drafts_the_server_it_finds_running_and_a_deploy_of_the_draft_changes_nothing(lab_dir, tmp_path):
+    fleet = tmp_path / "fleet.yaml"
+    ssh = next(line for line in (lab_dir / "fleet.yaml").read_text().splitlines() if line.strip().startswith("ssh:"))
+    fleet.write_text("\n".join(["hosts:", "  pve1:", ssh, "    containers:", "      129: {sglang: {model_path: "
+                                "/opt/models/lab-model, port: 30000, flags: {tp: 1}, env: {SGLANG_STANDIN_LOAD_S: '0.3', "
+                                "HF_TOKEN: hf_discover_secret}}}"]) + "\n")
+    deploy = pyinfra(lab_dir, fleet, "deploy.py")
+    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+    draft = tmp_path / "draft.yaml"
+    found = gpugate("discover", "--format", "json", "--write", str(draft), env=lab_env(lab_dir, fleet))
+    assert found.returncode == 0, found.stderr
+    containers = {ct["vmid"]: ct for ct in json.loads(found.stdout.split("fleet draft written")[0])["hosts"][0]["containers"]}
+    (server,) = containers[129]["servers"]
+    assert (server["engine"], server["port"], server["serving"], server["flags"]) == ("sglang", 30000, True, {"tp-size": 1})
+    assert containers[130]["servers"] == [] and containers[131]["servers"] == []
+    text = draft.read_text()
+    assert "hf_discover_secret" not in text + found.stdout + found.stderr
+    assert "# left out of :30000, secret: env HF_TOKEN" in text and "# 130: {}" in text, text
+    # the draft with the secret's value written in, as the draft says: a deploy of it changes nothing
+    draft.write_text(text.replace('"SGLANG_STANDIN_LOAD_S": "0.3"}', '"SGLANG_STANDIN_LOAD_S": "0.3", "HF_TOKEN": "hf_discover_secret"}'))
+    again = pyinfra(lab_dir, draft, "deploy.py")
+    out = again.stdout + again.stderr
+    assert again.returncode == 0 and "[@pct/pve1:129] No changes" in out and "stopping" not in out, out
+    # the status shows what each container maps, from the node's view
+    status = pyinfra(lab_dir, draft, "runbooks/status.py", "--data", "format=json")
+    rows = json.loads(status.stdout)["servers"]
+    assert [(row["vmid"], row["mapped_gpus"]) for row in rows] == [(129, [0, 1])], status.stdout
