@@ -115,3 +115,60 @@ def test_the_plan_reads_the_node_once_a_run_and_says_what_it_cannot_tell_once():
         assert proxmox.plan_map_refusals(no_pvesh, 2, ("pve2", 129, 30000, (0,)), [], {}, said.append) == []
     assert said == ["pve2: no pvesh there (pve2: container 129's config: pvesh failed (exit 127): sh: 1: pvesh: "
                     "not found); the GPUs each container maps are not checked"]
+
+
+def observed(spec, secret_values: bool = True) -> dict:
+    """The observe document of a container where gpugate started ``spec`` (its history record, as
+    the agent writes it; the running argv's and env's hashes)."""
+    from gpugate.agent.history import make_record
+    from gpugate.rules.redact import env_hash
+
+    record = make_record(spec.doc())
+    return {"container": {"pid1": "init"}, "sglang": {
+        "running": True, "serving": True, "port": spec.port, "engine": spec.engine,
+        "main": {"pid": 7, "argv_hash": record["argv_hash"], "argv": record["argv"], "supervisor": spec.supervisor},
+        "env_hashes": {name: env_hash(value) for name, value in spec.env.items()},
+        "command": {"model_path": spec.model_path, "port": spec.port, "flags": dict(spec.launch.shown_flags)},
+        "history": {"good": [record]}, "strays": []}}
+
+
+def test_a_server_found_running_is_drafted_as_it_runs_without_its_secrets_and_the_draft_deploys_it_unchanged(tmp_path):
+    from gpugate.fleet import container_host_data, load_fleet
+    from gpugate.rules.redact import argv_hash
+    from gpugate.spec import build_spec, desired_state
+
+    spec = build_spec("/models/m", 30001, {"tp": 2, "mem-fraction-static": 0.8, "api-key": "sk-secret-1"},
+                      {"HF_TOKEN": "hf_secret_2", "SGLANG_X": "1"}, supervisor="process")
+    view = discover.host_view("pve1", (0, INDEX), {"129": (0, CONFIG_DEV), "130": (0, CONFIG_RAW)})
+    view["containers"][0]["servers"], problem = discover.servers_of(observed(spec))
+    assert problem is None
+    draft = tmp_path / "fleet.yaml"
+    discover.write_draft(draft, discover.draft_fleet([view], None), force=False)
+    text = draft.read_text()
+    assert "sk-secret-1" not in text and "hf_secret_2" not in text
+    assert "# left out of :30001, secret: flag api-key, env HF_TOKEN; write their values" in text, text
+    assert "# 130: {}  # llm-b" in text  # no server: a comment, never present: false
+    (host,) = load_fleet(str(draft)).hosts
+    (container,) = host.containers
+    desired = desired_state(container_host_data(host, container))
+    assert desired.spec.argv != spec.argv and "--api-key" not in desired.spec.argv  # the secret is for the operator
+    # with the left-out values written where the draft says, the draft is the running server exactly
+    draft.write_text(text.replace('"SGLANG_X": "1"}', '"SGLANG_X": "1", "HF_TOKEN": "hf_secret_2"}')
+                     .replace('"mem-fraction-static": 0.8', '"mem-fraction-static": 0.8, "api-key": "sk-secret-1"'))
+    (host,) = load_fleet(str(draft)).hosts
+    desired = desired_state(container_host_data(host, host.containers[0]))
+    assert argv_hash(list(desired.spec.argv)) == argv_hash(list(spec.argv)) and desired.spec.env == spec.env
+    assert desired.spec.supervisor == "auto"  # process is what auto is in this container: left at its default
+
+
+def test_the_status_shows_each_containers_map_from_one_read_of_its_node():
+    node = FakeConnector(framed(("129", 0, CONFIG_DEV), ("130", 0, CONFIG_RAW)))
+    said: list[str] = []
+    assert proxmox.mapped_view(node, 7, "pve1", 129, [129, 130], said.append) == {
+        "mapped_gpus": [0, 1], "mapped": "/dev/nvidia0-1"}
+    assert proxmox.mapped_view(node, 7, "pve1", 130, [129, 130], said.append)["mapped_gpus"] == [1, 2]
+    assert len(node.commands) == 1 and said == []
+    no_pvesh = FakeConnector(framed(("129", 127, "sh: 1: pvesh: not found"), ("130", 127, "sh: 1: pvesh: not found")))
+    assert [proxmox.mapped_view(no_pvesh, 8, "pve2", vmid, [129, 130], said.append) for vmid in (129, 130)] == [{}, {}]
+    assert len(said) == 1 and "pve2: no pvesh there" in said[0]
+    assert proxmox.mapped_view(None, 9, "pve3", 129, [129], said.append) == {}
