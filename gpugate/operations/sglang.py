@@ -736,8 +736,41 @@ def _apply_live(host_obj: Any, job: Job) -> bool:
                            "desired": spec.doc(unit_text=unit, by=_operator())}
     if job.observe_args.get("engine"):
         doc["engine"] = job.observe_args["engine"]
+    left = _leave_for_live(host_obj, job, run)
+    if left is None:  # refused by the router, or interrupted: nothing touched
+        return False
     ran, answer, trouble = _run(host_obj, agentcmd.live_command(job.python), stdin=json.dumps(doc),
                                 timeout=job.budgets["start_timeout_s"] * (len(plan.changes) * 2 + 2) + 30)
+    if left:  # it serves either way (the new state verified, or the previous one put back)
+        ok = _apply_live_answer(host_obj, job, run, ran, answer, trouble)
+        why = "the live change is verified" if ok else "the live change ended (see above)"
+        return _rejoin_router(host_obj, job, run, why) and ok
+    return _apply_live_answer(host_obj, job, run, ran, answer, trouble)
+
+
+def _leave_for_live(host_obj: Any, job: Job, run: str) -> bool | None:
+    """A routed server whose weights change live leaves its router while they load, where the others
+    can serve (the router's preflight: ``min_serving``); else it stays in and SGLang holds its requests
+    during the load (a pause, no failure). Adapters never leave. -> left, not left, None: refused."""
+    routing = job.routing
+    weights = any((change.op or {}).get("op") == "update_weights" for change in job.plan.changes)
+    if routing is None or routing.cordon or not weights:
+        return False
+    from gpugate import router  # noqa: PLC0415 -- only routed servers talk to a router
+
+    preflight = router.preflight(routing, **_identity_of(job.observation))
+    if preflight.problem is not None or preflight.worker is None:
+        _say(host_obj, job.port, f"router {routing.router}: it stays in while the weights load "
+                                 f"({preflight.problem or 'not listed'}); the engine holds its requests meanwhile")
+        return False
+    return True if _leave_router(host_obj, job, run) else None
+
+
+def _apply_live_answer(host_obj: Any, job: Job, run: str, ran: bool, answer: dict[str, Any],
+                       trouble: Trouble | None) -> bool:
+    """The live command's answer, said; False (a non-zero exit) unless it was verified."""
+    book = Run.of(state)
+    name, plan = host_obj.name, job.plan
     if trouble or not ran:
         book.ended(name, "live change: no answer")
         _say(host_obj, job.port, f"the live change got no answer: {trouble}; see runbooks/status.py", error=True)
@@ -750,7 +783,7 @@ def _apply_live(host_obj: Any, job: Job) -> bool:
     _audit(job, host_obj, "outcome", "end", run=run, outcome=answer.get("outcome") or "refused", live=True,
            message=answer.get("error"))
     if answer.get("ok"):
-        book.ended(name, "verified")
+        book.outcomes[name] = "verified"  # not ended(): that counts a failure (a rolling change stops on it)
         for change in plan.changes:
             host_obj.log(f"    applied live: {change.text}")
         _say(host_obj, job.port, f"changed live and verified: pid {answer.get('pid')} kept serving "
