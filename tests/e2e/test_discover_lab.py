@@ -2,7 +2,9 @@
 (``gpugate lab up --containers 129:0-1,130:2-3``), then a third container 131 passed GPU 1 of 129
 by raw lxc lines. ``gpugate discover`` lists them with their GPUs and the shared one, and writes a
 draft; a deploy's ``--dry`` refuses, before anything stops, a server needing more GPUs than its
-container maps (naming the node's map) and a server on the shared GPU (two servers claiming it)."""
+container maps (naming the node's map) and a server on the shared GPU (two servers claiming it). Then
+one tp 1 server started in 129 by a deploy: discover lists it and drafts it (its secret env left out
+and named), a deploy of the draft changes nothing, and the status shows each container's mapped GPUs."""
 
 from __future__ import annotations
 
