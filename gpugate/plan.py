@@ -948,6 +948,26 @@ class Narrator:
             return f"the rollback failed too: {event.get('reason')}"
         return None
 
+    # a live change (gpugate/agent/live.py), as a second controller following it reads it
+    def _on_live_apply(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase != "end":
+            return None
+        if event.get("ok"):
+            return f"applied live: {event.get('change')}"
+        return f"the engine refused {event.get('change')}: {event.get('error')}"
+
+    def _on_live_verify(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase != "end":
+            return None
+        return ("verified live: the server lists the desired state and generates" if event.get("ok")
+                else f"the live verify failed: {event.get('error')}")
+
+    def _on_live_undo(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
+        if phase == "begin":
+            return f"undoing {', '.join(event.get('changes') or []) or 'nothing (none was applied)'}: {event.get('reason')}"
+        return ("undone: the previous state serves" if event.get("ok")
+                else "the undo failed: " + "; ".join(event.get("problems") or ["?"]))
+
     def _on_outcome(self, event: Mapping[str, Any], phase: Any, target: Any) -> str | None:
         self.outcome = dict(event)
         return None
@@ -1002,6 +1022,9 @@ def outcome_lines(outcome: str | None, reasons: Mapping[str, Any] | None, messag
         lines += _tail_lines("log tail of the failed start", tails.get("desired"))
         lines += _tail_lines("log tail of the rollback", tails.get("rollback"))
         return False, lines
+    if outcome in ("live_undone", "live_undo_failed"):  # a live change: the server never stopped
+        word = "UNDONE" if outcome == "live_undone" else "UNDO FAILED"
+        return False, [f"LIVE CHANGE FAILED, {word}: {message or reasons.get('live') or '?'}"]
     if outcome == "refused":
         return False, [f"refused by the agent, nothing touched: {reasons.get('desired') or message}"]
     if outcome == "interrupted":

@@ -15,7 +15,7 @@ from gpugate.engine import Engine, LiveState, get as engine
 from gpugate.engine import container
 from gpugate.engine.sglang import live_server
 from gpugate.fleet import fleet_to_inventory, load_fleet
-from gpugate.plan import make_plan, plan_lines, rollback_choice
+from gpugate.plan import Narrator, make_plan, outcome_lines, plan_lines, rollback_choice
 from gpugate.report.status import status_row
 from gpugate.rules.redact import argv_hash, env_hash
 from gpugate.settings import SettingsError, validated_settings
@@ -221,3 +221,21 @@ def test_vllm_declares_adapters_with_its_runtime_switch_and_changes_them_live():
                                                   "sglang_lora_adapters": {"a": A}}))
     assert moved.action == "restart" and "restart: weights /opt/models/lab-model -> /opt/models/lab-model-v2 (vLLM " \
         "loads other weights in place only in its dev mode, with no undo)" in moved.lines
+
+
+def test_a_controller_following_a_live_run_reads_each_step_and_its_end():
+    # the journal of a live change that failed its verify and was undone (gpugate/agent/live.py's events)
+    events = [{"step": "live", "phase": "begin", "changes": ["weights -> /m2", "load adapter b"]},
+              {"step": "live_apply", "phase": "end", "change": "weights -> /m2", "ok": True},
+              {"step": "live_apply", "phase": "end", "change": "load adapter b", "ok": True},
+              {"step": "live_verify", "phase": "end", "ok": False, "error": "a generation failed: NaN happened"},
+              {"step": "live_undo", "phase": "begin", "reason": "the verify failed",
+               "changes": ["load adapter b", "weights -> /m2"]},
+              {"step": "live_undo", "phase": "end", "ok": True, "problems": []}]
+    narrator = Narrator()
+    assert [line for event in events for line in narrator.lines(event)] == [
+        "applied live: weights -> /m2", "applied live: load adapter b",
+        "the live verify failed: a generation failed: NaN happened",
+        "undoing load adapter b, weights -> /m2: the verify failed", "undone: the previous state serves"]
+    assert outcome_lines("live_undone", None, "the verify failed; undone", 30000) == (
+        False, ["LIVE CHANGE FAILED, UNDONE: the verify failed; undone"])
