@@ -189,6 +189,13 @@ class Live(object):
 
     def undo(self, applied: List[Doc], failure: str) -> Doc:
         """What was applied, undone in reverse; the previous state verified; the history unchanged."""
+        if not procfs.alive(self.main["pid"], self.main.get("start_ticks")):
+            # the engine died under the change: nothing to undo in it; the caller starts the last good spec
+            message = "%s; the server (pid %s) died during the live change" % (failure, self.main["pid"])
+            self.event("outcome", "end", outcome="live_engine_died", reasons={"live": failure, "undo": None},
+                       message=message, live=True, pid=self.main["pid"])
+            return {"ok": False, "run": self.journal.run, "pid": self.main["pid"], "outcome": "live_engine_died",
+                    "error": message, "undone": [], "engine_died": True}
         self.event("live_undo", "begin", reason=failure, changes=[describe(op) for op in applied])
         problems = []  # type: List[str]
         for op in reversed(applied):
@@ -237,6 +244,15 @@ def command_live(doc: Any) -> Doc:
         began = time.time()
         answer = Live(doc, main, log).run()
         answer["elapsed_s"] = round(time.time() - began, 3)
-        return answer
     finally:
         os.close(fd)
+    if answer.get("engine_died") and doc.get("recovery_run"):
+        # a live change never ends in NOTHING SERVES: the last good spec (the history is as it was before
+        # this change) starts as a transition of its own, with its own lock, journal and invariant
+        from gpugate.agent.commands import command_start
+
+        answer["recovery"] = command_start({"run": doc["recovery_run"], "operator": doc.get("by"), "port": doc["port"],
+                                            "desired": {"history": 0, "port": doc["port"]}, "rollback_to": None,
+                                            "restart": True, "budgets": doc.get("budgets") or {},
+                                            "engine": doc.get("engine")})
+    return answer

@@ -733,7 +733,9 @@ def _apply_live(host_obj: Any, job: Job) -> bool:
     doc: dict[str, Any] = {"run": run, "port": job.port, "by": _operator(), "timeout_s": job.budgets["start_timeout_s"],
                            "changes": [dict(change.op or {}) for change in plan.changes], "expect": spec.live.doc(),
                            "previous": previous.doc() if previous is not None else {},
-                           "desired": spec.doc(unit_text=unit, by=_operator())}
+                           "desired": spec.doc(unit_text=unit, by=_operator()),
+                           # should the engine die under the change: the run that starts the last good spec
+                           "recovery_run": _run_id(host_obj), "budgets": job.budgets}
     if job.observe_args.get("engine"):
         doc["engine"] = job.observe_args["engine"]
     left = _leave_for_live(host_obj, job, run)
@@ -794,6 +796,20 @@ def _apply_live_answer(host_obj: Any, job: Job, run: str, ran: bool, answer: dic
     if answer.get("outcome") is None:
         book.ended(name, "refused by the agent (nothing touched)", refused=True)
         _say(host_obj, job.port, f"REFUSED by the agent, nothing touched: {answer.get('error')}", error=True)
+        return False
+    if answer.get("engine_died"):
+        recovery = answer.get("recovery") or {}
+        _say(host_obj, job.port, f"LIVE CHANGE FAILED: {answer.get('error')}; the history is unchanged", error=True)
+        if not recovery.get("ok"):
+            book.ended(name, "live_engine_died")
+            _say(host_obj, job.port, f"the last good spec could not be started: {recovery.get('error') or recovery}",
+                 error=True)
+            return False
+        _say(host_obj, job.port, f"starting the last good spec again (run {recovery.get('run')}), as a restart")
+        _follow(host_obj, job, str(recovery.get("run")), attached=False,
+                watch=Watch(name, job.port, str(recovery.get("run")), _narrator(job)))
+        if name not in book.failed:  # the server may serve again: the live change itself failed
+            book.failed.append(name)
         return False
     book.ended(name, str(answer.get("outcome")))
     undone = ", ".join(answer.get("undone") or []) or "nothing had been applied"

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import module_lab
 from tests.e2e.lab_processes import start_in_container
-from tests.faults.conftest import Run, deploy_args, main_pid, observed, pyinfra, running_argv, said, sh, wait_until
+from tests.faults.conftest import OnJournal, Run, deploy_args, main_pid, observed, pyinfra, running_argv, said, sh, wait_until
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -157,6 +157,15 @@ def test_a_failed_live_change_is_undone_and_said(lab):
     said(nan, "LIVE CHANGE FAILED, UNDONE", "NaN happened", "undone: the previous state serves")
     assert main_pid(lab) == pid and served(lab) == {"model_path": V2, "adapters": ["b"]}
     assert generate(lab) == "lab lab" and history_head(lab) == before
+    # the engine dies under the change (SIGKILL of its main while the weights load): the last good spec
+    # starts again as a transition of its own, so the change does not end in NOTHING SERVES
+    with OnJournal(lab, "live_apply", "begin", lambda: sh(lab, "pve1", 129, f"kill -9 {pid}")):
+        died = run(lab, {"a": A, "b": B}, MODEL)
+    assert died.returncode != 0, died
+    said(died, "LIVE CHANGE FAILED", f"the server (pid {pid}) died during the live change",
+         "starting the last good spec again", "verified")
+    assert main_pid(lab) not in (None, pid) and served(lab) == {"model_path": V2, "adapters": ["b"]}
+    assert history_head(lab) == before
 
 
 def test_another_architecture_restarts_with_the_live_state_in_its_launch(lab):
