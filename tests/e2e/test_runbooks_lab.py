@@ -100,8 +100,9 @@ def test_status_prints_one_table_for_the_fleet_and_changes_nothing(lab):
     result, stdout, out = run(lab, "status")
     assert result.returncode == 1, out  # nothing serves where a server is desired: not as desired
     lines = stdout.splitlines()
-    assert lines[0].split() == ["HOST", "VMID", "PORT", "VERDICT", "SERVER", "MODEL", "GPU", "MiB", "GPU",
-                                "HOLDERS", "LAST", "CHANGE"]
+    # MAPPED GPUS: the lab's nodes answer pvesh, so each container's map is shown (issue 36)
+    assert lines[0].split() == ["HOST", "VMID", "PORT", "VERDICT", "SERVER", "MAPPED", "GPUS", "MODEL", "GPU", "MiB",
+                                "GPU", "HOLDERS", "LAST", "CHANGE"]
     rows = table(stdout)
     assert [lines[1].split()[0], lines[2].split()[0]] == ["pve1", "pve2"]  # the table, printed once
     assert lines[3] == "2 server(s): 0 as desired, 2 NOT (down but desired 2)"
