@@ -1,5 +1,5 @@
 """Two servers in one container on disjoint GPUs (issue 20, item 7): fleet.yaml's sglang: as a list,
-tp 4 on GPU 0-3 at :30000 and tp 4 from base-gpu-id 4 at :30001. Each is its own desired state,
+tp 2 on GPU 0-1 at :30000 and tp 2 from base-gpu-id 2 at :30001 (4 simulated GPUs). Each is its own desired state,
 history and GPU claim: changing or stopping one never touches the other (it used to be taken for
 "the previous server" of a port change and stopped), and the status has a row for each."""
 
@@ -17,13 +17,13 @@ from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 pytestmark = [pytest.mark.lab]
 
 ENV = {"SGLANG_STANDIN_LOAD_S": "0.3"}
-LOW = {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 4}, "env": ENV}
-HIGH = {"model_path": "/opt/models/lab-model", "port": 30001, "flags": {"tp": 4, "base-gpu-id": 4}, "env": ENV}
+LOW = {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 2}, "env": ENV}
+HIGH = {"model_path": "/opt/models/lab-model", "port": 30001, "flags": {"tp": 2, "base-gpu-id": 2}, "env": ENV}
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    yield from module_lab(tmp_path_factory, "lab-two-servers", hosts=1, gpus=8)
+    yield from module_lab(tmp_path_factory, "lab-two-servers", hosts=1, gpus=4)  # two halves of 2
 
 
 def fleet(lab, path: Path, servers: list) -> Path:
@@ -87,9 +87,9 @@ def test_two_servers_of_one_container_are_each_their_own(lab, tmp_path):
 
 def test_one_server_of_two_is_restarted_or_rolled_back_alone(lab, tmp_path):
     # the adversarial pass: restart.py restarted both; a rollback of :30000 to a spec from before
-    # :30001 existed (tp 8) stopped :30000 and then waited out its gate on :30001's GPUs; the status
+    # :30001 existed (every GPU) stopped :30000 and then waited out its gate on :30001's GPUs; the status
     # then blamed :30001 for :30000's failed run
-    wide = fleet(lab, tmp_path / "wide.yaml", [dict(LOW, flags={"tp": 8})])
+    wide = fleet(lab, tmp_path / "wide.yaml", [dict(LOW, flags={"tp": 4})])
     run = pyinfra(lab, wide, "-y", "deploy.py")
     assert run.returncode == 0, run.stdout + run.stderr
     both = fleet(lab, tmp_path / "both.yaml", [LOW, HIGH])
@@ -107,7 +107,7 @@ def test_one_server_of_two_is_restarted_or_rolled_back_alone(lab, tmp_path):
     out = rollback.stdout + rollback.stderr
     assert rollback.returncode != 0, out
     assert "REFUSED, nothing touched: cannot roll back to the good spec #1 of :30000" in out, out
-    assert "the server on :30001 holds GPU 4-7" in out and "stopping" not in out, out
+    assert "the server on :30001 holds GPU 2-3" in out and "stopping" not in out, out
     assert main_pids(lab) == after  # neither was touched
 
     status = pyinfra(lab, both, "-y", "runbooks/status.py", "--data", "format=json")
@@ -118,14 +118,14 @@ def test_one_server_of_two_is_restarted_or_rolled_back_alone(lab, tmp_path):
 
     # the two swap their GPU halves in one deploy (issue 32 item 7): :30000's gate would wait on :30001's
     # memory (and :30001's on :30000's); both are refused before anything stops, saying how to do it
-    swap = fleet(lab, tmp_path / "swap.yaml", [dict(LOW, flags={"tp": 4, "base-gpu-id": 4}), dict(HIGH, flags={"tp": 4})])
+    swap = fleet(lab, tmp_path / "swap.yaml", [dict(LOW, flags={"tp": 2, "base-gpu-id": 2}), dict(HIGH, flags={"tp": 2})])
     dry = pyinfra(lab, swap, "deploy.py", "--dry")
     out = dry.stdout + dry.stderr
     assert dry.returncode != 0, out
-    assert "sglang :30000 REFUSED, nothing touched: the server on :30001 holds GPU 4-7" in out, out
-    assert "sglang :30001 REFUSED, nothing touched: the server on :30000 holds GPU 0-3" in out, out
+    assert "sglang :30000 REFUSED, nothing touched: the server on :30001 holds GPU 2-3" in out, out
+    assert "sglang :30001 REFUSED, nothing touched: the server on :30000 holds GPU 0-1" in out, out
     assert "in two deploys: (1) :30001 present: false" in out, out
     run = pyinfra(lab, swap, "-y", "deploy.py")
     out = run.stdout + run.stderr
-    assert run.returncode != 0 and "REFUSED, nothing touched: the server on :30001 holds GPU 4-7" in out, out
+    assert run.returncode != 0 and "REFUSED, nothing touched: the server on :30001 holds GPU 2-3" in out, out
     assert "SIGTERM" not in out and main_pids(lab) == after, out  # neither was touched (no drain began)
