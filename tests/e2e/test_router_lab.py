@@ -1,5 +1,5 @@
 """Routed servers behind a real smg (issue 21), through the REAL pyinfra CLI: 3 replicas in one lab
-host (containers 129, 130, 131, 2 GPUs each), smg on loopback (``gpugate lab up --router``), a client
+host (containers 129, 130, 131, one GPU each: tp 1), smg on loopback (``gpugate lab up --router``), a client
 sending requests through smg for the whole run. The tests run in order, each from the state the
 previous one left (as an operator's successive runs would).
 
@@ -40,7 +40,7 @@ def routed(tmp_path_factory):
 
     lab_dir = tmp_path_factory.mktemp("lab-router")
     try:
-        state = core.up(lab_dir, hosts=1, gpus=8, vmids=VMIDS, router=True)
+        state = core.up(lab_dir, hosts=1, gpus=3, vmids=VMIDS, router=True)
         lab = Lab(dir=Path(state["dir"]), hosts=[LabHost(h["name"], h["port"], h["key"], h["known_hosts"])
                                                  for h in state["hosts"]], fleet_path=Path(state["fleet"]))
         yield lab, state["router"]
