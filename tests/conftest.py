@@ -20,9 +20,11 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,6 +39,23 @@ LAB_HOSTS = 2
 LAB_GPUS = 8
 # scripts/bootstrap makes it: gpugate and its runtime dependencies only (docs/testing.md, "The controller")
 CONTROLLER_VENV = REPO_ROOT / ".venv-controller"
+
+
+def poll(predicate: Callable[[], Any], timeout_s: float, first_s: float = 0.05, most_s: float = 0.3) -> Any:
+    """``predicate()`` until it is truthy or ``timeout_s`` has passed; its last value. The pause between
+    looks grows from ``first_s`` to ``most_s``: a look is mostly a process in a container (~30-40 ms of
+    CPU), and the suite is CPU-bound, so a long wait looks a few times a second, not twenty.
+
+    Example: poll(lambda: health(lab) == 200, 10)
+    """
+    deadline = time.monotonic() + timeout_s
+    pause = first_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(pause)
+        pause = min(pause * 1.5, most_s)
 
 
 def pyinfra_exe() -> str:

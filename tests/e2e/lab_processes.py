@@ -24,7 +24,6 @@ is not alive). Example::
 from __future__ import annotations
 
 import shlex
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,12 +129,10 @@ def start_shared_group_server(lab: Any, host: str, vmid: int, port: int = 30000,
     return SharedGroup(shell, LabProcess(lab, host, vmid, daemon_pid, int(ticks), name + "-http"), server_pid)
 
 
-def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition", interval: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval)
+def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition"):
+    from tests.conftest import poll
+
+    value = poll(predicate, timeout_s)
+    if not value:
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    return value

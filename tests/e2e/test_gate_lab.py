@@ -15,7 +15,6 @@ import re
 import statistics
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # for --bench runs
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.conftest import module_lab, start_lab  # noqa: E402
+from tests.conftest import module_lab, poll, start_lab  # noqa: E402
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -85,13 +84,8 @@ def gpu_used(lab) -> list[int]:
     return [int(x) for x in out.stdout.split()]
 
 
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval_s)
+def wait_until(predicate, timeout_s: float):
+    return poll(predicate, timeout_s)
 
 
 STARTED: list[int] = []  # container pids this module started

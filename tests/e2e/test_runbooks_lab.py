@@ -11,13 +11,12 @@ import json
 import re
 import shlex
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from gpugate.engine.sglang.weight_cache import steady_argv
-from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
+from tests.conftest import REPO_ROOT, module_lab, poll, pyinfra_exe
 
 pytestmark = [pytest.mark.lab]
 
@@ -71,10 +70,7 @@ def gpu_used(lab, host: str) -> list[int]:
 
 
 def wait_until(predicate, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return value
+    return poll(predicate, timeout_s)
 
 
 def table(stdout: str) -> dict[str, str]:

@@ -9,11 +9,10 @@ import os
 import re
 import shlex
 import subprocess
-import time
 
 import pytest
 
-from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
+from tests.conftest import REPO_ROOT, module_lab, poll, pyinfra_exe
 
 pytestmark = [pytest.mark.lab]
 
@@ -54,10 +53,7 @@ def pyinfra(lab, deploy: str, flags: dict, *extra: str) -> subprocess.CompletedP
 
 
 def wait_for(predicate, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return value
+    return poll(predicate, timeout_s)
 
 
 def test_pid_1_is_systemd_and_it_is_running(lab):

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
+from tests.conftest import REPO_ROOT, module_lab, poll, pyinfra_exe
 from tests.e2e.lab_processes import ct_sh, start_in_container
 
 pytestmark = [pytest.mark.lab]
@@ -68,12 +67,7 @@ def processes(lab) -> dict[str, list[int]]:
 
 
 def wait_for(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+    return bool(poll(predicate, timeout_s))
 
 
 def status(lab, path: Path) -> dict:

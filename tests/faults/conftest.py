@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-import time
 from typing import Callable, Iterable
 
 from gpugate.engine.sglang.weight_cache import steady_argv
-from tests.conftest import REPO_ROOT, Lab, pyinfra_exe
+from tests.conftest import REPO_ROOT, Lab, poll, pyinfra_exe
 
 FLAGS = {"tp": 4}
 FP8 = {"tp": 4, "kv-cache-dtype": "fp8_e4m3"}
@@ -193,13 +192,8 @@ def log_starts(lab: Lab, host: str = "pve1", vmid: int = 129) -> int:
     return int(out.stdout.strip() or 0)
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 20, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
+def wait_until(predicate: Callable[[], bool], timeout: float = 20) -> bool:
+    return bool(poll(predicate, timeout))
 
 
 def flag_value(argv: list[str], flag: str) -> str | None:

@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import Callable, List, Optional
 import pytest
 
 from gpugate_lab import container_files, gpusim
+from tests.conftest import poll
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 GPU_COUNT = 4
@@ -36,14 +36,10 @@ VMID = 129
 
 def wait_until(predicate: Callable[[], object], timeout_s: float = 10.0, what: str = "condition"):
     """Poll until predicate() is truthy; return its value. Fails the test after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.02)
+    value = poll(predicate, timeout_s, first_s=0.02)
+    if not value:
+        pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+    return value
 
 
 @dataclass
