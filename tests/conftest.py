@@ -248,6 +248,7 @@ LONGEST_MODULES = (  # measured: docs/testing.md (each module alone, 2026-12-04 
     "tests/faults/test_start_and_operators.py",
     "tests/faults/test_weight_cache_faults.py",
     "tests/e2e/test_router_gated_lab.py",
+    "tests/e2e/test_live_changes_lab.py",
     "tests/e2e/test_vllm_router_lab.py",
     "tests/e2e/test_gate_lab.py",
     "tests/faults/test_state_files.py",
