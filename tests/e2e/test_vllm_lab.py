@@ -25,6 +25,7 @@ PORT = 8000
 FLAGS = {"tensor-parallel-size": 2}
 FP8 = {"tensor-parallel-size": 2, "kv-cache-dtype": "fp8"}
 FAST = {"VLLM_STANDIN_LOAD_S": "0.3"}
+LORA_A, LORA_B = "/opt/models/lab-lora-a", "/opt/models/lab-lora-b"
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +224,7 @@ def test_a_vllm_and_an_sglang_server_share_the_container_on_disjoint_gpus(lab):
     doc = yaml.safe_load(lab.fleet_path.read_text())
     doc["hosts"]["pve1"]["containers"][129] = {
         "vllm": {"model_path": "/opt/models/lab-model", "port": PORT, "flags": {"tensor-parallel-size": 1},
-                 "env": {**FAST, "CUDA_VISIBLE_DEVICES": "0"}},
+                 "env": {**FAST, "CUDA_VISIBLE_DEVICES": "0"}, "lora_adapters": {"a": LORA_A}},
         "sglang": {"model_path": "/opt/models/lab-model", "port": 30000, "flags": {"tp": 1, "base-gpu-id": 1},
                    "env": {"SGLANG_STANDIN_LOAD_S": "0.3"}}}
     lab.fleet_path = lab.dir / "fleet.both.yaml"
@@ -232,7 +233,43 @@ def test_a_vllm_and_an_sglang_server_share_the_container_on_disjoint_gpus(lab):
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert out.index(f"vllm :{PORT} verified") < out.index("sglang :30000 will start"), out  # vLLM moved off first
+    # the adapter declared serves from the start: vLLM's --lora-modules, with what runtime loading needs
+    argv = running_argv(lab)
+    assert argv[argv.index("--lora-modules") + 1] == f"a={LORA_A}" and "--enable-lora" in argv, argv
     result = lab.pyinfra("inventory.py", "runbooks/status.py", "--data", "format=json")
     rows = {row["port"]: row for row in json.loads(result.stdout[result.stdout.index("{"):])["servers"]}
     assert {port: (row["engine"], row["kind"]) for port, row in rows.items()} == {
         PORT: ("vllm", "serving"), 30000: ("sglang", "serving")}, rows
+
+
+def test_an_adapter_added_to_the_running_vllm_server_is_loaded_live_and_answers_through_it(lab):
+    """Issue 34's vLLM path: the server the previous test started with adapter ``a`` (--enable-lora,
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING) gets ``b`` through vLLM's POST /v1/load_lora_adapter: --dry says
+    live, the API server's pid stays, /v1/models lists both under the served model, a completion naming
+    ``b`` answers through it, and a re-run changes nothing."""
+    import yaml
+
+    doc = yaml.safe_load(lab.fleet_path.read_text())
+    doc["hosts"]["pve1"]["containers"][129]["vllm"]["lora_adapters"] = {"a": LORA_A, "b": LORA_B}
+    lab.fleet_path = lab.dir / "fleet.lora.yaml"
+    lab.fleet_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    pid = server_pid(lab)
+    dry = subprocess.run([pyinfra_exe(), "inventory.py", "deploy.py", "--dry"], cwd=REPO_ROOT, env=lab.env(),
+                         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    out = dry.stdout + dry.stderr
+    assert dry.returncode == 0 and "live: load adapter b" in out and "path: live (no restart)" in out, out
+    result = lab.pyinfra("inventory.py", "deploy.py")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and "applied live: load adapter b" in out, out
+    assert f"pid {pid} kept serving" in out and server_pid(lab) == pid, out
+    cards = json.loads(in_ct(lab, "python3 -c \"import urllib.request as u; "
+                                  f"print(u.urlopen('http://127.0.0.1:{PORT}/v1/models').read().decode())\""))["data"]
+    assert [(c["id"], c["root"], c["parent"]) for c in cards[1:]] == [
+        ("a", LORA_A, cards[0]["id"]), ("b", LORA_B, cards[0]["id"])], cards
+    answer = json.loads(in_ct(lab, "python3 -c \"import json, urllib.request as u; print(u.urlopen(u.Request("
+                                   f"'http://127.0.0.1:{PORT}/v1/completions', data=json.dumps({{'model': 'b', "
+                                   "'prompt': 'hi', 'max_tokens': 2}).encode(), headers={'content-type': "
+                                   "'application/json'})).read().decode())\""))
+    assert (answer["model"], answer["choices"][0]["text"]) == ("b", " lab-lora-b lab-lora-b"), answer
+    result = lab.pyinfra("inventory.py", "deploy.py")
+    assert "No changes" in result.stdout + result.stderr and server_pid(lab) == pid, result.stdout + result.stderr

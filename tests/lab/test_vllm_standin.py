@@ -103,6 +103,16 @@ def stream_events(port: int, path: str, body: dict) -> list[str]:
     return events
 
 
+def post_answer(port: int, path: str, body: dict) -> tuple[int, str]:
+    """(status, body text) of a POST, whatever the status."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+    resp = conn.getresponse()
+    answer = resp.status, resp.read().decode()
+    conn.close()
+    return answer
+
+
 def running(port: int) -> float:
     text = urlopen_text(port, "/metrics")
     return float(re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1))
@@ -166,6 +176,9 @@ def test_one_gpu_binds_the_port_first_loads_in_engine_core_then_serves_and_strea
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
     chat = post(s.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert chat["choices"][0]["message"]["content"] == " lab lab"
+    # without VLLM_ALLOW_RUNTIME_LORA_UPDATING vLLM mounts no adapter route
+    assert post_answer(s.port, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/a"}) == (
+        404, '{"detail": "Not Found"}')
     assert re.search(r'^vllm:request_success_total\{[^}]*finished_reason="length"\} 2\.0$',
                      urlopen_text(s.port, "/metrics"), re.M)
 
@@ -314,3 +327,48 @@ def test_preload_daemons_hold_the_weights_and_an_ipc_cache_engine_maps_them_on_i
         import shutil
 
         shutil.rmtree(short, ignore_errors=True)
+
+
+def test_lora_adapters_start_from_lora_modules_load_and_unload_live_and_answer_through_their_name(
+        start_vllm, tmp_path):
+    """vLLM 0.33.0's LoRA (vllm/_lora.py): --lora-modules served from the start, the runtime routes with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING, vLLM's refusals with their status codes and texts, each adapter in
+    /v1/models with the served model as its parent, a completion naming it answering through it."""
+    for name, rank in (("lora-a", 8), ("lora-b", 16)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 2 * rank}))
+    a, b = str(tmp_path / "lora-a"), str(tmp_path / "lora-b")
+    s = start_vllm("--enable-lora", "--max-lora-rank", "8", "--served-model-name", "m", "--lora-modules", f"a={a}",
+                   env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    s.wait_healthy()
+    assert "LoRA dynamic loading & unloading is enabled in the API server" in s.log()
+
+    def cards():
+        return [(c["id"], c["root"], c["parent"]) for c in http_json(s.port, "/v1/models")["data"]][1:]
+
+    assert cards() == [("a", a, "m")]
+    done = post(s.port, "/v1/completions", {"model": "a", "prompt": "hi", "max_tokens": 2})
+    assert (done["model"], done["choices"][0]["text"]) == ("a", " lora-a lora-a")
+    nowhere = str(tmp_path / "nowhere")
+    refused = {path: post_answer(s.port, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": path})
+               for path in (b, nowhere)}
+    assert refused[b][0] == 500 and "LoRA rank 16 is greater than max_lora_rank 8." in refused[b][1]
+    assert refused[nowhere][0] == 404 and f"Loading lora x failed: No adapter found for {nowhere}" in refused[nowhere][1]
+    status, text = post_answer(s.port, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": a})
+    assert status == 400 and "The lora adapter 'a' has already been loaded." in text
+    assert post_answer(s.port, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": a}) == (
+        200, "Success: LoRA adapter 'c' added successfully.")
+    assert post_answer(s.port, "/v1/unload_lora_adapter", {"lora_name": "a"}) == (
+        200, "Success: LoRA adapter 'a' removed successfully.")
+    assert cards() == [("c", a, "m")]
+    status, text = post_answer(s.port, "/v1/unload_lora_adapter", {"lora_name": "a"})
+    assert status == 404 and "The lora adapter 'a' cannot be found." in text
+    status, text = post_answer(s.port, "/v1/completions", {"model": "a", "prompt": "hi", "max_tokens": 1})
+    assert status == 404 and "The model `a` does not exist." in text
+    chat = post(s.port, "/v1/chat/completions", {"model": "c", "messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 1})
+    assert chat["model"] == "c" and chat["choices"][0]["message"]["content"] == " lora-a"
+    # an adapter of --lora-modules that cannot load ends the start (init_static_loras): LoRA is off
+    bad = start_vllm("--lora-modules", f"a={a}", env={"CUDA_VISIBLE_DEVICES": "1"})
+    assert bad.proc.wait(timeout=30) == 1
+    assert "in init_static_loras\nValueError: LoRA is not enabled." in bad.log()

@@ -232,8 +232,8 @@ def live_request(change: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
 def answer_problem(status: int | None, body: str) -> str | None:
     """None for vLLM's success (200), else its error's message.
 
-    >>> answer_problem(400, '{"error": {"message": "The lora adapter a has already been loaded."}}')
-    'HTTP 400: The lora adapter a has already been loaded.'
+    >>> answer_problem(404, '{"error": {"message": "The lora adapter \\'a\\' cannot be found."}}')
+    "HTTP 404: The lora adapter 'a' cannot be found."
     """
     if status == 200:
         return None

@@ -52,6 +52,12 @@ What it copies:
   standin/_sse.py): a chunk per token at ``$VLLM_STANDIN_TOKEN_S`` (default 0.002 s) per token, the
   last with its ``finish_reason``, the usage chunk with ``stream_options.include_usage``, then ``data:
   [DONE]``. ``max_tokens`` defaults to 16 (vLLM's chat default is the rest of the context).
+- LoRA (vllm/_lora.py, after vllm/entrypoints/openai/models/serving.py and serve/lora/api_router.py):
+  ``--enable-lora``, ``--max-lora-rank``, ``--lora-modules NAME=PATH`` loaded before serving (one that
+  fails ends the start, exit 1); ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` only
+  with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (else 404); each adapter in ``/v1/models`` (``parent``: the
+  served model name); a generation whose ``model`` names an adapter answers " <adapter dir>" per token
+  and names the adapter as its ``model``.
 
 Lab faults ($GPUGATE_LAB_CTL/faults.json): crash-on-start and slow-start (in EngineCore's load),
 never-healthy (/health 503), ignore-sigterm (the SIGTERM is logged and nothing else happens: only
@@ -70,7 +76,7 @@ import traceback
 import uuid
 
 import vllm
-from vllm import _lab, _model
+from vllm import _lab, _lora, _model
 from vllm._lab import common, gpusim, sse
 
 SENSITIVE = frozenset({"api_key", "hf_token", "watermark_config"})
@@ -216,7 +222,7 @@ class EngineClient:
         for q in queues:
             q.put(message)
 
-    def add(self, rid, prompt, max_tokens):
+    def add(self, rid, prompt, max_tokens, piece=None):
         import queue
 
         if self.dead:
@@ -224,7 +230,7 @@ class EngineClient:
         q = queue.Queue()
         with self.lock:
             self.queues[rid] = q
-        self._send({"type": "add", "rid": rid, "prompt": prompt, "max_tokens": max_tokens})
+        self._send({"type": "add", "rid": rid, "prompt": prompt, "max_tokens": max_tokens, "piece": piece})
         return q
 
     def forget(self, rid, abort=False):
@@ -271,6 +277,8 @@ class State:
         self.args, self.engine, self.info = args, engine, info
         names = args.served_model_name or [args.model]
         self.names = names if isinstance(names, list) else [names]
+        self.models = _lora.ServingModels(self.names, args.enable_lora, args.max_lora_rank)
+        self.runtime_lora = _lora.runtime_updating()
         self.lock = threading.Lock()
         self.active = 0
         self.success = {}
@@ -330,15 +338,18 @@ def make_handler(state):
                 return self._send(200 if state.healthy() else 503, b"", "application/json")
             if path == "/version":
                 return self._send(200, {"version": vllm.__version__})
-            if path == "/v1/models":
+            if path == "/v1/models":  # the served names, then each adapter (_lora.py)
+                cards = [{"id": name, "root": state.args.model, "parent": None,
+                          "max_model_len": state.info["max_model_len"]} for name in state.names]
                 return self._send(200, {"object": "list", "data": [{
-                    "id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-                    "root": state.args.model, "parent": None, "max_model_len": state.info["max_model_len"],
+                    "id": card["id"], "object": "model", "created": int(time.time()), "owned_by": "vllm",
+                    "root": card["root"], "parent": card["parent"], "max_model_len": card["max_model_len"],
                     "permission": [{"id": "modelperm-%s" % uuid.uuid4().hex, "object": "model_permission",
                                     "created": int(time.time()), "allow_create_engine": False,
                                     "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
                                     "allow_view": True, "allow_fine_tuning": False, "organization": "*",
-                                    "group": None, "is_blocking": False}]} for name in state.names]})
+                                    "group": None, "is_blocking": False}]}
+                    for card in cards + state.models.adapter_cards()]})
             if path == "/metrics":
                 return self._send(200, state.metrics_text(), "text/plain; version=1.0.0; charset=utf-8")
             return self._send(404, {"detail": "Not Found"})
@@ -350,30 +361,47 @@ def make_handler(state):
                 return self._send(401, {"error": "Unauthorized"})
             if path == "/ping":
                 return self._send(200 if state.healthy() else 503, b"", "application/json")
+            if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and state.runtime_lora:
+                return self._lora(path, body)
             if path not in ("/v1/completions", "/v1/chat/completions"):
                 return self._send(404, {"detail": "Not Found"})
             model = body.get("model")
-            if model and model not in state.names:
+            piece = state.models.adapter_piece(model) if model else None
+            if model and model not in state.names and piece is None:
                 return self._send(404, error_body("The model `%s` does not exist." % model, "NotFoundError", 404))
+            served = model if piece is not None else state.names[0]  # the answer's model: the adapter's name
             chat = path == "/v1/chat/completions"
             prompt = (" ".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
                       if chat else str(body.get("prompt") or ""))
             n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             try:
-                q = state.engine.add(rid, prompt, n)
+                q = state.engine.add(rid, prompt, n, piece)
             except EngineDead:
                 return self._send(500, error_body(ENGINE_DEAD, "InternalServerError", 500))
             with state.lock:
                 state.active += 1
             try:
                 if body.get("stream"):
-                    return self._stream(rid, q, chat, body, len(prompt.split()))
-                return self._complete(rid, q, chat, len(prompt.split()))
+                    return self._stream(rid, q, chat, body, len(prompt.split()), served)
+                return self._complete(rid, q, chat, len(prompt.split()), served)
             finally:
                 state.engine.forget(rid)
                 with state.lock:
                     state.active -= 1
+
+        def _lora(self, path, body):
+            """api_router.py's two routes: the plain text with 200, else vLLM's ErrorResponse."""
+            load = path == "/v1/load_lora_adapter"
+            status, answer = (state.models.load if load else state.models.unload)(body)
+            if status == 200:
+                if load:
+                    _lab.info("serving.py:199", "Loaded new LoRA adapter: name '%s', path '%s'"
+                              % (body["lora_name"], body["lora_path"]))
+                else:
+                    _lab.info("serving.py:225", "Removed LoRA adapter: name '%s'" % body["lora_name"])
+                return self._send(200, answer, "text/plain; charset=utf-8")
+            return self._send(status, answer)
 
         def _outputs(self, q):
             while True:
@@ -382,14 +410,14 @@ def make_handler(state):
                 if out.get("finished") or out.get("dead") or out.get("closed"):
                     return
 
-        def _chunk(self, rid, chat, choices, usage=None):
+        def _chunk(self, rid, chat, choices, usage=None, served=None):
             doc = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                   "created": int(time.time()), "model": state.names[0], "choices": choices}
+                   "created": int(time.time()), "model": served or state.names[0], "choices": choices}
             if usage is not None:
                 doc["usage"] = usage
             return doc
 
-        def _complete(self, rid, q, chat, prompt_tokens):
+        def _complete(self, rid, q, chat, prompt_tokens, served):
             text, done, reason = "", 0, None
             for out in self._outputs(q):
                 if out.get("dead"):
@@ -409,22 +437,23 @@ def make_handler(state):
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None,
                           "prompt_logprobs": None}
             doc = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                   "model": state.names[0], "choices": [choice], "usage": usage}
+                   "model": served, "choices": [choice], "usage": usage}
             return self._send(200, doc)
 
-        def _stream(self, rid, q, chat, body, prompt_tokens):
+        def _stream(self, rid, q, chat, body, prompt_tokens, served):
             """vLLM's StreamingResponse (serving.py ``completion_stream_generator`` and the chat's): a chunk
             per output, the last with its finish reason; the usage chunk on request; ``data: [DONE]``. The
             client gone: the request is aborted."""
             stream = sse.EventStream(self)
+            chunk = lambda *a: self._chunk(*a, served=served)  # noqa: E731 -- every chunk names the served model
             stream.start()
             self.access_log(200)
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             done = 0
             try:
                 if chat:
-                    stream.data(self._chunk(rid, chat, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                         "logprobs": None, "finish_reason": None}]))
+                    stream.data(chunk(rid, chat, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]))
                 for out in self._outputs(q):
                     if out.get("closed"):
                         self.close_connection = True  # the chunked body never ends: the client reads an error
@@ -435,17 +464,17 @@ def make_handler(state):
                     done, reason = out["n"], out.get("finish_reason")
                     if chat:
                         delta = {"content": out["delta"]}
-                        stream.data(self._chunk(rid, chat, [{"index": 0, "delta": delta, "logprobs": None,
-                                                             "finish_reason": reason}]))
+                        stream.data(chunk(rid, chat, [{"index": 0, "delta": delta, "logprobs": None,
+                                                       "finish_reason": reason}]))
                     else:
-                        stream.data(self._chunk(rid, chat, [{"index": 0, "text": out["delta"], "logprobs": None,
-                                                             "finish_reason": reason, "stop_reason": None}]))
+                        stream.data(chunk(rid, chat, [{"index": 0, "text": out["delta"], "logprobs": None,
+                                                       "finish_reason": reason, "stop_reason": None}]))
                     if out.get("finished"):
                         state.success[reason] = state.success.get(reason, 0) + 1
                 if include_usage:
-                    stream.data(self._chunk(rid, chat, [], {"prompt_tokens": prompt_tokens,
-                                                            "total_tokens": prompt_tokens + done,
-                                                            "completion_tokens": done}))
+                    stream.data(chunk(rid, chat, [], {"prompt_tokens": prompt_tokens,
+                                                      "total_tokens": prompt_tokens + done,
+                                                      "completion_tokens": done}))
                 stream.done()
             except sse.ClientGone:
                 state.engine.forget(rid, abort=True)
@@ -516,6 +545,14 @@ def run_server(args):
         return 1
     info["max_model_len"] = engine_job(args, started, mode)["plan"]["max_model_len"]
     state = State(args, engine, info)
+    if state.runtime_lora:  # api_router.py attach_router
+        _lab.warning("api_router.py:29", _lora.RUNTIME_WARNING)
+    try:
+        state.models.init_static_loras(args.lora_modules)  # init_app_state: --lora-modules, before serving
+    except ValueError as exc:
+        log_traceback("entrypoints/openai/models/serving.py", 127, "init_static_loras", "ValueError: %s" % exc)
+        engine.stop(worker_shutdown_window())
+        return 1
     _lab.info("entry.py:132", "Supported tasks: ['generate']")
     _lab.info("entry.py:137", "Starting vLLM server on %s" % listen_address)
     httpd = common.Server((host, port), make_handler(state), bind_and_activate=False)

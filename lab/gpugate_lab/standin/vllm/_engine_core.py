@@ -255,7 +255,7 @@ class Engine:
             n = max(0, int(message.get("max_tokens") or 0))
             ids = self.executor.generate(real.encode(message.get("prompt") or ""), n) if self.executor.mode else None
             self.running[rid] = {"n": len(ids) if ids is not None else n, "done": 0, "ids": ids,
-                                 "due": time.monotonic()}
+                                 "due": time.monotonic(), "piece": message.get("piece")}
             if self.running[rid]["n"] == 0:
                 self.send({"type": "out", "rid": rid, "n": 0, "delta": "", "finished": True, "finish_reason": "length"})
                 del self.running[rid]
@@ -275,7 +275,9 @@ class Engine:
             request["due"] += self.token_s
             request["done"] += 1
             ids = request["ids"]
-            delta = real.decode(ids[request["done"] - 1:request["done"]]) if ids is not None else " lab"
+            # through an adapter: its dir's name per token (the API server's _lora.py), so a client can tell
+            delta = request["piece"] or (real.decode(ids[request["done"] - 1:request["done"]]) if ids is not None
+                                         else " lab")
             finished = request["done"] >= request["n"]
             self.send({"type": "out", "rid": rid, "n": request["done"], "delta": delta, "finished": finished,
                        "finish_reason": "length" if finished else None})
