@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# A machine may set PYTHONDONTWRITEBYTECODE (this project's CI machines do). The suite then compiled
+# A machine may set PYTHONDONTWRITEBYTECODE (the machines this suite is run on here do). The suite then compiled
 # gpugate from source in every pyinfra run and every xdist worker re-rewrote every test module: about
 # 0.06 CPU-s a run, 3 CPU-s a worker. Bytecode is written (into __pycache__, ignored by git) for this
 # process, its workers and every process they start.
