@@ -96,6 +96,21 @@ def _holds_secret(value: Any) -> bool:
     return False
 
 
+def _without_secrets(items: Mapping[str, Any], kind: str, left: list[str]) -> dict[str, Any]:
+    """``items`` without the masked ones, each of which is named in ``left`` (``"env HF_TOKEN"``).
+
+    >>> left = []; _without_secrets({"a": 1, "HF_TOKEN": MASK}, "env", left), left
+    ({'a': 1}, ['env HF_TOKEN'])
+    """
+    kept = {}
+    for name, value in items.items():
+        if _holds_secret(value):
+            left.append(f"{kind} {name}")
+        else:
+            kept[name] = value
+    return kept
+
+
 def running_record(server: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The history record of the spec that runs (its argv by hash, its env by the value hashes the
     observe read): the server as gpugate started it; None for a server gpugate did not start.
@@ -144,20 +159,10 @@ def draft_section(server: Mapping[str, Any], container: Mapping[str, Any] | None
     section["port"] = int(source.get("port") or server.get("port") or 0) or None
     if source.get("host") and source.get("host") != "127.0.0.1":
         section["host"] = source["host"]
-    flags = {}
-    for flag, value in (source.get("flags") or {}).items():
-        if _holds_secret(value):
-            left.append(f"flag {flag}")
-        else:
-            flags[flag] = value
+    flags = _without_secrets(source.get("flags") or {}, "flag", left)
     if flags:
         section["flags"] = flags
-    kept = {}
-    for variable, value in env.items():
-        if _holds_secret(value):
-            left.append(f"env {variable}")
-        else:
-            kept[variable] = value
+    kept = _without_secrets(env, "env", left)
     if kept:
         section["env"] = kept
     if python and python != DEFAULT_PYTHON:
