@@ -9,6 +9,8 @@ The file (every key but ``hosts`` is optional)::
 
     routers:                      # optional: gateways (smg) in front of servers
       gw: {url: "http://127.0.0.1:30080", kind: smg, api_key_env: GW_KEY}   # the key: $GW_KEY, never in the file
+    canary: {soak_s: 120}         # optional: the first replica of a rolling change behind a router soaks and is
+                                  # judged before the rest (docs/canary.md); or in one router's entry
     groups:                       # optional: data for groups that containers join
       canary: {data: {drain_timeout_s: 30}}
     hosts:
@@ -145,6 +147,7 @@ class Fleet:
     hosts: list[PveHost] = dataclasses.field(default_factory=list)
     groups: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     routers: dict[str, "Router"] = dataclasses.field(default_factory=dict)
+    canary: dict[str, Any] | None = None  # the top level's canary: every routed server's (docs/canary.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,11 +160,14 @@ class Router:
     url: str
     kind: str = "smg"
     api_key_env: str | None = None
+    canary: dict[str, Any] | None = None  # this router's replicas' canary (over the top level's)
 
     def host_data(self) -> dict[str, Any]:
         data: dict[str, Any] = {"router_endpoint": self.url, "router_kind": self.kind}
         if self.api_key_env:
             data["router_api_key_env"] = self.api_key_env
+        if self.canary is not None:
+            data["canary"] = self.canary
         return data
 
 
@@ -413,14 +419,14 @@ def _check_routers(check: _Checker, raw: Any) -> dict[str, Router]:
             SETTINGS["sglang_router"].convert(name)
         except ValueError as error:
             raise check.fail(entry, str(error)) from None
-        body = check.mapping(raw_router, entry, ("url", "kind", "api_key_env"))
+        body = check.mapping(raw_router, entry, ("url", "kind", "api_key_env", "canary"))
         if not body.get("url"):
             raise check.fail(f"{entry}.url", "missing: the router's URL (http://host:port)")
         kind = body.get("kind", "smg")
         if kind not in ROUTER_KINDS:
             raise check.fail(f"{entry}.kind", f"unknown router kind {_describe(kind)}; known: {', '.join(ROUTER_KINDS)}")
         fields: dict[str, Any] = {}
-        for key, setting in (("url", "router_endpoint"), ("api_key_env", "router_api_key_env")):
+        for key, setting in (("url", "router_endpoint"), ("api_key_env", "router_api_key_env"), ("canary", "canary")):
             if body.get(key) is not None:
                 try:
                     fields[key] = SETTINGS[setting].convert(body[key])
@@ -587,12 +593,17 @@ def parse_fleet(document: Any, path: str | os.PathLike[str] = "fleet.yaml") -> F
     # x-* top-level keys hold YAML anchors for the rest of the file (as in docker compose), and are
     # otherwise ignored
     top = check.mapping({key: value for key, value in document.items() if not str(key).startswith("x-")}
-                        if isinstance(document, dict) else document, "", ("hosts", "groups", "routers"))
+                        if isinstance(document, dict) else document, "", ("hosts", "groups", "routers", "canary"))
     _refuse_ambiguous_ints(check, top)
     if not top.get("hosts"):
         raise check.fail("hosts", "missing: list at least one Proxmox host with its containers")
 
     fleet = Fleet(path=path, routers=_check_routers(check, top.get("routers")))
+    if top.get("canary") is not None:
+        try:
+            fleet.canary = SETTINGS["canary"].convert(top["canary"])
+        except ValueError as error:
+            raise check.fail("canary", str(error)) from None
     for name, raw_group in check.mapping(top.get("groups"), "groups").items():
         entry = f"groups.{name}"
         if not isinstance(name, str) or not _GROUP_NAME.match(name) or name == "all" or name.startswith("pve_"):
@@ -700,8 +711,9 @@ def pve_group_name(host_name: str) -> str:
 
 
 def container_host_data(host: PveHost, container: Container,
-                        routers: Mapping[str, Router] | None = None) -> dict[str, Any]:
-    """The pyinfra host data of one container: ssh_*, pct_vmid, then the Proxmox host's ``data``,
+                        routers: Mapping[str, Router] | None = None,
+                        canary: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The pyinfra host data of one container: ssh_*, pct_vmid, the fleet's ``canary``, then the Proxmox host's ``data``,
     the container's sglang: section (settings by their host-data keys), its router's URL and kind
     (``router_endpoint``, ``router_kind``, ``router_api_key_env``), the container's ``data``."""
     data: dict[str, Any] = {}
@@ -709,6 +721,8 @@ def container_host_data(host: PveHost, container: Container,
         data.update({f"ssh_{key}": value for key, value in host.ssh.items()})
     data["pct_vmid"] = container.vmid
     data["pve_host"] = host.name
+    if canary is not None:
+        data["canary"] = dict(canary)
     data.update(host.data)
     data.update(container.sglang or {})  # a server setting (drain_timeout_s) is the server's own
 
@@ -745,7 +759,7 @@ def fleet_to_inventory(fleet: Fleet) -> dict[str, tuple[list, dict]]:
         members: list[tuple[str, dict[str, Any]]] = []
         for container in host.containers:
             host_name = host.inventory_name(container.vmid)
-            members.append((host_name, container_host_data(host, container, fleet.routers)))
+            members.append((host_name, container_host_data(host, container, fleet.routers, fleet.canary)))
             for group in container.groups:
                 groups.setdefault(group, ([], {}))[0].append(host_name)
         groups[pve_group_name(host.name)] = (members, {})

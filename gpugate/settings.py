@@ -309,8 +309,9 @@ def to_servers(value: Any) -> list[dict[str, Any]]:
         raise ValueError(f"expected a list of servers (mappings of sglang_* settings), got {describe(value)}")
     servers = []
     for item in value:
+        # a router's canary travels with the servers behind it (gpugate.fleet.Router.host_data)
         unknown = [key for key in item if key not in SETTINGS or key == "sglang_servers" or not (
-            SETTINGS[key].scope in ("server", "fleet") or SETTINGS[key].fleet_key)]
+            SETTINGS[key].scope in ("server", "fleet") or SETTINGS[key].fleet_key or key == "canary")]
         if unknown:
             why = f"no longer a setting: {REMOVED[unknown[0]]}" if unknown[0] in REMOVED else "is no setting of one server"
             raise ValueError(f"{unknown[0]!r} {why}")
@@ -368,6 +369,80 @@ def to_http_url(value: Any) -> str:
 
 def to_env_name(value: Any) -> str:
     return env_name(one_line(value, "an environment variable name"))
+
+
+# The canary's keys (docs/canary.md): the default of each and why in one line. Thresholds are relative
+# to the unchanged replicas measured over the same window, so they hold for any model and load.
+CANARY_DEFAULTS: dict[str, Any] = {
+    "soak_s": 120.0,               # two minutes: several p95 windows at a few requests per second
+    "min_requests": 100,           # per side: below it a p95 is the 5th-slowest request or worse
+    "ttft_p95_ratio": 1.25,        # the canary's p95 time to first token at most 1.25x the others'
+    "itl_p95_ratio": 1.25,         # the same for inter-token latency
+    "error_ratio_points": 0.5,     # failed or aborted requests: at most 0.5 percentage points above
+    "throughput_ratio": 0.8,       # tokens/s per running request at least 0.8x the others'
+    "preemption_ratio_points": 1.0,  # preempted or retracted requests: at most 1 point above
+    "proceed_on_low_traffic": False,  # too few requests for a verdict: roll the canary back and stop
+}
+_CANARY_OFF = ("off", "false", "no", "0", "")
+_CANARY_ON = ("on", "true", "yes", "1")
+
+
+def _canary_value(key: str, value: Any) -> Any:
+    """One key of the canary, by the kind of its default."""
+    default = CANARY_DEFAULTS[key]
+    if isinstance(default, bool):
+        return to_bool(value)
+    if isinstance(value, str):  # --data canary=soak_s=5: numbers arrive as text
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            pass
+    if isinstance(default, int):
+        return to_count(value)
+    number = float(to_number(value))
+    if key.endswith("_ratio") and key != "throughput_ratio" and number < 1:
+        raise ValueError(f"a ratio to the unchanged replicas, 1 or more (1.25: at most 25% worse), got {value}")
+    if key == "throughput_ratio" and not 0 < number <= 1:
+        raise ValueError(f"a share of the unchanged replicas' figure, over 0 and at most 1 (0.8), got {value}")
+    if key == "soak_s" and number <= 0:
+        raise ValueError(f"must be more than 0 seconds, got {value}")
+    return number
+
+
+def to_canary(value: Any) -> dict[str, Any] | None:
+    """The canary of a rolling change behind a router (docs/canary.md): None (off), or every key of
+    :data:`CANARY_DEFAULTS` with the given ones over the defaults. Written as a mapping (fleet.yaml),
+    ``true``/``on`` (the defaults), ``false``/``off``, or ``--data canary=soak_s=5,min_requests=20``.
+
+    >>> to_canary({"soak_s": 30})["soak_s"], to_canary("off"), to_canary("min_requests=20")["min_requests"]
+    (30.0, None, 20)
+    >>> to_canary({"soak": 30})
+    Traceback (most recent call last):
+    ...
+    ValueError: canary.soak: unknown key (did you mean soak_s?); keys: soak_s, min_requests, ttft_p95_ratio, itl_p95_ratio, error_ratio_points, throughput_ratio, preemption_ratio_points, proceed_on_low_traffic
+    """
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in _CANARY_OFF):
+        return None
+    if value is True or (isinstance(value, str) and value.strip().lower() in _CANARY_ON):
+        value = {}
+    if isinstance(value, str):
+        pairs = [item.split("=", 1) for item in value.split(",") if item.strip()]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError("expected on, off, or key=value pairs separated by commas (soak_s=60,min_requests=50)")
+        value = {key.strip(): item.strip() for key, item in pairs}
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping of canary keys (soak_s, min_requests, ...), on or off, "
+                         f"got {describe(value)}")
+    canary = dict(CANARY_DEFAULTS)
+    for key in sorted(value, key=str):
+        if key not in CANARY_DEFAULTS:
+            raise ValueError(f"canary.{key}: unknown key{suggest(str(key), tuple(CANARY_DEFAULTS))}; keys: "
+                             + ", ".join(CANARY_DEFAULTS))
+        try:
+            canary[key] = _canary_value(key, value[key])
+        except ValueError as error:
+            raise ValueError(f"canary.{key}: {error}") from None
+    return canary
 
 
 # ---------------------------------------------------------------- the table
@@ -446,6 +521,10 @@ SETTINGS: dict[str, Setting] = _rows(
             "the environment variable on the control machine that holds the router's API key", "fleet"),
     Setting("min_serving", to_count, 1,
             "a routed server leaves its router only when this many other healthy workers of its model stay"),
+    Setting("canary", to_canary, None,
+            "a rolling change behind a router soaks its first replica under traffic and judges it against the "
+            "unchanged ones from the engine's /metrics; a regression rolls it back and stops (docs/canary.md). "
+            "Off by default; fleet.yaml top level or a router's entry"),
     Setting("router_join_timeout_s", to_number, 120.0,
             "after the verify: until the server is /ready and its router lists it healthy again"),
     # --- the GPU gate (this server's GPUs only) ---

@@ -242,7 +242,8 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
                python: str | None = None, extra_args: Sequence[str] | None = None,
                sglang_version: str | None = None, table: Any = None, weight_cache: bool = False,
                gated_launch: bool | None = None, engine_name: str = DEFAULT_ENGINE, secret_env: Sequence[str] = (),
-               drain_timeout_s: float | None = None, lora_adapters: Mapping[str, str] | None = None) -> Spec:
+               drain_timeout_s: float | None = None, lora_adapters: Mapping[str, str] | None = None,
+               metrics: bool = False) -> Spec:
     """Validate the desired server completely (no host needed) and have the engine make its
     launch, once; raise SpecError naming the problem. What is no engine's business (port, model
     path, host, supervisor, interpreter, env, extra_args as text) is checked here; the flags, the
@@ -250,7 +251,8 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
     ``table``: the engine's flag table of the release that will run (None: its default).
     ``extra_args``: argv elements passed verbatim after the flags, unchecked (a warning says so).
     ``secret_env``: env names whose values are secrets besides those the pattern list names
-    (gpugate.rules.redact.names_a_secret).
+    (gpugate.rules.redact.names_a_secret). ``metrics``: the server must serve its engine's
+    /metrics (a canary judges it: docs/canary.md).
 
     >>> build_spec("/m", 30000, {"tp": 2}).argv[-2:]
     ('--tp-size', '2')
@@ -302,7 +304,7 @@ def build_spec(model_path: str | None, port: int = SETTINGS["sglang_port"].defau
     inputs = ServerInputs(engine=engine_name, model_path=model_path, port=port, flags=dict(flags or {}), env=clean_env,
                           host=host, supervisor=supervisor, python=python, extra_args=extras, version=sglang_version,
                           weight_cache=bool(weight_cache), gated_launch=gated_launch,
-                          secret_env=tuple(secret_env or ()), lora_adapters=lora_adapters,
+                          secret_env=tuple(secret_env or ()), lora_adapters=lora_adapters, metrics=bool(metrics),
                           drain_timeout_s=float(SETTINGS["drain_timeout_s"].default if drain_timeout_s is None
                                                 else drain_timeout_s))
     try:
@@ -363,6 +365,8 @@ class Routing:
     join_timeout_s: float = 120.0
     # the server's engine (its readiness, in-flight gauges and smg runtime): not part of what the routing is
     engine: str = dataclasses.field(default=DEFAULT_ENGINE, compare=False)
+    # the canary of a rolling change behind this router (gpugate.settings.to_canary; None: off): docs/canary.md
+    canary: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
 
 
 def routing_of(values: Mapping[str, Any]) -> Routing | None:
@@ -380,7 +384,7 @@ def routing_of(values: Mapping[str, Any]) -> Routing | None:
                    kind=values.get("router_kind") or "smg", api_key_env=values.get("router_api_key_env"),
                    min_serving=int(values.get("min_serving", 1)), cordon=bool(values.get("sglang_router_cordon")),
                    join_timeout_s=float(values.get("router_join_timeout_s") or 120.0),
-                   engine=engine(values.get("engine") or DEFAULT_ENGINE).name)
+                   engine=engine(values.get("engine") or DEFAULT_ENGINE).name, canary=values.get("canary"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -529,7 +533,9 @@ def _desired(values: Mapping[str, Any]) -> Desired:
                               sglang_version=values["sglang_version"], weight_cache=bool(values["sglang_weight_cache"]),
                               gated_launch=values["sglang_gated_launch"], engine_name=values["engine"],
                               secret_env=values["sglang_secret_env"], drain_timeout_s=values["drain_timeout_s"],
-                              lora_adapters=values["sglang_lora_adapters"])
+                              lora_adapters=values["sglang_lora_adapters"],
+                              # a canary reads the engine's /metrics: every replica behind its router serves them
+                              metrics=bool(routing is not None and routing.canary and not routing.cordon))
         except SpecError as error:
             problem = str(error)
     return Desired(port=port, present=present, python=values["sglang_python"], spec=spec, engine=values["engine"],
@@ -537,7 +543,9 @@ def _desired(values: Mapping[str, Any]) -> Desired:
                    problem=problem, flags=dict(values["sglang_flags"] or {}),
                    sglang_version=values["sglang_version"], min_free_mib=int(values["min_free_mib"]),
                    agent_silence_s=float(values["agent_silence_s"]),
-                   end_other_gpu_holders=bool(values["end_other_gpu_holders"]), rolling=bool(values["rolling"]),
+                   end_other_gpu_holders=bool(values["end_other_gpu_holders"]),
+                   # a canary soaks one replica before the others: one container at a time
+                   rolling=bool(values["rolling"]) or bool(routing is not None and routing.canary),
                    max_failures=int(values["max_failures"]), audit_log=values["audit_log"],
                    restarted=bool(values["sglang_restarted"]), rollback_to=int(values["rollback_to"]),
                    gated_launch=values["sglang_gated_launch"],

@@ -86,6 +86,7 @@ class ServerInputs:
     drain_timeout_s: float = 60.0       # the stop's drain budget (an engine whose drain is a flag sets it)
     secret_env: tuple[str, ...] = ()    # env names the operator declares secret (beyond the pattern list)
     lora_adapters: Mapping[str, str] | None = None  # {name: path}; None: LoRA off (docs/live-changes.md)
+    metrics: bool = False               # the server must serve its /metrics: a canary judges it (docs/canary.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +176,12 @@ class Engine(abc.ABC):
     # systemd's Restart= for the server's unit, and why: how the engine exits when it dies
     systemd_restart: tuple[str, str] = ("on-failure", "the engine exits non-zero when it dies")
     in_flight_gauges: tuple[str, ...] = ()  # the Prometheus gauges whose sum is what a server still holds
+    # what a canary reads on /metrics (gpugate.canary, docs/canary.md), by role: histograms ``ttft``,
+    # ``itl``, ``e2e`` (base names), counters ``requests`` (every request that ended), ``errors``,
+    # ``aborts``, ``preemptions``, ``tokens`` (generated), gauge ``running``; each a tuple of selectors
+    # ``name`` or ``name{label="value"}``, summed. Empty: this engine's servers cannot be judged.
+    canary_metrics: Mapping[str, tuple[str, ...]] = {}
+    metrics_flag: str = ""         # the launch flag that turns /metrics on, where it is off by default
     has_weight_cache: bool = False  # the weights can be held across engine restarts (docs/weight-cache.md)
     gated_option: str = ""         # a gated launch's option and how the gate opens (plan's steps); "": none
     gate_activate: str = ""

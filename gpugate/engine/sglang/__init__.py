@@ -35,6 +35,20 @@ class SGLang(ArgparseEngine):
     router_runtime = "sglang"
     # with --enable-metrics; per TP/DP rank
     in_flight_gauges = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
+    # sglang/srt/metrics/collector.py (TokenizerMetricsCollector, SchedulerMetricsCollector), with
+    # --enable-metrics: SGLang counts no error apart from its aborts (a failed request is aborted)
+    canary_metrics = {
+        "ttft": ("sglang:time_to_first_token_seconds",),
+        "itl": ("sglang:inter_token_latency_seconds",),
+        "e2e": ("sglang:e2e_request_latency_seconds",),
+        "requests": ("sglang:num_requests_total",),
+        "errors": (),
+        "aborts": ("sglang:num_aborted_requests_total",),
+        "preemptions": ("sglang:num_retracted_requests_total",),
+        "tokens": ("sglang:generation_tokens_total",),
+        "running": ("sglang:num_running_reqs",),
+    }
+    metrics_flag = "--enable-metrics"
     drain_words = "SGLang's drain"
     has_weight_cache = True
     gated_option = "--gated-launch-port"

@@ -139,6 +139,37 @@ def _gated_launch(wanted: bool | None, supervisor: str, table: Any, flags: Mappi
     return bool(wanted)
 
 
+def _written_off(flags: Any, name: str, table: Any) -> bool:
+    """The operator wrote this boolean flag as false (validation drops a false switch: it is no argv)."""
+    for written, value in (flags or {}).items():
+        try:
+            same = sglang_flags.FLAGS.canonical_name(str(written), table) == name
+        except FlagError:
+            continue
+        if same and value in (False, "false", "False", 0):
+            return True
+    return False
+
+
+def with_metrics(normal: dict[str, Any], wanted: bool, written_off: bool = False) -> dict[str, Any]:
+    """The flags with ``--enable-metrics`` where a canary reads the server's /metrics (off by default
+    in SGLang: http_server.py mounts /metrics only with it); FlagError where the operator turned it off.
+
+    >>> with_metrics({"tp-size": 2}, True)
+    {'tp-size': 2, 'enable-metrics': True}
+    >>> with_metrics({}, True, written_off=True)
+    Traceback (most recent call last):
+    ...
+    gpugate.engine.FlagError: --enable-metrics: a canary judges this server by its /metrics: leave enable-metrics out (gpugate adds it) or turn the canary off (canary: off)
+    """
+    if not wanted:
+        return normal
+    if written_off:
+        raise FlagError("enable-metrics", "a canary judges this server by its /metrics: leave enable-metrics out "
+                                          "(gpugate adds it) or turn the canary off (canary: off)")
+    return {**normal, "enable-metrics": True}
+
+
 def build(inputs: ServerInputs, table: Any = None) -> Launch:
     """The Launch of ``inputs`` against ``table`` (a per-release flag table; None: the built-in
     one): the flags validated ONCE and rendered from the values validated; FlagError naming what
@@ -151,6 +182,7 @@ def build(inputs: ServerInputs, table: Any = None) -> Launch:
             raise FlagError(name, f"gpugate sets it: write {setting} instead")
     normal = _with_weight_cache(normal, inputs.weight_cache, parsed_extras, table)
     normal = live.lora_flags(normal, inputs.lora_adapters, lambda name: sglang_flags.supports(name, table))
+    normal = with_metrics(normal, inputs.metrics, _written_off(inputs.flags, "enable-metrics", table))
     for name, value in normal.items():
         # argv carries any byte but NUL; a line break would still end a line of the systemd unit
         for text in (value if isinstance(value, (list, tuple)) else [value]):

@@ -39,6 +39,19 @@ class VLLM(ArgparseEngine):
     systemd_restart = ("always", "vLLM's API server exits 0 when its EngineCore dies")
     # vllm/v1/metrics/loggers.py: per engine (label engine="0"...), always on
     in_flight_gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    # vllm/v1/metrics/loggers.py (PrometheusStatLogger), always on: request_success_total counts every
+    # finished request by finished_reason (stop, length, abort, error)
+    canary_metrics = {
+        "ttft": ("vllm:time_to_first_token_seconds",),
+        "itl": ("vllm:inter_token_latency_seconds",),
+        "e2e": ("vllm:e2e_request_latency_seconds",),
+        "requests": ("vllm:request_success_total",),
+        "errors": ('vllm:request_success_total{finished_reason="error"}',),
+        "aborts": ('vllm:request_success_total{finished_reason="abort"}',),
+        "preemptions": ("vllm:num_preemptions_total",),
+        "tokens": ("vllm:generation_tokens_total",),
+        "running": ("vllm:num_requests_running",),
+    }
     drain_words = "vLLM's drain (--shutdown-timeout)"
     has_weight_cache = True
     container_module = "gpugate.engine.vllm.container"
