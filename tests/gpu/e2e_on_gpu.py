@@ -15,6 +15,11 @@ few ms and records every change, and then runs, each step recorded and none stop
 5. memory held in another container (fault foreign-holder) -> the deploy refuses before the stop;
 6. a start that crashes (the new environment hides the GPU) -> rollback;
 7. the rollback runbook;  8. the status runbook.
+With ``--live`` (issue 34) the run is instead: 1. a first start that declares LoRA adapter a (its launch
+carries the adapter); 9. adapter b added live; 10. the checkpoint lab-model-v2 of the same model
+applied live (update_weights_from_disk); 11. a flag change (a restart) of the same server for
+comparison. A client in the container sends requests back to back during 9-11; each step records its
+wall time, whether the main pid stayed, the GPUs' used memory and the client's failures.
 With ``--engine vllm`` the lab serves vLLM (``gpugate lab up --engine vllm``) and step 4 is vLLM's own
 hazard instead of the kill chains: the API server SIGKILLed (vLLM 0.33.0's EngineCore outlives it holding
 the GPU, vllm#55510), then a deploy that sweeps it; step 6's crash is a ``--kv-cache-dtype`` that vLLM
@@ -620,6 +625,79 @@ def step_rollback_runbook(run: Run) -> dict:
             "outcome": "rolled back" if res["rc"] == 0 and after.get("health") == 200 else "failed"}
 
 
+LORA_A, LORA_B = "/opt/models/lab-lora-a", "/opt/models/lab-lora-b"
+MODEL_V1, MODEL_V2 = "/opt/models/lab-model", "/opt/models/lab-model-v2"
+# a client of the server in the container: 1-token generations back to back, one line per answer
+CT_CLIENT = r"""
+import json, sys, time, urllib.request as u
+end = time.time() + float(sys.argv[1])
+while time.time() < end:
+    began = time.time()
+    try:
+        r = u.urlopen(u.Request("http://127.0.0.1:@PORT@/generate", headers={"content-type": "application/json"},
+                                data=json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 1}}).encode()), timeout=30)
+        ok = r.status == 200 and bool(json.load(r).get("text"))
+        print(json.dumps({"t": began, "s": round(time.time() - began, 4), "ok": ok}), flush=True)
+    except Exception as error:
+        print(json.dumps({"t": began, "s": round(time.time() - began, 4), "ok": False, "error": str(error)[:200]}), flush=True)
+        time.sleep(0.05)
+"""
+
+
+def live_data(adapters: dict, model: str) -> tuple:
+    return ("--data", f"sglang_lora_adapters={json.dumps(adapters)}", "--data", f"sglang_model_path={model}")
+
+
+def with_client(run: Run, fn):
+    """``fn()`` while a client in the container sends generations back to back; what it saw."""
+    client = subprocess.Popen(run.host_exec() + ["pct", "exec", str(VMID), "--", "/usr/bin/python3", "-c",
+                                                 CT_CLIENT.replace("@PORT@", str(PORT)), "300"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              start_new_session=True, env=run.env)
+    time.sleep(1.0)
+    try:
+        result = fn()
+    finally:
+        time.sleep(0.5)
+        os.killpg(client.pid, signal.SIGTERM)
+        out, _ = client.communicate(timeout=30)
+    answers = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    failed = [a for a in answers if not a["ok"]]
+    longest = max((a["s"] for a in answers), default=None)
+    # the longest time without an answer: between two successive successful answers' ends
+    ends = sorted(a["t"] + a["s"] for a in answers if a["ok"])
+    gap = max((b - a for a, b in zip(ends, ends[1:])), default=None)
+    return result, {"requests": len(answers), "failed": len(failed), "longest_answer_s": longest,
+                    "longest_gap_without_an_answer_s": round(gap, 3) if gap is not None else None,
+                    "first_failures": failed[:3]}
+
+
+def live_step(run: Run, name: str, adapters: dict, model: str, flags: dict | None = None) -> dict:
+    extra = live_data(adapters, model)
+    dry = run.pyinfra("deploy.py", flags=flags, dry=True, extra=extra, timeout=90)
+    before = run.ct_state()
+    memory_before = run.gpu_now()
+    applied, client = with_client(run, lambda: run.pyinfra("deploy.py", flags=flags, extra=extra))
+    figures = run.transition(name, applied)
+    after = run.ct_state()
+    text = dry["out"] + dry["err"]
+    pid_kept = (before.get("main") or {}).get("pid") == (after.get("main") or {}).get("pid")
+    return {"dry_path": next((line.strip() for line in text.splitlines() if "path:" in line), None),
+            "dry_lines": [line.strip() for line in text.splitlines() if "live:" in line or "restart:" in line][:8],
+            "applied": summary_of(applied), "figures": figures, "main_pid_kept": pid_kept,
+            "gpu_used_mib_before": memory_before, "gpu_used_mib_after": run.gpu_now(), "client": client,
+            "outcome": ("live" if pid_kept else "restarted") if applied["rc"] == 0 and after.get("health") == 200
+            else "failed"}
+
+
+def step_lora_deploy(run: Run) -> dict:
+    res = run.pyinfra("deploy.py", extra=live_data({"a": LORA_A}, MODEL_V1))
+    figures = run.transition("1_deploy_lora", res)
+    state = run.ct_state()
+    return {"pyinfra": summary_of(res), "figures": figures, "server": state, "gpu_used_mib_after": run.gpu_now(),
+            "outcome": "served" if res["rc"] == 0 and state.get("health") == 200 else "failed"}
+
+
 def step_status(run: Run) -> dict:
     res = run.pyinfra("runbooks/status.py", flags=dict(run.flags_base, **{"kv-cache-dtype": P["fp8"]}), timeout=90)
     # exit status 1 means: some row is not as desired (here: the rollback runbook left the fleet's flags)
@@ -679,6 +757,20 @@ def report(doc: dict) -> str:
             name, f.get("pyinfra_wall_s"), ph.get("drain"), ph.get("kill"), ph.get("gate"), ph.get("load"),
             ph.get("verify"), f.get("release_after_exit_s"), f.get("gate_overhead_s"),
             f.get("tool_overhead_beyond_drain_and_load_s")))
+    live = [(n, s) for n, s in doc.get("steps", {}).items() if "client" in s]
+    if live:
+        lines += ["", "| live step | outcome | --dry | pid kept | pyinfra wall s | live apply s | live verify s | "
+                      "GPU MiB before -> after | client requests | failed | longest gap without an answer s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name, step in live:
+            c = step["client"]
+            spans = {sp["step"]: sp["s"] for sp in (step.get("figures") or {}).get("spans") or []}
+            dry = (step.get("dry_path") or "").split("path:")[-1].strip()
+            lines.append(f"| {name} | {step.get('outcome')} | {dry} | {step.get('main_pid_kept')} | "
+                         f"{(step.get('applied') or {}).get('wall_s')} | {spans.get('live_apply')} | "
+                         f"{spans.get('live_verify')} | {step.get('gpu_used_mib_before')} -> "
+                         f"{step.get('gpu_used_mib_after')} | {c['requests']} | {c['failed']} | "
+                         f"{c.get('longest_gap_without_an_answer_s')} |")
     for name in ("4_seeds_kill_chain", "4b_meant_kill_chain"):
         step = doc.get("steps", {}).get(name) or {}
         if "chain" in step:
@@ -703,6 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPUGATE_E2E_BUDGET_S", "480")))
     parser.add_argument("--no-meant-chain", action="store_true", help="skip the second kill chain")
     parser.add_argument("--engine", choices=sorted(PROFILES), default="sglang", help="the engine the lab serves")
+    parser.add_argument("--live", action="store_true", help="the live changes of issue 34 instead of steps 2-8")
     parser.add_argument("--cpu-real", metavar="VENV", help="rehearse the stand-in's real mode on the CPU "
                                                           "(VENV has torch); the GPUs stay simulated")
     args = parser.parse_args(argv)
@@ -722,19 +815,26 @@ def main(argv: list[str] | None = None) -> int:
         if lab.get("outcome") != "done":
             return 1
         run.step("0_poller", start_poller, run, min_left_s=0)
-        run.step("1_deploy", step_deploy, run)
-        run.step("2_flag_change", step_flag_change, run)
-        run.step("3_converged", step_converged, run)
-        if ENGINE == "vllm":
-            run.step("4_sigkill_api_server", step_sigkill_api_server, run, min_left_s=90)
+        if args.live:
+            run.step("1_deploy_lora", step_lora_deploy, run)
+            run.step("9_live_adapter_added", live_step, run, "9_live_adapter_added", {"a": LORA_A, "b": LORA_B}, MODEL_V1)
+            run.step("10_live_weights", live_step, run, "10_live_weights", {"a": LORA_A, "b": LORA_B}, MODEL_V2)
+            run.step("11_restart_for_comparison", live_step, run, "11_restart_for_comparison", {"a": LORA_A, "b": LORA_B},
+                     MODEL_V2, dict(run.flags_base, **{"kv-cache-dtype": P["fp8"]}))
         else:
-            run.step("4_seeds_kill_chain", step_kill_chain, run, SEEDS_CHAIN, "seeds", min_left_s=90)
-        if not args.no_meant_chain and ENGINE != "vllm":
-            run.step("4b_meant_kill_chain", step_kill_chain, run, MEANT_CHAIN, "meant", min_left_s=150)
-        run.step("5_foreign_memory", step_foreign, run, min_left_s=60)
-        run.step("6_crash_rollback", step_crash_rollback, run, min_left_s=60)
-        run.step("7_rollback_runbook", step_rollback_runbook, run, min_left_s=45)
-        run.step("8_status_runbook", step_status, run, min_left_s=10)
+            run.step("1_deploy", step_deploy, run)
+            run.step("2_flag_change", step_flag_change, run)
+            run.step("3_converged", step_converged, run)
+            if ENGINE == "vllm":
+                run.step("4_sigkill_api_server", step_sigkill_api_server, run, min_left_s=90)
+            else:
+                run.step("4_seeds_kill_chain", step_kill_chain, run, SEEDS_CHAIN, "seeds", min_left_s=90)
+            if not args.no_meant_chain and ENGINE != "vllm":
+                run.step("4b_meant_kill_chain", step_kill_chain, run, MEANT_CHAIN, "meant", min_left_s=150)
+            run.step("5_foreign_memory", step_foreign, run, min_left_s=60)
+            run.step("6_crash_rollback", step_crash_rollback, run, min_left_s=60)
+            run.step("7_rollback_runbook", step_rollback_runbook, run, min_left_s=45)
+            run.step("8_status_runbook", step_status, run, min_left_s=10)
     finally:
         summarize(run)
         if run.poller:
