@@ -280,6 +280,17 @@ def install_stdin() -> str:
     return json.dumps({"agent_source": agent_source()}, separators=(",", ":"))
 
 
+def canary_record_command(port: int) -> str:
+    """Write the canary's record of the server on ``port`` (its JSON on stdin: figures and verdict, no
+    secret) where the observe reads it (``/var/lib/gpugate/canary-<port>.json``, 0600, replaced whole).
+
+    >>> canary_record_command(30000)  # doctest: +ELLIPSIS
+    'umask 077; mkdir -p /var/lib/gpugate && cat > /var/lib/gpugate/canary-30000.json.tmp && mv -f ...'
+    """
+    path = f"{STATE_DIR}/canary-{int(port)}.json"
+    return f"umask 077; mkdir -p {STATE_DIR} && cat > {path}.tmp && mv -f {path}.tmp {path}"
+
+
 def follow_command(python: str | None, run: str, offset: int = 0, wait_s: float = 3.0, batch: bool = False) -> str:
     """The run's journal events from byte ``offset``, waiting up to ``wait_s`` for new ones or
     the end: ``{"events", "offset", "active", "ended", "outcome", "reasons", "message"}``.

@@ -27,13 +27,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = ["Page", "Window", "Policy", "Verdict", "Row", "parse", "histogram", "counter", "quantile", "window",
-           "pooled", "judge", "policy", "side_by_side", "progress_line"]
+           "pooled", "judge", "policy", "side_by_side", "progress_line", "soak"]
 
 # sample name -> [(labels, value)]: one page of /metrics, as the parser read it
 Page = dict[str, list[tuple[dict[str, str], float]]]
@@ -407,3 +408,67 @@ def progress_line(elapsed_s: float, soak_s: float, canary: Window, others: Windo
                 f"ITL p95 {_s(window.quantile('itl', 0.95))}")
     return (f"canary soak {elapsed_s:.0f}/{soak_s:g} s: canary {side(canary)}; others "
             + (side(others) if others is not None else "-"))
+
+
+PROGRESS_EVERY_S = 10.0  # the issue's bound: a line with the figures so far at least this often
+
+
+def _page(text: str | None) -> Page | None:
+    if text is None:
+        return None
+    try:
+        return parse(text)
+    except ValueError:
+        return None
+
+
+def soak(canary_url: str, other_urls: Sequence[str], roles: Mapping[str, Sequence[str]], rule: Policy,
+         read: Callable[[str], str | None], say: Callable[[str], None],
+         now: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+         stop: Callable[[], bool] = lambda: False) -> Verdict:
+    """Watch the canary and the unchanged replicas for ``rule.soak_s``: each server's /metrics
+    (``read(url)`` -> the page, None when it does not answer) at the start and at each look (at most
+    :data:`PROGRESS_EVERY_S` apart, a progress line each), then the verdict on the window. A server
+    that stops answering keeps its last page; ``stop()`` (an interrupt) ends the soak early.
+
+    >>> pages = {"c": iter(['r_total 0', 'r_total 120']), "o": iter(['r_total 0', 'r_total 240'])}
+    >>> clock = iter([0, 0, 5, 5, 5, 5])
+    >>> soak("c", ["o"], {"requests": ("r_total",)}, Policy(soak_s=5), lambda url: next(pages[url]), print,
+    ...      now=lambda: next(clock), sleep=lambda s: None).kind
+    canary soak 5/5 s: canary 120 requests, 0 failed, TTFT p95 -, ITL p95 -; others 240 requests, 0 failed, TTFT p95 -, ITL p95 -
+    'pass'
+    """
+    began = now()
+    first = {url: _page(read(url)) for url in [canary_url, *other_urls]}
+    if first[canary_url] is None:
+        return Verdict("no-baseline", [f"the canary's /metrics at {canary_url} cannot be read"], [], {}, {})
+    others = [url for url in other_urls if first[url] is not None]
+    if not others:
+        why = (f"none of the unchanged replicas' /metrics can be read ({', '.join(other_urls)}): they serve none "
+               f"until a change turns them on" if other_urls else "no other replica of its model in the router")
+        return Verdict("no-baseline", [why], [], {}, {})
+    last = dict(first)
+    running: dict[str, list[float]] = {url: [] for url in [canary_url, *others]}
+    interval = min(PROGRESS_EVERY_S, max(0.5, rule.soak_s / 4))
+
+    def windows() -> tuple[Window, Window]:
+        seconds = now() - began
+        sides = {url: window(first[url] or {}, last[url] or {}, roles, seconds, running[url]) for url in running}
+        return sides[canary_url], pooled([sides[url] for url in others])
+
+    while not stop():
+        elapsed = now() - began
+        if elapsed >= rule.soak_s:
+            break
+        sleep(min(interval, rule.soak_s - elapsed))
+        for url in running:
+            page = _page(read(url))
+            if page is not None:
+                last[url] = page
+                gauge = counter(page, roles.get("running", ()))
+                if gauge is not None:
+                    running[url].append(gauge)
+        canary, pool = windows()
+        say(progress_line(now() - began, rule.soak_s, canary, pool))
+    canary, pool = windows()
+    return judge(canary, pool, rule)

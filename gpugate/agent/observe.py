@@ -169,6 +169,7 @@ def observe(args: Doc) -> Doc:
     report["lock"] = lock
     report["transition"] = redactor.deep(journal.transition_summary(lock=lock))
     report["history"] = history.public_history(past, port)
+    report["canary"] = state.json_file(state.paths(port)["canary"])  # written by the controller: figures only
     report["engine"] = engine.ENGINE_NAME
     report["sglang_version"] = engine.engine_version()  # the engine's release, under the key observe always had
     try:

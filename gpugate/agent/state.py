@@ -206,7 +206,9 @@ def paths(port: int | str) -> Dict[str, str]:
             # the server's weight-cache daemons (gpugate.agent.weight_cache)
             "cache": "%s/weight-cache-%d.json" % (RUN_DIR, port), "cache_log": "%s/weight-cache-%d.log" % (LOG_DIR, port),
             "cache_unit": "/etc/systemd/system/sglang-weight-cache-%d.service" % port,
-            "cache_unit_name": "sglang-weight-cache-%d.service" % port}
+            "cache_unit_name": "sglang-weight-cache-%d.service" % port,
+            # the controller's canary of a rolling change on this server: under way, or its verdict (docs/canary.md)
+            "canary": "%s/canary-%d.json" % (STATE_DIR, port)}
 
 
 def read_pid_file(port: int) -> Dict[str, Any] | None:

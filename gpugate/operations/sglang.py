@@ -130,6 +130,8 @@ class Run(BaseStateCallback):
         self.left: dict[str, Left] = {}  # containers this run took out of their router, until back in
         self.interrupted: int | None = None  # the signal, while the containers it caught leaving are put back
         self.put_back_lines: list[str] = []  # what each put-back did, said when the last one ends
+        self.canaries: dict[str, str] = {}  # router -> its canary's verdict in this run (one canary per router)
+        self.canary_planned: dict[str, str] = {}  # router -> the container planned as its canary (--dry's line)
         self.printed = False
         self._claims: list[ServerClaim] | None = None
         self._routes: list[ServerRoute] | None = None
@@ -713,7 +715,159 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
     ok = _follow(host_obj, job, run, attached=False, watch=watch)
     if job.routing is not None:
         ok = _after_transition(host_obj, job, run, book.outcomes.get(name)) and ok
+        if ok and _canary_due(job, book.outcomes.get(name)):
+            ok = _canary(state, host_obj, job, run)
     return ok
+
+
+# ---------------------------------------------------------------- the canary (gpugate.canary, docs/canary.md)
+def _canary_lines(book: Run, name: str, routing: Routing) -> list[str]:
+    """The canary plan as ``--dry`` and the plan print it: which replica, how long, the thresholds.
+
+    >>> book = Run()
+    >>> r = Routing("gw", "http://g:1", "http://a:1", canary={"soak_s": 60.0, "min_requests": 50, "ttft_p95_ratio": 1.25,
+    ...     "itl_p95_ratio": 1.25, "error_ratio_points": 0.5, "throughput_ratio": 0.8, "preemption_ratio_points": 1.0,
+    ...     "proceed_on_low_traffic": False})
+    >>> _canary_lines(book, "@pct/pve1:129", r)[0]
+    'router gw: CANARY: this replica changes first and soaks 60 s under traffic, judged against the unchanged replicas (their /metrics, same window)'
+    >>> _canary_lines(book, "@pct/pve1:130", r)
+    ['router gw: canary @pct/pve1:129 soaks first; this replica changes after it passes (no soak of its own)']
+    """
+    from gpugate import canary  # noqa: PLC0415
+
+    first = book.canary_planned.setdefault(routing.router, name)
+    if first != name:
+        return [f"router {routing.router}: canary {first} soaks first; this replica changes after it passes "
+                f"(no soak of its own)"]
+    rule = canary.policy(routing.canary)
+    low = ("goes on (proceed_on_low_traffic: true)" if rule.proceed_on_low_traffic
+           else "rolls it back and stops (proceed_on_low_traffic: false)")
+    return [f"router {routing.router}: CANARY: this replica changes first and soaks {rule.soak_s:g} s under traffic, "
+            f"judged against the unchanged replicas (their /metrics, same window)",
+            f"router {routing.router}: canary limits: TTFT p95 at most {rule.ttft_p95_ratio:g}x, ITL p95 at most "
+            f"{rule.itl_p95_ratio:g}x, failed requests at most +{rule.error_ratio_points:g} points, preempted at most "
+            f"+{rule.preemption_ratio_points:g} points, tokens/s per running request at least {rule.throughput_ratio:g}x "
+            f"the others'; at least {rule.min_requests} requests each side, else too little traffic: {low}",
+            f"router {routing.router}: canary regression: back to its last good spec (verified, back in the router), "
+            f"the rolling change stops there (the rest not touched), exit non-zero"]
+
+
+def _canary_due(job: Job, outcome: str | None) -> bool:
+    """The first replica of a rolling change behind a router with a canary, verified and back in its
+    router: it soaks before the rest (one per router and run; a rollback, a first start, a cordoned
+    server never)."""
+    routing = job.routing
+    book = Run.of(state)
+    return bool(routing is not None and routing.canary and not routing.cordon and job.rolling and outcome == "verified"
+                and job.spec is not None and not job.restoring and job.plan.target is None
+                and job.plan.action == "restart" and routing.router not in book.canaries)
+
+
+def _canary(state: Any, host_obj: Any, job: Job, run: str) -> bool:
+    """Soak the canary against the unchanged replicas and act on the verdict: pass, the rest roll;
+    a regression (or too little traffic, unless proceed_on_low_traffic) rolls it back to its last good
+    spec (verified, back in the router) and stops the rolling change; no baseline: said, the rest roll."""
+    from gpugate import canary, router  # noqa: PLC0415 -- only a canary reads metrics
+
+    routing, book, name = job.routing, Run.of(state), host_obj.name
+    assert routing is not None and routing.canary is not None
+    rule = canary.policy(routing.canary)
+    roles = engine(routing.engine).canary_metrics
+    try:
+        peers = router.peers_of(routing)
+    except router.RouterError as error:
+        peers = []
+        _say(host_obj, job.port, f"canary: router {routing.router} did not list the others ({error})", error=True)
+    _say(host_obj, job.port, f"canary: soaking {rule.soak_s:g} s under the traffic router {routing.router} sends, "
+                             f"against {len(peers)} unchanged replica(s) ({', '.join(peers) or 'none'})")
+    _record_canary(host_obj, job, {"state": "soaking", "run": run, "router": routing.router, "soak_s": rule.soak_s,
+                                   "began": time.time(), "others": peers})
+    if not roles:
+        verdict = canary.Verdict("no-baseline", [f"{engine(routing.engine).label} names no metrics to judge by"],
+                                 [], {}, {})
+    else:
+        verdict = canary.soak(routing.worker_url, peers, roles, rule, router.metrics_page,
+                              lambda line: _say(host_obj, job.port, line), stop=lambda: book.interrupted is not None)
+    book.canaries[routing.router] = verdict.kind
+    lines = canary.side_by_side(verdict, f"{len(peers)} others") if verdict.rows else []
+    _audit(job, host_obj, "canary", "end", run=run, router=routing.router, **verdict.doc(),
+           thresholds=dict(routing.canary))
+    record = {"state": "ended", "run": run, "router": routing.router, "soak_s": rule.soak_s, "ended": time.time(),
+              **verdict.doc()}
+    if verdict.kind == "pass":
+        _say(host_obj, job.port, f"canary PASSED its {rule.soak_s:g} s soak: the rest of router {routing.router}'s "
+                                 f"replicas roll as planned")
+        for line in lines:
+            host_obj.log(line)
+        _record_canary(host_obj, job, record)
+        return True
+    if verdict.kind == "no-baseline":
+        _say(host_obj, job.port, f"canary: NO VERDICT ({'; '.join(verdict.reasons)}): the rolling change goes on "
+                                 f"without one", error=True)
+        _record_canary(host_obj, job, record)
+        return True
+    if verdict.kind == "low-traffic" and rule.proceed_on_low_traffic:
+        _say(host_obj, job.port, f"canary: TOO LITTLE TRAFFIC for a verdict ({'; '.join(verdict.reasons)}); "
+                                 f"proceed_on_low_traffic: true: the rolling change goes on", error=True)
+        for line in lines:
+            host_obj.log(line)
+        _record_canary(host_obj, job, record)
+        return True
+    word = ("canary REGRESSION" if verdict.kind == "regression" else
+            "canary: TOO LITTLE TRAFFIC for a verdict (min_requests " + str(rule.min_requests) + ")")
+    _say(host_obj, job.port, f"{word}: {'; '.join(verdict.reasons)}", error=True)
+    for line in lines:
+        host_obj.log_styled(line, fg="red" if verdict.kind == "regression" else "yellow", log_func=logger.error)
+    _say(host_obj, job.port, "canary: rolling it back to its last good spec (the rollback runbook's transition), "
+                             "then stopping the rolling change", error=True)
+    restored = _restore_canary(state, host_obj, job)
+    back = "rolled back to its last good spec (verified, back in the router)" if restored else \
+        "its rollback FAILED (see above)"
+    record["rolled_back"] = restored
+    _record_canary(host_obj, job, record)
+    if name not in book.failed:
+        book.failed.append(name)
+    how = "REGRESSION" if verdict.kind == "regression" else "too little traffic"
+    book.outcomes[name] = f"canary {how}: {back}"
+    if verdict.kind == "low-traffic":
+        _say(host_obj, job.port, "canary: send more traffic through the router during the soak, lengthen soak_s, "
+                                 "lower min_requests, or set proceed_on_low_traffic: true", error=True)
+    return False
+
+
+def _restore_canary(state: Any, host_obj: Any, job: Job) -> bool:
+    """The canary back to the newest good spec of its history that differs from the one it runs (the
+    rollback runbook's plan, ``restore_previous``): leave, drain, the agent's transition, verify,
+    rejoin. True when it ended verified and back in its router."""
+    book = Run.of(state)
+    desired = job.desired
+    assert desired is not None
+    observed_args = {key: value for key, value in job.observe_args.items() if key in ("port", "engine")}
+    observation, trouble = _observe(host_obj, job.python, observed_args)
+    if trouble or observation is None:
+        _say(host_obj, job.port, f"canary: its rollback could not observe the container: {trouble}", error=True)
+        return False
+    planned = dataclasses.replace(desired, spec=None, rollback_to=1)
+    plan = make_plan(observation, planned, restoring=True, executing=True)
+    if plan.problems or plan.target is None:
+        _say(host_obj, job.port, "canary: no good spec to roll back to: " + "; ".join(plan.problems or plan.reasons),
+             error=True)
+        return False
+    for line in plan_lines(plan, job.port):
+        host_obj.log(line)
+    back = Job(plan, None, job.port, job.python, job.budgets, observation, job.audit_log, False, job.max_failures,
+               False, [], _story(observation, plan, None), observe_args=observed_args, desired=planned, restoring=True,
+               routing=job.routing, desired_spec=job.spec)
+    ok = _execute(state, host_obj, back)
+    return ok and book.outcomes.get(host_obj.name) == "verified"
+
+
+def _record_canary(host_obj: Any, job: Job, record: Mapping[str, Any]) -> None:
+    """Where the status reads it (the container's state dir: gpugate.agent.observe reports it);
+    a record that cannot be written is said, never a failure of the change."""
+    ran, _answer, trouble = _run(host_obj, agentcmd.canary_record_command(job.port), stdin=json.dumps(record))
+    if trouble or not ran:
+        _say(host_obj, job.port, f"canary: its record could not be written in the container ({trouble})")
 
 
 def _apply_live(host_obj: Any, job: Job) -> bool:
@@ -1675,6 +1829,8 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
             yield from _refuse(f"{label} REFUSED, nothing touched: {preflight.problem}", port)
             return
         router_lines = preflight.lines(routing, budget["drain_timeout_s"])
+        if routing.canary and not routing.cordon and plan.action == "restart" and not restoring:
+            router_lines += _canary_lines(book, host.name, routing)
     if show:
         for line in lines:
             host.log(line)

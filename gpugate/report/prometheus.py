@@ -35,6 +35,9 @@ def status_prometheus(rows: Sequence[Mapping[str, Any]]) -> str:
         "gpugate_sglang_router_healthy": ("1 when its router lists it healthy and ready (label router)", []),
         "gpugate_sglang_router_cordoned": ("1 when it is declared out of its router (router_cordon: true; "
                                            "label router): listed 0 is then as desired", []),
+        "gpugate_sglang_canary_soaking": ("1 while a canary soaks on this server (docs/canary.md; label router)", []),
+        "gpugate_sglang_canary_last_verdict": ("1 for the verdict of the server's last canary (labels verdict, "
+                                               "router): pass, regression, low-traffic, no-baseline", []),
         "gpugate_weight_cache_ready": ("1 when the server's weight-cache daemons serve on every GPU (label key)", []),
         "gpugate_weight_cache_used_mib": ("GPU memory a weight-cache daemon holds (labels gpu, pid)", []),
     }
@@ -60,6 +63,13 @@ def status_prometheus(rows: Sequence[Mapping[str, Any]]) -> str:
             metrics["gpugate_sglang_router_listed"][1].append(f"{{{routed}}} {int(bool(view.get('listed')))}")
             metrics["gpugate_sglang_router_healthy"][1].append(f"{{{routed}}} {int(bool(view.get('healthy')))}")
             metrics["gpugate_sglang_router_cordoned"][1].append(f"{{{routed}}} {int(bool(view.get('cordoned')))}")
+        canary = row.get("canary") or {}
+        if canary:
+            routed = f'{labels},router="{_label(canary.get("router") or "")}"'
+            metrics["gpugate_sglang_canary_soaking"][1].append(f"{{{routed}}} {int(canary.get('state') == 'soaking')}")
+            if canary.get("verdict"):
+                metrics["gpugate_sglang_canary_last_verdict"][1].append(
+                    f'{{{routed},verdict="{_label(canary["verdict"])}"}} 1')
         cache = row.get("weight_cache") or {}
         if cache:
             key = _label(str((cache.get("key") or {}).get("id") or ""))

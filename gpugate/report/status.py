@@ -64,6 +64,8 @@ class StatusRow(TypedDict, total=False):
     weight_cache_text: str  # "key 3f2a9c0d: GPU0 pid 45 12000 MiB, ...", "-"
     mapped_gpus: list[int]  # the GPUs the Proxmox node passes into the container (gpugate.proxmox); absent: not known
     mapped: str        # the same as device nodes: "/dev/nvidia0-1", "none"
+    canary: dict[str, Any]  # the canary of a rolling change on this server: under way or its verdict (docs/canary.md)
+    canary_text: str   # "soaking 40/120 s", "pass 3m ago", "REGRESSION, rolled back 1h ago"
 
 
 VERDICT_KINDS = {
@@ -83,7 +85,7 @@ STATUS_COLUMNS = [
     ("host", "HOST"), ("vmid", "VMID"), ("port", "PORT"), ("engine", "ENGINE"), ("verdict", "VERDICT"),
     ("server", "SERVER"), ("mapped", "MAPPED GPUS"),
     ("model", "MODEL"), ("router_text", "ROUTER"), ("gpu_mib", "GPU MiB"), ("holders", "GPU HOLDERS"),
-    ("weight_cache_text", "WEIGHT CACHE"), ("last_change", "LAST CHANGE"),
+    ("weight_cache_text", "WEIGHT CACHE"), ("canary_text", "CANARY"), ("last_change", "LAST CHANGE"),
 ]  # ENGINE, ROUTER, WEIGHT CACHE: shown only when a row runs another engine than the default, is
 #   routed, or has a weight cache, MAPPED GPUS only when a Proxmox node told them (render_status)
 
@@ -412,6 +414,52 @@ def router_view(desired: Desired) -> dict[str, Any] | None:
     return router.membership(routing, cached[1], cached[2])
 
 
+CANARY_LATE_S = 60.0  # a soak this long past its end without a verdict: its controller ended before one
+
+
+def canary_view(record: Mapping[str, Any] | None, now: float | None = None) -> dict[str, Any]:
+    """The container's canary record (written by the controller: gpugate.operations.sglang) as the
+    status keeps it: ``state`` soaking, ended or interrupted (a soak long past its end, no verdict).
+
+    >>> canary_view({"state": "soaking", "began": 100.0, "soak_s": 60}, now=400.0)["state"]
+    'interrupted'
+    >>> canary_view(None)
+    {}
+    """
+    if not isinstance(record, Mapping) or not record:
+        return {}
+    view = dict(record)
+    now = time.time() if now is None else now
+    began, soak_s = view.get("began"), view.get("soak_s")
+    if view.get("state") == "soaking" and isinstance(began, (int, float)) and isinstance(soak_s, (int, float)) \
+            and now > began + soak_s + CANARY_LATE_S:
+        view["state"] = "interrupted"
+    return view
+
+
+def canary_text(view: Mapping[str, Any] | None, now: float | None = None) -> str:
+    """The CANARY column.
+
+    >>> canary_text({"state": "soaking", "began": 100.0, "soak_s": 120}, now=140.0)
+    'soaking 40/120 s'
+    >>> canary_text({"state": "ended", "verdict": "regression", "rolled_back": True, "ended": 100.0}, now=280.0)
+    'REGRESSION, rolled back 3m ago'
+    """
+    if not view:
+        return "-"
+    now = time.time() if now is None else now
+    if view.get("state") == "soaking":
+        return f"soaking {max(0.0, now - float(view.get('began') or now)):.0f}/{view.get('soak_s')} s"
+    if view.get("state") == "interrupted":
+        return "soak interrupted (no verdict)"
+    word = {"pass": "pass", "regression": "REGRESSION", "low-traffic": "too little traffic",
+            "no-baseline": "no verdict"}.get(str(view.get("verdict")), str(view.get("verdict")))
+    if view.get("rolled_back") is not None:
+        word += ", rolled back" if view.get("rolled_back") else ", ROLLBACK FAILED"
+    ended = view.get("ended")
+    return f"{word} {age_text(now - ended)} ago" if isinstance(ended, (int, float)) else word
+
+
 def router_text(view: Mapping[str, Any] | None) -> str:
     """The ROUTER column.
 
@@ -541,7 +589,7 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
                        f"{when_text(transition.get('updated') or transition.get('at'))}")
         if transition.get("by"):
             last_change += f" by {transition['by']}"
-    return StatusRow(
+    row = StatusRow(
         host=host, vmid=vmid, port=int(server.get("port") or port), engine=desired.engine, kind=kind, ok=kind in OK_KINDS,
         verdict=_verdict(kind, why), desired=bool(present), up=running and serving,
         drifted=kind == "drifted", server=state, health=health,
@@ -551,6 +599,10 @@ def status_row(host: str, vmid: Any, observation: Mapping[str, Any], desired: De
         history=history_lines(server), good_specs=good_specs(server), problems=problems, router=dict(router or {}),
         router_text=router_text(router), weight_cache=dict(server.get("weight_cache") or {}),
         weight_cache_text=weight_cache_text(server.get("weight_cache")))
+    canary = canary_view(server.get("canary"))
+    if canary:  # only where a canary ran: the column and the JSON key stay out of other fleets' output
+        row["canary"], row["canary_text"] = canary, canary_text(canary)
+    return row
 
 
 def unreachable_row(host: str, vmid: Any, reason: str, desired: Desired) -> StatusRow:
@@ -571,6 +623,7 @@ def render_status(rows: Sequence[StatusRow]) -> str:
     # the ENGINE and ROUTER columns only in a fleet that has them: the table others parse stays as it was
     columns = [c for c in STATUS_COLUMNS if (c[0] != "router_text" or any(row.get("router") for row in rows))
                and (c[0] != "weight_cache_text" or any(row.get("weight_cache") for row in rows))
+               and (c[0] != "canary_text" or any(row.get("canary") for row in rows))
                and (c[0] != "mapped" or any(row.get("mapped") for row in rows))
                and (c[0] != "engine" or any(row.get("engine", DEFAULT_ENGINE) != DEFAULT_ENGINE for row in rows))]
     text = format_table(columns, rows)

@@ -43,14 +43,14 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from gpugate.router.smg import (NO_REDIRECTS, RouterError, SmgClient, healthy_peers, in_flight, rejoin_body, same_url,
-                                server_ready)
+from gpugate.router.smg import (NO_REDIRECTS, RouterError, SmgClient, _get, healthy_peers, in_flight, rejoin_body,
+                                same_url, server_ready)
 from gpugate.engine import get as engine_named
 from gpugate.rules import redact
 from gpugate.spec import Routing
 
 __all__ = ["Preflight", "RouterError", "client_for", "preflight", "identity_problem", "leave", "rejoin", "put_back",
-           "membership"]
+           "membership", "peers_of", "metrics_page"]
 
 POLL_S = 0.25
 IDENTITY_TIMEOUT_S = 10.0  # an info endpoint that asks the scheduler answers slowly under load
@@ -400,3 +400,21 @@ def membership(routing: Routing, workers: list[dict[str, Any]] | None, error: st
     if routing.cordon:  # smg sends a draining worker nothing: out, as declared
         state = "cordoned" if worker.get("status") == "draining" else "cordoned, still listed"
     return {**view, "state": state, "listed": True, "healthy": healthy, "worker_id": worker.get("id")}
+
+
+def peers_of(routing: Routing, client: SmgClient | None = None) -> list[str]:
+    """The worker URLs of the other healthy workers of this server's model in its router (a
+    canary's unchanged replicas); RouterError when the router does not answer."""
+    client = client or client_for(routing)
+    workers = client.workers()
+    mine = next((w for w in workers if same_url(w.get("url"), routing.worker_url)), None)
+    return healthy_peers(workers, (mine or {}).get("model_id"), routing.worker_url)
+
+
+def metrics_page(server_url: str, timeout: float = 5.0) -> str | None:
+    """The server's /metrics page (its engine's Prometheus text), None when it does not answer 200."""
+    try:
+        status, body = _get(server_url.rstrip("/") + "/metrics", timeout)
+    except (OSError, ValueError):
+        return None
+    return body.decode(errors="replace") if status == 200 else None

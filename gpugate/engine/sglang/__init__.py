@@ -41,7 +41,8 @@ class SGLang(ArgparseEngine):
         "ttft": ("sglang:time_to_first_token_seconds",),
         "itl": ("sglang:inter_token_latency_seconds",),
         "e2e": ("sglang:e2e_request_latency_seconds",),
-        "requests": ("sglang:num_requests_total",),
+        # num_requests_total counts the requests that finished, num_aborted_requests_total the others
+        "requests": ("sglang:num_requests_total", "sglang:num_aborted_requests_total"),
         "errors": (),
         "aborts": ("sglang:num_aborted_requests_total",),
         "preemptions": ("sglang:num_retracted_requests_total",),
