@@ -11,6 +11,8 @@ Everything installed is stdlib-only Python run by the container's /usr/bin/pytho
     usr/lib/python3/dist-packages/gpustat.py             (lab/gpugate_lab/standin/gpustat.py: a GPU monitor)
     usr/lib/python3/dist-packages/gpugate_sse.py         (lab/gpugate_lab/standin/_sse.py: the stand-ins'
                                                           streamed answers, server-sent events)
+    usr/lib/python3/dist-packages/gpugate_metrics.py     (lab/gpugate_lab/standin/_metrics.py: the
+                                                          stand-ins' Prometheus counters and histograms)
     usr/lib/python3/dist-packages/gpugate_standin.py     (lab/gpugate_lab/standin/_common.py: what the
                                                           stand-ins share: titles, memory, children, HTTP)
     usr/lib/python3/dist-packages/gpugate_standin_real.py  (lab/gpugate_lab/standin/_realgpu.py: their
@@ -142,6 +144,7 @@ def install_standins(dist: Path, versions: dict | None = None, lab_path: Path | 
     dist.mkdir(parents=True, exist_ok=True)
     _copy(LAB_DIR / "gpusim.py", dist / "gpugate_gpusim.py")
     _copy(LAB_DIR / "standin" / "_sse.py", dist / "gpugate_sse.py")  # every stand-in's streamed answers
+    _copy(LAB_DIR / "standin" / "_metrics.py", dist / "gpugate_metrics.py")  # and their /metrics
     _copy(LAB_DIR / "standin" / "_common.py", dist / "gpugate_standin.py")  # what the stand-ins share
     _copy(LAB_DIR / "standin" / "_realgpu.py", dist / "gpugate_standin_real.py")  # and on real GPUs
     for engine in STANDINS:

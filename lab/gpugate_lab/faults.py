@@ -25,6 +25,16 @@ when the behaviour matters, so a fault applies to a server that is already runni
   but its weights are NaN: every generation after it ends at once, as the engine ends a NaN sample
   (SGLang: empty text, ``finish_reason`` ``{"type": "stop", "matched": "NaN happened"}``) until other
   weights are loaded. With a path, loading the previous checkpoint back undoes it.
+- ``slow-decode=FACTOR`` (FACTOR > 0): every decoded token takes FACTOR x as long, the first too (time to
+  first token and inter-token latency both FACTOR x); simulated GPUs only.
+- ``error-rate=P`` (0 < P <= 1): a share P of the generation requests fail as the engine fails an
+  internal error (500, counted in its own error/abort metrics); /health stays 200. Evenly spread: the
+  first request passes for P < 1, P = 0.5 fails every second one.
+
+  Both apply to the NEXT server started in the container only (faults.json keeps ``{"value", "set_at"}``):
+  the first started after the fault was set claims it; a server already running and a later start (a
+  rollback to the old spec) are healthy. That is how a test says "the new spec is slower". Clearing ends
+  it in the server that has it too.
 
 Example: ``apply_fault(Path("/tmp/gpugate-lab"), "pve1", 129, "slow-start=30")``
 """
@@ -43,7 +53,13 @@ from typing import Dict, List, Optional, Tuple
 from gpugate_lab import gpusim
 
 FAULT_NAMES = ("ignore-sigterm", "orphan-worker", "stuck-memory", "foreign-holder", "crash-on-start",
-               "never-healthy", "slow-start=SECONDS", "weights-load-fails", "weights-cannot-generate")
+               "never-healthy", "slow-start=SECONDS", "weights-load-fails", "weights-cannot-generate",
+               "slow-decode=FACTOR", "error-rate=P")
+# faults of ONE server, the next started in the container: {fault: (what its value is, its check)}
+SERVER_FAULTS = {"slow-decode": ("a factor greater than 0 (slow-decode=FACTOR, e.g. slow-decode=3)",
+                                 lambda v: v > 0),
+                 "error-rate": ("a share of the requests greater than 0 and at most 1 (error-rate=P, e.g. "
+                                "error-rate=0.5)", lambda v: 0 < v <= 1)}
 # faults of a live weight update: bare, every checkpoint; =MODEL_PATH, that one only
 CHECKPOINT_FAULTS = ("weights-load-fails", "weights-cannot-generate")
 FOREIGN_HOLDER_MIB = 4096
@@ -83,17 +99,24 @@ def fault_names() -> str:
     """The faults as ``gpugate lab fault`` takes them, in one line (its help and its refusal).
 
     >>> fault_names().split(", ")[-1]
-    'weights-cannot-generate[=MODEL_PATH]'
+    'error-rate=P'
     """
     return ", ".join(f"{n}[=MODEL_PATH]" if n in CHECKPOINT_FAULTS else n for n in FAULT_NAMES)
 
 
 def parse_fault(name: str, clear: bool = False) -> Tuple[str, object]:
     """``"slow-start=5"`` -> ``("slow-start", 5.0)``; ``"ignore-sigterm"`` -> ``("ignore-sigterm", True)``;
-    ``"weights-load-fails=/opt/models/lab-model-v2"`` -> ``("weights-load-fails", "/opt/models/lab-model-v2")``.
+    ``"weights-load-fails=/opt/models/lab-model-v2"`` -> ``("weights-load-fails", "/opt/models/lab-model-v2")``;
+    ``"slow-decode=3"`` -> ``("slow-decode", 3.0)`` (apply_fault adds when it was set).
 
-    Raises ValueError naming the valid faults. When clearing, ``slow-start`` needs no value and
-    ``all`` clears every fault.
+    Raises ValueError naming the valid faults. When clearing, ``slow-start``, ``slow-decode`` and
+    ``error-rate`` need no value and ``all`` clears every fault.
+
+    >>> parse_fault("error-rate=0.25"), parse_fault("slow-decode", clear=True)
+    (('error-rate', 0.25), ('slow-decode', None))
+    >>> parse_fault("error-rate=1.5")
+    Traceback (most recent call last):
+    ValueError: fault error-rate takes a share of the requests greater than 0 and at most 1 (error-rate=P, e.g. error-rate=0.5), got 'error-rate=1.5'
     """
     key, eq, value = name.strip().partition("=")
     valid = "valid faults: " + fault_names()
@@ -106,6 +129,17 @@ def parse_fault(name: str, clear: bool = False) -> Tuple[str, object]:
             raise ValueError(f"fault {key} takes the absolute path of a model directory ({key}=MODEL_PATH), "
                              f"got {name!r}")
         return key, value.rstrip("/") or "/"
+    if key in SERVER_FAULTS:
+        if clear:
+            return key, None
+        what, valid_value = SERVER_FAULTS[key]
+        try:
+            number = float(value) if eq else float("nan")
+        except ValueError:
+            number = float("nan")
+        if not valid_value(number):  # NaN fails every check
+            raise ValueError(f"fault {key} takes {what}, got {name!r}")
+        return key, number
     if key == "slow-start":
         if clear:
             return key, None
@@ -257,6 +291,10 @@ def apply_fault(lab_dir: Path, host: str, vmid: int, name: str, clear: bool = Fa
         return f"{where}: {what} cleared" + (f" ({'; '.join(notes)})" if notes else "")
 
     real = _real_binding(lab_dir, host)
+    if real and key == "slow-decode":
+        raise FaultUnavailable(
+            "slow-decode is unavailable in a real-GPU lab (lab up --gpus real): it stretches the simulated "
+            "decode time, and a real model decodes at its own speed")
     if real and key == "stuck-memory":
         raise FaultUnavailable(
             "stuck-memory is unavailable in a real-GPU lab (lab up --gpus real): it needs the lab's simulated "
@@ -267,9 +305,14 @@ def apply_fault(lab_dir: Path, host: str, vmid: int, name: str, clear: bool = Fa
         held = [a for a in gpusim.list_allocations(gpu_dir) if a.get("ctl") == ctl] if ctl and gpu_dir.is_dir() else []
         value = {"holders": sorted({gpusim.holder_key(a.get("pidns"), a.get("pid")) for a in held}),
                  "set_at": time.time()}
+    if key in SERVER_FAULTS:  # the next server started in the container claims it (gpugate_standin)
+        value = {"value": value, "set_at": time.time()}
     faults[key] = value
     _write_faults(lab_dir, host, vmid, faults)
     note = ""
+    if key in SERVER_FAULTS:
+        return (f"{where}: fault {key}={value['value']:g} set (for the next server started in the container "
+                f"only; the one running now and any later start are healthy)")
     if key == "foreign-holder" and real:
         return f"{where}: fault foreign-holder set ({_start_real_foreign_holder(lab_dir, host, vmid, real)})"
     if key == "stuck-memory" and ctl and gpu_dir.is_dir():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import urllib.error
+import urllib.request
 
 import pytest
 from gpusim_helpers import (GPU_COUNT, HOST, TOTAL_MIB, VMID, free_port, http_status, installed,  # noqa: F401
@@ -19,6 +21,14 @@ def apply(sim, name, clear=False):
 
 def test_parse_fault_validates_names():
     assert faults.parse_fault("slow-start=2.5") == ("slow-start", 2.5)
+    assert faults.parse_fault("slow-decode=3") == ("slow-decode", 3.0)
+    assert faults.parse_fault("error-rate=0.25") == ("error-rate", 0.25)
+    assert faults.parse_fault("error-rate", clear=True) == ("error-rate", None)
+    for bad, said in (("slow-decode", "slow-decode=FACTOR"), ("slow-decode=0", "greater than 0"),
+                      ("slow-decode=fast", "slow-decode=FACTOR"), ("error-rate=0", "at most 1"),
+                      ("error-rate=1.5", "at most 1"), ("error-rate=nan", "error-rate=P")):
+        with pytest.raises(ValueError, match=said):
+            faults.parse_fault(bad)
     assert faults.parse_fault("orphan-worker") == ("orphan-worker", True)
     with pytest.raises(ValueError, match="valid faults: ignore-sigterm, orphan-worker"):
         faults.parse_fault("explode")
@@ -34,6 +44,8 @@ def test_apply_and_clear_write_the_containers_faults_file(sim):
     assert json.loads((sim.ctl_dir / "faults.json").read_text()) == {"slow-start": 7.0, "never-healthy": True}
     assert "cleared" in apply(sim, "slow-start", clear=True)
     assert gpusim.read_faults(sim.ctl_dir) == {"never-healthy": True}
+    apply(sim, "slow-decode=2.5")
+    assert gpusim.read_faults(sim.ctl_dir)["slow-decode"]["value"] == 2.5  # with its set_at: the next server's
     apply(sim, "all", clear=True)
     assert gpusim.read_faults(sim.ctl_dir) == {}
     with pytest.raises(ValueError):
@@ -162,3 +174,75 @@ def test_slow_start_keeps_the_port_closed_while_loading(sim, start_standin, mode
     per_gpu = int(TOTAL_MIB * 0.88) + 518
     wait_until(lambda: sim.all_used()[:2] == [per_gpu, per_gpu], what="schedulers loaded")
     assert http_status(s.port) == "refused"
+
+
+def _metrics(port: int) -> dict:
+    """SGLang's /metrics as prometheus_client's parser reads them: {(sample name, label items): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _value(samples: dict, name: str, **labels: str) -> float:
+    return sum(v for (n, items), v in samples.items() if n == name and set(labels.items()) <= set(items))
+
+
+def _ask(port: int, stream: bool) -> str:
+    """One 5-token answer: a streamed chat completion or a whole /generate; "ok" or what failed."""
+    if stream:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+        path = "/v1/chat/completions"
+    else:
+        body, path = {"text": "hi", "sampling_params": {"max_new_tokens": 5}}, "/generate"
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            text = resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return f"{exc.code} {exc.read().decode()}"
+    return "error event" if '"error"' in text else "ok"
+
+
+def test_slow_decode_and_error_rate_apply_to_the_next_server_only_and_show_in_its_metrics(sim, start_standin,
+                                                                                            model_dir):
+    """The next server started after slow-decode=4 and error-rate=0.5 decodes 4x slower (its time to
+    first token and inter-token latency histograms, as SGLang's /metrics carry them) and fails every
+    second request with SGLang's 500, counted as aborted, while /health stays 200; the server started
+    after it (a rollback) is healthy; clearing ends the fault in the running server too."""
+    assert "for the next server started in the container only" in apply(sim, "slow-decode=4")
+    apply(sim, "error-rate=0.5")
+    flags = ("--model-path", str(model_dir), "--enable-metrics")
+    env = {"SGLANG_STANDIN_TOKEN_S": "0.01"}
+    slow = start_standin(*flags, env=env)
+    wait_until(lambda: http_status(slow.port) == 200, what="the faulted server healthy")
+    healthy = start_standin(*flags, "--base-gpu-id", "1", env=env)  # started after it: not the fault's
+    order = (True, True, False, False) * 2
+    answers = [_ask(slow.port, stream) for stream in order]
+    assert http_status(slow.port) == 200
+    assert answers[0::2] == ["ok"] * 4, answers
+    assert answers[1] == answers[5] == "error event" and answers[3].startswith("500 "), answers
+    wait_until(lambda: http_status(healthy.port) == 200, what="the later server healthy")
+    assert [_ask(healthy.port, stream) for stream in order] == ["ok"] * 8
+
+    slow_m, healthy_m = _metrics(slow.port), _metrics(healthy.port)
+    assert _value(slow_m, "sglang:num_aborted_requests_total") == 4
+    assert _value(healthy_m, "sglang:num_aborted_requests_total") == 0
+    # a failed request is a finished one, with no token (the warmup's 8 tokens on each)
+    assert _value(slow_m, "sglang:num_requests_total") == _value(healthy_m, "sglang:num_requests_total") == 9
+    assert _value(slow_m, "sglang:http_responses_total", endpoint="/generate", status_code="500") == 2
+    assert _value(slow_m, "sglang:generation_tokens_total") == _value(healthy_m, "sglang:generation_tokens_total") - 4 * 5
+    for name in ("sglang:time_to_first_token_seconds", "sglang:inter_token_latency_seconds"):
+        mean = {}
+        for which, samples in (("slow", slow_m), ("healthy", healthy_m)):
+            mean[which] = _value(samples, name + "_sum") / _value(samples, name + "_count")
+        assert 2.5 < mean["slow"] / mean["healthy"] < 5.5, (name, mean)
+    # SGLang's buckets: the healthy server's 10 ms tokens in the first inter-token bucket above 0.01 s
+    assert _value(healthy_m, "sglang:inter_token_latency_seconds_bucket", le="0.015") >= 0.9 * _value(
+        healthy_m, "sglang:inter_token_latency_seconds_count")
+
+    apply(sim, "error-rate", clear=True)
+    assert [_ask(slow.port, False) for _ in range(2)] == ["ok", "ok"]  # cleared in the running server

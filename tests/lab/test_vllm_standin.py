@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,7 +142,9 @@ def test_a_bad_flag_exits_2_with_argparse_message_and_an_unknown_kv_cache_dtype_
 
 
 def test_one_gpu_binds_the_port_first_loads_in_engine_core_then_serves_and_streams(sim, start_vllm, model):
-    sim.set_faults({"slow-start": 60})  # held in its load until the fault is cleared
+    # held in its load until the fault is cleared; the third request fails (error-rate: this server's)
+    error_rate = {"error-rate": {"value": 0.34, "set_at": time.time()}}
+    sim.set_faults({"slow-start": 60, **error_rate})
     s = start_vllm("--kv-cache-dtype", "fp8")
     wait_until(lambda: sim.all_used() == [HELD_MIB, 0, 0, 0], what="EngineCore holding GPU 0")
     # the port is vLLM's from before the load (setup_server binds, uvicorn listens later): taken, yet refused
@@ -153,7 +156,7 @@ def test_one_gpu_binds_the_port_first_loads_in_engine_core_then_serves_and_strea
     assert cmdline(core)[0] == "VLLM::EngineCore" and s.children(core) == []  # one GPU: the uniprocess executor
     assert Path(f"/proc/{core}/comm").read_text().strip() == "VLLM::EngineCor"
     assert "vllm.entrypoints.cli.main" in cmdline(s.proc.pid)
-    sim.set_faults({})
+    sim.set_faults(error_rate)
     s.wait_healthy()
     tokens = int(re.search(r"GPU KV cache size: ([\d,]+) tokens", s.log()).group(1).replace(",", ""))
     metrics = urlopen_text(s.port, "/metrics")
@@ -179,8 +182,17 @@ def test_one_gpu_binds_the_port_first_loads_in_engine_core_then_serves_and_strea
     # without VLLM_ALLOW_RUNTIME_LORA_UPDATING vLLM mounts no adapter route
     assert post_answer(s.port, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/a"}) == (
         404, '{"detail": "Not Found"}')
-    assert re.search(r'^vllm:request_success_total\{[^}]*finished_reason="length"\} 2\.0$',
-                     urlopen_text(s.port, "/metrics"), re.M)
+    assert post_answer(s.port, "/v1/completions", {"prompt": "hi", "max_tokens": 2}) == (500, json.dumps(
+        {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}))
+    metrics = urlopen_text(s.port, "/metrics")
+    assert re.search(r'^vllm:request_success_total\{[^}]*finished_reason="length"\} 2\.0$', metrics, re.M)
+    assert re.search(r'^vllm:request_success_total\{[^}]*finished_reason="error"\} 1\.0$', metrics, re.M)
+    # the requests' histograms (vllm/v1/metrics/loggers.py): a first token each, then a latency per token
+    for name, count in (("time_to_first_token_seconds", 2), ("inter_token_latency_seconds", 4 + 1),
+                        ("e2e_request_latency_seconds", 3)):
+        assert re.search(r'^vllm:%s_count\{model_name="%s",engine="0"\} %d\.0$' % (name, model, count), metrics,
+                         re.M), name
+    assert re.search(r'^vllm:generation_tokens_total\{[^}]*\} 7\.0$', metrics, re.M)
 
 
 def test_two_gpus_a_sigkilled_api_server_leaves_engine_core_and_workers_holding_them(sim, start_vllm):

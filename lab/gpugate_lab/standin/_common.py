@@ -10,6 +10,11 @@
   ``CUDA_VISIBLE_DEVICES`` (:func:`physical_gpu`), allocations that lab fault ``stuck-memory`` keeps
   when it names this process (:class:`Memory`);
 - a load that lab fault ``slow-start`` lengthens, read again while loading (:func:`wait_load`);
+- the faults of ONE server, ``slow-decode=FACTOR`` and ``error-rate=P``: the first server started in the
+  container after the fault was set claims it, a later start (a rollback) runs healthy
+  (:class:`ServerFaults`);
+- the engines' Prometheus counters and histograms, without ``prometheus_client`` (``metrics``:
+  standin/_metrics.py, installed as ``gpugate_metrics``);
 - children that report ``READY``/``ERROR`` on stdout (:class:`Children`), the descendants of a
   process as psutil finds them (:func:`descendants`);
 - the HTTP plumbing: a threading server that can bind before it listens, a handler with uvicorn's
@@ -53,6 +58,10 @@ try:
     import gpugate_sse as sse
 except ImportError:
     from gpugate_lab.standin import _sse as sse  # type: ignore[no-redef]  # noqa: F401 -- for the stand-ins
+try:
+    import gpugate_metrics as metrics
+except ImportError:
+    from gpugate_lab.standin import _metrics as metrics  # type: ignore[no-redef]  # noqa: F401 -- for the stand-ins
 try:
     import gpugate_standin_real as real
 except ImportError:
@@ -247,6 +256,89 @@ def wait_load(started, load_s, slow_start, default_env):
         if left <= 0:
             return
         time.sleep(min(left, 0.05))
+
+
+# ---------------------------------------------------------------- one server's faults
+SERVER_FAULTS = ("slow-decode", "error-rate")
+
+
+def _claim_dir():
+    # the container's own /tmp (a tmpfs of its own); outside a container the ctl dir's id keeps labs apart
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), "gpugate-lab-claims")
+
+
+class ServerFaults:
+    """Lab faults ``slow-decode=FACTOR`` and ``error-rate=P`` (faults.json: ``{"value": V, "set_at":
+    epoch}``) apply to ONE server: the first started in the container after the fault was set. That
+    server claims it at its start (a file created once per fault and ``set_at`` in the container's
+    /tmp, so a claim ends with the container), and a later start, e.g. the rollback to the old spec,
+    finds it claimed and runs healthy: "the new spec is slower". The owner reads the fault again
+    (every 0.1 s at most), so clearing it ends it in the running server too; setting it again is a new
+    fault, for the next start.
+
+    ``owned``: {fault: set_at} a parent claimed for this server (vLLM's EngineCore gets its API
+    server's); None: claim now, as a server's main process.
+
+    >>> ServerFaults(owned={}).value("slow-decode") is None
+    True
+    """
+
+    def __init__(self, owned=None, started=STARTED):
+        self.owned = dict(owned) if owned is not None else self.claim(started)
+        self.lock = threading.Lock()
+        self.read_at, self.faults = 0.0, {}
+        self.share = 0.0  # error-rate: the share of failures owed so far
+
+    @staticmethod
+    def claim(started):
+        faults, owned = gpusim.read_faults(), {}
+        for name in SERVER_FAULTS:
+            fault = faults.get(name)
+            if not isinstance(fault, dict) or float(fault.get("set_at") or 0) > started:
+                continue
+            folder = _claim_dir()
+            os.makedirs(folder, exist_ok=True)
+            ctl = gpusim._ctl_id() or "noctl"
+            path = os.path.join(folder, "%s-%s-%r" % (ctl.replace(":", "_"), name, float(fault["set_at"])))
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            except FileExistsError:
+                continue  # an earlier server of this container had it
+            owned[name] = float(fault["set_at"])
+        return owned
+
+    def value(self, name):
+        """The fault's value while it is set and this server's; else None."""
+        if name not in self.owned:
+            return None
+        now = time.monotonic()
+        with self.lock:
+            if now - self.read_at > 0.1:
+                self.read_at, self.faults = now, gpusim.read_faults()
+            fault = self.faults.get(name)
+        if isinstance(fault, dict) and float(fault.get("set_at") or 0) == self.owned[name]:
+            return float(fault["value"])
+        return None
+
+    def slowdown(self):
+        """slow-decode's factor, 1.0 without it."""
+        return self.value("slow-decode") or 1.0
+
+    def fails_next(self):
+        """Does error-rate fail this request? Exactly a share P of the requests, spread evenly: the
+        failures owed so far grow by P per request and one is due at each whole number, so the first
+        request passes for P < 1 (a start's verify) and P = 0.5 fails every second one."""
+        p = self.value("error-rate")
+        if not p:
+            return False
+        with self.lock:
+            self.share += p
+            if self.share >= 1.0 - 1e-9:
+                self.share -= 1.0
+                return True
+        return False
 
 
 # ---------------------------------------------------------------- children

@@ -8,6 +8,6 @@ try:
 except ImportError:
     from gpugate_lab.standin import _common as common  # type: ignore[no-redef]
 
-gpusim, sse, real = common.gpusim, common.sse, common.real
+gpusim, sse, real, metrics = common.gpusim, common.sse, common.real, common.metrics
 
-__all__ = ["common", "gpusim", "real", "sse"]
+__all__ = ["common", "gpusim", "metrics", "real", "sse"]

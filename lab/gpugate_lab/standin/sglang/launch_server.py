@@ -43,8 +43,10 @@ What it copies from SGLang (shared/reference/sglang-lifecycle.md):
   last one with 0) until none is left, then the schedulers take ``$SGLANG_STANDIN_SCHEDULER_EXIT_S``
   (default 0; SGLang waits up to ``_SCHEDULER_EXIT_TIMEOUT_SECS`` = 15 s for them) before the tree is
   killed (an engine's own weight-cache daemons with it) and it exits 0.
-- /metrics (with ``--enable-metrics``, as SGLang mounts it): ``sglang:num_running_reqs`` and
-  ``sglang:num_queue_reqs``; /get_load; /ready (200 iff healthy, no generation); /version.
+- /metrics (with ``--enable-metrics``, as SGLang mounts it; sglang/_collector.py): the scheduler's
+  gauges, the tokenizer's counters and histograms of the requests served (time to first token,
+  inter-token latency, end-to-end latency, requests, tokens, aborts) timed as the answers are really
+  sent, and ``sglang:http_responses_total``; /get_load; /ready (200 iff healthy, no generation); /version.
 - a dead child (a scheduler SIGKILLed, ``fuser -k`` of the GPU device files from the Proxmox host):
   SGLang's SubprocessWatchdog notices within 1 s ("Subprocess scheduler_0 (pid=N) crashed with exit
   code -9. Triggering SIGQUIT for cleanup..."), the SIGQUIT handler ("It usually means one child
@@ -65,7 +67,10 @@ What it copies from SGLang (shared/reference/sglang-lifecycle.md):
 Lab faults ($GPUGATE_LAB_CTL/faults.json): ignore-sigterm (drains forever), crash-on-start (exit 1 with
 a traceback during load), never-healthy (/health stays 503), slow-start=S, orphan-worker and
 stuck-memory (in the workers), weights-load-fails[=PATH] and weights-cannot-generate[=PATH] (a live
-weight update's, sglang/_live.py).
+weight update's, sglang/_live.py); slow-decode=FACTOR (every token, the first too, takes FACTOR x as
+long) and error-rate=P (a share P of the generations, the warmup's never, fail with SGLang's 500 of a
+scheduler abort), both of ONE server: the first started since the fault was set (gpugate_standin's
+ServerFaults).
 
 Generation takes ``max_new_tokens x $SGLANG_STANDIN_TOKEN_S`` (default 0.002 s), so tests can keep a
 request in flight across a SIGTERM. ``"stream": true`` (http_server.py ``generate_request``,
@@ -91,7 +96,7 @@ import time
 import urllib.request
 
 import sglang
-from sglang import _capacity, _live, _real, _timing, _weights
+from sglang import _capacity, _collector, _live, _real, _timing, _weights
 from sglang._sim import common, gpusim, sse
 
 DEFAULT_MEM_FRACTION_STATIC = 0.88
@@ -294,8 +299,10 @@ def on_sigquit(signum, frame) -> None:
 
 
 class State:
-    def __init__(self, server_args: dict, live=None):
+    def __init__(self, server_args: dict, live=None, faults=None):
         self.server_args = server_args
+        self.faults = faults if faults is not None else common.ServerFaults(owned={})  # slow-decode, error-rate
+        self.metrics = _collector.TokenizerMetrics(server_args["served_model_name"])
         self.live = live or _live.Live(server_args, log)  # adapters and weights, changed while serving
         self.up = False
         self.draining = False
@@ -307,15 +314,14 @@ class State:
         self.real = None  # _real.RealWorkers in a real-GPU lab: generation is a real forward pass
 
     def metrics_text(self) -> str:
-        """SGLang's request gauges (observability/metrics_collector.py), labelled as it labels them;
-        the stand-in runs every request at once, so the queue is always empty."""
-        labels = '{engine_type="unified",model_name="%s",pp_rank="0",tp_rank="0"}' % self.server_args["served_model_name"]
-        return ("# HELP sglang:num_running_reqs The number of running requests.\n"
-                "# TYPE sglang:num_running_reqs gauge\n"
-                "sglang:num_running_reqs%s %.1f\n"
-                "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n"
-                "# TYPE sglang:num_queue_reqs gauge\n"
-                "sglang:num_queue_reqs%s 0.0\n" % (labels, self.live.running, labels))
+        """SGLang's /metrics (sglang/_collector.py): the scheduler's gauges (the stand-in runs every
+        request at once, so the queue is always empty), the tokenizer's counters and histograms of the
+        requests served, the HTTP answers."""
+        return self.metrics.text(self.live.running)
+
+    def token_s_now(self) -> float:
+        """The decode time of one token now: ``$SGLANG_STANDIN_TOKEN_S`` x lab fault slow-decode's factor."""
+        return self.token_s * self.faults.slowdown()
 
     def healthy(self) -> bool:
         if self.draining or not self.up:
@@ -361,19 +367,40 @@ class State:
         piece = " " + os.path.basename(adapter["lora_path"].rstrip("/")) if adapter else " lab"
         return {"text": piece * produced, "meta_info": meta}
 
-    def generate(self, rid: str, text: str, max_new_tokens: int, adapter=None) -> dict:
+    def _finish(self, clock, out: dict) -> dict:
+        if clock is not None:
+            meta = out["meta_info"]
+            self.metrics.finished(clock, meta["prompt_tokens"], meta["completion_tokens"], time.monotonic())
+        return out
+
+    def _observe(self, clock, produced: int) -> None:
+        if clock is not None:
+            self.metrics.output(clock, produced, time.monotonic())
+
+    def generate(self, rid: str, text: str, max_new_tokens: int, adapter=None, log_metrics: bool = True) -> dict:
         """The whole answer at once (a request without ``stream``): ``max_new_tokens`` x the decode
-        time per token ($SGLANG_STANDIN_TOKEN_S); through ``adapter`` (sglang/_live.py) when given."""
+        time per token ($SGLANG_STANDIN_TOKEN_S); through ``adapter`` (sglang/_live.py) when given.
+        Observed as SGLang sees it: an output every 50 tokens and at the end (sglang/_collector.py)."""
         began = time.monotonic()
+        clock = self.metrics.arrived(began) if log_metrics else None
         n = max(0, max_new_tokens)
         if self.live.nan and n:  # the first sample is out of the vocabulary: the request ends there
-            time.sleep(self.token_s)
-            return self._output(rid, text, 1, 1, began, adapter=adapter)
+            time.sleep(self.token_s_now())
+            self._observe(clock, 1)
+            return self._finish(clock, self._output(rid, text, 1, 1, began, adapter=adapter))
         if self.real is not None:
             out = self.real.generate(text, n)
-            return self._output(rid, text, len(out["ids"]), len(out["ids"]), began, out)
-        time.sleep(n * self.token_s)
-        return self._output(rid, text, n, n, began, adapter=adapter)
+            self._observe(clock, len(out["ids"]))
+            return self._finish(clock, self._output(rid, text, len(out["ids"]), len(out["ids"]), began, out))
+        produced = 0
+        while produced < n:
+            step = min(_collector.FORCE_STREAM_INTERVAL, n - produced)
+            time.sleep(step * self.token_s_now())
+            produced += step
+            self._observe(clock, produced)
+        if n == 0:
+            self._observe(clock, 0)
+        return self._finish(clock, self._output(rid, text, n, n, began, adapter=adapter))
 
     def decode(self, rid: str, text: str, max_new_tokens: int, adapter=None):
         """The answer token by token (a request with ``stream``): one output per decoded token at the
@@ -381,6 +408,7 @@ class State:
         output when nothing is to be decoded. In real mode the real generation runs first and its
         tokens follow at once."""
         began = time.monotonic()
+        clock = self.metrics.arrived(began)
         n = max(0, max_new_tokens)
         if self.live.nan and n:
             n = 1
@@ -388,13 +416,18 @@ class State:
         if real is not None:
             n = len(real["ids"])
         if n == 0:
-            yield self._output(rid, text, 0, 0, began, real)
+            self.metrics.output(clock, 0, time.monotonic())
+            yield self._finish(clock, self._output(rid, text, 0, 0, began, real))
             return
+        due = began
         for produced in range(1, n + 1):
             if real is None:
                 # to the token's due time, not a sleep per token: the rate holds whatever a write costs
-                time.sleep(max(0.0, began + produced * self.token_s - time.monotonic()))
-            yield self._output(rid, text, produced, n, began, real, adapter)
+                due += self.token_s_now()
+                time.sleep(max(0.0, due - time.monotonic()))
+            self.metrics.output(clock, produced, time.monotonic())
+            out = self._output(rid, text, produced, n, began, real, adapter)
+            yield self._finish(clock, out) if produced == n else out
 
 
 _CAPACITY = {}
@@ -499,8 +532,16 @@ def adapter_of(model: str, served: str):
     return model.split(":", 1)[1].strip() or None
 
 
+INTERNAL_ERROR = "Internal server error: the request failed in the scheduler (lab fault error-rate)."
+
+
 def make_handler(state: State):
     class Handler(common.Handler):
+        def access_log(self, code):
+            # the HTTP middleware's count of every answer (add_prometheus_track_response_middleware)
+            state.metrics.http_response(self.path.split("?")[0], code, self.command)
+            common.Handler.access_log(self, code)
+
         def do_GET(self):
             path = self.path.split("?")[0]
             sa = state.server_args
@@ -509,7 +550,7 @@ def make_handler(state: State):
                     return self._send(503, b"", "text/plain")
                 if path == "/health_generate":
                     with state.admitted() as rid, state.live.request(None):
-                        state.generate(rid, "health", 1)
+                        state.generate(rid, "health", 1, log_metrics=False)  # SGLang's log_metrics=False
                 return self._send(200, b"", "text/plain")
             if path in ("/get_server_info", "/server_info"):
                 info = dict(sa)
@@ -569,6 +610,8 @@ def make_handler(state: State):
                 text = str(body.get("prompt") or " ".join(str(m.get("content", "")) for m in body.get("messages", [])))
                 adapter = adapter_of(str(body.get("model") or ""), state.live.served_model_name) or body.get("lora_path")
             with state.admitted() as rid:
+                if state.up and state.faults.fails_next():  # not the warmup: it would leave /health 503
+                    return self._internal_error(path, rid, bool(body.get("stream")))
                 # the reader side of the model lock from here to the last byte (a weight update waits)
                 try:
                     held = state.live.request(adapter)
@@ -585,6 +628,31 @@ def make_handler(state: State):
                                                            out))
                 finally:
                     held.__exit__(None, None, None)
+
+        def _internal_error(self, path: str, rid: str, stream: bool) -> None:
+            """Lab fault error-rate: the scheduler aborts the request with 500 (a ``FINISH_ABORT`` of
+            INTERNAL_SERVER_ERROR, tokenizer_manager.py ``_wait_one_response``): without ``stream``
+            FastAPI's ``{"detail"}`` on /generate and the OpenAI ErrorResponse, 500; a stream gets that
+            last output (/generate) or the OpenAI error event, then [DONE]. Counted as a finished
+            request with no token and as an aborted one; /health stays 200."""
+            clock = state.metrics.arrived(time.monotonic())
+            state.metrics.finished(clock, 0, 0, time.monotonic())
+            state.metrics.abort()
+            log("Abort request %s: %s" % (rid, INTERNAL_ERROR))
+            error = {"object": "error", "message": INTERNAL_ERROR, "type": "InternalServerError", "param": None,
+                     "code": 500}
+            if not stream:
+                return self._send(500, {"detail": INTERNAL_ERROR} if path == "/generate" else error)
+            events = sse.EventStream(self)
+            events.start()
+            self.access_log(200)
+            finish = {"type": "abort", "message": INTERNAL_ERROR, "status_code": 500, "err_type": "InternalServerError"}
+            with contextlib.suppress(sse.ClientGone):
+                events.data({"text": "", "meta_info": {"id": rid, "finish_reason": finish, "prompt_tokens": 0,
+                                                       "completion_tokens": 0}}
+                            if path == "/generate" else {"error": error})
+                events.done()
+            return None
 
         def _refuse(self, path: str, message: str, stream: bool) -> None:
             """A request SGLang refuses (its ValueError): /generate's ``{"error": {"message"}}``, the
@@ -641,6 +709,7 @@ def make_handler(state: State):
                     stream.data(item)
                 stream.done()
             except sse.ClientGone:
+                state.metrics.abort()  # TokenizerManager.abort_request
                 log("Abort request %s: the client disconnected mid-stream." % rid)
 
     return Handler
@@ -810,6 +879,7 @@ def main(argv=None) -> int:
         log_traceback("_launch_subprocesses", str(exc))
         return 1
     faults = gpusim.read_faults()
+    server_faults = common.ServerFaults()  # slow-decode and error-rate: this start's, if it is the first since
     real = _real.lab_mode()  # None: the simulated GPUs; else real memory and a real model per rank
     try:
         config = gpusim.load_config()
@@ -861,7 +931,7 @@ def main(argv=None) -> int:
         workers.kill()
         return 1
 
-    state = State(server_args, live)
+    state = State(server_args, live, server_faults)
     if real:
         state.real = _real.RealWorkers([p for p, job in zip(workers.procs, plan) if job.get("real")])
     host, port = server_args["host"], int(server_args["port"])

@@ -44,6 +44,7 @@ What it copies:
 - endpoints: ``/health``, ``/ping``, ``/version``, ``/v1/models`` (id = the served model name, ``root``
   = the model, ``max_model_len``), ``/metrics`` (``vllm:num_requests_running``,
   ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:request_success_total``,
+  the requests' counters and histograms (vllm/_stats.py),
   ``vllm:cache_config_info`` with the cache config's fields as labels: ``block_size``,
   ``num_gpu_blocks``, ``kv_cache_size_tokens``, ...; vllm/v1/metrics/loggers.py), ``POST
   /v1/completions`` and ``/v1/chat/completions`` (``--api-key``: the ``/v1`` paths want ``Authorization:
@@ -62,7 +63,10 @@ What it copies:
 Lab faults ($GPUGATE_LAB_CTL/faults.json): crash-on-start and slow-start (in EngineCore's load),
 never-healthy (/health 503), ignore-sigterm (the SIGTERM is logged and nothing else happens: only
 SIGKILL ends the API server, and EngineCore outlives it), orphan-worker and stuck-memory (in the
-processes holding memory).
+processes holding memory); slow-decode=FACTOR and error-rate=P (EngineCore's: every token FACTOR x as
+long; a share P of the requests finished with ``FinishReason.ERROR``, answered 500 "Internal server error"
+or an error event in a stream, counted in ``vllm:request_success_total{finished_reason="error"}``), both
+of ONE server: the first started since the fault was set (gpugate_standin's ServerFaults).
 """
 
 import json
@@ -76,7 +80,7 @@ import traceback
 import uuid
 
 import vllm
-from vllm import _lab, _lora, _model
+from vllm import _lab, _lora, _model, _stats
 from vllm._lab import common, gpusim, sse
 
 SENSITIVE = frozenset({"api_key", "hf_token", "watermark_config"})
@@ -281,7 +285,7 @@ class State:
         self.runtime_lora = _lora.runtime_updating()
         self.lock = threading.Lock()
         self.active = 0
-        self.success = {}
+        self.stats = _stats.RequestStats(self.names[0])  # the requests' counters and histograms
         self.shutting_down = False
 
     def healthy(self):
@@ -303,11 +307,7 @@ class State:
                  "# TYPE vllm:num_requests_waiting gauge", "vllm:num_requests_waiting{%s} 0.0" % labels,
                  "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
                  "# TYPE vllm:kv_cache_usage_perc gauge", "vllm:kv_cache_usage_perc{%s} 0.0" % labels,
-                 "# HELP vllm:request_success_total Count of successfully processed requests.",
-                 "# TYPE vllm:request_success_total counter"]
-        for reason in ("stop", "length", "abort", "error", "repetition"):
-            lines.append('vllm:request_success_total{%s,finished_reason="%s"} %.1f'
-                         % (labels, reason, self.success.get(reason, 0)))
+                 self.stats.text().rstrip("\n")]
         lines += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
                   "# TYPE vllm:cache_config_info gauge",
                   "vllm:cache_config_info{%s} 1.0" % ",".join('%s="%s"' % (k, v) for k, v in cache)]
@@ -319,6 +319,7 @@ def error_body(message, kind, code):
 
 
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+GENERATION_ERROR = "Internal server error"  # GenerationError of a request finished with FinishReason.ERROR
 
 
 def make_handler(state):
@@ -403,9 +404,17 @@ def make_handler(state):
                 return self._send(200, answer, "text/plain; charset=utf-8")
             return self._send(status, answer)
 
-        def _outputs(self, q):
+        def _outputs(self, q, prompt_tokens=0):
+            """The engine's outputs for one request, observed as vLLM's output processor does
+            (vllm/_stats.py): an output per engine step, the finish by its reason."""
+            clock = state.stats.arrived(time.monotonic())
             while True:
                 out = q.get()
+                now = time.monotonic()
+                if out.get("n") and out.get("finish_reason") not in ("error", "abort"):
+                    state.stats.output(clock, now)
+                if out.get("finished"):
+                    state.stats.finished(clock, out.get("finish_reason"), prompt_tokens, out.get("n") or 0, now)
                 yield out
                 if out.get("finished") or out.get("dead") or out.get("closed"):
                     return
@@ -419,14 +428,15 @@ def make_handler(state):
 
         def _complete(self, rid, q, chat, prompt_tokens, served):
             text, done, reason = "", 0, None
-            for out in self._outputs(q):
+            for out in self._outputs(q, prompt_tokens):
                 if out.get("dead"):
                     return self._send(500, error_body(ENGINE_DEAD, "InternalServerError", 500))
                 if out.get("closed"):  # the engine is gone with the server: no answer
                     self.close_connection = True
                     return None
                 text, done, reason = text + out["delta"], out["n"], out.get("finish_reason")
-            state.success[reason] = state.success.get(reason, 0) + 1
+            if reason == "error":  # FinishReason.ERROR: serving.py raises GenerationError, a 500
+                return self._send(500, error_body(GENERATION_ERROR, "InternalServerError", 500))
             usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + done, "completion_tokens": done,
                      "prompt_tokens_details": None}
             if chat:
@@ -454,12 +464,15 @@ def make_handler(state):
                 if chat:
                     stream.data(chunk(rid, chat, [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                    "logprobs": None, "finish_reason": None}]))
-                for out in self._outputs(q):
+                for out in self._outputs(q, prompt_tokens):
                     if out.get("closed"):
                         self.close_connection = True  # the chunked body never ends: the client reads an error
                         return
                     if out.get("dead"):
                         stream.data(error_body(ENGINE_DEAD, "InternalServerError", 500))
+                        break
+                    if out.get("finish_reason") == "error":  # GenerationError in a stream: an error event
+                        stream.data(error_body(GENERATION_ERROR, "InternalServerError", 500))
                         break
                     done, reason = out["n"], out.get("finish_reason")
                     if chat:
@@ -469,8 +482,6 @@ def make_handler(state):
                     else:
                         stream.data(chunk(rid, chat, [{"index": 0, "text": out["delta"], "logprobs": None,
                                                        "finish_reason": reason, "stop_reason": None}]))
-                    if out.get("finished"):
-                        state.success[reason] = state.success.get(reason, 0) + 1
                 if include_usage:
                     stream.data(chunk(rid, chat, [], {"prompt_tokens": prompt_tokens,
                                                       "total_tokens": prompt_tokens + done,
@@ -534,7 +545,9 @@ def run_server(args):
         if problems:
             log_traceback("engine/arg_utils.py", 1890, "create_engine_config", problems[0])
             return 1
-        engine = EngineClient(engine_job(args, started, mode))
+        job = engine_job(args, started, mode)
+        job["server_faults"] = common.ServerFaults().owned  # slow-decode, error-rate: EngineCore applies them
+        engine = EngineClient(job)
         info = engine.wait_ready()
     except KeyboardInterrupt as exc:
         if engine is not None:

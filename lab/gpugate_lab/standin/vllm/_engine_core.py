@@ -198,8 +198,9 @@ class Executor:
 
 # ---------------------------------------------------------------- the engine
 class Engine:
-    def __init__(self, channel, executor, token_s):
-        self.channel, self.executor, self.token_s = channel, executor, token_s
+    def __init__(self, channel, executor, token_s, faults=None):
+        self.channel, self.executor, self.base_token_s = channel, executor, token_s
+        self.faults = faults if faults is not None else common.ServerFaults(owned={})  # slow-decode, error-rate
         self.state = Shutdown.RUNNING
         self.inputs = queue.Queue()
         self.running = {}
@@ -252,6 +253,9 @@ class Engine:
             if self.state != Shutdown.RUNNING:  # _reject_add_in_shutdown
                 self.abort_output(rid, 0)
                 return
+            if self.faults.fails_next():  # lab fault error-rate: the request fails in the engine
+                self.send({"type": "out", "rid": rid, "n": 0, "delta": "", "finished": True, "finish_reason": "error"})
+                return
             n = max(0, int(message.get("max_tokens") or 0))
             ids = self.executor.generate(real.encode(message.get("prompt") or ""), n) if self.executor.mode else None
             self.running[rid] = {"n": len(ids) if ids is not None else n, "done": 0, "ids": ids,
@@ -261,6 +265,11 @@ class Engine:
                 del self.running[rid]
         elif message.get("type") == "abort":
             self.running.pop(message.get("rid"), None)
+
+    @property
+    def token_s(self):
+        """The decode time of one token: ``$VLLM_STANDIN_TOKEN_S`` x lab fault slow-decode's factor."""
+        return self.base_token_s * self.faults.slowdown()
 
     def step(self):
         """One token for every running request, at its due time."""
@@ -344,7 +353,8 @@ def main():
         _lab.exception("core.py:1586", "EngineCore failed to start.", exc)
         executor.workers.kill()
         sys.exit(1)
-    engine = Engine(channel, executor, _lab.seconds("VLLM_STANDIN_TOKEN_S", 0.002))
+    engine = Engine(channel, executor, _lab.seconds("VLLM_STANDIN_TOKEN_S", 0.002),
+                    common.ServerFaults(owned=job.get("server_faults") or {}))
     if requested:
         engine.state = Shutdown.REQUESTED
     engine.send({"type": "ready", "num_gpu_blocks": blocks, "block_size": plan["block_size"], "kv_cache_tokens": tokens,

@@ -15,7 +15,7 @@ try:
 except ImportError:
     from gpugate_lab.standin import _common as common  # type: ignore[no-redef]
 
-gpusim, sse, real = common.gpusim, common.sse, common.real
+gpusim, sse, real, metrics = common.gpusim, common.sse, common.real, common.metrics
 
 # vllm/utils/system_utils.py set_process_title: "{VLLM_PROCESS_NAME_PREFIX}::{name}"
 TITLE_PREFIX = os.environ.get("VLLM_PROCESS_NAME_PREFIX") or "VLLM"
