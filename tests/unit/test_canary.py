@@ -1,0 +1,206 @@
+"""The canary's judgement (gpugate.canary, docs/canary.md): SGLang's /metrics pages of a canary and
+its unchanged replicas at the start and end of a soak (tests/unit/data/canary_sglang.json: the
+pages as SGLang's collector.py writes them, with its default buckets) give the verdict an operator
+expects; the quantiles are Prometheus' histogram_quantile; the setting is checked before anything."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from gpugate import canary
+from gpugate.engine import get as engine
+from gpugate.fleet import FleetError, fleet_to_inventory, parse_fleet
+from gpugate.settings import SettingsError, validated_settings
+from gpugate.spec import desired_state
+
+DATA = json.loads((Path(__file__).parent / "data" / "canary_sglang.json").read_text())
+SGLANG = engine("sglang").canary_metrics
+
+
+def verdict_of(case):
+    seconds = DATA["soak_s"]
+    mine = canary.window(canary.parse(case["canary"]["start"]), canary.parse(case["canary"]["end"]), SGLANG, seconds)
+    others = canary.pooled([canary.window(canary.parse(side["start"]), canary.parse(side["end"]), SGLANG, seconds)
+                            for side in case["others"]])
+    return canary.judge(mine, others, canary.policy(DATA["policy"]))
+
+
+@pytest.mark.parametrize("name", sorted(DATA["cases"]))
+def test_the_verdict_on_sglang_pages(name):
+    case = DATA["cases"][name]
+    verdict = verdict_of(case)
+    assert verdict.kind == case["expect"]["kind"], (verdict.kind, verdict.reasons)
+    for words in case["expect"].get("reasons", []):
+        assert any(words in reason for reason in verdict.reasons), verdict.reasons
+    if verdict.kind == "pass":
+        assert not verdict.reasons
+
+
+def test_a_regression_shows_the_figures_side_by_side():
+    verdict = verdict_of(DATA["cases"]["a slow decode on the canary (3x inter-token latency) is a regression"])
+    table = "\n".join(canary.side_by_side(verdict, "2 others"))
+    itl = next(line for line in table.splitlines() if line.strip().startswith("ITL p95"))
+    assert "REGRESSION" in itl and "at most 1.25x" in itl
+    # the canary's p95 and the others' are both shown: 3x the decode time, as the buckets resolve it
+    c, o = (float(word) for word in itl.split() if word.replace(".", "").isdigit())
+    assert 2.5 < c / o < 4.5
+    assert "requests" in table and "150" in table
+    assert verdict.canary["itl_p95_s"] and verdict.others["requests"] == 300
+
+
+def test_the_window_counts_only_the_soak():
+    """A canary whose history before the soak was slow (5 s to the first token) is judged on the
+    window: the bucket deltas, not the counters since its start."""
+    case = DATA["cases"]["a slow history before the soak does not count against the canary"]
+    whole = canary.histogram(canary.parse(case["canary"]["end"]), "sglang:time_to_first_token_seconds")
+    assert canary.quantile(0.5, whole) > 4  # since start: the slow history dominates
+    assert verdict_of(case).canary["ttft_p95_s"] <= 0.4  # the window: 0.15-0.225 s, in the (0.2, 0.4] bucket
+
+
+def test_a_server_restarted_in_the_window_counts_from_zero():
+    start = canary.parse('r_total 500\nh_bucket{le="1.0"} 500\nh_bucket{le="+Inf"} 500\n')
+    end = canary.parse('r_total 20\nh_bucket{le="1.0"} 20\nh_bucket{le="+Inf"} 20\n')
+    window = canary.window(start, end, {"requests": ("r_total",), "ttft": ("h",)}, 10)
+    assert window.requests == 20 and window.histograms["ttft"] == {1.0: 20.0, math.inf: 20.0}
+
+
+def test_vllm_errors_and_aborts_are_read_by_their_finished_reason():
+    roles = engine("vllm").canary_metrics
+    page = canary.parse('vllm:request_success_total{engine="0",finished_reason="stop"} 90\n'
+                        'vllm:request_success_total{engine="0",finished_reason="length"} 4\n'
+                        'vllm:request_success_total{engine="0",finished_reason="abort"} 4\n'
+                        'vllm:request_success_total{engine="0",finished_reason="error"} 2\n')
+    window = canary.window({}, page, roles, 10)
+    assert (window.requests, window.failed, window.percent("failed")) == (100, 6, 6.0)
+
+
+def test_no_other_replica_is_no_baseline_and_a_page_that_is_no_page_is_refused():
+    assert canary.judge(canary.Window(5), None, canary.Policy()).kind == "no-baseline"
+    verdict = canary.soak("http://c", [], SGLANG, canary.Policy(soak_s=1), lambda url: "r 1\n", lambda line: None)
+    assert verdict.kind == "no-baseline" and "no other replica" in verdict.reasons[0]
+    with pytest.raises(ValueError, match="not a Prometheus text page"):
+        canary.parse("x{ 1\n")
+
+
+def test_a_soak_says_its_figures_at_each_look_and_never_more_than_10_s_apart():
+    clock = [0.0]
+    said: list[str] = []
+    looks: list[float] = []
+
+    def sleep(seconds):
+        looks.append(seconds)
+        clock[0] += seconds
+
+    canary.soak("http://c", ["http://o"], SGLANG, canary.Policy(soak_s=45, min_requests=0),
+                lambda url: DATA["cases"]["a canary like the others passes"]["canary"]["end"], said.append,
+                now=lambda: clock[0], sleep=sleep)
+    assert max(looks) <= canary.PROGRESS_EVERY_S and sum(looks) == pytest.approx(45)
+    assert len(said) == len(looks) and all(line.startswith("canary soak ") for line in said)
+    assert said[-1].startswith("canary soak 45/45 s")
+
+
+# ---------------------------------------------------------------- quantiles, for any histogram
+buckets = st.lists(st.floats(min_value=0.001, max_value=1e4, allow_nan=False), min_size=1, max_size=12, unique=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(bounds=buckets, counts=st.lists(st.integers(min_value=0, max_value=1000), min_size=13, max_size=13),
+       q=st.floats(min_value=0.01, max_value=1.0), r=st.floats(min_value=0.01, max_value=1.0))
+def test_a_quantile_lies_in_the_buckets_and_grows_with_q(bounds, counts, q, r):
+    bounds = sorted(bounds)
+    cumulative, total = {}, 0
+    for bound, count in zip(bounds + [math.inf], counts):
+        total += count
+        cumulative[bound] = float(total)
+    low, high = sorted((q, r))
+    a, b = canary.quantile(low, cumulative), canary.quantile(high, cumulative)
+    if total == 0:
+        assert a is None and b is None
+        return
+    assert 0 <= a <= b <= bounds[-1]
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(st.floats(min_value=0.0005, max_value=7.9), min_size=1, max_size=200))
+def test_the_quantile_of_a_histogram_brackets_the_true_one(values):
+    """The estimate lies in the bucket that holds the true quantile (Prometheus' promise)."""
+    bounds = [0.002, 0.004, 0.008, 0.02, 0.04, 0.1, 0.2, 0.4, 1.0, 2.0, 4.0, 8.0]
+    cumulative = {bound: float(sum(1 for v in values if v <= bound)) for bound in bounds}
+    cumulative[math.inf] = float(len(values))
+    ordered = sorted(values)
+    true = ordered[max(0, math.ceil(0.95 * len(values)) - 1)]
+    upper = next(bound for bound in bounds if true <= bound)
+    lower = max([0.0] + [bound for bound in bounds if bound < true])
+    assert lower - 1e-9 <= canary.quantile(0.95, cumulative) <= upper + 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(requests=st.integers(min_value=0, max_value=10_000), failed=st.integers(min_value=0, max_value=100),
+       spread=st.floats(min_value=0.001, max_value=5.0))
+def test_a_canary_that_behaves_as_the_others_never_regresses(requests, failed, spread):
+    page = canary.parse(f'r_total {requests}\na_total {min(failed, requests)}\n'
+                        f'h_bucket{{le="{spread}"}} {requests // 2}\nh_bucket{{le="{spread * 2}"}} {requests}\n'
+                        f'h_bucket{{le="+Inf"}} {requests}\n')
+    roles = {"requests": ("r_total",), "aborts": ("a_total",), "ttft": ("h",), "itl": ("h",)}
+    side = canary.window({}, page, roles, 60)
+    verdict = canary.judge(side, canary.pooled([side, side]), canary.Policy(min_requests=0))
+    assert verdict.kind == "pass", verdict.reasons
+
+
+# ---------------------------------------------------------------- the setting
+def test_the_setting_is_off_by_default_and_checked_before_anything():
+    assert desired_state({"sglang_model_path": "/m"}).routing is None
+    assert validated_settings({"canary": "off"}) == {"canary": None}
+    for value, words in (({"soak_s": 0}, "canary.soak_s: must be more than 0"),
+                         ({"ttft_p95_ratio": 0.9}, "canary.ttft_p95_ratio: a ratio"),
+                         ({"min_requests": -1}, "canary.min_requests: must not be negative"),
+                         ({"soak": 5}, "did you mean soak_s"),
+                         ("soak_s", "key=value pairs"), ([1], "expected a mapping")):
+        with pytest.raises(SettingsError, match=words):
+            validated_settings({"canary": value})
+
+
+@settings(max_examples=100, deadline=None)
+@given(key=st.text(min_size=1, max_size=20).filter(lambda k: k not in canary.Policy.__dataclass_fields__))
+def test_an_unknown_canary_key_is_refused_by_name(key):
+    with pytest.raises(SettingsError, match="canary"):
+        validated_settings({"canary": {key: 1}})
+
+
+ROUTED = {"sglang_model_path": "/m", "sglang_router": "gw", "router_endpoint": "http://127.0.0.1:1",
+          "sglang_router_url": "http://127.0.0.1:2"}
+
+
+def test_a_canary_adds_the_metrics_flag_makes_the_change_rolling_and_refuses_metrics_off():
+    desired = desired_state({**ROUTED, "canary": "soak_s=5,min_requests=10"})
+    assert desired.rolling and desired.routing.canary["soak_s"] == 5.0 and desired.routing.canary["min_requests"] == 10
+    assert "--enable-metrics" in desired.spec.argv
+    assert "--enable-metrics" not in desired_state(ROUTED).spec.argv
+    refused = desired_state({**ROUTED, "canary": True, "sglang_flags": {"enable-metrics": False}})
+    assert refused.spec is None and "--enable-metrics: a canary judges this server by its /metrics" in refused.problem
+
+
+def fleet(router=None, **top):
+    return {**top, "routers": {"gw": {"url": "http://127.0.0.1:30080", **(router or {})}},
+            "hosts": {"pve1": {"ssh": {"hostname": "10.0.0.5"}, "containers": {
+                129: {"sglang": {"model_path": "/m", "router": "gw", "router_url": "http://10.0.0.9:30000"}},
+                130: {"sglang": {"model_path": "/m", "port": 30001}}}}}}
+
+
+def test_fleet_yaml_top_level_and_a_routers_entry():
+    top = fleet_to_inventory(parse_fleet(fleet(canary={"soak_s": 30})))["pve_pve1"][0]
+    assert top[0][1]["canary"]["soak_s"] == 30.0 and top[1][1]["canary"]["soak_s"] == 30.0
+    routed = fleet_to_inventory(parse_fleet(fleet(canary={"soak_s": 30}, router={"canary": {"soak_s": 10}})))
+    data = dict(routed["pve_pve1"][0])
+    assert data["@pct/pve1:129"]["canary"]["soak_s"] == 10.0  # the router's entry over the top level
+    assert data["@pct/pve1:130"]["canary"]["soak_s"] == 30.0
+    assert desired_state(data["@pct/pve1:130"]).rolling is False  # not routed: no canary, no rolling of its own
+    with pytest.raises(FleetError, match=r"canary.*canary\.soak_s: expected a number"):
+        parse_fleet(fleet(canary={"soak_s": "two minutes"}))
+    with pytest.raises(FleetError, match=r"routers\.gw\.canary.*did you mean itl_p95_ratio"):
+        parse_fleet(fleet(router={"canary": {"itl_p95_ration": 2}}))
