@@ -205,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     fault.add_argument("name", help=faults.fault_names())
     _add_dir(fault, top_level=False)
+    traffic = sub.add_parser("traffic", help="send requests through a URL (smg's or a server's) for a while; "
+                                             "print sent/ok/failed and the TTFT the client saw")
+    traffic.add_argument("--url", required=True, help="the router's (or a server's) base URL, e.g. http://127.0.0.1:30080")
+    traffic.add_argument("--rate", type=float, required=True, help="requests a second")
+    traffic.add_argument("--seconds", type=float, required=True, help="how long to send")
+    traffic.add_argument("--stream-share", type=float, default=0.5,
+                         help="the share of streamed chat completions, 0..1 (default 0.5; the rest whole answers)")
+    traffic.add_argument("--model", default=None, help="the model to name (default: the first of /v1/models)")
+    _add_dir(traffic, top_level=False)
     ssh = sub.add_parser("ssh", help="ssh into a lab host (host key checked)")
     ssh.add_argument("host", help="the lab host, e.g. pve1")
     ssh.add_argument("command", nargs=argparse.REMAINDER, help="a command to run there (default: a login shell)")
@@ -297,6 +306,13 @@ def _lab(args: argparse.Namespace) -> int:
         _lab_host(lab_dir, args.host)
         print(faults.apply_fault(lab_dir, args.host, args.vmid, args.name, clear=args.clear))
         return 0
+    if args.action == "traffic":
+        from gpugate_lab import traffic  # noqa: PLC0415 -- the openai client, only for this action
+
+        if args.rate <= 0 or args.seconds <= 0 or not 0 <= args.stream_share <= 1:
+            raise ValueError(f"--rate and --seconds must be > 0 and --stream-share within 0..1 (got --rate "
+                             f"{args.rate:g}, --seconds {args.seconds:g}, --stream-share {args.stream_share:g})")
+        return traffic.main(args.url, args.rate, args.seconds, args.stream_share, args.model)
     if args.action == "ssh":
         argv_ssh = core.ssh_argv(lab_dir, _lab_host(lab_dir, args.host))
         if sys.stdin.isatty() and not args.command:

@@ -92,86 +92,17 @@ def server_info(router: dict, vmid: int) -> dict:
         return json.load(response)
 
 
-class Client:
-    """Requests through smg, continuously, bounded in count and in time, as real clients send them:
-    2 threads of SGLang's /generate and 1 of the real OpenAI client's chat completions, whole answers;
-    ``streams`` threads of the OpenAI client streaming chat completions of ``stream_tokens`` tokens
-    each (issue 32 item 3: most real clients stream, and a stream is the request a drain can cut). A
-    stream counts as served only when it is whole: every token, the finish reason, then [DONE] (a
-    stream cut short is an error or, through a gateway, an early end: both fail it). Prompts differ,
-    so smg spreads them over its workers."""
+def Client(url: str, streams: int = 2, stream_tokens: int = 60):
+    """Requests through smg, continuously, bounded in count and in time, as real clients send them (the
+    lab's client, gpugate_lab/traffic.py): 2 threads of SGLang's /generate and 1 of the real OpenAI
+    client's chat completions, whole answers; ``streams`` threads of the OpenAI client streaming chat
+    completions of ``stream_tokens`` tokens each (issue 32 item 3: most real clients stream, and a stream
+    is the request a drain can cut). A stream counts as served only when it is whole. Prompts differ, so
+    smg spreads them over its workers."""
+    from gpugate_lab.traffic import Traffic
 
-    def __init__(self, url: str, max_requests: int = 20000, max_s: float = 120.0, streams: int = 2,
-                 stream_tokens: int = 60):
-        import openai
-
-        self.url, self.max_requests, self.max_s, self.stream_tokens = url, max_requests, max_s, stream_tokens
-        self.ok, self.failed, self.errors = 0, 0, []
-        self.streams_ok, self.stream_s = 0, []  # whole streams, and how long each lasted
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.openai = openai.OpenAI(base_url=url + "/v1", api_key="lab", max_retries=0, timeout=30)
-        self.threads = [threading.Thread(target=self._loop, args=(send,), daemon=True)
-                        for send in [self._generate] * 2 + [self._chat] + [self._stream] * streams]
-        self.sent = 0
-
-    def _generate(self, prompt: str) -> str | None:
-        body = json.dumps({"text": prompt, "sampling_params": {"max_new_tokens": 20}}).encode()
-        request = urllib.request.Request(self.url + "/generate", data=body, headers={"content-type": "application/json"})
-        with urllib.request.urlopen(request, timeout=30) as response:
-            response.read()
-            return None if response.status == 200 else f"status {response.status}"
-
-    def _chat(self, prompt: str) -> str | None:
-        answer = self.openai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                                     max_tokens=20)
-        return None if answer.choices[0].message.content == " lab" * 20 else f"chat answer {answer.choices[0]!r}"
-
-    def _stream(self, prompt: str) -> str | None:
-        began, text, finish = time.monotonic(), [], None
-        for chunk in self.openai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                                         max_tokens=self.stream_tokens, stream=True):
-            if chunk.choices:
-                text.append(chunk.choices[0].delta.content or "")
-                finish = chunk.choices[0].finish_reason or finish
-        if "".join(text) != " lab" * self.stream_tokens or finish != "length":
-            return f"stream cut: {len(''.join(text)) // 4} of {self.stream_tokens} tokens, finish {finish!r}"
-        with self.lock:
-            self.streams_ok += 1
-            self.stream_s.append(time.monotonic() - began)
-        return None
-
-    def _loop(self, send) -> None:
-        import openai
-
-        began = time.monotonic()
-        while not self.stop.is_set() and time.monotonic() - began < self.max_s:
-            with self.lock:
-                if self.ok + self.failed >= self.max_requests:
-                    return
-                self.sent += 1
-                prompt = f"{os.urandom(4).hex()} hello {self.sent}"  # no shared prefix: spread over workers
-            try:
-                error = send(prompt)
-            except (urllib.error.URLError, OSError, openai.APIError) as exc:
-                error = f"{send.__name__}: {exc!r} ({exc.__cause__!r})"[:300]
-            with self.lock:
-                if error is None:
-                    self.ok += 1
-                else:
-                    self.failed += 1
-                    self.errors.append(error)
-
-    def __enter__(self) -> "Client":
-        for thread in self.threads:
-            thread.start()
-        time.sleep(0.5)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(timeout=40)
+    return Traffic(url, seconds=120.0, max_requests=20000, generate_threads=2, chat_threads=1,
+                   stream_threads=streams, stream_tokens=stream_tokens, answer_tokens=20, model=MODEL)
 
 
 def listed_healthy(router: dict) -> set[str]:
