@@ -131,7 +131,6 @@ class Run(BaseStateCallback):
         self.interrupted: int | None = None  # the signal, while the containers it caught leaving are put back
         self.put_back_lines: list[str] = []  # what each put-back did, said when the last one ends
         self.canaries: dict[str, str] = {}  # router -> its canary's verdict in this run (one canary per router)
-        self.canary_planned: dict[str, str] = {}  # router -> the container planned as its canary (--dry's line)
         self.printed = False
         self._claims: list[ServerClaim] | None = None
         self._routes: list[ServerRoute] | None = None
@@ -721,24 +720,26 @@ def _execute(state: Any, host: Any, job: Job) -> bool:  # noqa: A002 -- pyinfra 
 
 
 # ---------------------------------------------------------------- the canary (gpugate.canary, docs/canary.md)
-def _canary_lines(book: Run, name: str, routing: Routing) -> list[str]:
+def _canary_lines(name: str, routing: Routing, replicas: list[str]) -> list[str]:
     """The canary plan as ``--dry`` and the plan print it: which replica, how long, the thresholds.
+    ``replicas``: the router's replicas in this run, in the fleet's order, the order a rolling change
+    visits them (the plan of each container is made concurrently, so not "the first planned"): the
+    first of them that changes is the canary.
 
-    >>> book = Run()
     >>> r = Routing("gw", "http://g:1", "http://a:1", canary={"soak_s": 60.0, "min_requests": 50, "ttft_p95_ratio": 1.25,
     ...     "itl_p95_ratio": 1.25, "error_ratio_points": 0.5, "throughput_ratio": 0.8, "preemption_ratio_points": 1.0,
     ...     "proceed_on_low_traffic": False})
-    >>> _canary_lines(book, "@pct/pve1:129", r)[0]
+    >>> _canary_lines("@pct/pve1:129", r, ["@pct/pve1:129", "@pct/pve1:130"])[0]
     'router gw: CANARY: this replica changes first and soaks 60 s under traffic, judged against the unchanged replicas (their /metrics, same window)'
-    >>> _canary_lines(book, "@pct/pve1:130", r)
-    ['router gw: canary @pct/pve1:129 soaks first; this replica changes after it passes (no soak of its own)']
+    >>> print(_canary_lines("@pct/pve1:130", r, ["@pct/pve1:129", "@pct/pve1:130"])[0])
+    router gw: canary @pct/pve1:129 soaks first (the next in the fleet's order if it has nothing to change); this replica changes after it passes (no soak of its own)
     """
     from gpugate import canary  # noqa: PLC0415
 
-    first = book.canary_planned.setdefault(routing.router, name)
+    first = replicas[0] if replicas else name
     if first != name:
-        return [f"router {routing.router}: canary {first} soaks first; this replica changes after it passes "
-                f"(no soak of its own)"]
+        return [f"router {routing.router}: canary {first} soaks first (the next in the fleet's order if it has "
+                f"nothing to change); this replica changes after it passes (no soak of its own)"]
     rule = canary.policy(routing.canary)
     low = ("goes on (proceed_on_low_traffic: true)" if rule.proceed_on_low_traffic
            else "rolls it back and stops (proceed_on_low_traffic: false)")
@@ -750,6 +751,14 @@ def _canary_lines(book: Run, name: str, routing: Routing) -> list[str]:
             f"the others'; at least {rule.min_requests} requests each side, else too little traffic: {low}",
             f"router {routing.router}: canary regression: back to its last good spec (verified, back in the router), "
             f"the rolling change stops there (the rest not touched), exit non-zero"]
+
+
+def _replicas_in_order(router_name: str) -> list[str]:
+    """The containers of this run routed to ``router_name``, in the inventory's order (the order a
+    rolling change visits them: :meth:`Run.keep_fleet_order`)."""
+    routed = {route[0].rsplit(" :", 1)[0] for route in Run.of(state).desired_routes(state.inventory)
+              if route[1] == router_name}
+    return [h.name for h in state.inventory if h in state.active_hosts and h.name in routed]
 
 
 def _canary_due(job: Job, outcome: str | None) -> bool:
@@ -1830,7 +1839,7 @@ def server(desired: Desired | None = None, restore_previous: bool = False, **set
             return
         router_lines = preflight.lines(routing, budget["drain_timeout_s"])
         if routing.canary and not routing.cordon and plan.action == "restart" and not restoring:
-            router_lines += _canary_lines(book, host.name, routing)
+            router_lines += _canary_lines(host.name, routing, _replicas_in_order(routing.router))
     if show:
         for line in lines:
             host.log(line)
