@@ -241,6 +241,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Lab:
 LONGEST_MODULES = (  # measured: docs/testing.md (each module alone, 2026-12-04 evening; the router lab's
     # -n 5 share keeps it first)
     "tests/e2e/test_router_lab.py",
+    "tests/e2e/test_canary_lab.py",  # 60 s alone (2026-12-05): 7 routed restarts, 3 soaks of 3 s
     "tests/lab/test_agent_lab.py",
     "tests/e2e/test_transition_lab.py",
     "tests/e2e/test_runbooks_lab.py",
