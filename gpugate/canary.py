@@ -376,9 +376,14 @@ def judge(canary: Window, others: Window | None, rule: Policy) -> Verdict:
     rows += [row for row, _ in checks]
     rows.insert(2, Row("TTFT p50", _s(canary.quantile("ttft", 0.5)), _s(others.quantile("ttft", 0.5)), "", None))
     rows.insert(4, Row("ITL p50", _s(canary.quantile("itl", 0.5)), _s(others.quantile("itl", 0.5)), "", None))
-    if low:
-        return Verdict("low-traffic", low, rows, mine, theirs)
     reasons = [reason for _, reason in checks if reason]
+    if low:
+        if reasons and others.requests >= rule.min_requests:
+            # a router that balances by load sends a slower server fewer requests: "send more traffic"
+            # alone would hide what the few it served already show
+            low.append(f"the router sent it fewer than the others (a load-aware router does so to a slower server), "
+                       f"and what it served already breaks a limit: {'; '.join(reasons)}")
+        return Verdict("low-traffic", low, rows, mine, theirs)
     return Verdict("regression" if reasons else "pass", reasons, rows, mine, theirs)
 
 

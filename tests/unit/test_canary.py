@@ -53,6 +53,28 @@ def test_a_regression_shows_the_figures_side_by_side():
     assert verdict.canary["itl_p95_s"] and verdict.others["requests"] == 300
 
 
+def test_a_slower_canary_the_router_sent_fewer_requests_says_what_they_show():
+    """A load-aware router (smg) sends a slower server fewer requests: in the lab a 4x slower canary got
+    11 requests where each other got 38. Too few for a verdict, but the answer says that the others had
+    enough and what the few already show, not only "send more traffic"."""
+    slow = DATA["cases"]["a slow decode on the canary (3x inter-token latency) is a regression"]  # 150 vs 300
+    seconds = DATA["soak_s"]
+    mine = canary.window(canary.parse(slow["canary"]["start"]), canary.parse(slow["canary"]["end"]), SGLANG, seconds)
+    others = canary.pooled([canary.window(canary.parse(side["start"]), canary.parse(side["end"]), SGLANG, seconds)
+                            for side in slow["others"]])
+    verdict = canary.judge(mine, others, canary.policy({"soak_s": 60, "min_requests": 200}))
+    assert verdict.kind == "low-traffic", verdict
+    assert verdict.reasons[0] == "the canary served 150 request(s) in 60 s, under min_requests 200"
+    assert "the router sent it fewer than the others" in verdict.reasons[-1] and "ITL p95" in verdict.reasons[-1]
+    like = DATA["cases"]["a canary like the others passes"]
+    mine = canary.window(canary.parse(like["canary"]["start"]), canary.parse(like["canary"]["end"]), SGLANG, seconds)
+    others = canary.pooled([canary.window(canary.parse(side["start"]), canary.parse(side["end"]), SGLANG, seconds)
+                            for side in like["others"]])
+    alike = canary.judge(mine, others, canary.policy({"soak_s": 60, "min_requests": mine.requests + 1}))
+    assert alike.kind == "low-traffic" and others.requests > mine.requests, alike
+    assert not any("breaks a limit" in reason for reason in alike.reasons), alike.reasons
+
+
 def test_the_window_counts_only_the_soak():
     """A canary whose history before the soak was slow (5 s to the first token) is judged on the
     window: the bucket deltas, not the counters since its start."""
@@ -183,6 +205,20 @@ def test_a_canary_adds_the_metrics_flag_makes_the_change_rolling_and_refuses_met
     assert "--enable-metrics" not in desired_state(ROUTED).spec.argv
     refused = desired_state({**ROUTED, "canary": True, "sglang_flags": {"enable-metrics": False}})
     assert refused.spec is None and "--enable-metrics: a canary judges this server by its /metrics" in refused.problem
+
+
+def test_vllm_with_its_stats_off_is_refused_with_a_canary():
+    """vLLM v1 makes its Prometheus stat logger only with log stats on: --disable-log-stats leaves no
+    vllm:* metric to judge by. Refused with a canary (in flags or extra_args), kept without one."""
+    from gpugate.engine import FlagError, ServerInputs
+
+    vllm = engine("vllm")
+    for written in ({"flags": {"disable-log-stats": True}}, {"extra_args": ("--disable-log-stats",)}):
+        with pytest.raises(FlagError, match="--disable-log-stats: a canary judges this server by its /metrics"):
+            vllm.launch(ServerInputs(engine="vllm", model_path="/m", port=8001, metrics=True, **written), "0.33.0")
+    kept = vllm.launch(ServerInputs(engine="vllm", model_path="/m", port=8001, flags={"disable-log-stats": True}),
+                       "0.33.0")
+    assert "--disable-log-stats" in kept.argv
 
 
 def fleet(router=None, **top):

@@ -115,6 +115,12 @@ def build(inputs: ServerInputs, table: Any = None) -> Launch:
         for text in (value if isinstance(value, (list, tuple)) else [value]):
             if isinstance(text, str) and any(c in text for c in "\0\n\r"):
                 raise FlagError(name, "value must be one line (no newline, carriage return or NUL)")
+    if inputs.metrics and (normal.get("disable-log-stats") or (extras is not None and extras.flags.get("disable-log-stats"))):
+        # vLLM v1 makes its stat loggers, Prometheus' among them, only with log stats on (AsyncLLM:
+        # ``if self.log_stats``): its /metrics then has no vllm:* series for a canary to judge by
+        raise FlagError("disable-log-stats", "a canary judges this server by its /metrics, which has no vllm:* "
+                                             "metrics with it: leave disable-log-stats out or turn the canary off "
+                                             "(canary: off)")
     normal = live.lora_flags(normal, inputs.lora_adapters)
     normal, daemon_flags = with_weight_cache(normal, inputs.weight_cache, extras, table)
     # in-flight requests may finish within the drain budget; 0 (vLLM's default) would abort them
