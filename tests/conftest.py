@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from tests import warm_pyinfra
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # A machine may set PYTHONDONTWRITEBYTECODE (the machines this suite is run on here do). The suite then compiled
 # gpugate from source in every pyinfra run and every xdist worker re-rewrote every test module: about
@@ -166,8 +168,7 @@ class Lab:
 
     def pyinfra(self, *args: str, timeout: float = 300, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
         """Run the pyinfra CLI (non-interactive) against the lab, e.g. lab.pyinfra("inventory.py", "deploy.py")."""
-        return subprocess.run([pyinfra_exe(), "-y", *args], cwd=cwd, env=self.env(), capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
+        return warm_pyinfra.run(pyinfra_exe(), ["-y", *args], cwd=cwd, env=self.env(), timeout=timeout)
 
     def fault(self, host: str, vmid: int, name: str, clear: bool = False) -> str:
         from gpugate_lab import faults

@@ -13,6 +13,7 @@ import threading
 from typing import Callable, Iterable
 
 from gpugate.engine.sglang.weight_cache import steady_argv
+from tests import warm_pyinfra
 from tests.conftest import REPO_ROOT, Lab, poll, pyinfra_exe
 
 FLAGS = {"tp": 4}
@@ -52,9 +53,8 @@ def pyinfra(lab: Lab, args: Iterable[str], when: Iterable[tuple[str, Callable[[s
     """Run the pyinfra CLI against the lab, reading its output line by line; for each
     ``(text, action)`` in ``when``, ``action(process)`` runs once, as soon as a line contains text
     (e.g. kill the run while it drains, inject a fault when the rollback begins)."""
-    process = subprocess.Popen([pyinfra_exe(), *extra, *args], cwd=REPO_ROOT, env=lab.env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               stdin=subprocess.DEVNULL)
+    process = warm_pyinfra.popen(pyinfra_exe(), [*extra, *args], cwd=REPO_ROOT, env=lab.env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pending = list(when)
     lines: list[str] = []
     watchdog = threading.Timer(timeout, process.kill)
