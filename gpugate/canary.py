@@ -461,11 +461,13 @@ def soak(canary_url: str, other_urls: Sequence[str], roles: Mapping[str, Sequenc
         sides = {url: window(first[url] or {}, last[url] or {}, roles, seconds, running[url]) for url in running}
         return sides[canary_url], pooled([sides[url] for url in others])
 
+    looked = False
     while not stop():
         elapsed = now() - began
-        if elapsed >= rule.soak_s:
-            break
-        sleep(min(interval, rule.soak_s - elapsed))
+        if elapsed >= rule.soak_s and looked:  # at least one look after the start: reading the first
+            break                              # pages may outlast a short soak (a slow peer)
+        sleep(max(0.0, min(interval, rule.soak_s - elapsed)))
+        looked = True
         for url in running:
             page = _page(read(url))
             if page is not None:

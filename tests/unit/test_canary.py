@@ -240,3 +240,83 @@ def test_fleet_yaml_top_level_and_a_routers_entry():
         parse_fleet(fleet(canary={"soak_s": "two minutes"}))
     with pytest.raises(FleetError, match=r"routers\.gw\.canary.*did you mean itl_p95_ratio"):
         parse_fleet(fleet(router={"canary": {"itl_p95_ration": 2}}))
+
+
+def controller_canary(monkeypatch, case: str, **policy):
+    """The controller's canary step (gpugate.operations.sglang._canary) for one container, without
+    pyinfra's run, a router or a container: the router lists ``case``'s others, /metrics answers its
+    pages (the start, then the end), the rollback is recorded, not run."""
+    from types import SimpleNamespace
+
+    from gpugate import router
+    from gpugate.operations import sglang as ops
+    from gpugate.spec import Routing
+
+    pages = DATA["cases"][case]
+    book = ops.Run()  # this run's book, without its interrupt handlers
+    monkeypatch.setattr(ops, "state", SimpleNamespace(callback_handlers=[book]))
+    others = [f"http://o{i}:1" for i in range(len(pages["others"]))]
+    sides = {"http://a:1": pages["canary"], **dict(zip(others, pages["others"]))}
+    reads: dict[str, int] = {}
+
+    def metrics_page(url, *args, **kwargs):
+        reads[url] = reads.get(url, 0) + 1
+        return sides[url]["start" if reads[url] == 1 else "end"]
+
+    monkeypatch.setattr(router, "peers_of", lambda routing: others)
+    monkeypatch.setattr(router, "metrics_page", metrics_page)
+    out = SimpleNamespace(said=[], records=[], audit=[], restored=[], ops=ops, book=book)
+    monkeypatch.setattr(ops, "emit", lambda step, **fields: out.audit.append((step, fields)))
+    monkeypatch.setattr(ops, "_record_canary", lambda host_obj, job, record: out.records.append(dict(record)))
+
+    def restore(state, host_obj, job):
+        out.restored.append(host_obj.name)
+        book.outcomes[host_obj.name] = "verified"
+        return True
+
+    monkeypatch.setattr(ops, "_restore_canary", restore)
+    rule = {**canary.policy({}).__dict__, "soak_s": 0.01, **policy}  # one look: no waiting in a unit test
+    routing = Routing("gw", "http://g:1", "http://a:1", canary=rule)
+    out.host = SimpleNamespace(name="@pct/pve1:129", data={"pct_vmid": 129}, log=out.said.append,
+                               log_styled=lambda text, **_: out.said.append(text))
+    out.job = SimpleNamespace(routing=routing, port=30000, audit_log=None)
+    out.ok = ops._canary(ops.state, out.host, out.job, "R1")
+    return out
+
+
+def test_a_regression_rolls_the_canary_back_and_stops_the_rolling_change(monkeypatch):
+    run = controller_canary(monkeypatch, "a slow decode on the canary (3x inter-token latency) is a regression")
+    assert run.ok is False and run.restored == ["@pct/pve1:129"]
+    assert run.book.failed == ["@pct/pve1:129"]  # the rolling change stops on it (Run.stop_rolling)
+    assert run.book.outcomes["@pct/pve1:129"] == ("canary REGRESSION: rolled back to its last good spec (verified, "
+                                                  "back in the router)")
+    assert any(line.startswith("sglang :30000 canary REGRESSION: ITL p95") for line in run.said), run.said
+    assert any(line.strip().startswith("ITL p95") and line.rstrip().endswith("REGRESSION") for line in run.said)
+    assert run.records[0]["state"] == "soaking" and run.records[-1]["verdict"] == "regression"
+    assert run.records[-1]["rolled_back"] is True
+    event = next(fields for step, fields in run.audit if step == "canary")
+    assert event["verdict"] == "regression" and event["canary"]["requests"] == 150 and event["others"]["requests"] == 300
+
+
+def test_a_pass_lets_the_rest_roll_and_too_little_traffic_goes_on_only_when_told(monkeypatch):
+    run = controller_canary(monkeypatch, "a canary like the others passes")
+    assert run.ok is True and run.restored == [] and run.book.failed == [] and run.records[-1]["verdict"] == "pass"
+    assert any("canary PASSED its 0.01 s soak" in line for line in run.said), run.said
+    low = "too few requests on the canary is too little traffic"
+    run = controller_canary(monkeypatch, low, proceed_on_low_traffic=True)
+    assert run.ok is True and run.restored == [] and run.records[-1]["verdict"] == "low-traffic"
+    run = controller_canary(monkeypatch, low)
+    assert run.ok is False and run.restored == ["@pct/pve1:129"]
+    assert run.book.outcomes["@pct/pve1:129"].startswith("canary too little traffic: rolled back")
+
+
+def test_a_soak_looks_at_least_once_after_its_start():
+    """Reading the first pages (a slow peer) may outlast a short soak: the verdict still comes from
+    a look after the start, not from the start's pages twice (which read as no traffic at all)."""
+    import itertools
+
+    pages = {"c": iter(["r_total 0", "r_total 120"]), "o": iter(["r_total 0", "r_total 240"])}
+    clock = itertools.chain([0.0], itertools.repeat(10.0))  # the start's reads took 10 s of a 5 s soak
+    verdict = canary.soak("c", ["o"], {"requests": ("r_total",)}, canary.Policy(soak_s=5), lambda url: next(pages[url]),
+                          lambda line: None, now=lambda: next(clock), sleep=lambda s: None)
+    assert verdict.kind == "pass" and verdict.canary["requests"] == 120, verdict
