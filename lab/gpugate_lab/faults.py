@@ -18,6 +18,9 @@ when the behaviour matters, so a fault applies to a server that is already runni
 - ``never-healthy``: /health stays 503.
 - ``slow-start=SECONDS``: loading takes that long; read again while loading, so clearing it ends a load
   in progress (tests hold a server in its load this way: tests/conftest.py ``Lab.load_held``).
+- ``slow-weight-update=SECONDS``: a live weight update (``/update_weights_from_disk``) loads that long
+  instead of ``$SGLANG_STANDIN_WEIGHT_UPDATE_S``, read when the update begins (tests act while the
+  weights load: tests/e2e/test_live_changes_lab.py kills the engine there).
 - ``weights-load-fails[=MODEL_PATH]``: a live weight update (SGLang's ``/update_weights_from_disk``) of
   that checkpoint (of any, without a path) fails before a weight is written, as an unreadable checkpoint
   does: the engine answers its failure and keeps serving the weights it had.
@@ -53,7 +56,7 @@ from typing import Dict, List, Optional, Tuple
 from gpugate_lab import gpusim
 
 FAULT_NAMES = ("ignore-sigterm", "orphan-worker", "stuck-memory", "foreign-holder", "crash-on-start",
-               "never-healthy", "slow-start=SECONDS", "weights-load-fails", "weights-cannot-generate",
+               "never-healthy", "slow-start=SECONDS", "slow-weight-update=SECONDS", "weights-load-fails", "weights-cannot-generate",
                "slow-decode=FACTOR", "error-rate=P")
 # faults of ONE server, the next started in the container: {fault: (what its value is, its check)}
 SERVER_FAULTS = {"slow-decode": ("a factor greater than 0 (slow-decode=FACTOR, e.g. slow-decode=3)",
@@ -140,15 +143,15 @@ def parse_fault(name: str, clear: bool = False) -> Tuple[str, object]:
         if not valid_value(number):  # NaN fails every check
             raise ValueError(f"fault {key} takes {what}, got {name!r}")
         return key, number
-    if key == "slow-start":
+    if key in ("slow-start", "slow-weight-update"):
         if clear:
             return key, None
         try:
             seconds = float(value)
         except ValueError:
-            raise ValueError(f"fault slow-start needs seconds (slow-start=SECONDS), got {name!r}; {valid}") from None
-        if seconds < 0:
-            raise ValueError(f"fault slow-start needs a non-negative number of seconds, got {name!r}")
+            raise ValueError(f"fault {key} needs seconds ({key}=SECONDS), got {name!r}; {valid}") from None
+        if not seconds >= 0:
+            raise ValueError(f"fault {key} needs a non-negative number of seconds, got {name!r}")
         return key, seconds
     if key in FAULT_NAMES and not eq:
         return key, True

@@ -159,8 +159,12 @@ def test_a_failed_live_change_is_undone_and_said(lab):
     assert generate(lab) == "lab lab" and history_head(lab) == before
     # the engine dies under the change (SIGKILL of its main while the weights load): the last good spec
     # starts again as a transition of its own, so the change does not end in NOTHING SERVES
-    with OnJournal(lab, "live_apply", "begin", lambda: sh(lab, "pve1", 129, f"kill -9 {pid}")):
-        died = run(lab, {"a": A, "b": B}, MODEL)
+    lab.fault("pve1", 129, "slow-weight-update=60")  # the load lasts until the kill, however busy the machine
+    try:
+        with OnJournal(lab, "live_apply", "begin", lambda: sh(lab, "pve1", 129, f"kill -9 {pid}")):
+            died = run(lab, {"a": A, "b": B}, MODEL)
+    finally:
+        lab.fault("pve1", 129, "slow-weight-update", clear=True)
     assert died.returncode != 0, died
     said(died, "LIVE CHANGE FAILED", f"the server (pid {pid}) died during the live change",
          "starting the last good spec again", "verified")

@@ -15,7 +15,8 @@ import urllib.request
 import pytest
 
 from tests.conftest import module_lab
-from tests.e2e.test_router_lab import Client, listed_healthy, published, workers
+from gpugate_lab.traffic import Traffic
+from tests.e2e.test_router_lab import MODEL, listed_healthy, published, workers
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -33,9 +34,14 @@ def routed(tmp_path_factory):
     next(lab_fixture, None)
 
 
-class VllmClient(Client):
-    """The router lab's client with vLLM's endpoints: whole answers from /v1/completions (vLLM has
-    no /generate), chat completions and streams through the openai package as there."""
+class VllmClient(Traffic):
+    """The router lab's client (tests/e2e/test_router_lab.py ``Client``) with vLLM's endpoints: whole
+    answers from /v1/completions (vLLM has no /generate), chat completions and streams through the
+    openai package as there."""
+
+    def __init__(self, url: str, streams: int = 2, stream_tokens: int = 60):
+        super().__init__(url, seconds=120.0, max_requests=20000, generate_threads=2, chat_threads=1,
+                         stream_threads=streams, stream_tokens=stream_tokens, answer_tokens=20, model=MODEL)
 
     def _generate(self, prompt: str) -> str | None:
         answer = self.openai.completions.create(model="/opt/models/lab-model", prompt=prompt, max_tokens=20)
