@@ -168,7 +168,7 @@ class Lab:
 
     def pyinfra(self, *args: str, timeout: float = 300, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
         """Run the pyinfra CLI (non-interactive) against the lab, e.g. lab.pyinfra("inventory.py", "deploy.py")."""
-        return warm_pyinfra.run(pyinfra_exe(), ["-y", *args], cwd=cwd, env=self.env(), timeout=timeout)
+        return warm_pyinfra.run([pyinfra_exe(), "-y", *args], cwd=cwd, env=self.env(), timeout=timeout)
 
     def fault(self, host: str, vmid: int, name: str, clear: bool = False) -> str:
         from gpugate_lab import faults

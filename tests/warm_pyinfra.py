@@ -15,8 +15,8 @@ SSH to the lab, the operations, the exit status. Runs the suite cannot make this
 
 Example (in a test)::
 
-    process = warm_pyinfra.popen(["-y", "inventory.py", "deploy.py"], cwd=REPO_ROOT, env=lab.env(),
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = warm_pyinfra.popen([pyinfra_exe(), "-y", "inventory.py", "deploy.py"], cwd=REPO_ROOT,
+                                 env=lab.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     for line in process.stdout: ...
     process.wait()  # process.returncode as subprocess gives it (negative: killed by that signal)
 
@@ -110,10 +110,14 @@ def _run_child(cli_main: Any, request: Mapping[str, Any], fds: Sequence[int]) ->
             os.close(passed)
     from gevent import monkey
 
+    # the dispositions an exec from the test process would give: what it ignores stays ignored (a
+    # test under nohup), the rest default; then what Python sets at its start (SIGINT, SIGPIPE)
     set_handler = monkey.get_original("signal", "signal")
-    for sig in (signal.SIGTERM, signal.SIGCHLD):
-        set_handler(sig, signal.SIG_DFL)
-    set_handler(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has them
+    ignored = set(request.get("ignored_signals") or ())
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGCHLD):
+        set_handler(sig, signal.SIG_IGN if int(sig) in ignored else signal.SIG_DFL)
+    if int(signal.SIGINT) not in ignored:
+        set_handler(signal.SIGINT, signal.default_int_handler)
     set_handler(signal.SIGPIPE, signal.SIG_IGN)
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -231,12 +235,14 @@ def _fd_for(stream: Any, default: int, mode: int) -> tuple[int, Any]:
     return os.dup(stream if isinstance(stream, int) else stream.fileno()), None
 
 
-def popen(exe: str, args: Sequence[str], cwd: str | Path, env: Mapping[str, str], stdout: Any = None,
-          stderr: Any = None, stdin: Any = subprocess.DEVNULL) -> Any:
-    """``subprocess.Popen([exe, *args], cwd=, env=, stdin=, stdout=, stderr=, text=True)`` for the
-    pyinfra console script ``exe``: a child of the warm interpreter where it runs, else that Popen."""
-    argv = [exe, *args]
-    python = _script_python(exe)
+def popen(argv: Sequence[str], cwd: str | Path, env: Mapping[str, str], stdout: Any = None, stderr: Any = None,
+          stdin: Any = subprocess.DEVNULL, text: bool = True) -> Any:
+    """``subprocess.Popen(argv, cwd=, env=, stdin=, stdout=, stderr=, text=True)`` where ``argv[0]`` is
+    the pyinfra console script: a child of the warm interpreter where it runs, else that Popen."""
+    if not text:
+        raise ValueError("warm_pyinfra gives text streams only")
+    argv = list(argv)
+    python = _script_python(argv[0])
     address = None if os.environ.get(FRESH_ENV) == "1" or python is None else _SERVER.address(python)
     if address is None:
         return subprocess.Popen(argv, cwd=cwd, env=dict(env), stdin=stdin, stdout=stdout, stderr=stderr, text=True)
@@ -249,7 +255,9 @@ def popen(exe: str, args: Sequence[str], cwd: str | Path, env: Mapping[str, str]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(address)
-        request = {"argv": argv, "cwd": str(cwd), "env": dict(env)}
+        ignored = [int(sig) for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
+                   if signal.getsignal(sig) == signal.SIG_IGN]
+        request = {"argv": argv, "cwd": str(cwd), "env": dict(env), "ignored_signals": ignored}
         socket.send_fds(conn, [json.dumps(request).encode()], [in_fd, out_fd, err_fd])
     finally:
         for fd in (in_fd, out_fd, err_fd):
@@ -257,10 +265,13 @@ def popen(exe: str, args: Sequence[str], cwd: str | Path, env: Mapping[str, str]
     return WarmProcess(conn, argv, out_file, err_file)
 
 
-def run(exe: str, args: Sequence[str], cwd: str | Path, env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess:
-    """``subprocess.run([exe, *args], cwd=, env=, capture_output=True, text=True, timeout=,
-    stdin=DEVNULL)`` through :func:`popen`."""
-    process = popen(exe, args, cwd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def run(argv: Sequence[str], cwd: str | Path, env: Mapping[str, str], timeout: float, capture_output: bool = True,
+        text: bool = True, stdin: Any = subprocess.DEVNULL) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, cwd=, env=, capture_output=True, text=True, timeout=, stdin=DEVNULL)``
+    through :func:`popen` (the same keywords, so a test's call changes only its function)."""
+    if not capture_output:
+        raise ValueError("warm_pyinfra.run captures the output (capture_output=True)")
+    process = popen(argv, cwd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, text=text)
     if isinstance(process, subprocess.Popen):
         try:
             out, err = process.communicate(timeout=timeout)

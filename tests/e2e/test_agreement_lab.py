@@ -21,6 +21,7 @@ from typing import Callable
 import pytest
 import yaml
 
+from tests import warm_pyinfra
 from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 
 pytestmark = [pytest.mark.lab]
@@ -89,7 +90,7 @@ def fleet_with(lab, path: Path, changed: bool) -> Path:
 
 def pyinfra(lab, fleet: Path, *args: str) -> subprocess.CompletedProcess:
     exe = pyinfra_exe()
-    return subprocess.run([exe, "inventory.py", *args], cwd=REPO_ROOT, env=dict(lab.env(), GPUGATE_FLEET=str(fleet)),
+    return warm_pyinfra.run([exe, "inventory.py", *args], cwd=REPO_ROOT, env=dict(lab.env(), GPUGATE_FLEET=str(fleet)),
                           capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
 
 

@@ -21,6 +21,7 @@ from gpugate import agentcmd
 from gpugate.claims import hold_gpu_locks
 from gpugate.fleet import fleet_to_inventory, load_fleet
 from gpugate.engine.sglang.flags import render_argv, validate_flags
+from tests import warm_pyinfra
 from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 from tests.e2e.lab_processes import (ct_sh, start_bench_client, start_gpu_monitor, start_in_container,
                                      start_shared_group_server, wait_for)
@@ -89,7 +90,7 @@ def runs_in(lab, vmid: int) -> str:
 def preview(lab) -> subprocess.CompletedProcess:
     """`pyinfra inventory.py deploy.py --dry` as an operator previews (without -y, which skips the plan)."""
     exe = pyinfra_exe()
-    return subprocess.run([exe, "inventory.py", "deploy.py", "--dry"], cwd=REPO_ROOT, env=lab.env(),
+    return warm_pyinfra.run([exe, "inventory.py", "deploy.py", "--dry"], cwd=REPO_ROOT, env=lab.env(),
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 

@@ -30,6 +30,7 @@ from pyinfra.api.exceptions import ConnectError
 from pyinfra.connectors.ssh import SSHConnector
 
 from gpugate.connectors.pct import PctConnector
+from tests import warm_pyinfra
 from tests.conftest import pyinfra_exe
 
 pytestmark = pytest.mark.lab
@@ -120,10 +121,8 @@ def inventory_file(lab, tmp_path_factory):
 
 
 def pyinfra(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [pyinfra_exe(), "-y", *args],
-        capture_output=True, text=True, timeout=120, check=False, cwd=cwd or tempfile.gettempdir(),
-    )
+    return warm_pyinfra.run([pyinfra_exe(), "-y", *args], cwd=cwd or tempfile.gettempdir(), env=os.environ,
+                            timeout=120)
 
 
 def only_running(inventory_file: Path) -> list[str]:

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from tests import warm_pyinfra
 from tests.conftest import REPO_ROOT, lab_unavailable_reason, pyinfra_exe
 
 pytestmark = pytest.mark.lab
@@ -76,7 +77,7 @@ def test_the_plan_refuses_a_server_beyond_its_containers_map_and_one_on_a_shared
     fleet.write_text("\n".join(["hosts:", "  pve1:", ssh, "    containers:",
                                 "      129: " + server % "tp: 1, base-gpu-id: 1", "      130: " + server % "tp: 1",
                                 "      131: " + server % "tp: 1, base-gpu-id: 1"]) + "\n")
-    result = subprocess.run([pyinfra_exe(), "-y", "inventory.py", "deploy.py", "--dry"], cwd=REPO_ROOT,
+    result = warm_pyinfra.run([pyinfra_exe(), "-y", "inventory.py", "deploy.py", "--dry"], cwd=REPO_ROOT,
                             env=lab_env(lab_dir, fleet), capture_output=True, text=True, timeout=300,
                             stdin=subprocess.DEVNULL)
     out = result.stdout + result.stderr
@@ -88,7 +89,7 @@ def test_the_plan_refuses_a_server_beyond_its_containers_map_and_one_on_a_shared
 
 
 def pyinfra(lab_dir, fleet, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([pyinfra_exe(), "-y", "inventory.py", *args], cwd=REPO_ROOT, env=lab_env(lab_dir, fleet),
+    return warm_pyinfra.run([pyinfra_exe(), "-y", "inventory.py", *args], cwd=REPO_ROOT, env=lab_env(lab_dir, fleet),
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 

@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 
+from tests import warm_pyinfra
 from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
@@ -42,7 +43,7 @@ def deploy(lab, flags, *extra: str, engine: str = "echo") -> subprocess.Complete
             "--data", f"sglang_model_path={model}",
             "--data", f"sglang_flags={json.dumps(flags)}", "--data", "sglang_supervisor=process",
             "--data", f"sglang_env={json.dumps(server_env)}", "--data", "start_timeout_s=20"]
-    return subprocess.run([pyinfra_exe(), "-y", *args, *extra], cwd=REPO_ROOT, env=env, capture_output=True,
+    return warm_pyinfra.run([pyinfra_exe(), "-y", *args, *extra], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 
@@ -114,7 +115,7 @@ def test_a_failed_switch_rolls_back_to_the_other_engines_server(lab):
     running = processes(lab)
     assert "sglang.launch_server" in running and "echo_server" not in running, running
     assert json.loads(served(lab, "/get_server_info"))["port"] == PORT  # SGLang's own endpoint answers again
-    status = subprocess.run([pyinfra_exe(), "-y", "inventory.py", "runbooks/status.py", "--data", "engine=sglang",
+    status = warm_pyinfra.run([pyinfra_exe(), "-y", "inventory.py", "runbooks/status.py", "--data", "engine=sglang",
                              "--data", f"sglang_port={PORT}", "--data", "sglang_model_path=/opt/models/lab-model",
                              "--data", 'sglang_flags={"tp": 1}', "--data", "sglang_supervisor=process",
                              "--data", 'sglang_env={"SGLANG_STANDIN_LOAD_S": "0.3"}'],

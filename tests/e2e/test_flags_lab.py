@@ -17,6 +17,7 @@ import pytest
 
 from gpugate.engine.sglang.weight_cache import steady_argv
 from gpugate.engine.sglang.flags import FlagError, validate_flags
+from tests import warm_pyinfra
 from tests.conftest import REPO_ROOT, lab_unavailable_reason, pyinfra_exe, start_lab
 
 pytestmark = [pytest.mark.lab]
@@ -47,7 +48,7 @@ def deploy(lab, flags: dict, *extra: str) -> subprocess.CompletedProcess:
     exe = pyinfra_exe()
     env = dict(lab.env(), GPUGATE_CACHE_DIR=str(lab.cache))
     yes = [] if "--dry" in extra else ["-y"]  # pyinfra -y --dry skips the plan altogether
-    result = subprocess.run([exe, *yes, "inventory.py", "deploy.py", "--data", f"sglang_env={json.dumps(FAST)}",
+    result = warm_pyinfra.run([exe, *yes, "inventory.py", "deploy.py", "--data", f"sglang_env={json.dumps(FAST)}",
                              "--data", f"sglang_flags={json.dumps(flags)}", *extra],
                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
                             stdin=subprocess.DEVNULL)
@@ -160,7 +161,7 @@ def test_extra_args_pass_verbatim_with_a_warning_and_drift_is_seen(lab):
     env = dict(lab.env(), GPUGATE_CACHE_DIR=str(lab.cache))
     args = [exe, "-y", "inventory.py", "deploy.py", "--data", f"sglang_env={json.dumps(FAST)}",
             "--data", f"sglang_flags={json.dumps(BASE)}", "--data", 'sglang_extra_args=["--enable-metrics"]']
-    result = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    result = warm_pyinfra.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
                             stdin=subprocess.DEVNULL)
     result.stdout += result.stderr
     assert result.returncode == 0, result.stdout + result.stderr

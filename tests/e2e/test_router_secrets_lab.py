@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_pyinfra
 from tests.conftest import REPO_ROOT, pyinfra_exe
 from tests.unit.test_router_secrets import KEY, Recorder, no_key_in, redirect_to, serving
 
@@ -41,7 +42,7 @@ def routed_fleet(lab, tmp_path: Path, router_url: str) -> Path:
 
 def run(lab, fleet: Path, audit: Path, key: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(lab.env(), GPUGATE_FLEET=str(fleet), GPUGATE_AUDIT_LOG=str(audit), GW_TEST_KEY=key)
-    return subprocess.run([pyinfra_exe(), "-y", "inventory.py", *args, "--limit", "pve1",
+    return warm_pyinfra.run([pyinfra_exe(), "-y", "inventory.py", *args, "--limit", "pve1",
                            "--data", f"sglang_flags={json.dumps(FLAGS)}"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.engine.sglang.weight_cache import steady_argv
+from tests import warm_pyinfra
 from tests.conftest import REPO_ROOT, module_lab, poll, pyinfra_exe
 
 pytestmark = [pytest.mark.lab]
@@ -44,7 +45,7 @@ def run(lab, runbook: str, *extra: str, flags=None, env=None, yes: bool = True):
             *extra]
     exe = pyinfra_exe()
     env = dict(lab.env(), GPUGATE_AUDIT_LOG=str(lab.dir / "audit.jsonl"))  # not the project's audit log
-    result = subprocess.run([exe, *(["-y"] if yes else ["--dry"]), *args], cwd=REPO_ROOT, env=env,
+    result = warm_pyinfra.run([exe, *(["-y"] if yes else ["--dry"]), *args], cwd=REPO_ROOT, env=env,
                             capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     return result, result.stdout, result.stdout + result.stderr
 

@@ -12,6 +12,7 @@ import json
 import pytest
 
 from gpugate.engine.sglang.weight_cache import steady_argv
+from tests import warm_pyinfra
 from tests.conftest import module_lab, pyinfra_exe
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
@@ -35,7 +36,7 @@ def deploy(lab, *extra: str, flags=None, env=None, dry=False):
         import subprocess
 
         from tests.conftest import REPO_ROOT
-        result = subprocess.run([pyinfra_exe(), *args, *extra, "--dry"], cwd=REPO_ROOT, env=lab.env(), capture_output=True,
+        result = warm_pyinfra.run([pyinfra_exe(), *args, *extra, "--dry"], cwd=REPO_ROOT, env=lab.env(), capture_output=True,
                                 text=True, timeout=300, stdin=subprocess.DEVNULL)
         return result, result.stdout + result.stderr
     result = lab.pyinfra(*args, *extra)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests import warm_pyinfra
 from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 
 pytestmark = [pytest.mark.lab]
@@ -28,7 +29,7 @@ def pyinfra(lab, deploy: str, *extra: str, flags=None) -> subprocess.CompletedPr
     exe = pyinfra_exe()
     args = [exe, "-y", "inventory.py", deploy, "--data", f"sglang_env={json.dumps(FAST)}",
             "--data", f"sglang_flags={json.dumps(flags or {'tp': 4})}", *extra]
-    return subprocess.run(args, cwd=REPO_ROOT, env=lab.env(), capture_output=True, text=True, timeout=300,
+    return warm_pyinfra.run(args, cwd=REPO_ROOT, env=lab.env(), capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL)
 
 

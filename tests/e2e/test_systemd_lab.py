@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from tests import warm_pyinfra
 from tests.conftest import REPO_ROOT, module_lab, poll, pyinfra_exe
 
 pytestmark = [pytest.mark.lab]
@@ -46,7 +47,7 @@ def unit(lab, *props: str) -> dict[str, str]:
 def pyinfra(lab, deploy: str, flags: dict, *extra: str) -> subprocess.CompletedProcess:
     exe = pyinfra_exe()
     # no sglang_supervisor: the default (auto) is systemd where the container's PID 1 is systemd
-    return subprocess.run([exe, "-y", "inventory.py", deploy,
+    return warm_pyinfra.run([exe, "-y", "inventory.py", deploy,
                            "--data", f"sglang_env={json.dumps(FAST)}", "--data", f"sglang_flags={json.dumps(flags)}",
                            *extra], cwd=REPO_ROOT, env=lab.env(), capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL)

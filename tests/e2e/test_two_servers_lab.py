@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import warm_pyinfra
 from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 
 pytestmark = [pytest.mark.lab]
@@ -35,7 +36,7 @@ def fleet(lab, path: Path, servers: list) -> Path:
 
 def pyinfra(lab, path: Path, *args: str) -> subprocess.CompletedProcess:
     exe = pyinfra_exe()
-    return subprocess.run([exe, "inventory.py", *args], cwd=REPO_ROOT, env=dict(lab.env(), GPUGATE_FLEET=str(path)),
+    return warm_pyinfra.run([exe, "inventory.py", *args], cwd=REPO_ROOT, env=dict(lab.env(), GPUGATE_FLEET=str(path)),
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 

@@ -16,6 +16,7 @@ import subprocess
 
 import pytest
 
+from tests import warm_pyinfra
 from tests.conftest import REPO_ROOT, module_lab, pyinfra_exe
 from tests.e2e.lab_processes import ct_sh, start_in_container, wait_for
 
@@ -37,7 +38,7 @@ def deploy(lab, *extra: str, flags=None, env=None, dry=False, playbook="deploy.p
     args = ["inventory.py", playbook, "--data", f"sglang_flags={json.dumps(flags or FP8)}",
             "--data", f"sglang_env={json.dumps(FAST if env is None else env)}", *extra]
     if dry:  # as an operator previews: --dry without -y
-        result = subprocess.run([pyinfra_exe(), *args, "--dry"], cwd=REPO_ROOT, env=lab.env(), capture_output=True,
+        result = warm_pyinfra.run([pyinfra_exe(), *args, "--dry"], cwd=REPO_ROOT, env=lab.env(), capture_output=True,
                                 text=True, timeout=300, stdin=subprocess.DEVNULL)
     else:
         result = lab.pyinfra(*args)
@@ -254,7 +255,7 @@ def test_an_adapter_added_to_the_running_vllm_server_is_loaded_live_and_answers_
     lab.fleet_path = lab.dir / "fleet.lora.yaml"
     lab.fleet_path.write_text(yaml.safe_dump(doc, sort_keys=False))
     pid = server_pid(lab)
-    dry = subprocess.run([pyinfra_exe(), "inventory.py", "deploy.py", "--dry"], cwd=REPO_ROOT, env=lab.env(),
+    dry = warm_pyinfra.run([pyinfra_exe(), "inventory.py", "deploy.py", "--dry"], cwd=REPO_ROOT, env=lab.env(),
                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     out = dry.stdout + dry.stderr
     assert dry.returncode == 0 and "live: load adapter b" in out and "path: live (no restart)" in out, out

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import warm_pyinfra
 from tests.conftest import REPO_ROOT, module_lab, poll, pyinfra_exe
 from tests.e2e.lab_processes import ct_sh, start_in_container
 
@@ -44,7 +45,7 @@ def fleet(lab, path: Path, server: dict, **data) -> Path:
 
 def pyinfra(lab, path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     exe = pyinfra_exe()
-    return subprocess.run([exe, "inventory.py", *args], cwd=REPO_ROOT, env=dict(lab.env(), GPUGATE_FLEET=str(path)),
+    return warm_pyinfra.run([exe, "inventory.py", *args], cwd=REPO_ROOT, env=dict(lab.env(), GPUGATE_FLEET=str(path)),
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 

@@ -53,7 +53,7 @@ def pyinfra(lab: Lab, args: Iterable[str], when: Iterable[tuple[str, Callable[[s
     """Run the pyinfra CLI against the lab, reading its output line by line; for each
     ``(text, action)`` in ``when``, ``action(process)`` runs once, as soon as a line contains text
     (e.g. kill the run while it drains, inject a fault when the rollback begins)."""
-    process = warm_pyinfra.popen(pyinfra_exe(), [*extra, *args], cwd=REPO_ROOT, env=lab.env(),
+    process = warm_pyinfra.popen([pyinfra_exe(), *extra, *args], cwd=REPO_ROOT, env=lab.env(),
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pending = list(when)
     lines: list[str] = []
