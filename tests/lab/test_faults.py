@@ -240,9 +240,11 @@ def test_slow_decode_and_error_rate_apply_to_the_next_server_only_and_show_in_it
         for which, samples in (("slow", slow_m), ("healthy", healthy_m)):
             mean[which] = _value(samples, name + "_sum") / _value(samples, name + "_count")
         assert 2.5 < mean["slow"] / mean["healthy"] < 5.5, (name, mean)
-    # SGLang's buckets: the healthy server's 10 ms tokens in the first inter-token bucket above 0.01 s
-    assert _value(healthy_m, "sglang:inter_token_latency_seconds_bucket", le="0.015") >= 0.9 * _value(
-        healthy_m, "sglang:inter_token_latency_seconds_count")
+    # SGLang's buckets tell them apart: most of the healthy server's 10 ms tokens fall in the first bucket
+    # above 0.01 s, most of the slow one's 40 ms tokens above it (most, not all: a busy machine delays some)
+    for samples, most_within in ((healthy_m, True), (slow_m, False)):
+        within = _value(samples, "sglang:inter_token_latency_seconds_bucket", le="0.015")
+        assert (within > 0.5 * _value(samples, "sglang:inter_token_latency_seconds_count")) is most_within, samples
 
     apply(sim, "error-rate", clear=True)
     assert [_ask(slow.port, False) for _ in range(2)] == ["ok", "ok"]  # cleared in the running server
