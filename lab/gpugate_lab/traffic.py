@@ -8,7 +8,8 @@ It drives two kinds of load at once, both with the real ``openai`` package (the 
   whole chat completions; each request in a thread of its own, so a slow server does not slow the pace;
 - **closed loops** (optional, what the router lab's rolling change uses): ``generate_threads`` threads
   of SGLang's native ``POST /generate``, ``chat_threads`` of whole chat completions and
-  ``stream_threads`` of streams, each sending its next request when its last one ended.
+  ``stream_threads`` of streams, each sending its next request when its last one ended (and
+  ``pause_s`` later: a client's think time, which keeps a loop from taking a whole core of the lab).
 
 Every failure is counted with its reason: an HTTP or connection error, an error event in a stream, a
 stream cut short or EMPTY (not every token, no finish reason, or no ``[DONE]``), an answer that is not the
@@ -97,7 +98,7 @@ class Traffic:
     def __init__(self, url: str, rate: float = 0.0, seconds: Optional[float] = 60.0, stream_share: float = 0.5,
                  stream_tokens: int = 20, answer_tokens: int = 20, model: Optional[str] = None,
                  generate_threads: int = 0, chat_threads: int = 0, stream_threads: int = 0,
-                 max_requests: int = 100000, timeout_s: float = 30.0) -> None:
+                 max_requests: int = 100000, timeout_s: float = 30.0, pause_s: float = 0.0) -> None:
         import openai
 
         if rate < 0 or not 0.0 <= stream_share <= 1.0:
@@ -108,6 +109,7 @@ class Traffic:
         self.model = model
         self.openai = openai.OpenAI(base_url=self.url + "/v1", api_key="lab", max_retries=0, timeout=timeout_s)
         self.timeout_s = timeout_s
+        self.pause_s = pause_s  # a closed loop's think time between one answer and its next request
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self._result = Result()
@@ -193,6 +195,8 @@ class Traffic:
     def _loop(self, send: Callable[[str], Optional[str]]) -> None:
         while self._due():
             self._one(send)
+            if self.pause_s:
+                self.stopping.wait(self.pause_s)
 
     def _paced(self) -> None:
         interval, k, streams = 1.0 / self.rate, 0, 0.0

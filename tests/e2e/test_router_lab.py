@@ -98,11 +98,13 @@ def Client(url: str, streams: int = 2, stream_tokens: int = 60):
     client's chat completions, whole answers; ``streams`` threads of the OpenAI client streaming chat
     completions of ``stream_tokens`` tokens each (issue 32 item 3: most real clients stream, and a stream
     is the request a drain can cut). A stream counts as served only when it is whole. Prompts differ, so
-    smg spreads them over its workers."""
+    smg spreads them over its workers. 0.1 s between an answer and the next request: a few requests a
+    second per thread are enough to cross every leave and drain, without the loops taking a core of the
+    2-core machine the whole suite shares."""
     from gpugate_lab.traffic import Traffic
 
     return Traffic(url, seconds=120.0, max_requests=20000, generate_threads=2, chat_threads=1,
-                   stream_threads=streams, stream_tokens=stream_tokens, answer_tokens=20, model=MODEL)
+                   stream_threads=streams, stream_tokens=stream_tokens, answer_tokens=20, model=MODEL, pause_s=0.1)
 
 
 def listed_healthy(router: dict) -> set[str]:

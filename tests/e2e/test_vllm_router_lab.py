@@ -41,7 +41,8 @@ class VllmClient(Traffic):
 
     def __init__(self, url: str, streams: int = 2, stream_tokens: int = 60):
         super().__init__(url, seconds=120.0, max_requests=20000, generate_threads=2, chat_threads=1,
-                         stream_threads=streams, stream_tokens=stream_tokens, answer_tokens=20, model=MODEL)
+                         stream_threads=streams, stream_tokens=stream_tokens, answer_tokens=20, model=MODEL,
+                         pause_s=0.1)
 
     def _generate(self, prompt: str) -> str | None:
         answer = self.openai.completions.create(model="/opt/models/lab-model", prompt=prompt, max_tokens=20)
