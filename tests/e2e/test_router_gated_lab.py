@@ -119,9 +119,7 @@ def sh(lab: Lab, vmid: int, script: str) -> str:
 
 def mains(lab: Lab, vmid: int) -> list[int]:
     """The engine main processes of the container (a gated engine waiting at its gate is one)."""
-    out = sh(lab, vmid, "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | "
-                        "grep -q '^/usr/bin/python3 -m sglang.launch_server' && echo ${p#/proc/}; done")
-    return sorted(int(pid) for pid in out.split())
+    return sorted(pid for pid, _ppid, cmd, _argv in lab.ps("pve1", vmid) if cmd.startswith("/usr/bin/python3 -m sglang.launch_server"))
 
 
 def daemons(lab: Lab, vmid: int) -> list[int]:

@@ -42,14 +42,11 @@ def pyinfra(lab, path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def main_pids(lab) -> dict[int, int]:
     """port -> pid of each SGLang main process in the container (from /proc)."""
-    script = ("for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); case \"$c\" in "
-              "*sglang.launch_server*) echo \"${p#/proc/} $c\";; esac; done")
-    out = lab.pct("pve1", "exec", "129", "--", "sh", "-c", script).stdout
     pids = {}
-    for line in out.splitlines():
-        words = line.split()
-        if "--port" in words:
-            pids[int(words[words.index("--port") + 1])] = int(words[0])
+    for pid, _ppid, cmd, _argv in lab.ps("pve1", 129):
+        words = cmd.split()
+        if "sglang.launch_server" in cmd and "--port" in words:
+            pids[int(words[words.index("--port") + 1])] = pid
     return pids
 
 

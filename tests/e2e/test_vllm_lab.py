@@ -51,9 +51,7 @@ def in_ct(lab, script: str) -> str:
 
 def processes(lab) -> dict[int, str]:
     """pid -> command line of every vLLM process in the container."""
-    out = in_ct(lab, "for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
-                     "case \"$c\" in *[V]LLM::*|*[v]llm.entrypoints*) echo \"${p#/proc/} $c\";; esac; done")
-    return {int(line.split(" ", 1)[0]): line.split(" ", 1)[1].strip() for line in out.splitlines() if line.strip()}
+    return {pid: cmd for pid, _ppid, cmd, _argv in lab.ps("pve1", 129) if "VLLM::" in cmd or "vllm.entrypoints" in cmd}
 
 
 def server_pid(lab) -> int | None:

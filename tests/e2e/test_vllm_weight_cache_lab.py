@@ -40,9 +40,7 @@ def fleet(lab, path: Path, server: dict) -> Path:
 
 def processes(lab) -> dict[str, list[int]]:
     """The API server, the preload launcher and its daemons (pids), from the container's /proc."""
-    script = ("for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
-              "s=$(awk '{print $4}' $p/stat 2>/dev/null); echo \"${p#/proc/} $s $c\"; done")
-    rows = [line.split(" ", 2) for line in ct_sh(lab, "pve1", 129, script).stdout.splitlines() if line.count(" ") >= 2]
+    rows = [(str(pid), str(ppid), cmd) for pid, ppid, cmd, _argv in lab.ps("pve1", 129)]
     launchers = {int(pid) for pid, _, cmd in rows if "vllm.entrypoints.cli.main preload" in cmd}
     found: dict[str, list[int]] = {"engine": [], "launcher": sorted(launchers), "daemon": []}
     for pid, ppid, cmd in rows:

@@ -51,11 +51,8 @@ def pyinfra(lab, path: Path, *args: str, timeout: float = 120) -> subprocess.Com
 
 def processes(lab) -> dict[str, list[int]]:
     """The container's engine mains, daemon launchers and daemon children (pids), from /proc."""
-    script = ("for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
-              "s=$(awk '{print $4}' $p/stat 2>/dev/null); echo \"${p#/proc/} $s $c\"; done")
-    out = ct_sh(lab, "pve1", 129, script).stdout
     found: dict[str, list[int]] = {"engine": [], "launcher": [], "daemon": []}
-    rows = [line.split(" ", 2) for line in out.splitlines() if line.count(" ") >= 2]
+    rows = [(str(pid), str(ppid), cmd) for pid, ppid, cmd, _argv in lab.ps("pve1", 129)]
     launchers = {int(pid) for pid, _, cmd in rows if "sglang.srt.weight_cache.daemon" in cmd}
     for pid, ppid, cmd in rows:
         if "sglang.launch_server" in cmd:

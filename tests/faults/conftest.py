@@ -140,18 +140,13 @@ def sh(lab: Lab, host: str, vmid: int, script: str, timeout: float = 30) -> subp
 
 def main_pid(lab: Lab, host: str = "pve1", vmid: int = 129) -> int | None:
     """The pid of the SGLang main process on PORT in the container (from /proc, not the pid file)."""
-    out = sh(lab, host, vmid, "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | "
-                              "grep -q '^/usr/bin/python3 -m sglang.launch_server' && echo ${p#/proc/}; done")
-    pids = sorted(int(x) for x in out.stdout.split())
+    pids = [pid for pid, _ppid, cmd, _argv in lab.ps(host, vmid) if cmd.startswith("/usr/bin/python3 -m sglang.launch_server")]
     return pids[0] if pids else None
 
 
 def running_argv(lab: Lab, host: str = "pve1", vmid: int = 129) -> list[str]:
-    pid = main_pid(lab, host, vmid)
-    if pid is None:
-        return []
-    out = sh(lab, host, vmid, f"tr '\\0' '\\n' < /proc/{pid}/cmdline")
-    return steady_argv([a for a in out.stdout.splitlines() if a])  # without a gated launch's port
+    mains = [argv for _pid, _ppid, cmd, argv in lab.ps(host, vmid) if cmd.startswith("/usr/bin/python3 -m sglang.launch_server")]
+    return steady_argv(mains[0]) if mains else []  # without a gated launch's port
 
 
 def sglang_processes(lab: Lab, host: str = "pve1", vmid: int = 129) -> list[str]:

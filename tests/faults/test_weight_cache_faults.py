@@ -38,14 +38,7 @@ def lab(tmp_path_factory):
 
 
 def ps(lab) -> list[tuple[int, int, str]]:
-    out = ct_sh(lab, "pve1", 129, "for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); "
-                                  "s=$(awk '{print $4}' $p/stat 2>/dev/null); echo \"${p#/proc/} $s $c\"; done").stdout
-    rows = []
-    for line in out.splitlines():
-        parts = line.split(" ", 2)
-        if len(parts) == 3 and parts[1].isdigit():
-            rows.append((int(parts[0]), int(parts[1]), parts[2]))
-    return rows
+    return [(pid, ppid, cmd) for pid, ppid, cmd, _argv in lab.ps("pve1", 129)]
 
 
 def daemons(lab) -> tuple[list[int], list[int]]:
