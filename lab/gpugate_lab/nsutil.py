@@ -11,7 +11,6 @@ Example:
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import os
 import struct
@@ -45,31 +44,47 @@ NS_FLAGS = {
     "mnt": CLONE_NEWNS,
 }
 
-# dlopen(NULL): the interpreter's own symbols, libc's among them. ctypes.util.find_library("c") would
-# run `ldconfig -p` in a subprocess at every import: ~45 ms CPU of every lab `pct` command.
-_libc = ctypes.CDLL(None, use_errno=True)
+_LIBC = None
+
+
+def _libc():
+    """libc through ctypes, loaded on the first system call: ctypes' import is 4 ms of every lab
+    command that makes none (`pvesh`, the host's lookups); the first call comes before any setns, so
+    the host's stdlib is still in view. dlopen(NULL): the interpreter's own symbols, libc's among
+    them (ctypes.util.find_library("c") would run `ldconfig -p` in a subprocess: ~45 ms CPU)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
 
 
 def _check(result: int, what: str) -> None:
     if result != 0:
+        import ctypes  # loaded by _libc() already
+
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def unshare(flags: int) -> None:
     """unshare(2): move the calling process into new namespaces (pid: only its future children)."""
-    _check(_libc.unshare(flags), "unshare")
+    _check(_libc().unshare(flags), "unshare")
 
 
 def setns(fd: int, nstype: int = 0) -> None:
     """setns(2) on an open /proc/PID/ns/* file descriptor."""
-    _check(_libc.setns(fd, nstype), "setns")
+    _check(_libc().setns(fd, nstype), "setns")
 
 
 def mount(source: str, target: str, fstype: str | None = None, flags: int = 0, data: str | None = None) -> None:
     """mount(2). Example: mount("tmpfs", "/tmp", "tmpfs", 0, "mode=1777")."""
+    libc = _libc()
+    import ctypes  # loaded by _libc()
+
     _check(
-        _libc.mount(
+        libc.mount(
             source.encode(),
             target.encode(),
             fstype.encode() if fstype else None,
@@ -89,7 +104,7 @@ def bind(source: str, target: str, readonly: bool = False) -> None:
 
 def umount(target: str) -> None:
     """Lazy unmount (MNT_DETACH)."""
-    _check(_libc.umount2(target.encode(), MNT_DETACH), f"umount {target}")
+    _check(_libc().umount2(target.encode(), MNT_DETACH), f"umount {target}")
 
 
 def make_private(path: str = "/") -> None:
@@ -99,7 +114,7 @@ def make_private(path: str = "/") -> None:
 
 def sethostname(name: str) -> None:
     raw = name.encode()
-    _check(_libc.sethostname(raw, len(raw)), "sethostname")
+    _check(_libc().sethostname(raw, len(raw)), "sethostname")
 
 
 def loopback_up() -> None:
