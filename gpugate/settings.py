@@ -398,7 +398,10 @@ def _canary_value(key: str, value: Any) -> Any:
         except ValueError:
             pass
     if isinstance(default, int):
-        return to_count(value)
+        count = to_count(value)
+        if key == "min_requests" and count < 1:  # 0 passed a soak that served nothing, judged on nothing
+            raise ValueError(f"at least 1 request a side (a verdict on none judges nothing), got {value}")
+        return count
     number = float(to_number(value))
     if key.endswith("_ratio") and key != "throughput_ratio" and number < 1:
         raise ValueError(f"a ratio to the unchanged replicas, 1 or more (1.25: at most 25% worse), got {value}")

@@ -131,6 +131,9 @@ class Run(BaseStateCallback):
         self.interrupted: int | None = None  # the signal, while the containers it caught leaving are put back
         self.put_back_lines: list[str] = []  # what each put-back did, said when the last one ends
         self.canaries: dict[str, str] = {}  # router -> its canary's verdict in this run (one canary per router)
+        # container -> (its server's label, router, soak_s, wall-clock start) while its canary soaks: an
+        # interrupt then says the canary runs the new spec unjudged, never "nothing was touched"
+        self.soaking: dict[str, tuple[str, str, float, float]] = {}
         self.printed = False
         self._claims: list[ServerClaim] | None = None
         self._routes: list[ServerRoute] | None = None
@@ -256,6 +259,11 @@ class Run(BaseStateCallback):
             else:
                 lines.append(f"[{watch.host}] {self.servers.get((watch.host, watch.port), DEFAULT_ENGINE)} :{watch.port} {word} during the hand-off of run {watch.run}: "
                              f"the transition may have begun in the container; see runbooks/status.py{out}")
+        for name, (label, router_name, soak_s, began) in list(self.soaking.items()):
+            lines.append(f"[{name}] {label} {word} during its canary soak ({now - began:.0f}/{soak_s:g} s): it runs the "
+                         f"new spec (verified, back in router {router_name}) with NO verdict; the rest of the rolling "
+                         f"change is not touched; the next deploy does not soak it again (it serves as desired): "
+                         f"roll it back (runbooks/rollback.py) or re-run the change with a canary on another replica")
         for name, left in self.left.items():
             if not left.put_back and name not in self.watching:
                 lines.append(f"{left.label} {word} while leaving router {left.router} (cordoned, as declared): it is "
@@ -795,8 +803,12 @@ def _canary(state: Any, host_obj: Any, job: Job, run: str) -> bool:
         verdict = canary.Verdict("no-baseline", [f"{engine(routing.engine).label} names no metrics to judge by"],
                                  [], {}, {})
     else:
-        verdict = canary.soak(routing.worker_url, peers, roles, rule, router.metrics_page,
-                              lambda line: _say(host_obj, job.port, line), stop=lambda: book.interrupted is not None)
+        book.soaking[name] = (_label(host_obj, job.port), routing.router, rule.soak_s, time.time())
+        try:
+            verdict = canary.soak(routing.worker_url, peers, roles, rule, router.metrics_page,
+                                  lambda line: _say(host_obj, job.port, line), stop=lambda: book.interrupted is not None)
+        finally:
+            book.soaking.pop(name, None)
     book.canaries[routing.router] = verdict.kind
     lines = canary.side_by_side(verdict, f"{len(peers)} others") if verdict.rows else []
     _audit(job, host_obj, "canary", "end", run=run, router=routing.router, **verdict.doc(),

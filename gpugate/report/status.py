@@ -440,7 +440,7 @@ def canary_view(record: Mapping[str, Any] | None, now: float | None = None) -> d
 def canary_text(view: Mapping[str, Any] | None, now: float | None = None) -> str:
     """The CANARY column.
 
-    >>> canary_text({"state": "soaking", "began": 100.0, "soak_s": 120}, now=140.0)
+    >>> canary_text({"state": "soaking", "began": 100.0, "soak_s": 120.0}, now=140.0)
     'soaking 40/120 s'
     >>> canary_text({"state": "ended", "verdict": "regression", "rolled_back": True, "ended": 100.0}, now=280.0)
     'REGRESSION, rolled back 3m ago'
@@ -449,7 +449,9 @@ def canary_text(view: Mapping[str, Any] | None, now: float | None = None) -> str
         return "-"
     now = time.time() if now is None else now
     if view.get("state") == "soaking":
-        return f"soaking {max(0.0, now - float(view.get('began') or now)):.0f}/{view.get('soak_s')} s"
+        soak_s = view.get("soak_s")
+        soak = f"{soak_s:g}" if isinstance(soak_s, (int, float)) else str(soak_s)  # the record's 30.0: "30"
+        return f"soaking {max(0.0, now - float(view.get('began') or now)):.0f}/{soak} s"
     if view.get("state") == "interrupted":
         return "soak interrupted (no verdict)"
     word = {"pass": "pass", "regression": "REGRESSION", "low-traffic": "too little traffic",

@@ -181,6 +181,8 @@ def test_the_setting_is_off_by_default_and_checked_before_anything():
     for value, words in (({"soak_s": 0}, "canary.soak_s: must be more than 0"),
                          ({"ttft_p95_ratio": 0.9}, "canary.ttft_p95_ratio: a ratio"),
                          ({"min_requests": -1}, "canary.min_requests: must not be negative"),
+                         # 0 passed a soak that served no request at all, judged on nothing
+                         ({"min_requests": 0}, "canary.min_requests: at least 1 request a side"),
                          ({"soak": 5}, "did you mean soak_s"),
                          ("soak_s", "key=value pairs"), ([1], "expected a mapping")):
         with pytest.raises(SettingsError, match=words):
@@ -296,6 +298,51 @@ def test_a_regression_rolls_the_canary_back_and_stops_the_rolling_change(monkeyp
     assert run.records[-1]["rolled_back"] is True
     event = next(fields for step, fields in run.audit if step == "canary")
     assert event["verdict"] == "regression" and event["canary"]["requests"] == 150 and event["others"]["requests"] == 300
+
+
+def test_the_audit_log_keeps_every_figure_of_a_canary(monkeypatch):
+    """The audit log masks what names a secret (a key that names a token among them): none of the
+    canary's figures, the throughput included, is masked."""
+    from gpugate.audit import REDACTED, redact
+
+    run = controller_canary(monkeypatch, "a canary like the others passes")
+    event = next(fields for step, fields in run.audit if step == "canary")
+    logged = redact(event)
+    for side in ("canary", "others"):
+        assert REDACTED not in logged[side].values(), logged[side]
+        assert logged[side] == event[side]
+
+
+def test_an_interrupt_during_the_soak_says_the_canary_runs_the_new_spec_unjudged(monkeypatch):
+    """Ctrl-C while the canary soaks exits at once: the controller says that the canary was changed
+    and has no verdict (never "nothing was touched"), and that the next deploy will not soak it."""
+    import signal
+
+    from gpugate import router
+    from gpugate.operations import sglang as ops
+
+    said: list[list[str]] = []
+
+    def canary_run(*args, **kwargs):  # inside the harness: its book and its /metrics pages
+        book, pages = ops.Run.of(ops.state), router.metrics_page
+
+        def interrupted_read(url, *args, **kwargs):
+            if not said:
+                book.on_interrupt(signal.SIGINT, None)  # its exit (os._exit) recorded, not taken
+            return pages(url, *args, **kwargs)
+
+        monkeypatch.setattr(book, "_exit", lambda signum, lines: said.append(lines))
+        monkeypatch.setattr(router, "metrics_page", interrupted_read)
+        return real(*args, **kwargs)
+
+    real = ops._canary
+    monkeypatch.setattr(ops, "_canary", canary_run)
+    controller_canary(monkeypatch, "a canary like the others passes")
+    lines = said[0]
+    assert not any("nothing was touched" in line for line in lines), lines
+    assert any(line.startswith("[@pct/pve1:129] sglang :30000 interrupted during its canary soak") and
+               "runs the new spec" in line and "NO verdict" in line and "does not soak it again" in line
+               for line in lines), lines
 
 
 def test_a_pass_lets_the_rest_roll_and_too_little_traffic_goes_on_only_when_told(monkeypatch):
