@@ -37,7 +37,6 @@ Example::
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 import struct
@@ -99,6 +98,8 @@ def socket_dir(env: Mapping[str, str] | None = None) -> str:
 def file_paths(uuid: str, env: Mapping[str, str] | None = None) -> tuple:
     """(socket, lock) of the daemon of the GPU with this UUID (NVML's, ``GPU-`` included: vLLM's
     ``get_device_uuid`` is ``nvmlDeviceGetUUID``), the name's hash md5 as vLLM's ``safe_hash``."""
+    import hashlib  # imported where used: every observe imports this module, few hash (~2.5 ms an agent command)
+
     name = "vllm_weight_cache_%s.sock" % hashlib.md5(str(uuid).encode(), usedforsecurity=False).hexdigest()
     path = os.path.join(socket_dir(env), name)
     return path, path + ".lock"
@@ -160,6 +161,8 @@ def model_config_sha256(model_path: str | None) -> str | None:
     offsets; no weight bytes read). None where nothing can be read (a repo id)."""
     if not model_path or not model_path.startswith("/"):
         return None
+    import hashlib  # imported where used: every observe imports this module, few hash (~2.5 ms an agent command)
+
     digest = hashlib.sha256()
     found = False
     try:
