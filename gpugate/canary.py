@@ -434,8 +434,11 @@ def soak(canary_url: str, other_urls: Sequence[str], roles: Mapping[str, Sequenc
          stop: Callable[[], bool] = lambda: False) -> Verdict:
     """Watch the canary and the unchanged replicas for ``rule.soak_s``: each server's /metrics
     (``read(url)`` -> the page, None when it does not answer) at the start and at each look (at most
-    :data:`PROGRESS_EVERY_S` apart, a progress line each), then the verdict on the window. A server
-    that stops answering keeps its last page; ``stop()`` (an interrupt) ends the soak early.
+    :data:`PROGRESS_EVERY_S` apart, a progress line each), then the verdict on the window. An
+    unchanged replica that stops answering leaves the baseline, said once (its window would stop
+    where it went silent while the canary's goes on); a canary that stops answering is a regression,
+    whatever its figures were (a server that dies under traffic is what a canary is for); ``stop()``
+    (an interrupt) ends the soak early.
 
     >>> pages = {"c": iter(['r_total 0', 'r_total 120']), "o": iter(['r_total 0', 'r_total 240'])}
     >>> clock = iter([0, 0, 5, 5, 5, 5])
@@ -469,13 +472,28 @@ def soak(canary_url: str, other_urls: Sequence[str], roles: Mapping[str, Sequenc
             break                              # pages may outlast a short soak (a slow peer)
         sleep(max(0.0, min(interval, rule.soak_s - elapsed)))
         looked = True
-        for url in running:
+        for url in list(running):
             page = _page(read(url))
-            if page is not None:
-                last[url] = page
-                gauge = counter(page, roles.get("running", ()))
-                if gauge is not None:
-                    running[url].append(gauge)
+            if page is None and url == canary_url:
+                canary, pool = windows()
+                seen = judge(canary, pool, rule)
+                said = (f"the canary stopped answering its /metrics at {canary_url} "
+                        f"{now() - began:.0f} s into the soak (its figures until then below)")
+                say("canary soak: " + said)
+                return Verdict("regression", [said], seen.rows, seen.canary, seen.others)
+            if page is None:
+                others.remove(url)
+                del running[url]
+                say(f"canary soak: {url} stopped answering its /metrics {now() - began:.0f} s into the soak: it "
+                    f"leaves the baseline ({len(others)} unchanged replica(s) left)")
+                if not others:
+                    return Verdict("no-baseline", ["every unchanged replica stopped answering its /metrics "
+                                                   "during the soak"], [], {}, {})
+                continue
+            last[url] = page
+            gauge = counter(page, roles.get("running", ()))
+            if gauge is not None:
+                running[url].append(gauge)
         canary, pool = windows()
         say(progress_line(now() - began, rule.soak_s, canary, pool))
     canary, pool = windows()

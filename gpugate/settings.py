@@ -407,8 +407,8 @@ def _canary_value(key: str, value: Any) -> Any:
         raise ValueError(f"a ratio to the unchanged replicas, 1 or more (1.25: at most 25% worse), got {value}")
     if key == "throughput_ratio" and not 0 < number <= 1:
         raise ValueError(f"a share of the unchanged replicas' figure, over 0 and at most 1 (0.8), got {value}")
-    if key == "soak_s" and number <= 0:
-        raise ValueError(f"must be more than 0 seconds, got {value}")
+    if key == "soak_s" and not 0 < number <= 86400:  # the run waits it out: 1e9 is a typo, not a soak
+        raise ValueError(f"must be more than 0 seconds and at most a day (86400), got {value}")
     return number
 
 

@@ -408,7 +408,10 @@ def peers_of(routing: Routing, client: SmgClient | None = None) -> list[str]:
     client = client or client_for(routing)
     workers = client.workers()
     mine = next((w for w in workers if same_url(w.get("url"), routing.worker_url)), None)
-    return healthy_peers(workers, (mine or {}).get("model_id"), routing.worker_url)
+    if mine is None:  # its model unknown: every model's workers would be pooled into its baseline
+        raise RouterError(f"{routing.worker_url} is not listed, so which model's replicas it is judged against is "
+                          f"unknown")
+    return healthy_peers(workers, mine.get("model_id"), routing.worker_url)
 
 
 def metrics_page(server_url: str, timeout: float = 5.0) -> str | None:

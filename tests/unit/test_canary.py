@@ -126,6 +126,59 @@ def test_a_soak_says_its_figures_at_each_look_and_never_more_than_10_s_apart():
     assert said[-1].startswith("canary soak 45/45 s")
 
 
+def _soak_where(silent: dict[str, int], urls=("http://c", "http://o1", "http://o2")):
+    """A soak of 45 s in which each server in ``silent`` stops answering from its Nth read on;
+    -> (verdict, lines said)."""
+    clock, reads, said = [0.0], {url: 0 for url in urls}, []
+    page = DATA["cases"]["a canary like the others passes"]["canary"]["end"]
+
+    def read(url):
+        reads[url] += 1
+        return None if reads[url] >= silent.get(url, 10 ** 6) else page
+
+    def sleep(seconds):
+        clock[0] += seconds
+
+    verdict = canary.soak(urls[0], list(urls[1:]), SGLANG, canary.Policy(soak_s=45, min_requests=0), read,
+                          said.append, now=lambda: clock[0], sleep=sleep)
+    return verdict, said
+
+
+def test_a_replica_that_goes_silent_leaves_the_baseline_and_a_silent_canary_is_a_regression():
+    verdict, said = _soak_where({"http://o2": 3})  # the third read: the second look
+    assert verdict.kind == "pass"
+    assert [line for line in said if "stopped answering" in line] == [
+        "canary soak: http://o2 stopped answering its /metrics 20 s into the soak: it leaves the baseline "
+        "(1 unchanged replica(s) left)"]
+    verdict, said = _soak_where({"http://o1": 2, "http://o2": 2})
+    assert verdict.kind == "no-baseline" and "every unchanged replica stopped answering" in verdict.reasons[0]
+    verdict, said = _soak_where({"http://c": 3})
+    assert verdict.kind == "regression" and verdict.reasons == [
+        "the canary stopped answering its /metrics at http://c 20 s into the soak (its figures until then below)"]
+    assert verdict.rows  # the figures it had, side by side
+
+
+def test_the_unchanged_replicas_are_those_of_the_canarys_model_and_an_unlisted_canary_has_none():
+    from gpugate import router
+    from gpugate.spec import Routing
+
+    class Listing:
+        def __init__(self, workers):
+            self.listed = workers
+
+        def workers(self):
+            return self.listed
+
+    def worker(url, model):
+        return {"url": url, "model_id": model, "is_healthy": True, "status": "ready"}
+
+    routing = Routing("gw", "http://gw:1", "http://c:1")
+    others = [worker("http://a:1", "m"), worker("http://b:1", "other-model")]
+    assert router.peers_of(routing, Listing([worker("http://c:1", "m"), *others])) == ["http://a:1"]
+    with pytest.raises(router.RouterError, match="http://c:1 is not listed"):
+        router.peers_of(routing, Listing(others))
+
+
 # ---------------------------------------------------------------- quantiles, for any histogram
 buckets = st.lists(st.floats(min_value=0.001, max_value=1e4, allow_nan=False), min_size=1, max_size=12, unique=True)
 
@@ -183,6 +236,8 @@ def test_the_setting_is_off_by_default_and_checked_before_anything():
                          ({"min_requests": -1}, "canary.min_requests: must not be negative"),
                          # 0 passed a soak that served no request at all, judged on nothing
                          ({"min_requests": 0}, "canary.min_requests: at least 1 request a side"),
+                         # the run waits the soak out: 1e9 s is a typo, never a soak
+                         ({"soak_s": 1e9}, "canary.soak_s: must be more than 0 seconds and at most a day"),
                          ({"soak": 5}, "did you mean soak_s"),
                          ("soak_s", "key=value pairs"), ([1], "expected a mapping")):
         with pytest.raises(SettingsError, match=words):
