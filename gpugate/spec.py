@@ -534,8 +534,9 @@ def _desired(values: Mapping[str, Any]) -> Desired:
                               gated_launch=values["sglang_gated_launch"], engine_name=values["engine"],
                               secret_env=values["sglang_secret_env"], drain_timeout_s=values["drain_timeout_s"],
                               lora_adapters=values["sglang_lora_adapters"],
-                              # a canary reads the engine's /metrics: every replica behind its router serves them
-                              metrics=bool(routing is not None and routing.canary and not routing.cordon))
+                              # a canary reads the engine's /metrics: every replica behind its router serves
+                              # them, a cordoned one too (cordoning it must not restart it to drop them)
+                              metrics=bool(routing is not None and routing.canary))
         except SpecError as error:
             problem = str(error)
     return Desired(port=port, present=present, python=values["sglang_python"], spec=spec, engine=values["engine"],

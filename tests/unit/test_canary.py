@@ -260,6 +260,9 @@ def test_a_canary_adds_the_metrics_flag_makes_the_change_rolling_and_refuses_met
     assert desired.rolling and desired.routing.canary["soak_s"] == 5.0 and desired.routing.canary["min_requests"] == 10
     assert "--enable-metrics" in desired.spec.argv
     assert "--enable-metrics" not in desired_state(ROUTED).spec.argv
+    # cordoning a replica (out of its router, kept out) must not restart it to drop its metrics
+    cordoned = desired_state({**ROUTED, "canary": True, "sglang_router_cordon": True})
+    assert cordoned.spec.argv == desired_state({**ROUTED, "canary": True}).spec.argv
     refused = desired_state({**ROUTED, "canary": True, "sglang_flags": {"enable-metrics": False}})
     assert refused.spec is None and "--enable-metrics: a canary judges this server by its /metrics" in refused.problem
 
