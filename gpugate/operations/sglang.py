@@ -738,7 +738,7 @@ def _canary_lines(name: str, routing: Routing, replicas: list[str]) -> list[str]
     ...     "itl_p95_ratio": 1.25, "error_ratio_points": 0.5, "throughput_ratio": 0.8, "preemption_ratio_points": 1.0,
     ...     "proceed_on_low_traffic": False})
     >>> _canary_lines("@pct/pve1:129", r, ["@pct/pve1:129", "@pct/pve1:130"])[0]
-    'router gw: CANARY: this replica changes first and soaks 60 s under traffic, judged against the unchanged replicas (their /metrics, same window)'
+    'router gw: CANARY: this replica changes first and soaks 60 s under traffic, judged against the unchanged replicas (their /metrics, same window); the change rolls one replica at a time, whatever rolling says'
     >>> print(_canary_lines("@pct/pve1:130", r, ["@pct/pve1:129", "@pct/pve1:130"])[0])
     router gw: canary @pct/pve1:129 soaks first (the next in the fleet's order if it has nothing to change); this replica changes after it passes (no soak of its own)
     """
@@ -752,7 +752,8 @@ def _canary_lines(name: str, routing: Routing, replicas: list[str]) -> list[str]
     low = ("goes on (proceed_on_low_traffic: true)" if rule.proceed_on_low_traffic
            else "rolls it back and stops (proceed_on_low_traffic: false)")
     return [f"router {routing.router}: CANARY: this replica changes first and soaks {rule.soak_s:g} s under traffic, "
-            f"judged against the unchanged replicas (their /metrics, same window)",
+            f"judged against the unchanged replicas (their /metrics, same window); the change rolls one replica at "
+            f"a time, whatever rolling says",
             f"router {routing.router}: canary limits: TTFT p95 at most {rule.ttft_p95_ratio:g}x, ITL p95 at most "
             f"{rule.itl_p95_ratio:g}x, failed requests at most +{rule.error_ratio_points:g} points, preempted at most "
             f"+{rule.preemption_ratio_points:g} points, tokens/s per running request at least {rule.throughput_ratio:g}x "
