@@ -224,11 +224,18 @@ class Lab:
         loading) until the block ends: a test acts while a server loads, for exactly as long as it
         needs, instead of a fixed long load that must outlast a busy machine. ``safety_s``: the load
         ends anyway after that long, so a test that fails inside the block never hangs the suite."""
-        self.fault(host, vmid, f"slow-start={safety_s:g}")
+        with self.faulted(host, vmid, f"slow-start={safety_s:g}"):
+            yield
+
+    @contextlib.contextmanager
+    def faulted(self, host: str, vmid: int, name: str) -> Iterator[None]:
+        """Lab fault ``name`` (``weights-load-fails=/opt/models/m``) on a container for the block,
+        cleared when it ends, however it ends."""
+        self.fault(host, vmid, name)
         try:
             yield
         finally:
-            self.fault(host, vmid, "slow-start", clear=True)
+            self.fault(host, vmid, name.split("=", 1)[0], clear=True)
 
 
 def start_lab(lab_dir: Path, hosts: int = LAB_HOSTS, gpus: int = LAB_GPUS, vmids: tuple[int, ...] = (129,),
@@ -271,6 +278,24 @@ def module_lab(tmp_path_factory: pytest.TempPathFactory, name: str, hosts: int =
         yield start_lab(lab_dir, hosts=hosts, gpus=gpus, vmids=vmids, engines=engines, router=router)
     finally:
         core.down(lab_dir)
+
+
+def routed_lab(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: Any):
+    """:func:`module_lab` with a real smg in front of every server: yields ``(lab, router)``, the router
+    as ``gpugate lab up --router`` recorded it (``url``, ``ports`` per container).
+
+    .. code:: python
+
+        @pytest.fixture(scope="module")
+        def routed(tmp_path_factory):
+            yield from routed_lab(tmp_path_factory, "lab-router", hosts=1, gpus=3, vmids=(129, 130, 131))
+    """
+    import json
+
+    lab_fixture = module_lab(tmp_path_factory, name, router=True, **kwargs)
+    lab = next(lab_fixture)
+    yield lab, json.loads((lab.dir / "lab.json").read_text())["router"]
+    next(lab_fixture, None)
 
 
 @pytest.fixture(scope="session")

@@ -15,11 +15,10 @@ import json
 import re
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import Lab, LabHost, lab_unavailable_reason
+from tests.conftest import Lab, routed_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -38,19 +37,7 @@ CHANGE = {"disable-radix-cache": True}
 
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory):
-    reason = lab_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    from gpugate_lab import core
-
-    lab_dir = tmp_path_factory.mktemp("lab-canary")
-    try:
-        state = core.up(lab_dir, hosts=1, gpus=3, vmids=VMIDS, router=True)
-        lab = Lab(dir=Path(state["dir"]), hosts=[LabHost(h["name"], h["port"], h["key"], h["known_hosts"])
-                                                 for h in state["hosts"]], fleet_path=Path(state["fleet"]))
-        yield lab, state["router"]
-    finally:
-        core.down(lab_dir)
+    yield from routed_lab(tmp_path_factory, "lab-canary", hosts=1, gpus=3, vmids=VMIDS)
 
 
 def write_fleet(lab: Lab, router: dict, flags: dict | None = None) -> None:

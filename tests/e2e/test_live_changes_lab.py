@@ -140,31 +140,23 @@ def test_new_weights_of_the_same_model_live(lab):
 def test_a_failed_live_change_is_undone_and_said(lab):
     pid = main_pid(lab)
     before = history_head(lab)
-    lab.fault("pve1", 129, f"weights-load-fails={MODEL}")
-    try:
+    with lab.faulted("pve1", 129, f"weights-load-fails={MODEL}"):
         refused = run(lab, {"a": A, "b": B}, MODEL)
-    finally:
-        lab.fault("pve1", 129, "weights-load-fails", clear=True)
     assert refused.returncode != 0, refused
     said(refused, "LIVE CHANGE FAILED, UNDONE", "the engine refused it", "the history is unchanged")
     assert main_pid(lab) == pid and served(lab) == {"model_path": V2, "adapters": ["b"]}
-    lab.fault("pve1", 129, f"weights-cannot-generate={MODEL}")
-    try:
+    with lab.faulted("pve1", 129, f"weights-cannot-generate={MODEL}"):
         nan = run(lab, {"a": A, "b": B}, MODEL)
-    finally:
-        lab.fault("pve1", 129, "weights-cannot-generate", clear=True)
     assert nan.returncode != 0, nan
     said(nan, "LIVE CHANGE FAILED, UNDONE", "NaN happened", "undone: the previous state serves")
     assert main_pid(lab) == pid and served(lab) == {"model_path": V2, "adapters": ["b"]}
     assert generate(lab) == "lab lab" and history_head(lab) == before
     # the engine dies under the change (SIGKILL of its main while the weights load): the last good spec
     # starts again as a transition of its own, so the change does not end in NOTHING SERVES
-    lab.fault("pve1", 129, "slow-weight-update=60")  # the load lasts until the kill, however busy the machine
-    try:
-        with OnJournal(lab, "live_apply", "begin", lambda: sh(lab, "pve1", 129, f"kill -9 {pid}")):
-            died = run(lab, {"a": A, "b": B}, MODEL)
-    finally:
-        lab.fault("pve1", 129, "slow-weight-update", clear=True)
+    # the load lasts until the kill, however busy the machine
+    with lab.faulted("pve1", 129, "slow-weight-update=60"), \
+            OnJournal(lab, "live_apply", "begin", lambda: sh(lab, "pve1", 129, f"kill -9 {pid}")):
+        died = run(lab, {"a": A, "b": B}, MODEL)
     assert died.returncode != 0, died
     said(died, "LIVE CHANGE FAILED", f"the server (pid {pid}) died during the live change",
          "starting the last good spec again", "verified")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Lab, LabHost, lab_unavailable_reason, pyinfra_exe
+from tests.conftest import Lab, pyinfra_exe, routed_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -33,19 +33,7 @@ MODEL = "/opt/models/lab-model"  # the lab's servers' model (their served model 
 
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory):
-    reason = lab_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    from gpugate_lab import core
-
-    lab_dir = tmp_path_factory.mktemp("lab-router")
-    try:
-        state = core.up(lab_dir, hosts=1, gpus=3, vmids=VMIDS, router=True)
-        lab = Lab(dir=Path(state["dir"]), hosts=[LabHost(h["name"], h["port"], h["key"], h["known_hosts"])
-                                                 for h in state["hosts"]], fleet_path=Path(state["fleet"]))
-        yield lab, state["router"]
-    finally:
-        core.down(lab_dir)
+    yield from routed_lab(tmp_path_factory, "lab-router", hosts=1, gpus=3, vmids=VMIDS)
 
 
 def write_fleet(lab: Lab, router: dict, extra_flags: dict | None = None, router_url: str | None = None,

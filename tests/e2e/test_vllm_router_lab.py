@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import module_lab
+from tests.conftest import routed_lab
 from gpugate_lab.traffic import Traffic
 from tests.e2e.test_router_lab import MODEL, listed_healthy, published, workers
 
@@ -26,12 +26,7 @@ ENV = {"VLLM_STANDIN_LOAD_S": "0.4", "VLLM_STANDIN_TOKEN_S": "0.01"}  # 100 toke
 
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory):
-    lab_fixture = module_lab(tmp_path_factory, "lab-vllm-router", hosts=1, gpus=4, vmids=VMIDS,
-                             engines=("vllm",), router=True)
-    lab = next(lab_fixture)
-    router = json.loads((lab.dir / "lab.json").read_text())["router"]
-    yield lab, router
-    next(lab_fixture, None)
+    yield from routed_lab(tmp_path_factory, "lab-vllm-router", hosts=1, gpus=4, vmids=VMIDS, engines=("vllm",))
 
 
 class VllmClient(Traffic):
